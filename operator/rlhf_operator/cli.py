@@ -1,7 +1,7 @@
 """`rlhfjob`: check RLHFJob manifests and print the generated CRD.
 
-    rlhfjob validate FILE...   print `FILE: ok` or each error with its field path
-    rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
+rlhfjob validate FILE...   print `FILE: ok` or each error with its field path
+rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from rlhf_trainer.plan import describe, plan_placement
 
 from rlhf_operator.crd import render_crd_yaml
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job
@@ -34,18 +36,36 @@ def validate_file(path: Path) -> list[str]:
     return problems
 
 
+def print_plans(paths: list[Path]) -> int:
+    for path in paths:
+        problems = validate_file(path)
+        if problems:
+            print("\n".join(problems))
+            return 1
+        for doc in load_documents(path.read_text()):
+            job = parse_job(doc)
+            print(f"{job.metadata.name} ({path})")
+            print(describe(plan_placement(job.spec.job_config())))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhfjob", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rlhfjob", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="validate RLHFJob manifests")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    plan = commands.add_parser("plan", help="print the placement plan of RLHFJob manifests")
+    plan.add_argument("files", nargs="+", type=Path, metavar="FILE")
     commands.add_parser("crd", help="print the generated CRD YAML")
     args = parser.parse_args(argv)
 
     if args.command == "crd":
         sys.stdout.write(render_crd_yaml())
         return 0
+    if args.command == "plan":
+        return print_plans(args.files)
     failed = False
     for path in args.files:
         problems = validate_file(path)

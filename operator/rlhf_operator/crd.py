@@ -103,7 +103,8 @@ def root_schema() -> Schema:
 def model_schema(model: type[BaseModel]) -> Schema:
     """A model's structural OpenAPI schema, every $ref inlined."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
-    return _convert(raw, raw.get("$defs", {}))
+    schema: Schema = _convert(raw, raw.get("$defs", {}))
+    return schema
 
 
 def _convert(node: Any, defs: dict[str, Schema]) -> Any:
@@ -174,4 +175,3 @@ def _map_schema(node: Schema, out: Schema, defs: dict[str, Schema]) -> None:
         out["additionalProperties"] = _convert(values, defs)
     elif values is None or values is True:
         out["x-kubernetes-preserve-unknown-fields"] = True
-
