@@ -10,9 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
 from rlhf_trainer.plan import describe, plan_placement
 
 from rlhf_operator.crd import render_crd_yaml
+from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job
 
 
@@ -49,6 +51,24 @@ def print_plans(paths: list[Path]) -> int:
     return 0
 
 
+def print_children(path: Path, namespace: str) -> int:
+    problems = validate_file(path)
+    if problems:
+        print("\n".join(problems))
+        return 1
+    objects = []
+    for doc in load_documents(path.read_text()):
+        job = parse_job(doc)
+        ref = JobRef(
+            job.metadata.name,
+            job.metadata.namespace or namespace,
+            uid="<assigned by the API server>",
+        )
+        objects += render_children(ref, job.spec)
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rlhfjob", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -58,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
     plan = commands.add_parser("plan", help="print the placement plan of RLHFJob manifests")
     plan.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    render = commands.add_parser("render", help="print the objects the operator would create")
+    render.add_argument("file", type=Path, metavar="FILE")
+    render.add_argument("--namespace", default="default")
     commands.add_parser("crd", help="print the generated CRD YAML")
     args = parser.parse_args(argv)
 
@@ -66,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "plan":
         return print_plans(args.files)
+    if args.command == "render":
+        return print_children(args.file, args.namespace)
     failed = False
     for path in args.files:
         problems = validate_file(path)
