@@ -23,6 +23,7 @@ from pydantic import (
     StringConstraints,
     WithJsonSchema,
 )
+
 from rlhf_trainer.config import (
     POOLS_DESCRIPTION,
     POOLS_LIST_MAP,

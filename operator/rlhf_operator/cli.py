@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import yaml
-from rlhf_trainer.plan import describe, plan_placement
 
 from rlhf_operator.crd import render_crd_yaml
 from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job
+from rlhf_trainer.plan import describe, plan_placement
 
 
 def validate_file(path: Path) -> list[str]:

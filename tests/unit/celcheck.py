@@ -12,6 +12,7 @@ from functools import cache
 from typing import Any
 
 import celpy
+
 from rlhf_operator.crd import build_crd
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rlhf_operator.cli import main
 
+from rlhf_operator.cli import main
 from tests.unit.conftest import EXAMPLES, load
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import celpy
 import pytest
 import yaml
+
 from rlhf_operator.crd import build_crd, render_crd_yaml
 
 COMMITTED = Path(__file__).parents[2] / "crds" / "rlhfjobs.yaml"

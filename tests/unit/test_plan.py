@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from rlhf_trainer.config import JobConfig, Role
 from rlhf_trainer.plan import DRIVER, Mode, Phase, plan_placement
 

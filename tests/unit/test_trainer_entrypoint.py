@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+
 from rlhf_operator.validation import parse_job
 from rlhf_trainer.__main__ import main
-
 from tests.unit.conftest import EXAMPLES, load
 
 
