@@ -31,6 +31,7 @@ demo: install  ## validate the local example and show its placement (training la
 
 crds: install  ## regenerate crds/ from the API models
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml
+	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
 
 lint: install  ## ruff and mypy
 	$(VENV)/bin/ruff check operator trainer_image tests

@@ -46,6 +46,12 @@ SHORT_NAMES = ["rlhf"]
 MAX_JOB_NAME = 40
 JOB_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
+# What may change on an existing job. Everything else is fixed at creation: the CRD's
+# transition rules reject other changes at admission. Replicas resize a pool's worker
+# group; suspend stops and restarts the job.
+MUTABLE_SPEC_FIELDS = ("suspend", "pools")
+MUTABLE_POOL_FIELDS = ("name", "replicas")  # name is the key the API server matches pools by
+
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_operator.crd import render_crd_yaml
+from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
 from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job
 from rlhf_trainer.plan import describe, plan_placement
@@ -81,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     render = commands.add_parser("render", help="print the objects the operator would create")
     render.add_argument("file", type=Path, metavar="FILE")
     render.add_argument("--namespace", default="default")
-    commands.add_parser("crd", help="print the generated CRD YAML")
+    crd = commands.add_parser("crd", help="print the generated CRD YAML")
+    crd.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
     args = parser.parse_args(argv)
 
     if args.command == "crd":
-        sys.stdout.write(render_crd_yaml())
+        sys.stdout.write(render_peering_yaml() if args.peering else render_crd_yaml())
         return 0
     if args.command == "plan":
         return print_plans(args.files)

@@ -10,7 +10,7 @@ import celpy
 import pytest
 import yaml
 
-from rlhf_operator.crd import build_crd, render_crd_yaml
+from rlhf_operator.crd import build_crd, render_crd_yaml, render_peering_yaml
 
 COMMITTED = Path(__file__).parents[2] / "crds" / "rlhfjobs.yaml"
 VERSION = build_crd()["spec"]["versions"][0]
@@ -26,8 +26,10 @@ def nodes(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[st
             yield from nodes(schema[key], f"{path}[{key}]")
 
 
-def test_committed_crd_matches_the_models() -> None:
+def test_committed_crds_match_the_code() -> None:
     assert COMMITTED.read_text() == render_crd_yaml(), "run `make crds` and commit crds/"
+    peering = COMMITTED.parent / "kopf-peering.yaml"
+    assert peering.read_text() == render_peering_yaml(), "run `make crds` and commit crds/"
 
 
 def test_crd_identity() -> None:
