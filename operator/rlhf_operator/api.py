@@ -69,10 +69,12 @@ def _check_quantity(value: object) -> int | str:
 Quantity = Annotated[
     int | str,
     PlainValidator(_check_quantity),
+    # As Kubernetes writes resource.Quantity: the branches carry only their type.
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}],
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
         }
     ),
 ]
