@@ -113,7 +113,7 @@ def test_children_deleted_out_of_band_are_recreated(
     cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
     first = {kind: eventually(lambda k=kind, n=name: get(cp, k, n, namespace), f"{kind} {name}")
              for kind, name in (("configmap", "colocated-spec"), ("role", "colocated-reporter"), ("rayjob", "colocated"))}  # fmt: skip
-    cp.kubectl("delete", "configmap", "colocated-spec", "role", "colocated-reporter", "-n", namespace)
+    cp.kubectl("delete", "configmap/colocated-spec", "role/colocated-reporter", "-n", namespace)
     cp.kubectl("delete", "rayjob", "colocated", "-n", namespace, "--wait=true")
     for kind, name in (("configmap", "colocated-spec"), ("role", "colocated-reporter"), ("rayjob", "colocated")):
         again = eventually(lambda k=kind, n=name: (o := get(cp, k, n, namespace)) and o["metadata"]["uid"] != first[k]["metadata"]["uid"] and o,
