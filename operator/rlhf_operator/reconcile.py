@@ -105,7 +105,8 @@ class Reconciler:
         cluster_name = (rayjob.get("status") or {}).get("rayClusterName")
         cluster = self.kube.get("RayCluster", ref.namespace, cluster_name) if cluster_name else None
         if cluster_name and cluster:
-            cluster_ops = _replica_ops(cluster["spec"]["workerGroupSpecs"], wanted_groups, at="/spec")
+            live_cluster_groups = cluster["spec"]["workerGroupSpecs"]
+            cluster_ops = _replica_ops(live_cluster_groups, wanted_groups, at="/spec")
             if cluster_ops:
                 self.kube.patch("RayCluster", ref.namespace, cluster_name, cluster_ops, JSON_PATCH)
         return rayjob
