@@ -122,16 +122,8 @@ def measure(cp: ControlPlane, op: OperatorProcess, kube: Kube, n: int) -> dict[s
     cp.create_namespace(ours_ns)
     cp.create_namespace(theirs_ns)
 
-    jobs = [
-        {**tiny_job(f"job-{i}"), "metadata": {"name": f"job-{i}", "namespace": ours_ns}}
-        for i in range(n)
-    ]
-    watcher = Appearances(
-        kube, "rayjobs", ours_ns, lambda o: o["metadata"]["ownerReferences"][0]["name"]
-    )
-    started = create_all(
-        kube, [{**j, "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob"} for j in jobs]
-    )
+    watcher = Appearances(kube, "rayjobs", ours_ns, owner_name)
+    started = create_all(kube, [tiny_job(f"job-{i}", ours_ns) for i in range(n)])
     watcher.wait_for(list(started))
     ours = latencies(started, watcher.seen)
 
