@@ -45,6 +45,8 @@ CHILD_KINDS = [
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events say what users need
+    # The work queue already merges bursts of events per job; kopf need not wait for more.
+    settings.batching.batch_window = 0.01
     memo.queue = WorkQueue()
     memo.reconciler = Reconciler(Kube(load_config()))
     memo.gauges = metrics.JobGauges()
