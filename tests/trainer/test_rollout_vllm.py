@@ -59,15 +59,18 @@ def max_log_prob_diff(model: PreTrainedModel, rollouts: list[Rollout]) -> float:
     )
 
 
-def train_towards(model: PreTrainedModel, targets: list[list[int]], steps: int) -> None:
-    """A few optimizer steps of supervised learning: a deterministic weight change
-    that moves the greedy output somewhere predictable."""
+def train_towards(
+    model: PreTrainedModel, prompts: list[list[int]], responses: list[list[int]], steps: int
+) -> None:
+    """A few optimizer steps of supervised learning on the responses: a deterministic
+    weight change that moves the greedy output somewhere predictable."""
     torch.manual_seed(0)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    ids = torch.tensor(targets)
+    ids = torch.tensor([p + r for p, r in zip(prompts, responses, strict=True)])
+    labels = torch.tensor([[-100] * len(p) + r for p, r in zip(prompts, responses, strict=True)])
     model.train()
     for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -91,9 +94,10 @@ def test_sampled_log_probs_match_transformers_and_follow_a_weight_update(
     # The policy learns to answer each prompt with its copy; the engine gets the weights.
     tokenizer = build_tokenizer(TINY.vocab_size)
     ideal = [
-        tokenizer(p.text + " " + p.ideal_response)["input_ids"] for p in copy_prompts(6, seed=11)
+        tokenizer(p.ideal_response, add_special_tokens=False)["input_ids"]
+        for p in copy_prompts(len(prompts), seed=11)
     ]
-    train_towards(policy, ideal, steps=30)
+    train_towards(policy, prompts, ideal, steps=40)
     weights = rollout_state_dict(policy)
     assert "lm_head.weight" not in weights  # tied to the embeddings
     engine.update_weights(weights.items(), version=1)
@@ -109,13 +113,13 @@ def test_sampled_log_probs_match_transformers_and_follow_a_weight_update(
 
     greedy = engine.generate(prompts, max_tokens=MAX_TOKENS, temperature=0.0)
     with torch.no_grad():
-        for rollout, prompt, target in zip(greedy, prompts, ideal, strict=True):
+        for rollout, prompt, response in zip(greedy, prompts, ideal, strict=True):
             expected = policy.generate(
                 torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False
             )[0, len(prompt) :].tolist()
             assert rollout.response_token_ids == expected
             # ...and it learnt the copy: the update really reached the engine.
-            assert rollout.response_token_ids == target[len(prompt) :]
+            assert rollout.response_token_ids == response
             assert rollout.finished
 
 

@@ -12,10 +12,11 @@ def test_prompts_are_seeded_and_well_formed() -> None:
     assert prompts != copy_prompts(50, seed=8)
     for prompt in prompts:
         symbols = prompt.text.split()
-        assert len(symbols) == 5 and symbols[-1] == "="
-        assert all(s.isalpha() and s.islower() for s in symbols[:-1])
+        assert len(symbols) == 4 and symbols[-1] == "="
+        assert all(s in "abcdefgh" for s in symbols[:-1])
         assert toy_copy(prompt.text, prompt.ideal_response) == 1.0
     assert toy_prompts("toy:copy", 3, seed=1) == copy_prompts(3, seed=1)
+    assert len(copy_prompts(1, seed=0, length=6)[0].text.split()) == 7
 
 
 @pytest.mark.parametrize(

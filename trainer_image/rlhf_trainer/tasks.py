@@ -1,13 +1,13 @@
 """Built-in toy tasks (`data.train: toy:<task>`) and rule-based rewards, made from a seed.
 
-toy:copy — the prompt is a few random letters and "=": `<s> c a f e =`. The ideal
-response copies the letters in order and stops: `c a f e </s>`.
+toy:copy - the prompt is three random letters from a-h and "=": `<s> c a f =`. The
+ideal response copies the letters in order and stops: `c a f </s>`.
 
 Reward `toy_copy` (in [0, 1]): the targets are the k prompt letters, then the end of
 sequence (k + 1 targets). Response token i earns, against target i:
   1    the exact target;
   0.5  a letter of the prompt in the wrong place;
-  0.25 any other task letter;
+  0.25 any other letter (a-z);
   0    anything else (a filler token, a digit, a missing token).
 The score is the mean over the targets; tokens past them earn nothing (so going on
 instead of stopping loses the last target's credit).
@@ -16,7 +16,13 @@ Why this shape: a random-initialised tiny model samples nearly uniformly over it
 vocabulary, so an exact-copy-only reward would almost never fire. The graded credit
 gives PPO a signal from the first batch and a ladder to climb: emit letters (a bias a
 tiny model learns in a few steps), then the prompt's letters (attention as a bag of
-tokens), then each letter in its place and the stop (positional copying).
+tokens), then each letter in its place and the stop (positional copying). Short
+prompts over 8 letters keep the last rung within reach: measured with a plain PPO loop
+over these pieces (transformers generate, batch 32, actor lr 1e-3, critic lr 1e-3,
+klCoef 0.01, 2 CPU cores), the default tiny qwen2 with a 64-token vocabulary went from
+a mean reward of 0.10 to 0.52 by step 200 and 0.88 by step 350 (~80 s), answering
+`h a d </s>`; with the 512-token vocabulary from 0.02 to 0.65 by step 400 (~105 s).
+With actor lr 1e-4 the rise over 30 steps is small (0.01 -> 0.03).
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from dataclasses import dataclass
 
 from rlhf_trainer.models import BOS, EOS, SEPARATOR
 
-LETTERS = string.ascii_lowercase
-COPY_LENGTH = 4  # letters per prompt: short enough to learn in minutes on a CPU
+LETTERS = string.ascii_lowercase  # every letter earns the "a letter" credit
+COPY_ALPHABET = LETTERS[:8]  # the letters prompts are made of
+COPY_LENGTH = 3  # letters per prompt: short enough to learn in minutes on a CPU
 
 RewardFunction = Callable[[str, str], float]  # (prompt text, response text) -> score
 
@@ -40,12 +47,14 @@ class TaskPrompt:
     ideal_response: str  # a response that scores 1.0
 
 
-def copy_prompts(count: int, seed: int, length: int = COPY_LENGTH) -> list[TaskPrompt]:
+def copy_prompts(
+    count: int, seed: int, length: int = COPY_LENGTH, alphabet: str = COPY_ALPHABET
+) -> list[TaskPrompt]:
     """`count` toy:copy prompts of `length` random letters; the same seed, the same list."""
     rng = random.Random(seed)
     prompts = []
     for _ in range(count):
-        letters = [rng.choice(LETTERS) for _ in range(length)]
+        letters = [rng.choice(alphabet) for _ in range(length)]
         text = " ".join([*letters, SEPARATOR])
         prompts.append(TaskPrompt(text=text, ideal_response=" ".join([*letters, EOS])))
     return prompts
