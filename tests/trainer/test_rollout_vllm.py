@@ -132,3 +132,13 @@ def test_loading_the_original_weights_restores_the_original_outputs(
     greedy = engine.generate(prompts, max_tokens=MAX_TOKENS, temperature=0.0)
     assert max_log_prob_diff(original, greedy) < LOG_PROB_TOLERANCE
     assert all(r.policy_version == 2 for r in greedy)
+
+
+def test_seeded_sampling_is_reproducible_and_repeated_prompts_differ(
+    engine: RolloutEngine,
+) -> None:
+    prompts = prompt_ids(1) * 4  # one prompt, four samples (as GRPO-style groups do)
+    first = engine.generate(prompts, max_tokens=MAX_TOKENS, seed=5)
+    again = engine.generate(prompts, max_tokens=MAX_TOKENS, seed=5)
+    assert [r.response_token_ids for r in first] == [r.response_token_ids for r in again]
+    assert len({tuple(r.response_token_ids) for r in first}) > 1

@@ -142,18 +142,25 @@ class RolloutEngine:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> list[Rollout]:
-        """Generate one response per prompt (token ids in, token ids out; no text)."""
+        """Generate one response per prompt (token ids in, token ids out; no text).
+
+        With a seed, request i samples with seed + i: reproducible, and a prompt that
+        appears twice in the batch still gets two different responses.
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            logprobs=0,  # just the sampled token's log-prob
-            detokenize=False,
-        )
+        params = [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=None if seed is None else seed + i,
+                logprobs=0,  # just the sampled token's log-prob
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
         return [self._rollout(output) for output in outputs]
