@@ -292,6 +292,22 @@ def test_truncated_importance_weights_match_reference(seed: int, cap: float) -> 
     assert not result.weights.requires_grad
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batch_losses_add_up_to_the_mini_batch_loss(
+    seed: int, mode: ppo.LossAggregation
+) -> None:
+    case = random_case(seed)
+    loss, mask = case["rewards"], case["mask"]
+    whole = ppo.aggregate(loss, mask, mode)
+    normalizer = ppo.aggregation_normalizer(mask, mode)
+    parts = [
+        ppo.aggregate(loss[i : i + 2], mask[i : i + 2], mode, normalizer)
+        for i in range(0, len(loss), 2)
+    ]
+    assert float(sum(parts)) == pytest.approx(float(whole), abs=ATOL)
+
+
 # --- hand-computed edge cases --------------------------------------------------------
 
 

@@ -184,7 +184,9 @@ def log_probs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
     return log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def aggregate(loss: Tensor, mask: Tensor, mode: LossAggregation) -> Tensor:
+def aggregate(
+    loss: Tensor, mask: Tensor, mode: LossAggregation, normalizer: float | Tensor | None = None
+) -> Tensor:
     """One scalar from per-token losses (B, T), as AlgorithmConfig.loss_aggregation says.
 
     token-mean: every token of the batch weighs the same (long responses weigh more).
@@ -192,16 +194,31 @@ def aggregate(loss: Tensor, mask: Tensor, mode: LossAggregation) -> Tensor:
     seq-mean-token-sum: each response weighs the same, its tokens summed (Dr. GRPO-like:
     no length normalisation). The sequence means skip responses with no counted token;
     a batch with none gives 0, not NaN.
+
+    normalizer: when a mini-batch is split into micro-batches (or over data-parallel
+    ranks), pass `aggregation_normalizer` of the whole mini-batch, so the micro-batch
+    losses add up to the mini-batch's loss instead of averaging unequal averages.
     """
     if mode == "token-mean":
-        return masked_mean(loss, mask)
-    per_sequence = (
-        masked_mean(loss, mask, dim=1)
-        if mode == "seq-mean-token-mean"
-        else masked_sum(loss, mask, 1)
-    )  # (B,)
-    has_tokens = (mask.sum(dim=1) > 0).to(loss.dtype)  # (B,)
-    return masked_mean(per_sequence, has_tokens)
+        numerator = masked_sum(loss, mask)
+    else:
+        per_sequence = (
+            masked_mean(loss, mask, dim=1)
+            if mode == "seq-mean-token-mean"
+            else masked_sum(loss, mask, 1)
+        )  # (B,)
+        numerator = per_sequence.sum()  # empty rows add 0
+    if normalizer is None:
+        normalizer = aggregation_normalizer(mask, mode)
+    return numerator / max(float(normalizer), 1.0)
+
+
+def aggregation_normalizer(mask: Tensor, mode: LossAggregation) -> Tensor:
+    """What `aggregate` divides by: counted tokens (token-mean) or responses with at
+    least one counted token (the sequence modes)."""
+    if mode == "token-mean":
+        return mask.sum()
+    return (mask.sum(dim=1) > 0).sum()
 
 
 @dataclass(frozen=True)
