@@ -11,6 +11,11 @@ vLLM's own loader (`reload_weights`, checkpoint format), because on CPU the kern
 repack parameters at start-up and a plain `model.load_weights` afterwards is wrong.
 Bytes through the RPC are fine for small models and CPU tests; a GPU cluster would use
 vLLM's weight transfer engines (NCCL) behind the same `update_weights` call.
+
+Processes: the engine core and its worker run in child processes. vLLM forks them by
+default, which works from a script or pytest; it switches to spawn inside a Ray actor
+or once CUDA is initialised, and then the launching script needs an
+`if __name__ == "__main__":` guard (Ray's own worker entry point already has one).
 """
 
 from __future__ import annotations
