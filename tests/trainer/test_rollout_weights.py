@@ -1,0 +1,61 @@
+"""The weight-sync helpers of the rollout engine, without starting vLLM."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from rlhf_trainer.config import TinyModel
+from rlhf_trainer.models import build_tiny_model
+from rlhf_trainer.rollout import (
+    deserialize_weights,
+    refresh_tied_lm_head,
+    rollout_state_dict,
+    serialize_weights,
+)
+from torch import nn
+
+TINY = TinyModel(hidden_size=64, num_layers=1, num_heads=2, vocab_size=32)
+
+
+def test_state_dict_for_the_engine_leaves_out_a_tied_lm_head() -> None:
+    model = build_tiny_model(TINY)
+    weights = rollout_state_dict(model)
+    assert "lm_head.weight" not in weights
+    assert "model.embed_tokens.weight" in weights
+    model.config.tie_word_embeddings = False
+    assert "lm_head.weight" in rollout_state_dict(model)
+
+
+def test_weights_round_trip_through_bytes() -> None:
+    weights = rollout_state_dict(build_tiny_model(TINY))
+    again = deserialize_weights(serialize_weights(weights))
+    assert again.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(again[name], tensor), name
+
+
+class FakeVllmModel(nn.Module):
+    """vLLM's layout: model.embed_tokens, and an lm_head with a quant_method."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(8, 4)
+        self.lm_head = nn.Module()
+        self.lm_head.weight = (
+            self.model.embed_tokens.weight if tied else nn.Parameter(torch.zeros(8, 4))
+        )
+        self.processed: list[nn.Module] = []
+        self.lm_head.quant_method = SimpleNamespace(
+            process_weights_after_loading=self.processed.append
+        )
+
+
+def test_a_tied_lm_head_is_reprocessed_after_a_reload_and_an_untied_one_is_not() -> None:
+    tied = FakeVllmModel(tied=True)
+    assert refresh_tied_lm_head(tied)
+    assert tied.processed == [tied.lm_head]
+    untied = FakeVllmModel(tied=False)
+    assert not refresh_tied_lm_head(untied)
+    assert untied.processed == []

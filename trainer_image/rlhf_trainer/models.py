@@ -1,0 +1,156 @@
+"""Tiny models and their tokenizer, built in code from a `TinyModel` config (no download).
+
+`write_tiny_model` writes a Hugging Face-format directory (safetensors weights, config,
+tokenizer) that both transformers and vLLM load, so the trainer and the rollout engine
+start from the same weights.
+
+The tokenizer is word-level over space-separated symbols: "a b c =" is four tokens.
+Its vocabulary fills `vocab_size` exactly (specials, the task's symbols, then unused
+filler tokens), so every id the model can sample decodes to something.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from torch import Tensor, nn
+from transformers import (
+    AutoModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from rlhf_trainer.config import TinyModel
+from rlhf_trainer.ppo import log_probs_from_logits
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
+SEPARATOR = "="  # ends a prompt: "c a f e ="
+# The symbols tasks are written in. A small vocab_size keeps a prefix of them.
+SYMBOLS = (SEPARATOR, *string.ascii_lowercase, *string.digits)
+MAX_POSITIONS = 512  # prompts and responses of the toy tasks are far shorter
+
+
+def vocabulary(vocab_size: int) -> list[str]:
+    """The tokens, in id order: specials, task symbols, then fillers up to vocab_size."""
+    base = [*SPECIAL_TOKENS, *SYMBOLS][:vocab_size]
+    return base + [f"<extra_{i}>" for i in range(vocab_size - len(base))]
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over space-separated symbols that prepends <s>."""
+    vocab = {token: i for i, token in enumerate(vocabulary(vocab_size))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=MAX_POSITIONS,
+        padding_side="left",  # generation pads prompts on the left
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def model_config(tiny: TinyModel) -> Qwen2Config | LlamaConfig:
+    """A transformers config for the tiny causal LM (embeddings tied to the LM head)."""
+    config_class = Qwen2Config if tiny.architecture == "qwen2" else LlamaConfig
+    return config_class(
+        vocab_size=tiny.vocab_size,
+        hidden_size=tiny.hidden_size,
+        intermediate_size=4 * tiny.hidden_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        dtype="float32",
+    )
+
+
+def build_tiny_model(tiny: TinyModel, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised causal LM; the same seed gives the same weights."""
+    torch.manual_seed(seed)
+    config = model_config(tiny)
+    model: PreTrainedModel
+    if isinstance(config, Qwen2Config):
+        model = Qwen2ForCausalLM(config)
+    else:
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """(B, T) positions that skip left padding, so a padded row sees the same positions
+    as the unpadded sequence (and as vLLM, which never pads)."""
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def token_log_probs(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """(B, T) log π(x_t | x_<t) of every token under a causal LM, in float32.
+
+    The first real token of a row (and padding) gets 0: nothing before it predicts it.
+    The trainer's view of what the rollout engine reports for the same tokens.
+    """
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+    ).logits  # (B, T, V)
+    predicted = log_probs_from_logits(logits[:, :-1], input_ids[:, 1:])  # (B, T-1)
+    predicted = predicted * attention_mask[:, :-1] * attention_mask[:, 1:]
+    return torch.nn.functional.pad(predicted, (1, 0))
+
+
+def write_tiny_model(tiny: TinyModel, directory: Path, seed: int = 0) -> Path:
+    """Build the model and its tokenizer and save both into directory (HF format)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tiny_model(tiny, seed).save_pretrained(directory)
+    build_tokenizer(tiny.vocab_size).save_pretrained(directory)
+    return directory
+
+
+class ValueModel(nn.Module):
+    """The critic: a transformer backbone and a scalar head, V(s_t) at every position.
+
+    It starts from a causal LM's checkpoint (the actor's, by default): the backbone
+    keeps its weights and the LM head is dropped. The head starts at zero, so the
+    first values are 0 and the first advantages are the rewards themselves.
+    """
+
+    def __init__(self, backbone: PreTrainedModel) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: Path | str) -> ValueModel:
+        backbone: PreTrainedModel = AutoModel.from_pretrained(path, dtype=torch.float32)
+        return cls(backbone)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """(B, T) token ids and mask -> (B, T) V(s_t): the value after reading token t."""
+        hidden = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+        ).last_hidden_state  # (B, T, H)
+        values: Tensor = self.value_head(hidden).squeeze(-1)  # (B, T)
+        return values

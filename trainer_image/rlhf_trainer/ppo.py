@@ -1,0 +1,247 @@
+"""PPO maths as small pure tensor functions (no Ray, no vLLM, no model).
+
+Every tensor is a batch of B responses padded to T tokens. `mask` (B, T) is 1 on the
+response tokens that count and 0 elsewhere (padding; it may also have holes, e.g.
+tool output inside a multi-turn response, which then takes no part in the maths).
+Position t of `log_probs` is log π(a_t | s_t): the log-prob of response token t given
+the prompt and the tokens before it.
+
+The functions return per-token tensors; `aggregate` turns one into the scalar loss,
+so each loss term can be mixed and logged on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k3"]
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean over the positions where mask is 1; 0 (not NaN) where there are none."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise x to zero mean and unit variance over the masked positions of the batch.
+
+    Population variance (no Bessel correction), like OpenRLHF. Masked-out positions are
+    0 afterwards. shift_mean=False keeps the mean and only rescales (some setups whiten
+    rewards this way, so their sign survives).
+    """
+    mean = masked_mean(x, mask)
+    variance = masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(variance + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the response tokens.
+
+    rewards: (B, T) per-token rewards r_t (the score on the last token, KL penalties
+    on every token); values: (B, T) V(s_t) from the critic; mask: (B, T).
+    Returns (advantages, returns), both (B, T) and 0 where mask is 0.
+
+    A_t = δ_t + γλ A_{t+1},  δ_t = r_t + γ V(s_{t+1}) - V(s_t), with V = 0 and A = 0 past
+    the last response token (the episode ends there). Masked positions are skipped:
+    the "next" token of t is the next position where mask is 1, and their rewards are
+    ignored. returns = A + V, the critic's regression target (λ-return).
+    """
+    batch, length = rewards.shape
+    next_value = rewards.new_zeros(batch)  # (B,) V(s_{t+1}) of the next counted token
+    next_advantage = rewards.new_zeros(batch)  # (B,) A_{t+1}
+    advantages = torch.zeros_like(rewards)  # (B, T)
+    for t in reversed(range(length)):
+        counted = mask[:, t].bool()
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(counted, values[:, t], next_value)
+        next_advantage = torch.where(counted, advantage, next_advantage)
+        advantages[:, t] = torch.where(counted, advantage, 0.0)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """(B,) index of the last position where mask is 1 (0 for an all-masked row)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, 0).amax(dim=1)
+
+
+def token_rewards(
+    scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
+) -> Tensor:
+    """Per-token rewards for GAE: the sequence score on the last response token, and
+    (KL in the reward) -kl_coef · KL_t on every response token.
+
+    scores: (B,) one reward per response; kl: (B, T) from `kl_penalty`. An all-masked
+    row gets no reward at all (it has no token to put it on).
+    """
+    rewards = torch.zeros_like(mask, dtype=scores.dtype)  # (B, T)
+    has_tokens = mask.sum(dim=1) > 0  # (B,)
+    rewards[torch.arange(len(scores)), last_token_index(mask)] = torch.where(
+        has_tokens, scores, 0.0
+    )
+    if kl is not None:
+        rewards = rewards - kl_coef * kl
+    return rewards * mask
+
+
+def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: KLEstimator) -> Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from samples of π, (B, T).
+
+    k1 = log π - log π_ref: unbiased, can be negative per token (the usual reward
+    penalty). k3 = r - 1 - log r with r = π_ref/π: unbiased, always ≥ 0 and lower
+    variance (Schulman, "Approximating KL divergence"); the usual choice for a KL loss.
+    """
+    log_ratio = log_probs - ref_log_probs  # (B, T) log π/π_ref
+    if estimator == "k1":
+        return log_ratio
+    return torch.expm1(-log_ratio) + log_ratio  # exp(-x) - 1 + x, exact near x = 0
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    loss: Tensor  # (B, T) per-token clipped surrogate loss (to minimise)
+    clipped: Tensor  # (B, T) bool: the clipped branch set the loss (no gradient there)
+    ratio: Tensor  # (B, T) π/π_old
+
+
+def clipped_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    clip_ratio: float,
+    dual_clip: float | None = None,
+) -> PolicyLoss:
+    """PPO's clipped surrogate, per token: max(-A·ρ, -A·clip(ρ, 1-ε, 1+ε)).
+
+    log_probs: (B, T) log π(a|s) of the policy being updated (with gradient);
+    old_log_probs: (B, T) log π_old(a|s) when the batch was scored.
+    Dual clip (Ye et al. 2020, c > 1): for A < 0 the loss is also capped at -c·A, so a
+    huge ratio on a bad action (a stale or unlucky sample) cannot blow the step up.
+    """
+    ratio = torch.exp(log_probs - old_log_probs)  # (B, T) ρ = π/π_old
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
+    loss = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        cap = -dual_clip * advantages
+        dual_active = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual_active, cap, loss)
+        clip_active = clip_active | dual_active
+    return PolicyLoss(loss=loss, clipped=clip_active, ratio=ratio)
+
+
+def clipped_value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None
+) -> Tensor:
+    """Per-token value loss ½·max((V - R)², (V_clip - R)²), (B, T).
+
+    V_clip = V_old + clip(V - V_old, -δ, δ) keeps the critic near the values the
+    advantages were computed with; value_clip=None is the plain ½(V - R)².
+    """
+    unclipped = (values - returns) ** 2
+    if value_clip is None:
+        return 0.5 * unclipped
+    values_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
+    return 0.5 * torch.maximum(unclipped, (values_clipped - returns) ** 2)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the next-token distribution at every position: (B, T, V) -> (B, T).
+
+    H = logsumexp(z) - Σ softmax(z)·z, which avoids materialising log-softmax twice.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def log_probs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log π(token_t) under logits_t: (B, T, V) and (B, T) -> (B, T).
+
+    The caller aligns them: logits at position t must predict tokens[:, t] (for a causal
+    LM that is the model output at t - 1).
+    """
+    log_softmax = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    return log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def aggregate(
+    loss: Tensor, mask: Tensor, mode: LossAggregation, normalizer: float | Tensor | None = None
+) -> Tensor:
+    """One scalar from per-token losses (B, T), as AlgorithmConfig.loss_aggregation says.
+
+    token-mean: every token of the batch weighs the same (long responses weigh more).
+    seq-mean-token-mean: each response weighs the same, its tokens averaged.
+    seq-mean-token-sum: each response weighs the same, its tokens summed (Dr. GRPO-like:
+    no length normalisation). The sequence means skip responses with no counted token;
+    a batch with none gives 0, not NaN.
+
+    normalizer: when a mini-batch is split into micro-batches (or over data-parallel
+    ranks), pass `aggregation_normalizer` of the whole mini-batch, so the micro-batch
+    losses add up to the mini-batch's loss instead of averaging unequal averages.
+    """
+    if mode == "token-mean":
+        numerator = masked_sum(loss, mask)
+    else:
+        per_sequence = (
+            masked_mean(loss, mask, dim=1)
+            if mode == "seq-mean-token-mean"
+            else masked_sum(loss, mask, 1)
+        )  # (B,)
+        numerator = per_sequence.sum()  # empty rows add 0
+    if normalizer is None:
+        normalizer = aggregation_normalizer(mask, mode)
+    return numerator / max(float(normalizer), 1.0)
+
+
+def aggregation_normalizer(mask: Tensor, mode: LossAggregation) -> Tensor:
+    """What `aggregate` divides by: counted tokens (token-mean) or responses with at
+    least one counted token (the sequence modes)."""
+    if mode == "token-mean":
+        return mask.sum()
+    return (mask.sum(dim=1) > 0).sum()
+
+
+@dataclass(frozen=True)
+class ImportanceWeights:
+    weights: Tensor  # (B, T) min(π_trainer/π_rollout, cap), no gradient, 0 where masked
+    clipped_fraction: Tensor  # () share of counted tokens whose ratio exceeded the cap
+
+
+def truncated_importance_weights(
+    trainer_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, cap: float
+) -> ImportanceWeights:
+    """Truncated importance sampling between the trainer's and the rollout's policy.
+
+    The rollout engine sampled with its own (possibly stale, and numerically different)
+    log-probs; weighting each token's loss by min(π_trainer/π_rollout, cap) corrects
+    that bias while the cap bounds the variance. The weights are constants (detached).
+    """
+    if cap < 1.0:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    log_ratio = (trainer_log_probs - rollout_log_probs).detach()  # (B, T)
+    ratio = torch.exp(log_ratio)
+    over_cap = (ratio > cap).to(mask.dtype)
+    return ImportanceWeights(
+        weights=torch.clamp(ratio, max=cap) * mask,
+        clipped_fraction=masked_mean(over_cap, mask),
+    )

@@ -1,0 +1,100 @@
+"""Built-in toy tasks (`data.train: toy:<task>`) and rule-based rewards, made from a seed.
+
+toy:copy - the prompt is three random letters from a-h and "=": `<s> c a f =`. The
+ideal response copies the letters in order and stops: `c a f </s>`.
+
+Reward `toy_copy` (in [0, 1]): the targets are the k prompt letters, then the end of
+sequence (k + 1 targets). Response token i earns, against target i:
+  1    the exact target;
+  0.5  a letter of the prompt in the wrong place;
+  0.25 any other letter (a-z);
+  0    anything else (a filler token, a digit, a missing token).
+The score is the mean over the targets; tokens past them earn nothing (so going on
+instead of stopping loses the last target's credit).
+
+Why this shape: a random-initialised tiny model samples nearly uniformly over its
+vocabulary, so an exact-copy-only reward would almost never fire. The graded credit
+gives PPO a signal from the first batch and a ladder to climb: emit letters (a bias a
+tiny model learns in a few steps), then the prompt's letters (attention as a bag of
+tokens), then each letter in its place and the stop (positional copying). Short
+prompts over 8 letters keep the last rung within reach: measured with a plain PPO loop
+over these pieces (transformers generate, batch 32, actor lr 1e-3, critic lr 1e-3,
+klCoef 0.01, 2 CPU cores), the default tiny qwen2 with a 64-token vocabulary went from
+a mean reward of 0.10 to 0.52 by step 200 and 0.88 by step 350 (~80 s), answering
+`h a d </s>`; with the 512-token vocabulary from 0.02 to 0.65 by step 400 (~105 s).
+With actor lr 1e-4 the rise over 30 steps is small (0.01 -> 0.03).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlhf_trainer.models import BOS, EOS, SEPARATOR
+
+LETTERS = string.ascii_lowercase  # every letter earns the "a letter" credit
+COPY_ALPHABET = LETTERS[:8]  # the letters prompts are made of
+COPY_LENGTH = 3  # letters per prompt: short enough to learn in minutes on a CPU
+
+RewardFunction = Callable[[str, str], float]  # (prompt text, response text) -> score
+
+
+@dataclass(frozen=True)
+class TaskPrompt:
+    text: str  # what the tokenizer encodes, without <s> (it adds that)
+    ideal_response: str  # a response that scores 1.0
+
+
+def copy_prompts(
+    count: int, seed: int, length: int = COPY_LENGTH, alphabet: str = COPY_ALPHABET
+) -> list[TaskPrompt]:
+    """`count` toy:copy prompts of `length` random letters; the same seed, the same list."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        letters = [rng.choice(alphabet) for _ in range(length)]
+        text = " ".join([*letters, SEPARATOR])
+        prompts.append(TaskPrompt(text=text, ideal_response=" ".join([*letters, EOS])))
+    return prompts
+
+
+def prompt_letters(prompt: str) -> list[str]:
+    """The letters a toy:copy prompt asks to copy: the symbols before "=" (no <s>)."""
+    symbols = prompt.split()
+    if SEPARATOR in symbols:
+        symbols = symbols[: symbols.index(SEPARATOR)]
+    return [s for s in symbols if s != BOS]
+
+
+def toy_copy(prompt: str, response: str) -> float:
+    """Score a toy:copy response (see the module doc for the rule).
+
+    `response` is the decoded response with special tokens kept, so a response that
+    stopped ends in "</s>".
+    """
+    letters = prompt_letters(prompt)
+    targets = [*letters, EOS]
+    said = response.split()
+    credit = 0.0
+    for target, token in zip(targets, said, strict=False):
+        if token == target:
+            credit += 1.0
+        elif token in letters:
+            credit += 0.5
+        elif token in LETTERS:
+            credit += 0.25
+    return credit / len(targets)
+
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {"toy_copy": toy_copy}
+TASKS: dict[str, Callable[[int, int], list[TaskPrompt]]] = {"copy": copy_prompts}
+
+
+def toy_prompts(train: str, count: int, seed: int) -> list[TaskPrompt]:
+    """Prompts of a `toy:<task>` data source."""
+    kind, _, task = train.partition(":")
+    if kind != "toy" or task not in TASKS:
+        raise ValueError(f"not a built-in task: {train!r} (known: toy:{', toy:'.join(TASKS)})")
+    return TASKS[task](count, seed)
