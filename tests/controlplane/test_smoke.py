@@ -1,0 +1,256 @@
+"""Smoke tests proving the control plane is real: the scheduler enforces
+selectors, taints and GPU capacity; the garbage collector follows owner
+references; KubeRay reconciles RayClusters; helm installs charts; tokens and
+RBAC work; our CRD's CEL rules are enforced by the API server."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+
+from .harness import GPU_RESOURCE, GPU_TOLERATION, REPO_ROOT
+
+WAIT = 90  # seconds; generous because a 2-core machine may be busy
+
+
+def eventually(fn, what: str, timeout: float = WAIT):
+    """Poll fn until it returns something truthy; fail with `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}; last value: {last!r}")
+
+
+@pytest.fixture
+def namespace(controlplane):
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    controlplane.create_namespace(name)
+    yield name
+    controlplane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def get_json(cp, *args) -> dict:
+    return json.loads(cp.kubectl("get", *args, "-o", "json").stdout)
+
+
+def pod(name: str, *, node_selector: dict | None = None, gpus: int = 0, tolerate_gpu: bool = False) -> dict:
+    container = {"name": "main", "image": "registry.invalid/sleep:1"}
+    if gpus:
+        container["resources"] = {"limits": {GPU_RESOURCE: str(gpus)}}
+    spec = {"containers": [container]}
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    if tolerate_gpu:
+        spec["tolerations"] = [GPU_TOLERATION]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def apply(cp, namespace: str, *objects: dict, check: bool = True):
+    manifest = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
+    return cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=check)
+
+
+def scheduling_events(cp, namespace: str, pod_name: str) -> list[str]:
+    events = get_json(cp, "events", "-n", namespace,
+                      f"--field-selector=involvedObject.name={pod_name},reason=FailedScheduling")
+    return [e["message"] for e in events["items"]]
+
+
+def nodes_of_pool(cp, pool: str) -> set[str]:
+    return {n["metadata"]["name"] for n in get_json(cp, "nodes", "-l", f"pool={pool}")["items"]}
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+def test_fake_gpu_node_groups(controlplane):
+    nodes = client.CoreV1Api(controlplane.api_client()).list_node().items
+    by_pool: dict[str, list] = {}
+    for node in nodes:
+        by_pool.setdefault(node.metadata.labels.get("pool"), []).append(node)
+    assert sorted(by_pool) == ["a", "b", "cpu"]
+    for pool in ("a", "b"):
+        assert len(by_pool[pool]) == 2
+        for node in by_pool[pool]:
+            assert node.status.allocatable[GPU_RESOURCE] == "8"
+            assert any(t.key == GPU_RESOURCE and t.effect == "NoSchedule" for t in node.spec.taints)
+    (cpu_node,) = by_pool["cpu"]
+    assert GPU_RESOURCE not in cpu_node.status.allocatable
+    assert not cpu_node.spec.taints
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+def test_node_selector_and_toleration_place_pods_on_the_pool(controlplane, namespace):
+    cp = controlplane
+    names = [f"b-{i}" for i in range(4)]
+    apply(cp, namespace, *[pod(n, node_selector={"pool": "b"}, gpus=4, tolerate_gpu=True) for n in names])
+
+    def placed():
+        pods = get_json(cp, "pods", "-n", namespace)["items"]
+        running = [p for p in pods if p["status"].get("phase") == "Running"]
+        return {p["metadata"]["name"]: p["spec"]["nodeName"] for p in running} if len(running) == 4 else None
+
+    placement = eventually(placed, "4 pods Running")
+    assert set(placement.values()) <= nodes_of_pool(cp, "b")
+    # 4 pods x 4 GPUs on 2 nodes x 8 GPUs: the scheduler had to use both nodes.
+    assert len(set(placement.values())) == 2
+
+
+def test_gpu_taint_keeps_pods_without_toleration_off_gpu_nodes(controlplane, namespace):
+    apply(controlplane, namespace, pod("no-toleration", node_selector={"pool": "a"}))
+    messages = eventually(lambda: scheduling_events(controlplane, namespace, "no-toleration"),
+                          "a FailedScheduling event")
+    assert any("untolerated taint" in m and GPU_RESOURCE in m for m in messages), messages
+    assert get_json(controlplane, "pod", "no-toleration", "-n", namespace)["status"]["phase"] == "Pending"
+
+
+def test_pod_asking_for_more_gpus_than_any_node_has_stays_pending(controlplane, namespace):
+    apply(controlplane, namespace, pod("too-big", gpus=9, tolerate_gpu=True))
+    messages = eventually(lambda: scheduling_events(controlplane, namespace, "too-big"),
+                          "a FailedScheduling event")
+    assert any(f"Insufficient {GPU_RESOURCE}" in m for m in messages), messages
+    status = get_json(controlplane, "pod", "too-big", "-n", namespace)["status"]
+    assert status["phase"] == "Pending"
+    assert any(c["type"] == "PodScheduled" and c["reason"] == "Unschedulable" for c in status["conditions"])
+
+
+# --------------------------------------------------------------------------- garbage collector
+
+
+def test_deleting_owner_garbage_collects_child(controlplane, namespace):
+    cp = controlplane
+    cp.kubectl("create", "configmap", "owner", "-n", namespace)
+    owner_uid = get_json(cp, "configmap", "owner", "-n", namespace)["metadata"]["uid"]
+    child = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "child",
+        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner_uid}],
+    }}
+    apply(cp, namespace, child)
+    cp.kubectl("delete", "configmap", "owner", "-n", namespace)
+
+    def child_gone():
+        return cp.kubectl("get", "configmap", "child", "-n", namespace, check=False).returncode != 0
+
+    eventually(child_gone, "the garbage collector to delete the child ConfigMap")
+
+
+# --------------------------------------------------------------------------- tokens and RBAC
+
+
+def test_service_account_tokens_are_issued_and_rbac_is_enforced(controlplane, namespace):
+    cp = controlplane
+    cp.kubectl("create", "serviceaccount", "reader", "-n", namespace)
+    token = cp.kubectl("create", "token", "reader", "-n", namespace).stdout.strip()
+    as_reader = ["--token", token, "--username=", "--client-certificate=", "--client-key="]
+
+    def whoami():
+        return cp.kubectl("auth", "whoami", "-o", "json", *as_reader, check=False)
+
+    who = json.loads(whoami().stdout)
+    assert who["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:reader"
+    denied = cp.kubectl("get", "pods", "-n", namespace, *as_reader, check=False)
+    assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
+
+    cp.kubectl("create", "role", "pod-reader", "--verb=get,list", "--resource=pods", "-n", namespace)
+    cp.kubectl("create", "rolebinding", "reader", "--role=pod-reader",
+               f"--serviceaccount={namespace}:reader", "-n", namespace)
+    eventually(lambda: cp.kubectl("get", "pods", "-n", namespace, *as_reader, check=False).returncode == 0,
+               "the RoleBinding to take effect")
+    # The controller manager publishes the cluster CA into every namespace.
+    root_ca = get_json(cp, "configmap", "kube-root-ca.crt", "-n", namespace)
+    assert "BEGIN CERTIFICATE" in root_ca["data"]["ca.crt"]
+
+
+# --------------------------------------------------------------------------- KubeRay
+
+
+RAYCLUSTER = """
+apiVersion: ray.io/v1
+kind: RayCluster
+metadata:
+  name: smoke
+spec:
+  rayVersion: "2.49.0"
+  headGroupSpec:
+    rayStartParams: {}
+    template:
+      spec:
+        containers:
+          - name: ray-head
+            image: rayproject/ray:2.49.0
+            resources:
+              limits: {cpu: "2", memory: 4Gi}
+  workerGroupSpecs:
+    - groupName: pool-a
+      replicas: 2
+      minReplicas: 2
+      maxReplicas: 2
+      rayStartParams: {}
+      template:
+        spec:
+          nodeSelector: {pool: a}
+          tolerations:
+            - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
+          containers:
+            - name: ray-worker
+              image: rayproject/ray:2.49.0
+              resources:
+                limits: {cpu: "4", memory: 16Gi, nvidia.com/gpu: "8"}
+"""
+
+
+def test_raycluster_is_reconciled_into_pods_on_the_right_node_groups(controlplane, namespace, tmp_path):
+    cp = controlplane
+    manifest = tmp_path / "raycluster.yaml"
+    manifest.write_text(RAYCLUSTER)
+    cp.kubectl("apply", "-n", namespace, "-f", str(manifest))
+
+    def running_pods():
+        pods = get_json(cp, "pods", "-n", namespace, "-l", "ray.io/cluster=smoke")["items"]
+        running = [p for p in pods if p["status"].get("phase") == "Running"]
+        return running if len(running) == 3 else None
+
+    pods = eventually(running_pods, "the head and 2 worker pods Running")
+    by_type = {}
+    for p in pods:
+        by_type.setdefault(p["metadata"]["labels"]["ray.io/node-type"], []).append(p["spec"]["nodeName"])
+    assert set(by_type["head"]) <= nodes_of_pool(cp, "cpu")
+    # 8 GPUs each: one worker per pool-a node.
+    assert sorted(by_type["worker"]) == sorted(nodes_of_pool(cp, "a"))
+
+    state = eventually(
+        lambda: get_json(cp, "raycluster", "smoke", "-n", namespace).get("status", {}).get("state") == "ready",
+        "RayCluster status.state=ready")
+    assert state
+
+
+# --------------------------------------------------------------------------- helm
+
+
+def test_helm_installs_a_chart(controlplane, namespace, tmp_path):
+    cp = controlplane
+    cp.helm("create", str(tmp_path / "demo"))
+    # --wait: the chart's Deployment must become available, i.e. scheduled and run on a kwok node.
+    cp.helm("install", "demo", str(tmp_path / "demo"), "-n", namespace, "--wait", "--timeout", "2m")
+    releases = json.loads(cp.helm("list", "-n", namespace, "-o", "json").stdout)
+    assert [(r["name"], r["status"]) for r in releases] == [("demo", "deployed")]
+    deployment = get_json(cp, "deployment", "demo", "-n", namespace)
+    assert deployment["status"]["availableReplicas"] == 1
+
+
+# --------------------------------------------------------------------------- our CRD
+
+RLHFJOB_CRD = REPO_ROOT / "crds" / "rlhfjobs.yaml"
+EXAMPLES = REPO_ROOT / "examples"
