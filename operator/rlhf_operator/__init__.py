@@ -1,0 +1,1 @@
+"""rlhf-operator: reconciles RLHFJobs into KubeRay RayJobs with separated GPU pools."""

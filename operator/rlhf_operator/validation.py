@@ -1,0 +1,53 @@
+"""Turn user input (YAML text or a parsed object) into a validated RLHFJob, or field errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rlhf_operator.api import RLHFJob, RLHFJobSpec
+from rlhf_trainer.rules import FieldError, field_errors
+
+
+class InvalidJob(ValueError):
+    """A manifest or spec that fails validation; `errors` name each field at fault."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        super().__init__("\n".join(str(e) for e in errors))
+        self.errors = errors
+
+
+def parse_job(manifest: Any) -> RLHFJob:
+    """Validate a whole RLHFJob manifest (apiVersion, kind, metadata, spec)."""
+    if not isinstance(manifest, dict):
+        raise InvalidJob([FieldError("", f"expected a mapping (an RLHFJob), got {_kind(manifest)}")])
+    try:
+        return RLHFJob.model_validate(manifest)
+    except ValidationError as error:
+        raise InvalidJob(field_errors(error)) from None
+
+
+def parse_spec(spec: Any) -> RLHFJobSpec:
+    """Validate just a spec, as the operator receives it from the API server."""
+    try:
+        return RLHFJobSpec.model_validate(spec)
+    except ValidationError as error:
+        raise InvalidJob(field_errors(error, prefix=("spec",))) from None
+
+
+def load_documents(text: str) -> Iterator[Any]:
+    """YAML documents of a file, skipping empty ones; a YAML syntax error is an InvalidJob."""
+    try:
+        docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    except yaml.YAMLError as error:
+        raise InvalidJob([FieldError("", f"not valid YAML: {error}")]) from None
+    if not docs:
+        raise InvalidJob([FieldError("", "no YAML document found")])
+    yield from docs
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else type(value).__name__

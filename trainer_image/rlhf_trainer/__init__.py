@@ -1,0 +1,1 @@
+"""rlhf-trainer: the PPO loop with split placement and fully asynchronous training."""

@@ -1,0 +1,189 @@
+"""The placement plan: which role runs where, and which phases of a PPO step overlap.
+
+Pure: a JobConfig in, a PlacementPlan out. The trainer turns it into Ray placement
+groups and a step schedule; the operator uses it for status; benchmarks use
+`step_seconds` to compute the ideal speedup of a layout.
+
+A step is a sequence of stages. Within a stage, each pool runs its phases one after
+another (a lane), and the lanes of different pools run at the same time:
+
+    generate | score: (actor/ref log-probs ∥ values ∥ reward) | update: (actor ∥ critic) | sync
+
+In fully async mode generation leaves the step: it runs continuously on the rollout
+pool (the background lane) while the trainer pools run the other stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from rlhf_trainer.config import JobConfig, Role
+
+
+class Phase(StrEnum):
+    GENERATE = "generate"
+    ACTOR_LOG_PROB = "actor_log_prob"  # the trainer's log π_old(a|s), for the PPO ratio
+    REF_LOG_PROB = "ref_log_prob"
+    VALUES = "values"
+    REWARD = "reward"
+    UPDATE_ACTOR = "update_actor"
+    UPDATE_CRITIC = "update_critic"
+    SYNC_WEIGHTS = "sync_weights"  # actor -> rollout engines
+
+
+# The role whose pool a phase runs on. SYNC_WEIGHTS also touches the rollout pool, but
+# it is driven from the actor's ranks and stands alone in its stage.
+PHASE_ROLE: dict[Phase, Role] = {
+    Phase.GENERATE: Role.ROLLOUT,
+    Phase.ACTOR_LOG_PROB: Role.ACTOR,
+    Phase.REF_LOG_PROB: Role.REF,
+    Phase.VALUES: Role.CRITIC,
+    Phase.REWARD: Role.REWARD,
+    Phase.UPDATE_ACTOR: Role.ACTOR,
+    Phase.UPDATE_CRITIC: Role.CRITIC,
+    Phase.SYNC_WEIGHTS: Role.ACTOR,
+}
+
+STEP_STAGES: tuple[tuple[str, tuple[Phase, ...]], ...] = (
+    ("generate", (Phase.GENERATE,)),
+    ("score", (Phase.ACTOR_LOG_PROB, Phase.REF_LOG_PROB, Phase.VALUES, Phase.REWARD)),
+    ("update", (Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)),
+    ("sync", (Phase.SYNC_WEIGHTS,)),
+)
+
+DRIVER = "driver"  # not a pool: a rule-based reward runs on the driver's CPU
+
+
+class Mode(StrEnum):
+    COLOCATED = "colocated"  # every role on one pool, phases one after another
+    SPLIT = "split"  # roles over several pools, independent phases at the same time
+    ASYNC = "async"  # rollout on its own pool, streaming to the trainer pools
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    total_gpus: int
+    roles: tuple[Role, ...]  # colocated roles, which take turns on these GPUs
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: Role
+    pool: str  # a pool name, or DRIVER
+    gpus: int  # GPUs the role's workers use (all of the pool's)
+    data_parallel_size: int  # workers (rollout: engines of tensor_parallel_size GPUs)
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class Lane:
+    """Phases that run one after another on one pool."""
+
+    pool: str
+    phases: tuple[Phase, ...]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Lanes that run at the same time."""
+
+    name: str
+    lanes: tuple[Lane, ...]
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    mode: Mode
+    pools: tuple[PoolPlan, ...]
+    roles: Mapping[Role, RolePlan]
+    stages: tuple[Stage, ...]  # one PPO step, in order
+    background: tuple[Lane, ...]  # runs throughout (async generation)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(p.total_gpus for p in self.pools)
+
+    def phases(self) -> tuple[Phase, ...]:
+        lanes = self.background + tuple(lane for s in self.stages for lane in s.lanes)
+        return tuple(phase for lane in lanes for phase in lane.phases)
+
+    def concurrent(self, a: Phase, b: Phase) -> bool:
+        """Whether phases a and b can run at the same time in this plan."""
+        background = {p for lane in self.background for p in lane.phases}
+        if (a in background) != (b in background):
+            return True  # background generation overlaps every trainer phase
+        for stage in self.stages:
+            lane_of = {p: lane.pool for lane in stage.lanes for p in lane.phases}
+            if a in lane_of and b in lane_of:
+                return lane_of[a] != lane_of[b]
+        return False
+
+    def step_seconds(self, phase_seconds: Mapping[Phase, float]) -> float:
+        """Ideal time of one step given each phase's time when run alone.
+
+        Sum over stages of the slowest lane; with background generation the step
+        takes whichever is slower, the trainer stages or the generation they consume.
+        """
+
+        def lane_time(lane: Lane) -> float:
+            return sum(phase_seconds.get(p, 0.0) for p in lane.phases)
+
+        trainer = sum(max(map(lane_time, s.lanes)) for s in self.stages)
+        return max([trainer, *map(lane_time, self.background)])
+
+
+def plan_placement(config: JobConfig) -> PlacementPlan:
+    role_pool = config.roles.pools_in_use()
+    pools = tuple(
+        PoolPlan(
+            name=p.name,
+            nodes=p.replicas,
+            gpus_per_node=p.gpus_per_node,
+            total_gpus=p.total_gpus,
+            roles=tuple(r for r in Role if role_pool.get(r) == p.name),
+        )
+        for p in config.pools
+    )
+    roles = {r: _role_plan(config, r, role_pool.get(r)) for r in _active_roles(config)}
+    mode = (
+        Mode.ASYNC if config.async_ is not None
+        else Mode.COLOCATED if len(pools) == 1
+        else Mode.SPLIT
+    )  # fmt: skip
+    background: tuple[Lane, ...] = ()
+    stages = []
+    for name, stage_phases in STEP_STAGES:
+        phases = [p for p in stage_phases if PHASE_ROLE[p] in roles]
+        if mode is Mode.ASYNC and Phase.GENERATE in phases:
+            background = (Lane(roles[Role.ROLLOUT].pool, (Phase.GENERATE,)),)
+            continue
+        if phases:
+            stages.append(Stage(name, _lanes(phases, roles)))
+    return PlacementPlan(mode, pools, roles, tuple(stages), background)
+
+
+def _active_roles(config: JobConfig) -> list[Role]:
+    active = [Role.ACTOR, Role.ROLLOUT, Role.CRITIC, Role.REWARD]
+    if config.roles.ref is not None:
+        active.insert(2, Role.REF)
+    return active
+
+
+def _role_plan(config: JobConfig, role: Role, pool: str | None) -> RolePlan:
+    if pool is None:  # the reward as a rule-based function
+        return RolePlan(role, DRIVER, gpus=0, data_parallel_size=1)
+    gpus = config.pool(pool).total_gpus
+    tp = config.generation.tensor_parallel_size if role is Role.ROLLOUT else 1
+    return RolePlan(role, pool, gpus, data_parallel_size=gpus // tp, tensor_parallel_size=tp)
+
+
+def _lanes(phases: list[Phase], roles: Mapping[Role, RolePlan]) -> tuple[Lane, ...]:
+    by_pool: dict[str, list[Phase]] = {}
+    for phase in phases:
+        by_pool.setdefault(roles[PHASE_ROLE[phase]].pool, []).append(phase)
+    return tuple(Lane(pool, tuple(ps)) for pool, ps in by_pool.items())
