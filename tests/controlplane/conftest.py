@@ -19,8 +19,12 @@ _running: ControlPlane | None = None
 
 
 def _say(config: pytest.Config, line: str) -> None:
+    """Print to the terminal even while pytest captures output."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
         reporter.ensure_newline()
         reporter.write_line(line)
 

@@ -17,6 +17,8 @@ GO ?= go
 CP_DIR := $(patsubst %/,%,$(dir $(lastword $(MAKEFILE_LIST))))
 CP_BIN := $(CP_DIR)/bin
 CP_GO := $(CP_DIR)/go
+# Binaries also depend on this file: changing a build flag here rebuilds them.
+CP_MK := $(CP_DIR)/controlplane.mk
 
 CP_KUBE_VERSION := v1.36.3
 # Without these the binaries report v0.0.0-master, which kubectl, helm and charts'
@@ -40,7 +42,7 @@ CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay
 controlplane: $(CP_BINARIES)
 
 # Grouped target (&:): one `go build` makes all four, sharing compiled packages.
-$(CP_KUBE_BINS) &: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum
+$(CP_KUBE_BINS) &: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
 	cd $(CP_GO)/kube && $(GO) build -ldflags '$(CP_KUBE_LDFLAGS)' -o $(abspath $(CP_BIN))/ \
 		k8s.io/kubernetes/cmd/kube-apiserver \
@@ -50,19 +52,20 @@ $(CP_KUBE_BINS) &: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum
 	@touch $(CP_KUBE_BINS)
 
 # etcd at the version k8s.io/kubernetes itself requires (go.etcd.io/etcd/server/v3 is a main package).
-$(CP_BIN)/etcd: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum
+$(CP_BIN)/etcd: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
 	cd $(CP_GO)/kube && $(GO) build -o $(abspath $@) go.etcd.io/etcd/server/v3
 	@touch $@
 
-$(CP_TOOLS_BINS) &: $(CP_GO)/tools/go.mod $(CP_GO)/tools/go.sum
+$(CP_TOOLS_BINS) &: $(CP_GO)/tools/go.mod $(CP_GO)/tools/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/tools && $(GO) build -o $(abspath $(CP_BIN))/ \
+	cd $(CP_GO)/tools && $(GO) build -ldflags '-X helm.sh/helm/v3/internal/version.version=v3.21.4' \
+		-o $(abspath $(CP_BIN))/ \
 		sigs.k8s.io/kwok/cmd/kwok \
 		helm.sh/helm/v3/cmd/helm
 	@touch $(CP_TOOLS_BINS)
 
-$(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum
+$(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
 	cd $(CP_GO)/kuberay && $(GO) build -o $(abspath $@) github.com/ray-project/kuberay/ray-operator
 	@touch $@
