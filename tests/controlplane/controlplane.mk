@@ -71,4 +71,4 @@ $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP
 	@touch $@
 
 cluster: controlplane
-	$(PYTHON) -m tests.controlplane
+	$(PYTHON) -m tests.controlplane --no-build
