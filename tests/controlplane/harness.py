@@ -26,6 +26,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -191,6 +192,27 @@ def _http_get(url: str) -> int:
         return resp.status
 
 
+def _new_run_dir() -> Path:
+    """RUN_ROOT/<date>-<time>-<pid>-<random>: sortable, unique, and its owner known."""
+    RUN_ROOT.mkdir(parents=True, exist_ok=True)
+    prefix = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=RUN_ROOT))
+
+
+def _run_owner_alive(run_dir: Path) -> bool:
+    try:
+        pid = int(run_dir.name.split("-")[2])
+    except (IndexError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 class Process:
     """One component in its own process group, its output in a log file."""
 
@@ -341,7 +363,7 @@ class ControlPlane:
         crd_dirs: Sequence[Path] = (REPO_ROOT / "crds",),
         keep_runs: int = 5,
     ):
-        self.run_dir = Path(run_dir) if run_dir else RUN_ROOT / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.run_dir = Path(run_dir) if run_dir else _new_run_dir()
         self.node_groups = tuple(node_groups)
         self.crd_dirs = tuple(Path(d) for d in crd_dirs)
         self.keep_runs = keep_runs
@@ -402,10 +424,10 @@ class ControlPlane:
         self.phase_seconds[name] = round(time.monotonic() - began, 2)
 
     def _prune_old_runs(self) -> None:
-        if not RUN_ROOT.is_dir():
-            return
-        runs = sorted(p for p in RUN_ROOT.iterdir() if p.is_dir())
-        for old in runs[: max(0, len(runs) - self.keep_runs + 1)]:
+        """Keep the newest runs' logs; never touch a run whose process still lives."""
+        runs = sorted(p for p in RUN_ROOT.iterdir() if p.is_dir() and p != self.run_dir)
+        finished = [p for p in runs if not _run_owner_alive(p)]
+        for old in finished[: max(0, len(finished) - self.keep_runs + 1)]:
             shutil.rmtree(old, ignore_errors=True)
 
     # ----- components
