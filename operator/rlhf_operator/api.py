@@ -8,14 +8,21 @@ only Kubernetes needs (image, pod placement, separation, suspend).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
 from datetime import datetime
 from enum import StrEnum
 from importlib import resources
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import AfterValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StringConstraints,
+    WithJsonSchema,
+)
 
 from rlhf_trainer.config import (
     POOLS_DESCRIPTION,
@@ -39,17 +46,35 @@ SHORT_NAMES = ["rlhf"]
 MAX_JOB_NAME = 40
 JOB_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
+# What may change on an existing job. Everything else is fixed at creation: the CRD's
+# transition rules reject other changes at admission. Replicas resize a pool's worker
+# group; suspend stops and restarts the job.
+MUTABLE_SPEC_FIELDS = ("suspend", "pools")
+MUTABLE_POOL_FIELDS = ("name", "replicas")  # name is the key the API server matches pools by
+
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 
+
+def _check_quantity(value: object) -> int | str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and re.fullmatch(QUANTITY_PATTERN, value):
+        return value
+    raise ValueError("must be a quantity such as 8, '500m' or '64Gi'")
+
+
 Quantity = Annotated[
-    int | Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN)],
+    int | str,
+    PlainValidator(_check_quantity),
+    # As Kubernetes writes resource.Quantity: the branches carry only their type.
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}],
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
         }
     ),
 ]
@@ -175,7 +200,7 @@ class RLHFJobSpec(JobConfig):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "IfNotPresent", description="Pull policy of the trainer image."
     )
-    pools: Sequence[Pool] = Field(  # type: ignore[assignment]  # narrows JobConfig's pools
+    pools: list[Pool] = Field(  # type: ignore[assignment]  # narrows JobConfig's pools
         min_length=1, max_length=16, description=POOLS_DESCRIPTION, json_schema_extra=POOLS_LIST_MAP
     )
     separation: Separation = Field(
@@ -197,8 +222,10 @@ class RLHFJobSpec(JobConfig):
             "'gpu' lets pools share nodes, but some pools cannot share one (different "
             "gpuResource, or nodeSelectors that disagree); use separation: node",
             _SHARED_NODE_CEL,
-            lambda s: s.separation != Separation.GPU
-            or all(_can_share_nodes(a, b) for a in s.pools for b in s.pools),
+            lambda s: (
+                s.separation != Separation.GPU
+                or all(_can_share_nodes(a, b) for a in s.pools for b in s.pools)
+            ),
         ),
     )
 

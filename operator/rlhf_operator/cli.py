@@ -1,7 +1,7 @@
 """`rlhfjob`: check RLHFJob manifests and print the generated CRD.
 
-    rlhfjob validate FILE...   print `FILE: ok` or each error with its field path
-    rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
+rlhfjob validate FILE...   print `FILE: ok` or each error with its field path
+rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
 """
 
 from __future__ import annotations
@@ -10,8 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlhf_operator.crd import render_crd_yaml
+import yaml
+
+from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
+from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job
+from rlhf_trainer.plan import describe, plan_placement
 
 
 def validate_file(path: Path) -> list[str]:
@@ -34,18 +38,60 @@ def validate_file(path: Path) -> list[str]:
     return problems
 
 
+def print_plans(paths: list[Path]) -> int:
+    for path in paths:
+        problems = validate_file(path)
+        if problems:
+            print("\n".join(problems))
+            return 1
+        for doc in load_documents(path.read_text()):
+            job = parse_job(doc)
+            print(f"{job.metadata.name} ({path})")
+            print(describe(plan_placement(job.spec.job_config())))
+    return 0
+
+
+def print_children(path: Path, namespace: str) -> int:
+    problems = validate_file(path)
+    if problems:
+        print("\n".join(problems))
+        return 1
+    objects = []
+    for doc in load_documents(path.read_text()):
+        job = parse_job(doc)
+        ref = JobRef(
+            job.metadata.name,
+            job.metadata.namespace or namespace,
+            uid="<assigned by the API server>",
+        )
+        objects += render_children(ref, job.spec)
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhfjob", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rlhfjob", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     validate = commands.add_parser("validate", help="validate RLHFJob manifests")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
-    commands.add_parser("crd", help="print the generated CRD YAML")
+    plan = commands.add_parser("plan", help="print the placement plan of RLHFJob manifests")
+    plan.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    render = commands.add_parser("render", help="print the objects the operator would create")
+    render.add_argument("file", type=Path, metavar="FILE")
+    render.add_argument("--namespace", default="default")
+    crd = commands.add_parser("crd", help="print the generated CRD YAML")
+    crd.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
     args = parser.parse_args(argv)
 
     if args.command == "crd":
-        sys.stdout.write(render_crd_yaml())
+        sys.stdout.write(render_peering_yaml() if args.peering else render_crd_yaml())
         return 0
+    if args.command == "plan":
+        return print_plans(args.files)
+    if args.command == "render":
+        return print_children(args.file, args.namespace)
     failed = False
     for path in args.files:
         problems = validate_file(path)

@@ -23,7 +23,9 @@ class InvalidJob(ValueError):
 def parse_job(manifest: Any) -> RLHFJob:
     """Validate a whole RLHFJob manifest (apiVersion, kind, metadata, spec)."""
     if not isinstance(manifest, dict):
-        raise InvalidJob([FieldError("", f"expected a mapping (an RLHFJob), got {_kind(manifest)}")])
+        raise InvalidJob(
+            [FieldError("", f"expected a mapping (an RLHFJob), got {_kind(manifest)}")]
+        )
     try:
         return RLHFJob.model_validate(manifest)
     except ValidationError as error:

@@ -7,11 +7,11 @@ stay importable without torch or Ray (the operator imports it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
+from pydantic.config import JsonDict
 
 from rlhf_trainer.rules import Rule, SpecModel
 
@@ -117,8 +117,10 @@ class TinyModel(SpecModel):
             f"hiddenSize / numHeads (the head dim) must be a whole number >= {TINY_MIN_HEAD_DIM}",
             f"self.hiddenSize % self.numHeads == 0 && "
             f"self.hiddenSize / self.numHeads >= {TINY_MIN_HEAD_DIM}",
-            lambda m: m.hidden_size % m.num_heads == 0
-            and m.hidden_size // m.num_heads >= TINY_MIN_HEAD_DIM,
+            lambda m: (
+                m.hidden_size % m.num_heads == 0
+                and m.hidden_size // m.num_heads >= TINY_MIN_HEAD_DIM
+            ),
         ),
     )
 
@@ -309,14 +311,15 @@ def _pool_has_role(config: JobConfig, pool: str) -> bool:
 
 def _divides_dp(config: JobConfig, role: Role) -> bool:
     """mini-batch (and micro-batch) split evenly over the role's data-parallel ranks."""
-    dp = _pool_gpus(config, getattr(config.roles, role.value))
-    if dp is None:
-        return True  # reported by the undeclared-pool rule
     trainer = config.trainer
-    if trainer.mini_batch_size % dp:
-        return False
-    micro = trainer.micro_batch_size
-    return micro is None or (trainer.mini_batch_size // dp) % micro == 0
+    pool = getattr(config.roles, role.value)
+    for dp in (p.total_gpus for p in config.pools if p.name == pool):
+        if trainer.mini_batch_size % dp:
+            return False
+        micro = trainer.micro_batch_size
+        if micro is not None and (trainer.mini_batch_size // dp) % micro:
+            return False
+    return True
 
 
 def _dp_rule(role: Role) -> Rule:
@@ -357,7 +360,7 @@ def _declared_pool_rule(role: Role, optional: bool) -> Rule:
 
 POOLS_DESCRIPTION = "The GPU pools; names must be unique."
 # A list keyed by name: the API server rejects duplicates and merges pools by name.
-POOLS_LIST_MAP: dict[str, object] = {
+POOLS_LIST_MAP: JsonDict = {
     "x-kubernetes-list-type": "map",
     "x-kubernetes-list-map-keys": ["name"],
 }
@@ -372,7 +375,7 @@ _ROLES_IN_USE_CEL = (
 class JobConfig(SpecModel):
     """Everything the trainer needs: pools, role placement, models, data, algorithm."""
 
-    pools: Sequence[PoolConfig] = Field(
+    pools: list[PoolConfig] = Field(
         min_length=1, max_length=16, description=POOLS_DESCRIPTION, json_schema_extra=POOLS_LIST_MAP
     )
     roles: RoleMapping = Field(description="Which pool each role runs on.")
@@ -408,7 +411,9 @@ class JobConfig(SpecModel):
             "every pool must host at least one role (an unused pool wastes its GPUs)",
             f"self.pools.all(p, p.name in {_ROLES_IN_USE_CEL})",
             lambda c: all(_pool_has_role(c, p.name) for p in c.pools),
-            lambda c: "unused: " + ", ".join(p.name for p in c.pools if not _pool_has_role(c, p.name)),
+            lambda c: (
+                "unused: " + ", ".join(p.name for p in c.pools if not _pool_has_role(c, p.name))
+            ),
         ),
         Rule(
             "roles.ref",
@@ -462,4 +467,3 @@ class TrainingProgress(SpecModel):
     policy_version: int = Field(0, ge=0, description="Version of the policy being trained.")
     reward_mean: float | None = Field(None, description="Mean reward of the last step.")
     last_checkpoint: str | None = Field(None, description="Path of the newest checkpoint.")
-

@@ -187,3 +187,29 @@ def _lanes(phases: list[Phase], roles: Mapping[Role, RolePlan]) -> tuple[Lane, .
     for phase in phases:
         by_pool.setdefault(roles[PHASE_ROLE[phase]].pool, []).append(phase)
     return tuple(Lane(pool, tuple(ps)) for pool, ps in by_pool.items())
+
+
+def describe(plan: PlacementPlan) -> str:
+    """The plan as a person reads it: pools, then one line per stage of a step."""
+    lines = [f"mode: {plan.mode}, {plan.total_gpus} GPUs in {len(plan.pools)} pool(s)"]
+    for p in plan.pools:
+        lines.append(
+            f"  pool {p.name}: {p.nodes} node(s) x {p.gpus_per_node} GPU(s) = {p.total_gpus}"
+            f"  roles: {', '.join(p.roles)}"
+        )
+    for role in plan.roles.values():
+        dp = f"dp={role.data_parallel_size}" + (
+            f" x tp={role.tensor_parallel_size}" if role.tensor_parallel_size > 1 else ""
+        )
+        where = "driver CPU (rule-based)" if role.pool == DRIVER else f"{role.pool}, {dp}"
+        lines.append(f"  {role.role}: {where}")
+    lines.append("one step (' || ' = at the same time, ' -> ' = one after another):")
+    for lane in plan.background:
+        lines.append(f"  background  {_lane_text(lane)}  (overlaps every stage)")
+    for stage in plan.stages:
+        lines.append(f"  {stage.name:<10}  " + " || ".join(map(_lane_text, stage.lanes)))
+    return "\n".join(lines)
+
+
+def _lane_text(lane: Lane) -> str:
+    return f"{lane.pool}: " + " -> ".join(lane.phases)

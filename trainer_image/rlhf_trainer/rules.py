@@ -8,6 +8,7 @@ specs at admission. tests/unit/test_cel_parity.py holds the two sides to agreeme
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
@@ -65,7 +66,8 @@ def _schema_extra(schema: JsonDict, model: type[Any]) -> None:
             prop["default"] = {}
     if model.rules:
         schema["x-kubernetes-validations"] = [
-            {"rule": r.cel, "message": r.message} | ({"fieldPath": f".{r.field}"} if r.field else {})
+            {"rule": r.cel, "message": r.message}
+            | ({"fieldPath": f".{r.field}"} if r.field else {})
             for r in model.rules
         ]
 
@@ -123,10 +125,13 @@ def field_errors(error: ValidationError, prefix: Loc = ()) -> list[FieldError]:
     return found
 
 
+# pydantic adds validator steps ("function-after[...]", "[key]") and the tried members
+# of a union ("int", "str") to an error's location; they are not fields the user wrote.
+_NOT_A_FIELD = re.compile(r"^([\w-]*\[.*\]|int|str|float|bool|none|list|dict)$")
+
+
 def _real_loc(loc: tuple[Any, ...]) -> list[str | int]:
-    # pydantic adds the chosen member of a union ("str", "function-after[...]") to the
-    # location; those are implementation names, not fields the user wrote.
-    return [p for p in loc if isinstance(p, int) or not any(c in p for c in "[]-(")]
+    return [p for p in loc if isinstance(p, int) or not _NOT_A_FIELD.match(p)]
 
 
 def _describe(item: Any) -> str:

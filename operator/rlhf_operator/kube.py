@@ -1,0 +1,110 @@
+"""A small synchronous Kubernetes REST layer over the official client's ApiClient.
+
+Objects are plain dicts (what rendering produces); a `Kind` knows its URL. Keeping one
+generic get/create/patch/list lets the reconciler treat every child alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from rlhf_operator.api import API_VERSION, PLURAL
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str  # "v1", "ray.io/v1", ...
+    plural: str
+
+    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        parts = [root, "namespaces", namespace, self.plural, name, subresource]
+        return "/".join(p for p in parts if p)
+
+
+KINDS = {
+    "ConfigMap": Kind("v1", "configmaps"),
+    "ServiceAccount": Kind("v1", "serviceaccounts"),
+    "Pod": Kind("v1", "pods"),
+    "Event": Kind("v1", "events"),
+    "Role": Kind("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "RayJob": Kind("ray.io/v1", "rayjobs"),
+    "RayCluster": Kind("ray.io/v1", "rayclusters"),
+    "RLHFJob": Kind(API_VERSION, PLURAL),
+}
+
+MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+
+
+def load_config() -> client.ApiClient:
+    """In a pod: its service account; elsewhere: $KUBECONFIG or ~/.kube/config."""
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.ApiClient()
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        query: list[tuple[str, str]] | None = None,
+    ) -> Obj:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        request = self.api.param_serialize(
+            method, path, query_params=query or [], header_params=headers, body=body,
+            auth_settings=["BearerToken"],
+        )  # fmt: skip
+        response = self.api.call_api(*request, _request_timeout=30)
+        response.read()  # type: ignore[no-untyped-call]
+        if not 200 <= response.status < 300:
+            raise ApiException(http_resp=response)
+        data: Obj = json.loads(response.data or b"{}")
+        return data
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        try:
+            return self._call("GET", KINDS[kind].path(namespace, name))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def create(self, obj: Obj) -> Obj | None:
+        """Create; None if it already exists (409 means someone, maybe we, made it)."""
+        path = KINDS[obj["kind"]].path(obj["metadata"]["namespace"])
+        try:
+            return self._call("POST", path, body=obj)
+        except ApiException as error:
+            if error.status == 409:
+                return None
+            raise
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Any,
+              content_type: str = MERGE_PATCH, subresource: str | None = None) -> Obj:  # fmt: skip
+        return self._call(
+            "PATCH", KINDS[kind].path(namespace, name, subresource), patch, content_type
+        )
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        found = self._call(
+            "GET", KINDS[kind].path(namespace), query=[("labelSelector", label_selector)]
+        )
+        items: list[Obj] = found.get("items", [])
+        return items

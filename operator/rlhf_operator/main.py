@@ -1,0 +1,107 @@
+"""kopf registration. kopf watches, peers and runs the event loop; it writes nothing.
+
+Every event about a job or one of its children (found by the job label) puts the job's
+key on a work queue; workers take keys and run one level-based reconcile each. No
+finalizers (deleting a job never waits for the operator) and no timers: a deleted
+child, a pod becoming ready or KubeRay updating its RayJob is itself an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import kopf
+from aiohttp import web
+
+from rlhf_operator import api, metrics
+from rlhf_operator.kube import Kube, load_config
+from rlhf_operator.reconcile import Reconciler
+from rlhf_operator.render import JOB_LABEL
+from rlhf_operator.workqueue import Key, WorkQueue
+
+log = logging.getLogger("rlhf_operator")
+
+WORKERS = int(os.environ.get("RLHF_OPERATOR_WORKERS", "4"))
+HEALTH_PORT = int(os.environ.get("RLHF_OPERATOR_HEALTH_PORT", "8080"))
+RETRY_SECONDS = (1, 2, 5, 10, 30, 60)  # backoff of a job whose reconcile keeps failing
+
+# Children whose changes the job must react to (all carry the job label).
+CHILD_KINDS = [
+    ("", "v1", "pods"),
+    ("", "v1", "configmaps"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("ray.io", "v1", "rayjobs"),
+]
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.posting.level = logging.WARNING  # our own Events say what users need
+    memo.queue = WorkQueue()
+    memo.reconciler = Reconciler(Kube(load_config()))
+    memo.gauges = metrics.JobGauges()
+    memo.failures = {}
+    memo.workers = [asyncio.create_task(_work(memo)) for _ in range(WORKERS)]
+    app = metrics.health_app(
+        is_alive=lambda: not any(w.done() for w in memo.workers), is_ready=lambda: True
+    )
+    memo.http = web.AppRunner(app, access_log=None)
+    await memo.http.setup()
+    await web.TCPSite(memo.http, "0.0.0.0", HEALTH_PORT).start()
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    for worker in memo.get("workers", []):
+        worker.cancel()
+    if "http" in memo:
+        await memo.http.cleanup()
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)  # type: ignore[arg-type]
+async def job_changed(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo,
+                      **_: Any) -> None:  # fmt: skip
+    if event["type"] == "DELETED":
+        memo.gauges.observe(namespace, name, None)
+    else:
+        memo.queue.add((namespace, name))
+
+
+async def child_changed(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.queue.add((namespace, labels[JOB_LABEL]))
+
+
+for _group, _version, _plural in CHILD_KINDS:
+    kopf.on.event(_group, _version, _plural, labels={JOB_LABEL: kopf.PRESENT},
+                  id=f"child-{_plural}")(child_changed)  # type: ignore[arg-type]  # fmt: skip
+
+
+async def _work(memo: kopf.Memo) -> None:
+    queue: WorkQueue = memo.queue
+    while True:
+        key = await queue.get()
+        metrics.QUEUE_DEPTH.set(len(queue))
+        started = time.perf_counter()
+        try:
+            status = await asyncio.to_thread(memo.reconciler.reconcile, *key)
+            memo.gauges.observe(*key, status)
+            memo.failures.pop(key, None)
+        except Exception:
+            _retry_later(memo, key)
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - started)
+            queue.done(key)
+
+
+def _retry_later(memo: kopf.Memo, key: Key) -> None:
+    attempt = memo.failures[key] = memo.failures.get(key, 0) + 1
+    delay = RETRY_SECONDS[min(attempt, len(RETRY_SECONDS)) - 1]
+    log.exception("reconcile of %s/%s failed (attempt %d); retry in %ds", *key, attempt, delay)
+    metrics.RECONCILE_ERRORS.inc()
+    memo.queue.add_later(key, delay)

@@ -1,0 +1,65 @@
+"""Operator metrics (Prometheus) and the /metrics, /healthz and /readyz endpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+from rlhf_operator.api import Phase, RLHFJobStatus
+
+JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase", ["phase"])
+RECONCILE_SECONDS = Histogram(
+    "rlhf_operator_reconcile_duration_seconds",
+    "Time of one reconcile of one job",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+RECONCILE_ERRORS = Counter("rlhf_operator_reconcile_errors_total", "Reconciles that failed")
+QUEUE_DEPTH = Gauge("rlhf_operator_queue_depth", "Jobs waiting to be reconciled")
+POOL_GPUS = Gauge("rlhf_pool_gpus", "GPUs of a job's pool", ["namespace", "job", "pool", "state"])
+
+
+class JobGauges:
+    """Keeps the per-job series in step with the jobs that exist."""
+
+    def __init__(self) -> None:
+        self._phase: dict[tuple[str, str], Phase] = {}
+        self._pools: dict[tuple[str, str], list[str]] = {}
+
+    def observe(self, namespace: str, name: str, status: RLHFJobStatus | None) -> None:
+        key = (namespace, name)
+        for pool in self._pools.pop(key, []):
+            for state in ("desired", "ready"):
+                POOL_GPUS.remove(namespace, name, pool, state)
+        if status is None:
+            self._phase.pop(key, None)
+        else:
+            self._phase[key] = status.phase
+            for pool_status in status.pools:
+                POOL_GPUS.labels(namespace, name, pool_status.name, "desired").set(
+                    pool_status.desired_gpus
+                )
+                POOL_GPUS.labels(namespace, name, pool_status.name, "ready").set(
+                    pool_status.ready_gpus
+                )
+            self._pools[key] = [p.name for p in status.pools]
+        for phase in Phase:
+            JOBS.labels(phase.value).set(sum(p is phase for p in self._phase.values()))
+
+
+def health_app(is_alive: Callable[[], bool], is_ready: Callable[[], bool]) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def probe(check: Callable[[], bool]) -> Callable[[web.Request], object]:
+        async def handler(_: web.Request) -> web.Response:
+            return web.Response(text="ok") if check() else web.Response(status=503, text="not ok")
+
+        return handler
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", probe(is_alive))  # type: ignore[arg-type]
+    app.router.add_get("/readyz", probe(is_ready))  # type: ignore[arg-type]
+    return app

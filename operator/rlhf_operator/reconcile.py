@@ -1,0 +1,179 @@
+"""Level-based reconcile of one RLHFJob: make the children match the spec, then report.
+
+Called with a job's key whenever anything about the job or its children changed; it
+reads the current state afresh each time, so a missed or repeated call does no harm.
+It is the only writer of the job's status (except `training`, the trainer's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from rlhf_operator.api import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStatus
+from rlhf_operator.kube import JSON_PATCH, Kube, Obj
+from rlhf_operator.render import JOB_LABEL, POOL_LABEL, JobRef, render_children
+from rlhf_operator.status import Observed, compute_status, finished, invalid_status
+from rlhf_operator.validation import InvalidJob, parse_spec
+
+log = logging.getLogger(__name__)
+
+# The fields of each child that follow the spec after creation (the rest is fixed at
+# creation, like the job's own immutable fields).
+OWNED_FIELDS = {"ConfigMap": ("data",), "Role": ("rules",), "RoleBinding": ("subjects",)}
+WARNING_PHASES = (Phase.FAILED,)
+
+
+class ChildConflict(RuntimeError):
+    """A child's name is taken by an object this job does not own."""
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, now: Callable[[], datetime] = lambda: datetime.now(UTC)):
+        self.kube = kube
+        self.now = now
+
+    def reconcile(self, namespace: str, name: str) -> RLHFJobStatus | None:
+        """Bring one job to its desired state; returns its new status (None if gone)."""
+        job = self.kube.get("RLHFJob", namespace, name)
+        if job is None or job["metadata"].get("deletionTimestamp"):
+            return None  # the garbage collector removes the children
+        meta = job["metadata"]
+        generation = meta.get("generation")
+        old = RLHFJobStatus.model_validate(job.get("status") or {})
+        try:
+            spec = parse_spec(job.get("spec"))
+        except InvalidJob as invalid:
+            # Admission normally stops this; if it slips through, say so and create nothing.
+            new = invalid_status(old, generation, str(invalid).replace("\n", "; "), self.now())
+            self._write_status(job, old, new)
+            return new
+
+        ref = JobRef(name, namespace, meta["uid"])
+        rayjob = self.kube.get("RayJob", namespace, ref.rayjob)
+        if not finished(old):  # a finished job is not started again
+            rayjob = self._ensure_children(ref, spec, rayjob)
+        pods = self.kube.list("Pod", namespace, f"{JOB_LABEL}={name},{POOL_LABEL}")
+        new = compute_status(spec, generation, Observed(rayjob, pods), old, self.now())
+        self._write_status(job, old, new)
+        return new
+
+    def _ensure_children(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
+        *dependencies, desired_rayjob = render_children(ref, spec)
+        for desired in dependencies:
+            self._ensure(ref, desired)
+        if rayjob is None:
+            created = self.kube.create(desired_rayjob)
+            return created or self.kube.get("RayJob", ref.namespace, ref.rayjob)
+        self._check_owner(ref, rayjob)
+        return self._sync_rayjob(ref, rayjob, desired_rayjob)
+
+    def _ensure(self, ref: JobRef, desired: Obj) -> None:
+        kind, name = desired["kind"], desired["metadata"]["name"]
+        existing = self.kube.get(kind, ref.namespace, name)
+        if existing is None:
+            self.kube.create(desired)
+            return
+        self._check_owner(ref, existing)
+        drift = {f: desired[f] for f in OWNED_FIELDS.get(kind, ()) if existing.get(f) != desired[f]}
+        if drift:
+            self.kube.patch(kind, ref.namespace, name, drift)
+
+    def _check_owner(self, ref: JobRef, obj: Obj) -> None:
+        owners = obj["metadata"].get("ownerReferences") or []
+        if not any(o.get("uid") == ref.uid and o.get("controller") for o in owners):
+            raise ChildConflict(
+                f"{obj['kind']} {obj['metadata']['name']} exists but is not owned by "
+                f"RLHFJob {ref.name}; delete or rename it"
+            )
+
+    def _sync_rayjob(self, ref: JobRef, rayjob: Obj, desired: Obj) -> Obj:
+        """Apply the spec's mutable fields: suspend, and each pool's replicas."""
+        ops = []
+        if rayjob["spec"].get("suspend", False) != desired["spec"]["suspend"]:
+            ops.append({"op": "add", "path": "/spec/suspend", "value": desired["spec"]["suspend"]})
+        live_groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+        wanted_groups = desired["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+        group_ops = _replica_ops(live_groups, wanted_groups)
+        ops += [{**op, "path": "/spec/rayClusterSpec" + op["path"]} for op in group_ops]
+        if not ops:
+            return rayjob
+        log.info("updating RayJob %s/%s: %s", ref.namespace, ref.rayjob, ops)
+        rayjob = self.kube.patch("RayJob", ref.namespace, ref.rayjob, ops, JSON_PATCH)
+        # KubeRay does not push a RayJob's cluster spec to a running cluster: scale it too.
+        cluster_name = (rayjob.get("status") or {}).get("rayClusterName")
+        cluster = self.kube.get("RayCluster", ref.namespace, cluster_name) if cluster_name else None
+        if cluster_name and cluster:
+            cluster_ops = _replica_ops(cluster["spec"]["workerGroupSpecs"], wanted_groups)
+            if cluster_ops:
+                self.kube.patch("RayCluster", ref.namespace, cluster_name, cluster_ops, JSON_PATCH)
+        return rayjob
+
+    def _write_status(self, job: Obj, old: RLHFJobStatus, new: RLHFJobStatus) -> None:
+        """Patch status only when it changed; leave the trainer's `training` alone."""
+        mine, before = _without_training(new), _without_training(old)
+        if mine == before:
+            return
+        meta = job["metadata"]
+        self.kube.patch("RLHFJob", meta["namespace"], meta["name"], {"status": mine},
+                        subresource="status")  # fmt: skip
+        if new.phase != old.phase or _invalid_message(new) != _invalid_message(old):
+            self._post_event(job, new)
+
+    def _post_event(self, job: Obj, status: RLHFJobStatus) -> None:
+        meta = job["metadata"]
+        invalid = _invalid_message(status)
+        reason = "InvalidSpec" if invalid else status.phase.value
+        message = invalid or f"the job is {status.phase.value.lower()}"
+        now = self.now().isoformat().replace("+00:00", "Z")
+        warning = invalid or status.phase in WARNING_PHASES
+        self.kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": meta["name"],
+                    "namespace": meta["namespace"],
+                    "uid": meta["uid"],
+                },
+                "type": "Warning" if warning else "Normal",
+                "reason": reason,
+                "message": message[:1024],
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+                "source": {"component": "rlhf-operator"},
+                "reportingComponent": "rlhf-operator",
+            }
+        )
+
+
+def _replica_ops(live: list[Obj], wanted: list[Obj]) -> list[dict[str, Any]]:
+    """JSON-patch ops that give each live worker group its wanted replica count."""
+    wanted_replicas = {g["groupName"]: g["replicas"] for g in wanted}
+    ops = []
+    for index, group in enumerate(live):
+        replicas = wanted_replicas.get(group["groupName"])
+        if replicas is None:
+            continue
+        for field in ("replicas", "minReplicas", "maxReplicas"):
+            if group.get(field) != replicas:
+                path = f"/workerGroupSpecs/{index}/{field}"
+                ops.append({"op": "add", "path": path, "value": replicas})  # add = set
+    return ops
+
+
+def _without_training(status: RLHFJobStatus) -> Obj:
+    data = status.to_dict()
+    data.pop("training", None)
+    return data
+
+
+def _invalid_message(status: RLHFJobStatus) -> str | None:
+    invalid = next((c for c in status.conditions if c.type == "Invalid"), None)
+    return invalid.message if invalid and invalid.status == "True" else None

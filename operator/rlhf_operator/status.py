@@ -1,0 +1,151 @@
+"""Pure status computation: what the operator observed -> the RLHFJob's status.
+
+The reconciler is the only writer of these fields; `training` belongs to the trainer
+and is carried over untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from rlhf_operator.api import Condition, Phase, PoolStatus, RLHFJobSpec, RLHFJobStatus
+from rlhf_operator.render import POOL_LABEL
+
+TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
+
+# KubeRay's RayJob.status.jobDeploymentStatus -> our phase (Complete is resolved by
+# jobStatus; anything not listed, e.g. a new KubeRay state, reads as Provisioning).
+_DEPLOYMENT_PHASE = {
+    "Running": Phase.RUNNING,
+    "Failed": Phase.FAILED,
+    "ValidationFailed": Phase.FAILED,
+    "Suspending": Phase.SUSPENDED,
+    "Suspended": Phase.SUSPENDED,
+}
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the reconciler saw of the job's children."""
+
+    rayjob: dict[str, Any] | None
+    pods: list[dict[str, Any]]
+
+
+def finished(status: RLHFJobStatus) -> bool:
+    """The job ran to an end (an invalid spec is Failed too, but not finished: fix it)."""
+    return status.phase in TERMINAL and status.completion_time is not None
+
+
+def invalid_status(
+    old: RLHFJobStatus, generation: int | None, message: str, now: datetime
+) -> RLHFJobStatus:
+    conditions = _set_condition(
+        old.conditions, "Invalid", True, "InvalidSpec", message, now, generation
+    )
+    conditions = _set_condition(
+        conditions, "Ready", False, "InvalidSpec", "the spec is invalid", now, generation
+    )
+    return old.model_copy(
+        update={"phase": Phase.FAILED, "observed_generation": generation, "conditions": conditions}
+    )
+
+
+def compute_status(
+    spec: RLHFJobSpec,
+    generation: int | None,
+    observed: Observed,
+    old: RLHFJobStatus,
+    now: datetime,
+) -> RLHFJobStatus:
+    pools = [_pool_status(spec, pool.name, observed.pods) for pool in spec.pools]
+    ready_pools = sum(p.ready_gpus == p.desired_gpus for p in pools)
+    # A finished job keeps its outcome, even after KubeRay has cleaned up its RayJob.
+    phase = old.phase if finished(old) else _phase(spec, observed.rayjob)
+    all_ready = ready_pools == len(pools)
+
+    conditions = old.conditions
+    for kind, ok, reason, message in (
+        ("Invalid", False, "Valid", "the spec is valid"),
+        ("PoolsReady", all_ready, "PoolsReady" if all_ready else "PoolsNotReady",
+         f"{ready_pools}/{len(pools)} pools have all their GPUs"),
+        ("Ready", phase is Phase.RUNNING, phase.value, f"the job is {phase.value.lower()}"),
+    ):  # fmt: skip
+        conditions = _set_condition(conditions, kind, ok, reason, message, now, generation)
+
+    rayjob_status = (observed.rayjob or {}).get("status") or {}
+    return RLHFJobStatus(
+        phase=phase,
+        observed_generation=generation,
+        conditions=conditions,
+        pools=pools,
+        pools_ready=f"{ready_pools}/{len(pools)}",
+        training=old.training,
+        ray_job=(observed.rayjob or {}).get("metadata", {}).get("name", old.ray_job),
+        ray_cluster=rayjob_status.get("rayClusterName") or old.ray_cluster,
+        start_time=old.start_time or (now if phase is Phase.RUNNING else None),
+        completion_time=old.completion_time or (now if phase in TERMINAL else None),
+    )
+
+
+def _phase(spec: RLHFJobSpec, rayjob: dict[str, Any] | None) -> Phase:
+    if rayjob is None:
+        return Phase.PENDING
+    status = rayjob.get("status") or {}
+    deployment = status.get("jobDeploymentStatus", "")
+    if deployment == "Complete":
+        return Phase.SUCCEEDED if status.get("jobStatus") == "SUCCEEDED" else Phase.FAILED
+    if spec.suspend:
+        return Phase.SUSPENDED
+    return _DEPLOYMENT_PHASE.get(deployment, Phase.PROVISIONING)
+
+
+def _pool_status(spec: RLHFJobSpec, pool_name: str, pods: list[dict[str, Any]]) -> PoolStatus:
+    pool = next(p for p in spec.pools if p.name == pool_name)
+    mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
+    ready = sum(_is_ready(p) for p in mine)
+    nodes = sorted({p["spec"]["nodeName"] for p in mine if p.get("spec", {}).get("nodeName")})
+    return PoolStatus(
+        name=pool_name,
+        desired_gpus=pool.total_gpus,
+        ready_gpus=min(ready, pool.replicas) * pool.gpus_per_node,
+        nodes=nodes,
+    )
+
+
+def _is_ready(pod: dict[str, Any]) -> bool:
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
+    status = pod.get("status") or {}
+    conditions = status.get("conditions") or []
+    return status.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
+    )
+
+
+def _set_condition(
+    conditions: list[Condition],
+    kind: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    generation: int | None,
+) -> list[Condition]:
+    """Replace one condition; its transition time moves only when its status flips."""
+    value = "True" if ok else "False"
+    previous = next((c for c in conditions if c.type == kind), None)
+    since = previous.last_transition_time if previous and previous.status == value else now
+    updated = Condition(
+        type=kind,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=since,
+        observed_generation=generation,
+    )
+    if previous is None:
+        return [*conditions, updated]
+    return [updated if c.type == kind else c for c in conditions]

@@ -1,0 +1,77 @@
+"""The operator as users run it (`python -m rlhf_operator`), pointed at the test cluster.
+
+Its log goes to the control plane's logs folder, so a failing test shows it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from .harness import ControlPlane, free_ports
+
+
+class OperatorProcess:
+    def __init__(self, cp: ControlPlane, name: str = "rlhf-operator", *args: str) -> None:
+        self.cp = cp
+        self.name = name
+        self.args = args or ("--standalone", "--all-namespaces")
+        self.port = free_ports(1)[0]
+        self.log_path = cp.logs_dir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait_ready: bool = True) -> OperatorProcess:
+        env = {**self.cp.env(), "RLHF_OPERATOR_HEALTH_PORT": str(self.port)}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rlhf_operator", *self.args],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        if wait_ready:
+            self._wait_ready()
+        return self
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, f"{self.name} exited"
+            try:
+                if self._get("/readyz")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
+
+    def _get(self, path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled sample, e.g. a histogram's _count."""
+        for line in self._get("/metrics")[1].splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
+    def kill(self) -> None:
+        """SIGKILL: no chance to finish what it was doing."""
+        self._signal(signal.SIGKILL, grace=10)
+
+    def stop(self) -> None:
+        self._signal(signal.SIGTERM, grace=20)
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
+    def _signal(self, sig: int, grace: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass

@@ -1,0 +1,240 @@
+"""The operator against the real control plane: API server, scheduler, garbage
+collector, KubeRay and kwok GPU nodes (pools a and b: 2 nodes x 8 GPUs each)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlhf_operator.crd import PEERING_NAME
+
+from .harness import REPO_ROOT, ControlPlane
+from .operator_process import OperatorProcess
+from .util import eventually, get_json
+
+EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
+# local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
+CLUSTER_EXAMPLES = [p for p in EXAMPLES if p.name != "local-cpu.yaml"]
+
+
+@pytest.fixture(scope="module")
+def operator(controlplane: ControlPlane) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(controlplane).start()
+    yield op
+    op.stop()
+
+
+def load(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(path.read_text())
+    return doc
+
+
+def apply(cp: ControlPlane, namespace: str, manifest: dict[str, Any], check: bool = True) -> Any:
+    return cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=check)
+
+
+def get(cp: ControlPlane, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    result = cp.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def job_status(cp: ControlPlane, name: str, namespace: str) -> dict[str, Any]:
+    return (get(cp, "rlhfjob", name, namespace) or {}).get("status") or {}
+
+
+def worker_pods(cp: ControlPlane, job: str, namespace: str) -> dict[str, list[dict[str, Any]]]:
+    """Running worker pods of a job, by pool."""
+    pods = get_json(cp, "pods", "-n", namespace, "-l", f"rlhf.dev/job={job},rlhf.dev/pool")["items"]
+    by_pool: dict[str, list[dict[str, Any]]] = {}
+    for pod in pods:
+        if pod["status"].get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp"):
+            by_pool.setdefault(pod["metadata"]["labels"]["rlhf.dev/pool"], []).append(pod)
+    return by_pool
+
+
+def node_pools(cp: ControlPlane) -> dict[str, str]:
+    return {n["metadata"]["name"]: n["metadata"]["labels"]["pool"] for n in get_json(cp, "nodes")["items"]}
+
+
+@pytest.mark.parametrize("example", CLUSTER_EXAMPLES, ids=lambda p: p.name)
+def test_example_runs_each_pool_on_its_own_node_group(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str, example: Path
+) -> None:
+    cp, manifest = controlplane, load(example)
+    name, spec = manifest["metadata"]["name"], manifest["spec"]
+    pools = {p["name"]: p for p in spec["pools"]}
+    cp.kubectl("apply", "-n", namespace, "-f", str(example))
+
+    rayjob = eventually(lambda: get(cp, "rayjob", name, namespace), f"RayJob {name}")
+    groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert {g["groupName"]: g["replicas"] for g in groups} == {n: p.get("replicas", 1) for n, p in pools.items()}
+
+    cluster = eventually(lambda: (get(cp, "rayjob", name, namespace) or {}).get("status", {}).get("rayClusterName"),
+                         "KubeRay to create the RayCluster")  # fmt: skip
+    assert get(cp, "raycluster", cluster, namespace) is not None
+
+    def all_workers_running() -> dict[str, list[dict[str, Any]]] | None:
+        running = worker_pods(cp, name, namespace)
+        done = all(len(running.get(n, [])) == p.get("replicas", 1) for n, p in pools.items())
+        return running if done else None
+
+    running = eventually(all_workers_running, "every pool's worker pods to run")
+    where = node_pools(cp)
+    nodes_by_pool = {pool: {pod["spec"]["nodeName"] for pod in pods} for pool, pods in running.items()}
+    for pool, nodes in nodes_by_pool.items():  # the real scheduler honoured each pool's node group
+        assert {where[n] for n in nodes} == {pools[pool]["nodeSelector"]["pool"]}, (pool, nodes)
+    if spec.get("separation", "node") == "node":
+        seen = [n for nodes in nodes_by_pool.values() for n in nodes]
+        assert len(seen) == len(set(seen)), f"a node hosts two pools: {nodes_by_pool}"
+
+    expected = f"{len(pools)}/{len(pools)}"
+    status = eventually(lambda: (s := job_status(cp, name, namespace)).get("poolsReady") == expected and s,
+                        f"status.poolsReady == {expected}")  # fmt: skip
+    for pool_status in status["pools"]:
+        pool = pools[pool_status["name"]]
+        assert pool_status["desiredGPUs"] == pool_status["readyGPUs"] == pool.get("replicas", 1) * pool["gpusPerNode"]
+        assert set(pool_status["nodes"]) == nodes_by_pool[pool_status["name"]]
+    assert status["rayJob"] == name and status["rayCluster"] == cluster
+
+    cp.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=true")
+    eventually(lambda: get(cp, "rayjob", name, namespace) is None and not worker_pods(cp, name, namespace),
+               "garbage collection of the RayJob and its pods")  # fmt: skip
+
+
+def test_children_deleted_out_of_band_are_recreated(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = controlplane
+    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
+    first = {kind: eventually(lambda k=kind, n=name: get(cp, k, n, namespace), f"{kind} {name}")
+             for kind, name in (("configmap", "colocated-spec"), ("role", "colocated-reporter"), ("rayjob", "colocated"))}  # fmt: skip
+    cp.kubectl("delete", "configmap", "colocated-spec", "role", "colocated-reporter", "-n", namespace)
+    cp.kubectl("delete", "rayjob", "colocated", "-n", namespace, "--wait=true")
+    for kind, name in (("configmap", "colocated-spec"), ("role", "colocated-reporter"), ("rayjob", "colocated")):
+        again = eventually(lambda k=kind, n=name: (o := get(cp, k, n, namespace)) and o["metadata"]["uid"] != first[k]["metadata"]["uid"] and o,
+                           f"{kind} {name} to be recreated")  # fmt: skip
+        assert again["metadata"]["ownerReferences"][0]["name"] == "colocated"
+    assert len(get_json(cp, "rayjobs", "-n", namespace)["items"]) == 1
+
+
+def test_changing_a_pools_replicas_resizes_its_worker_group(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = controlplane
+    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "two-nodes-by-node-8-8.yaml"))
+    eventually(lambda: len(worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])) == 1, "one policy worker")
+    cp.kubectl("patch", "rlhfjob", "two-nodes-8-8", "-n", namespace, "--type=json",
+               "-p", '[{"op": "replace", "path": "/spec/pools/0/replicas", "value": 2}]')  # fmt: skip
+
+    def policy_replicas(kind: str, name: str) -> int | None:
+        obj = get(cp, kind, name, namespace) or {}
+        spec = obj.get("spec", {}).get("rayClusterSpec", obj.get("spec", {}))
+        return next((g["replicas"] for g in spec.get("workerGroupSpecs", []) if g["groupName"] == "policy"), None)
+
+    eventually(lambda: policy_replicas("rayjob", "two-nodes-8-8") == 2, "the RayJob's policy group to have 2 replicas")
+    cluster = job_status(cp, "two-nodes-8-8", namespace)["rayCluster"]
+    eventually(lambda: policy_replicas("raycluster", cluster) == 2, "the RayCluster's policy group to have 2 replicas")
+    pods = eventually(lambda: (p := worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])) if len(p) == 2 else None,
+                      "a second policy worker")  # fmt: skip
+    assert len({p["spec"]["nodeName"] for p in pods}) == 2  # 8 GPUs each: one node per worker
+    eventually(lambda: next(p for p in job_status(cp, "two-nodes-8-8", namespace)["pools"] if p["name"] == "policy")
+               == {"name": "policy", "desiredGPUs": 16, "readyGPUs": 16, "nodes": sorted(p["spec"]["nodeName"] for p in pods)},
+               "status to show 16 ready GPUs in the policy pool")  # fmt: skip
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ('[{"op": "replace", "path": "/spec/pools/0/gpusPerNode", "value": 4}]', "only a pool's replicas can change after creation"),
+    ('[{"op": "replace", "path": "/spec/image", "value": "other:1"}]', "spec.image: Invalid value"),
+    ('[{"op": "add", "path": "/spec/pools/-", "value": {"name": "extra", "gpusPerNode": 1}}]',
+     "pools cannot be added, removed or renamed after creation"),
+])  # fmt: skip
+def test_changing_fixed_fields_is_rejected_with_a_message(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str, patch: str, message: str
+) -> None:
+    cp = controlplane
+    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
+    result = cp.kubectl("patch", "rlhfjob", "colocated", "-n", namespace, "--type=json", "-p", patch, check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_suspend_and_resume(controlplane: ControlPlane, operator: OperatorProcess, namespace: str) -> None:
+    cp = controlplane
+    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
+    eventually(lambda: worker_pods(cp, "colocated", namespace).get("all"), "the worker to run")
+    cp.kubectl("patch", "rlhfjob", "colocated", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": true}}')
+    eventually(lambda: (get(cp, "rayjob", "colocated", namespace) or {}).get("spec", {}).get("suspend") is True,
+               "the RayJob to be suspended")  # fmt: skip
+    eventually(lambda: job_status(cp, "colocated", namespace).get("phase") == "Suspended" and not worker_pods(cp, "colocated", namespace),
+               "phase Suspended and no workers")  # fmt: skip
+    cp.kubectl("patch", "rlhfjob", "colocated", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": false}}')
+    eventually(lambda: worker_pods(cp, "colocated", namespace).get("all"), "the worker to run again")
+    eventually(lambda: job_status(cp, "colocated", namespace).get("phase") not in (None, "Suspended"), "the job to leave Suspended")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda s: s["roles"].update(critic="nowhere"), "spec.roles.critic: Invalid value"),
+    (lambda s: s.update({"async": {}}), "fully async needs the rollout on a pool of its own"),
+    (lambda s: s["trainer"].update(miniBatchSize=60), "must be a multiple of the actor pool's GPUs"),
+    (lambda s: s["pools"][0].update(gpusPerNode=0), "spec.pools[0].gpusPerNode: Invalid value: 0"),
+])  # fmt: skip
+def test_bad_specs_are_refused_at_admission_and_create_nothing(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str, change: Any, message: str
+) -> None:
+    manifest = load(REPO_ROOT / "examples" / "colocated.yaml")
+    change(manifest["spec"])
+    result = apply(controlplane, namespace, manifest, check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert get(controlplane, "rlhfjob", "colocated", namespace) is None
+
+
+def test_restart_mid_reconcile_creates_no_duplicates(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    cp, count = controlplane, 6
+    base = load(REPO_ROOT / "examples" / "colocated.yaml")
+    base["spec"]["pools"][0]["gpusPerNode"] = 1
+    base["spec"]["trainer"] = {"batchSize": 8, "miniBatchSize": 8}
+    jobs = [{**base, "metadata": {"name": f"burst-{i}"}} for i in range(count)]
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(jobs))
+    operator.kill()  # mid-reconcile: some children created, some not, status unwritten
+    operator.start()
+
+    def all_reconciled() -> bool:
+        return all(job_status(cp, f"burst-{i}", namespace).get("rayJob") for i in range(count))
+
+    eventually(all_reconciled, "every job to be reconciled after the restart")
+    eventually(lambda: len(get_json(cp, "rayclusters", "-n", namespace)["items"]) == count, "a RayCluster per job")
+    for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings"):
+        items = get_json(cp, kind, "-n", namespace, "-l", "rlhf.dev/job")["items"]
+        assert len(items) == count, f"{kind}: {[i['metadata']['name'] for i in items]}"
+
+
+def test_two_replicas_with_peering_one_active_then_failover(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = controlplane
+    operator.stop()  # the standalone operator steps aside for this test
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING_NAME}}))  # fmt: skip
+    active = OperatorProcess(cp, "operator-active", "--peering", PEERING_NAME, "--priority", "10", "-A").start()
+    standby = OperatorProcess(cp, "operator-standby", "--peering", PEERING_NAME, "--priority", "1", "-A").start()
+    try:
+        cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
+        eventually(lambda: job_status(cp, "colocated", namespace).get("rayJob"), "the active replica to reconcile")
+        assert active.metric("rlhf_operator_reconcile_duration_seconds_count") > 0
+        assert standby.metric("rlhf_operator_reconcile_duration_seconds_count") == 0
+
+        active.stop()  # a clean exit leaves the peering at once
+        manifest = load(REPO_ROOT / "examples" / "asymmetric-6-2.yaml")
+        apply(cp, namespace, manifest)
+        eventually(lambda: job_status(cp, "asymmetric-6-2", namespace).get("rayJob"), "the standby to take over")
+        assert standby.metric("rlhf_operator_reconcile_duration_seconds_count") > 0
+    finally:
+        active.stop()
+        standby.stop()
+        operator.start()

@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
+
+
+def load(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(path.read_text())
+    return doc
+
+
+@pytest.fixture
+def local_job() -> dict[str, Any]:
+    """A fresh copy of the small local example, for tests to break in one place."""
+    return copy.deepcopy(load(EXAMPLES[0].parent / "local-cpu.yaml"))

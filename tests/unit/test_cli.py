@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_operator.cli import main
+from tests.unit.conftest import EXAMPLES, load
+
+
+def test_valid_files_print_ok_and_exit_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", *map(str, EXAMPLES)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{p}: ok" for p in EXAMPLES]
+
+
+def test_errors_are_printed_with_file_and_field_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = load(EXAMPLES[0].parent / "local-cpu.yaml")
+    job["spec"]["roles"]["actor"] = "missing-pool"
+    job["spec"]["pools"][1]["gpusPerNode"] = 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(job))
+    good = EXAMPLES[0]
+
+    assert main(["validate", str(good), str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{good}: ok"
+    assert (
+        f"{bad}: spec.pools[1].gpusPerNode: Input should be greater than or equal to 1 (got 0)"
+        in lines
+    )
+
+
+def test_multi_document_files_name_the_document(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = load(EXAMPLES[0])
+    broken = {**job, "spec": {**job["spec"], "suspend": "sometimes"}}
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump_all([job, broken]))
+    assert main(["validate", str(both)]) == 1
+    assert capsys.readouterr().out.startswith(
+        f"{both}[1]: spec.suspend: Input should be a valid boolean"
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("spec: [unclosed", "not valid YAML"), ("", "no YAML document found"),
+     ("- a\n- b\n", "expected a mapping")],
+)  # fmt: skip
+def test_unreadable_input_is_an_error_not_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
+) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(content)
+    assert main(["validate", str(path)]) == 1
+    assert message in capsys.readouterr().out
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "/no/such/file.yaml"]) == 1
+    assert "cannot read" in capsys.readouterr().out
+
+
+def test_plan_prints_pools_roles_and_overlapping_phases(capsys: pytest.CaptureFixture[str]) -> None:
+    path = EXAMPLES[0].parent / "fully-async.yaml"
+    assert main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"fully-async ({path})\nmode: async, 16 GPUs in 2 pool(s)\n")
+    assert "background  rollout: generate  (overlaps every stage)" in out
+
+
+def test_plan_of_an_invalid_file_shows_the_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: rlhf.dev/v1alpha1\nkind: RLHFJob\nmetadata: {name: x}\n")
+    assert main(["plan", str(bad)]) == 1
+    assert f"{bad}: spec: required field is missing" in capsys.readouterr().out

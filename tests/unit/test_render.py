@@ -1,0 +1,218 @@
+"""Rendering: every example becomes objects that KubeRay's schema accepts, placed and
+secured as the spec says. Snapshots catch unintended changes (UPDATE_SNAPSHOTS=1 to accept)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from rlhf_operator.render import POOL_LABEL, JobRef, pool_resource, render_children
+from rlhf_operator.validation import parse_job
+from rlhf_trainer.config import JobConfig
+from tests.unit.conftest import EXAMPLES, load
+
+DATA = Path(__file__).parent / "data"
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+RAYJOB_SCHEMA = json.loads((DATA / "kuberay-v1.7.0-rayjob-schema.json").read_text())["schema"]
+
+
+def render(example: str, namespace: str = "team-a") -> dict[str, dict[str, Any]]:
+    job = parse_job(load(EXAMPLES[0].parent / example))
+    ref = JobRef(job.metadata.name, namespace, uid=f"uid-{job.metadata.name}")
+    return {o["kind"]: o for o in render_children(ref, job.spec)}
+
+
+def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Fields the schema does not declare: the API server would prune them silently."""
+    if isinstance(value, list) and "items" in schema:
+        return [
+            f
+            for i, v in enumerate(value)
+            for f in unknown_fields(schema["items"], v, f"{path}[{i}]")
+        ]
+    if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if "properties" not in schema:
+        extra = schema.get("additionalProperties")
+        return (
+            [f for k, v in value.items() for f in unknown_fields(extra, v, f"{path}.{k}")]
+            if isinstance(extra, dict)
+            else []
+        )
+    found = [
+        f"{path}.{k}"
+        for k in value
+        if k not in schema["properties"] and k not in ("apiVersion", "kind", "metadata")
+    ]
+    return found + [
+        f
+        for k, v in value.items()
+        if k in schema["properties"]
+        for f in unknown_fields(schema["properties"][k], v, f"{path}.{k}")
+    ]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_rayjob_matches_kuberay_schema(path: Path) -> None:
+    rayjob = render(path.name)["RayJob"]
+    jsonschema.Draft4Validator(RAYJOB_SCHEMA).validate(rayjob)
+    assert unknown_fields(RAYJOB_SCHEMA, rayjob) == []
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_render_snapshot(path: Path) -> None:
+    job = parse_job(load(path))
+    ref = JobRef(job.metadata.name, "default", uid="00000000-0000-0000-0000-000000000000")
+    text = yaml.safe_dump_all(render_children(ref, job.spec), sort_keys=False)
+    snapshot = SNAPSHOTS / path.name
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        snapshot.write_text(text)
+    assert snapshot.read_text() == text, (
+        f"rendering of {path.name} changed; UPDATE_SNAPSHOTS=1 to accept"
+    )
+
+
+def test_children_are_named_after_the_job_labelled_and_owned_by_it() -> None:
+    objects = render("fully-async.yaml")
+    assert {o["metadata"]["name"] for o in objects.values()} == {
+        "fully-async",
+        "fully-async-spec",
+        "fully-async-reporter",
+    }
+    for obj in objects.values():
+        assert obj["metadata"]["namespace"] == "team-a"
+        assert obj["metadata"]["labels"]["rlhf.dev/job"] == "fully-async"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "rlhf-operator"
+        [owner] = obj["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "rlhf.dev/v1alpha1",
+            "kind": "RLHFJob",
+            "name": "fully-async",
+            "uid": "uid-fully-async",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def test_one_worker_group_per_pool_with_its_gpus_nodes_and_ray_resource() -> None:
+    cluster = render("asymmetric-6-2.yaml")["RayJob"]["spec"]["rayClusterSpec"]
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"policy", "value"}
+    for name, gpus in (("policy", "6"), ("value", "2")):
+        group = groups[name]
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1
+        assert group["resources"] == {"GPU": gpus, pool_resource(name): gpus}
+        assert group["labels"] == {POOL_LABEL: name}
+        pod = group["template"]["spec"]
+        assert group["template"]["metadata"]["labels"][POOL_LABEL] == name
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert pod["nodeSelector"] == {"pool": "a"}
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+        assert "affinity" not in pod  # separation: gpu lets the two pools share the node
+
+
+def test_node_separation_adds_required_anti_affinity_against_other_pools() -> None:
+    groups = render("two-nodes-by-node-8-8.yaml")["RayJob"]["spec"]["rayClusterSpec"][
+        "workerGroupSpecs"
+    ]
+    for group in groups:
+        [term] = group["template"]["spec"]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert {"key": POOL_LABEL, "operator": "NotIn", "values": [group["groupName"]]} in term[
+            "labelSelector"
+        ]["matchExpressions"]
+        assert {"key": "rlhf.dev/job", "operator": "In", "values": ["two-nodes-8-8"]} in term[
+            "labelSelector"
+        ]["matchExpressions"]
+
+
+def test_user_affinity_is_kept_and_merged_with_separation() -> None:
+    manifest = load(EXAMPLES[0].parent / "two-nodes-by-node-8-8.yaml")
+    node_affinity = {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "gpu-type", "operator": "In", "values": ["h100"]}]}
+            ]
+        }
+    }
+    manifest["spec"]["pools"][0]["affinity"] = {"nodeAffinity": node_affinity}
+    job = parse_job(manifest)
+    rayjob = render_children(JobRef("j", "ns", "u"), job.spec)[-1]
+    affinity = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"][
+        "affinity"
+    ]
+    assert affinity["nodeAffinity"] == node_affinity
+    assert len(affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]) == 1
+    assert job.spec.pools[0].affinity == {"nodeAffinity": node_affinity}  # the spec is not mutated
+
+
+def test_head_runs_the_driver_on_cpu_with_the_mounted_spec() -> None:
+    objects = render("local-cpu.yaml")
+    rayjob = objects["RayJob"]["spec"]
+    assert rayjob["entrypoint"] == "python -m rlhf_trainer --spec /etc/rlhf/spec.json"
+    head = rayjob["rayClusterSpec"]["headGroupSpec"]
+    assert head["rayStartParams"] == {"num-cpus": "0"}
+    container = head["template"]["spec"]["containers"][0]
+    assert not any("gpu" in k for k in container["resources"]["limits"])
+    assert {"name": "spec", "mountPath": "/etc/rlhf", "readOnly": True} in container["volumeMounts"]
+    handed_over = JobConfig.model_validate_json(objects["ConfigMap"]["data"]["spec.json"])
+    assert handed_over == parse_job(load(EXAMPLES[0].parent / "local-cpu.yaml")).spec.job_config()
+
+
+def test_suspend_is_passed_to_the_rayjob() -> None:
+    manifest = load(EXAMPLES[0].parent / "local-cpu.yaml")
+    manifest["spec"]["suspend"] = True
+    rayjob = render_children(JobRef("j", "ns", "u"), parse_job(manifest).spec)[-1]
+    assert rayjob["spec"]["suspend"] is True
+
+
+def test_pods_run_as_non_root_and_only_the_head_gets_an_api_token() -> None:
+    rayjob = render("split-8gpu-4-4.yaml")["RayJob"]["spec"]
+    cluster = rayjob["rayClusterSpec"]
+    templates = [
+        cluster["headGroupSpec"]["template"],
+        rayjob["submitterPodTemplate"],
+        *(g["template"] for g in cluster["workerGroupSpecs"]),
+    ]
+    for template in templates:
+        pod = template["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"]:
+            assert container["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+            }
+    assert cluster["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"] is True
+    assert all(
+        g["template"]["spec"]["automountServiceAccountToken"] is False
+        for g in cluster["workerGroupSpecs"]
+    )
+
+
+def test_reporter_may_patch_only_this_jobs_status() -> None:
+    objects = render("colocated.yaml")
+    assert objects["Role"]["rules"] == [
+        {
+            "apiGroups": ["rlhf.dev"],
+            "resources": ["rlhfjobs/status"],
+            "resourceNames": ["colocated"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    assert objects["RoleBinding"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "colocated-reporter", "namespace": "team-a"}
+    ]
+    assert objects["RoleBinding"]["roleRef"]["name"] == "colocated-reporter"
+    head = objects["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert head["serviceAccountName"] == "colocated-reporter"

@@ -1,0 +1,154 @@
+"""Status computation from observed state (pure)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from rlhf_operator.api import Phase, RLHFJobStatus
+from rlhf_operator.status import Observed, compute_status, finished, invalid_status
+from rlhf_operator.validation import parse_job
+from rlhf_trainer.config import TrainingProgress
+from tests.unit.conftest import EXAMPLES, load
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+SPEC = parse_job(
+    load(EXAMPLES[0].parent / "asymmetric-6-2.yaml")
+).spec  # pools policy (6), value (2)
+
+
+def pod(
+    pool: str, node: str | None = "n1", ready: bool = True, terminating: bool = False
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"labels": {"rlhf.dev/pool": pool}}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {
+        "metadata": meta,
+        "spec": {"nodeName": node} if node else {},
+        "status": {
+            "phase": "Running" if ready else "Pending",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def rayjob(deployment: str = "Running", job_status: str = "RUNNING") -> dict[str, Any]:
+    return {
+        "metadata": {"name": "asymmetric-6-2"},
+        "status": {
+            "jobDeploymentStatus": deployment,
+            "jobStatus": job_status,
+            "rayClusterName": "asymmetric-6-2-abcde",
+        },
+    }
+
+
+def status(
+    observed: Observed, old: RLHFJobStatus | None = None, now: datetime = T0
+) -> RLHFJobStatus:
+    return compute_status(SPEC, 3, observed, old or RLHFJobStatus(), now)
+
+
+def test_no_rayjob_yet_is_pending_with_nothing_ready() -> None:
+    s = status(Observed(None, []))
+    assert s.phase is Phase.PENDING
+    assert [(p.name, p.desired_gpus, p.ready_gpus) for p in s.pools] == [
+        ("policy", 6, 0),
+        ("value", 2, 0),
+    ]
+    assert s.pools_ready == "0/2"
+    assert s.observed_generation == 3
+    assert {c.type: c.status for c in s.conditions} == {
+        "Invalid": "False",
+        "PoolsReady": "False",
+        "Ready": "False",
+    }
+
+
+def test_ready_pods_count_gpus_and_nodes_per_pool() -> None:
+    pods = [
+        pod("policy", "gpu-1"),
+        pod("value", "gpu-2", ready=False),
+        pod("value", None, ready=False),
+    ]
+    s = status(Observed(rayjob("Initializing", ""), pods))
+    assert s.phase is Phase.PROVISIONING
+    assert [(p.name, p.ready_gpus, p.nodes) for p in s.pools] == [
+        ("policy", 6, ["gpu-1"]),
+        ("value", 0, ["gpu-2"]),
+    ]
+    assert s.pools_ready == "1/2"
+    assert s.ray_cluster == "asymmetric-6-2-abcde"
+
+
+def test_terminating_pods_are_not_ready() -> None:
+    s = status(Observed(rayjob(), [pod("policy", terminating=True), pod("value")]))
+    assert s.pools[0].ready_gpus == 0
+
+
+@pytest.mark.parametrize(("deployment", "job_status", "phase"), [
+    ("", "", Phase.PROVISIONING), ("Initializing", "", Phase.PROVISIONING), ("Waiting", "", Phase.PROVISIONING),
+    ("Running", "RUNNING", Phase.RUNNING), ("Complete", "SUCCEEDED", Phase.SUCCEEDED),
+    ("Complete", "FAILED", Phase.FAILED), ("Complete", "STOPPED", Phase.FAILED), ("Failed", "", Phase.FAILED),
+    ("Suspended", "", Phase.SUSPENDED), ("SomethingNew", "", Phase.PROVISIONING),
+])  # fmt: skip
+def test_kuberay_states_map_onto_phases(deployment: str, job_status: str, phase: Phase) -> None:
+    assert status(Observed(rayjob(deployment, job_status), [])).phase is phase
+
+
+def test_all_pools_ready_and_running_is_ready() -> None:
+    s = status(Observed(rayjob(), [pod("policy"), pod("value")]))
+    assert s.phase is Phase.RUNNING and s.pools_ready == "2/2" and s.start_time == T0
+    assert {c.type: c.status for c in s.conditions} == {
+        "Invalid": "False",
+        "PoolsReady": "True",
+        "Ready": "True",
+    }
+
+
+def test_a_finished_job_keeps_its_outcome_after_kuberay_cleans_up() -> None:
+    done = status(Observed(rayjob("Complete", "SUCCEEDED"), []))
+    assert finished(done) and done.completion_time == T0
+    later = status(Observed(None, []), old=done, now=T0 + timedelta(hours=1))
+    assert later.phase is Phase.SUCCEEDED and later.completion_time == T0
+
+
+def test_unchanged_observation_gives_an_identical_status() -> None:
+    # The reconciler writes only on change, so repeating must give the same status.
+    observed = Observed(rayjob(), [pod("policy"), pod("value", ready=False)])
+    first = status(observed)
+    assert status(observed, old=first, now=T0 + timedelta(minutes=5)) == first
+
+
+def test_condition_times_move_only_when_the_condition_flips() -> None:
+    first = status(Observed(rayjob(), [pod("policy")]))
+    later = status(
+        Observed(rayjob(), [pod("policy"), pod("value")]), old=first, now=T0 + timedelta(minutes=1)
+    )
+    times = {c.type: c.last_transition_time for c in later.conditions}
+    assert times["Invalid"] == T0 and times["PoolsReady"] == T0 + timedelta(minutes=1)
+    assert [c.type for c in later.conditions] == [c.type for c in first.conditions]
+
+
+def test_training_progress_is_carried_over() -> None:
+    progress = TrainingProgress(step=7, total_steps=30, policy_version=7)
+    s = status(Observed(rayjob(), []), old=RLHFJobStatus(training=progress))
+    assert s.training == progress
+
+
+def test_invalid_spec_fails_without_finishing() -> None:
+    s = invalid_status(RLHFJobStatus(), 2, "spec.roles.actor: must name a pool", T0)
+    assert s.phase is Phase.FAILED and not finished(s)
+    invalid = next(c for c in s.conditions if c.type == "Invalid")
+    assert (invalid.status, invalid.reason, invalid.message) == (
+        "True",
+        "InvalidSpec",
+        "spec.roles.actor: must name a pool",
+    )
+    # once fixed, the job proceeds: the Invalid condition clears and the phase follows KubeRay
+    fixed = status(Observed(None, []), old=s)
+    assert fixed.phase is Phase.PENDING
+    assert next(c for c in fixed.conditions if c.type == "Invalid").status == "False"

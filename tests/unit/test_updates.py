@@ -1,0 +1,62 @@
+"""Which fields may change on an existing job: the CRD's transition rules, evaluated as
+the API server does on an update (the control-plane tests repeat this on a real one)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.unit.celcheck import cel_errors
+
+Job = dict[str, Any]
+
+
+def changed(job: Job, change: Callable[[Job], None]) -> Job:
+    new = copy.deepcopy(job)
+    change(new)
+    return new
+
+
+ALLOWED = {
+    "pool-replicas": lambda j: j["spec"]["pools"][0].update(replicas=2),
+    "suspend": lambda j: j["spec"].update(suspend=True),
+    "status-only": lambda j: j.update(status={"phase": "Running"}),
+}
+
+REJECTED = {
+    "pool-gpus": (lambda j: j["spec"]["pools"][0].update(gpusPerNode=2), "spec.pools[0]",
+                  "only a pool's replicas can change after creation"),
+    "pool-node-selector-added": (lambda j: j["spec"]["pools"][1].update(nodeSelector={"pool": "b"}), "spec.pools[1]",
+                                 "only a pool's replicas can change after creation"),
+    "pool-added": (lambda j: j["spec"]["pools"].append({"name": "extra", "gpusPerNode": 1}), "spec.pools",
+                   "pools cannot be added, removed or renamed after creation"),
+    "pool-renamed": (lambda j: j["spec"]["pools"][1].update(name="critic"), "spec.pools",
+                     "pools cannot be added, removed or renamed after creation"),
+    "roles": (lambda j: j["spec"]["roles"].update(ref="value"), "spec.roles", "cannot change after creation"),
+    "async-added": (lambda j: j["spec"].update({"async": {}}), "spec.async", "cannot change after creation"),
+    "trainer": (lambda j: j["spec"]["trainer"].update(totalSteps=99), "spec.trainer", "cannot change after creation"),
+    "image": (lambda j: j["spec"].update(image="other:1"), "spec.image", "cannot change after creation"),
+    "default-made-explicit-but-different": (lambda j: j["spec"].update(separation="gpu"), "spec.separation",
+                                            "cannot change after creation"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("change", ALLOWED.values(), ids=ALLOWED.keys())
+def test_mutable_fields_may_change(local_job: Job, change: Callable[[Job], None]) -> None:
+    assert cel_errors(changed(local_job, change), old=local_job) == []
+
+
+@pytest.mark.parametrize(("change", "path", "message"), REJECTED.values(), ids=REJECTED.keys())
+def test_fixed_fields_are_rejected_with_the_field_named(
+    local_job: Job, change: Callable[[Job], None], path: str, message: str
+) -> None:
+    errors = cel_errors(changed(local_job, change), old=local_job)
+    assert (path, message) in [(p, m[: len(message)]) for p, m in errors], errors
+
+
+def test_restating_a_default_is_not_a_change(local_job: Job) -> None:
+    explicit = changed(local_job, lambda j: j["spec"].update(separation="node", suspend=False))
+    assert cel_errors(explicit, old=local_job) == []

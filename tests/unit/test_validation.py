@@ -1,0 +1,160 @@
+"""Every mistake a user can make is rejected with an error naming the field at fault.
+
+Each case breaks the small local example in one place. Where the rule is a cross-field
+rule, the same manifest must also fail the CRD's CEL rule at the same path (what the API
+server will say at admission).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from rlhf_operator.validation import InvalidJob, parse_job, parse_spec
+from tests.unit.celcheck import cel_errors
+
+Job = dict[str, Any]
+
+
+def _set(path: str, value: Any) -> Callable[[Job], None]:
+    """A mutation that sets a dotted path ("spec.pools.0.gpusPerNode") in a manifest."""
+
+    def apply(job: Job) -> None:
+        *parents, last = path.split(".")
+        node: Any = job
+        for part in parents:
+            node = node[int(part)] if part.isdigit() else node[part]
+        if value is _DELETE:
+            del node[last]
+        else:
+            node[int(last) if last.isdigit() else last] = value
+
+    return apply
+
+
+_DELETE = object()
+
+# (case id, mutation, field path the error must name, words the message must contain,
+#  whether the CRD's CEL rules must reject it at the same path too)
+CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
+    ("role-undeclared-pool", _set("spec.roles.critic", "gpus"), "spec.roles.critic",
+     "must name a pool declared in spec.pools (got 'gpus'; declared: policy, value)", True),
+    ("duplicate-pool-names", _set("spec.pools.1.name", "policy"), "spec.pools",
+     "pool names must be unique", True),
+    ("zero-gpus", _set("spec.pools.0.gpusPerNode", 0), "spec.pools[0].gpusPerNode",
+     "greater than or equal to 1", False),
+    ("negative-gpus", _set("spec.pools.1.gpusPerNode", -2), "spec.pools[1].gpusPerNode",
+     "greater than or equal to 1", False),
+    ("zero-replicas", _set("spec.pools.0.replicas", 0), "spec.pools[0].replicas",
+     "greater than or equal to 1", False),
+    ("no-pools", _set("spec.pools", []), "spec.pools", "at least 1 item", False),
+    ("missing-actor-role", _set("spec.roles.actor", _DELETE), "spec.roles.actor",
+     "required field is missing", False),
+    ("missing-critic-role", _set("spec.roles.critic", _DELETE), "spec.roles.critic",
+     "required field is missing", False),
+    ("ref-needed-for-kl", _set("spec.roles.ref", _DELETE), "spec.roles.ref",
+     "required when algorithm.klCoef > 0", True),
+    ("reward-model-needs-pool", _set("spec.models.reward", {"path": "/models/rm"}),
+     "spec.roles.reward", "required when models.reward is a model path", True),
+    ("unused-pool", _set("spec.roles.critic", "policy"), "spec.pools",
+     "every pool must host at least one role (an unused pool wastes its GPUs) (unused: value)",
+     True),
+    ("async-rollout-on-actor-pool", _set("spec.async", {"stalenessThreshold": 0.5}),
+     "spec.roles.rollout", "fully async needs the rollout on a pool of its own", True),
+    ("minibatch-not-dividing-batch", _set("spec.trainer.miniBatchSize", 12),
+     "spec.trainer.miniBatchSize", "must divide trainer.batchSize", True),
+    ("minibatch-not-multiple-of-dp", _set("spec.pools.0.gpusPerNode", 3),
+     "spec.trainer.miniBatchSize", "multiple of the actor pool's GPUs", True),
+    ("microbatch-not-dividing", _set("spec.trainer.microBatchSize", 5),
+     "spec.trainer.miniBatchSize", "a multiple of microBatchSize", True),
+    ("tp-not-dividing-gpus", _set("spec.generation.tensorParallelSize", 2),
+     "spec.generation.tensorParallelSize", "must divide the rollout pool's gpusPerNode", True),
+    ("negative-staleness", _set("spec.async", {"stalenessThreshold": -0.5}),
+     "spec.async.stalenessThreshold", "greater than or equal to 0", False),
+    ("zero-sync-step", _set("spec.async", {"triggerParameterSyncStep": 0}),
+     "spec.async.triggerParameterSyncStep", "greater than or equal to 1", False),
+    ("unknown-field-typo", _set("spec.pools.0.gpus", 4), "spec.pools[0].gpus",
+     "unknown field", False),
+    ("unknown-top-field", _set("spec.learningRate", 1), "spec.learningRate", "unknown field",
+     False),
+    ("wrong-type-int", _set("spec.pools.0.gpusPerNode", "four"), "spec.pools[0].gpusPerNode",
+     "valid integer", False),
+    ("wrong-type-list", _set("spec.pools", {"name": "a"}), "spec.pools", "valid", False),
+    ("wrong-type-bool", _set("spec.suspend", "maybe"), "spec.suspend", "valid boolean", False),
+    ("bad-enum", _set("spec.separation", "rack"), "spec.separation", "'node' or 'gpu'", False),
+    ("bad-kl-mode", _set("spec.algorithm.klMode", "both"), "spec.algorithm.klMode",
+     "'reward' or 'loss'", False),
+    ("bad-pool-name", _set("spec.pools.0.name", "Policy_A"), "spec.pools[0].name",
+     "should match pattern", False),
+    ("tiny-head-dim-too-small", _set("spec.models.actor.tiny.numHeads", 8),
+     "spec.models.actor.tiny.hiddenSize", "head dim", True),
+    ("model-path-and-tiny", _set("spec.models.actor.path", "org/model"), "spec.models.actor",
+     "set exactly one of path or tiny", True),
+    ("reward-neither", _set("spec.models.reward", {}), "spec.models.reward",
+     "set exactly one of path or function", True),
+    ("reward-function-bad-name", _set("spec.models.reward.function", "rm --all"),
+     "spec.models.reward.function", "should match pattern", False),
+    ("gpu-separation-disjoint-nodes",
+     lambda j: (_set("spec.separation", "gpu")(j), _set("spec.pools.0.nodeSelector", {"pool": "a"})(j),
+                _set("spec.pools.1.nodeSelector", {"pool": "b"})(j)),
+     "spec.separation", "some pools cannot share one", True),
+    ("bad-toleration", _set("spec.pools.0.tolerations", [{"key": "gpu", "operator": "Maybe"}]),
+     "spec.pools[0].tolerations[0].operator", "'Exists' or 'Equal'", False),
+    ("bad-quantity", _set("spec.pools.0.resources", {"memory": "64 gigs"}),
+     "spec.pools[0].resources.memory", "must be a quantity such as 8, '500m' or '64Gi' (got '64 gigs')", False),
+    ("bad-node-selector-key", _set("spec.pools.0.nodeSelector", {"bad key!": "x"}),
+     "spec.pools[0].nodeSelector.bad key!", "should match pattern", False),
+    ("bad-affinity",
+     _set("spec.pools.0.affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": []}}),
+     "spec.pools[0].affinity", "requiredDuringSchedulingIgnoredDuringExecution", False),
+    ("job-name-too-long", _set("metadata.name", "a" * 41), "metadata.name", "at most 40", False),
+    ("job-name-bad-chars", _set("metadata.name", "My.Job"), "metadata.name",
+     "should match pattern", False),
+    ("wrong-api-version", _set("apiVersion", "rlhf.dev/v1"), "apiVersion", "rlhf.dev/v1alpha1",
+     False),
+    ("wrong-kind", _set("kind", "RayJob"), "kind", "'RLHFJob'", False),
+    ("missing-spec", _set("spec", _DELETE), "spec", "required field is missing", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mutate", "path", "words", "cel_too"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])  # fmt: skip
+def test_bad_input_is_rejected_naming_the_field(
+    local_job: Job, mutate: Callable[[Job], None], path: str, words: str, cel_too: bool
+) -> None:
+    parse_job(local_job)  # the starting point is valid
+    mutate(local_job)
+    with pytest.raises(InvalidJob) as caught:
+        parse_job(local_job)
+    matching = [e for e in caught.value.errors if e.path == path and words in e.message]
+    assert matching, f"no error at {path} saying {words!r}: {caught.value.errors}"
+    if cel_too:
+        assert any(p == path for p, _ in cel_errors(local_job)), cel_errors(local_job)
+
+
+def test_the_starting_point_passes_cel(local_job: Job) -> None:
+    assert cel_errors(local_job) == []
+
+
+def test_every_error_is_reported_not_just_the_first(local_job: Job) -> None:
+    local_job["spec"]["roles"]["critic"] = "nope"
+    local_job["spec"]["trainer"]["miniBatchSize"] = 12
+    with pytest.raises(InvalidJob) as caught:
+        parse_job(local_job)
+    paths = {e.path for e in caught.value.errors}
+    assert {"spec.roles.critic", "spec.trainer.miniBatchSize"} <= paths
+
+
+def test_parse_spec_prefixes_paths_with_spec(local_job: Job) -> None:
+    local_job["spec"]["pools"][0]["gpusPerNode"] = 0
+    with pytest.raises(InvalidJob) as caught:
+        parse_spec(local_job["spec"])
+    assert [e.path for e in caught.value.errors] == ["spec.pools[0].gpusPerNode"]
+
+
+@pytest.mark.parametrize("manifest", [None, [], "RLHFJob", 3])
+def test_a_non_mapping_is_rejected(manifest: Any) -> None:
+    with pytest.raises(InvalidJob, match="expected a mapping"):
+        parse_job(manifest)
