@@ -16,14 +16,24 @@ from .harness import BIN_DIR, ControlPlane, build_binaries, missing_binaries
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.controlplane", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--measure", action="store_true", help="start, print start-up timings, stop")
-    parser.add_argument("--no-build", action="store_true", help="do not run `make controlplane` first")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.controlplane",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--measure", action="store_true", help="start, print start-up timings, stop"
+    )
+    parser.add_argument(
+        "--no-build", action="store_true", help="do not run `make controlplane` first"
+    )
     args = parser.parse_args(argv)
 
     if not args.no_build:
-        print(f"building control-plane binaries into {BIN_DIR} (first time: many minutes) ...", flush=True)
+        print(
+            f"building control-plane binaries into {BIN_DIR} (first time: many minutes) ...",
+            flush=True,
+        )
         build_binaries()
     elif missing_binaries():
         print(f"missing binaries: {missing_binaries()}", file=sys.stderr)

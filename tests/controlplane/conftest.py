@@ -10,6 +10,8 @@ When a test fails, the last lines of every component's log are added to its repo
 from __future__ import annotations
 
 import shutil
+import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -37,18 +39,33 @@ def controlplane(request: pytest.FixtureRequest):
         RUN_ROOT.mkdir(parents=True, exist_ok=True)
         build_log = RUN_ROOT / "build.log"
         if missing_binaries():
-            _say(request.config, f"building control-plane binaries (first time: many minutes); log: {build_log}")
+            _say(
+                request.config,
+                f"building control-plane binaries (first time: many minutes); log: {build_log}",
+            )
         build_binaries(build_log)
     cp = ControlPlane()
     _running = cp
     cp.start()
-    _say(request.config, f"control plane started in {cp.startup_seconds:.1f}s {cp.phase_seconds}; "
-                         f"KUBECONFIG={cp.kubeconfig}")
+    _say(
+        request.config,
+        f"control plane started in {cp.startup_seconds:.1f}s {cp.phase_seconds}; "
+        f"KUBECONFIG={cp.kubeconfig}",
+    )
     try:
         yield cp
     finally:
         cp.stop()
         _running = None
+
+
+@pytest.fixture
+def namespace(controlplane: ControlPlane) -> Iterator[str]:
+    """A fresh namespace per test, ready for pods (its default service account exists)."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    controlplane.create_namespace(name)
+    yield name
+    controlplane.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.hookimpl(hookwrapper=True)

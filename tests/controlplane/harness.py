@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import ctypes
 import json
 import os
@@ -29,9 +30,9 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import yaml
 
@@ -106,13 +107,15 @@ def missing_binaries() -> list[str]:
 
 def build_binaries(log_path: Path | None = None) -> None:
     """Run the Makefile fragment: a no-op when binaries are newer than go.mod/go.sum."""
-    cmd = ["make", "--no-print-directory", "-f", str(MAKEFILE.relative_to(REPO_ROOT)), "controlplane"]
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    try:
+    cmd = [
+        "make",
+        "--no-print-directory",
+        "-f",
+        str(MAKEFILE.relative_to(REPO_ROOT)),
+        "controlplane",
+    ]
+    with open(log_path or os.devnull, "ab") as out:
         rc = subprocess.call(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
-    finally:
-        if log_path:
-            out.close()
     if rc != 0:
         where = f"; see {log_path}" if log_path else ""
         raise ControlPlaneError(f"{' '.join(cmd)} failed with exit code {rc}{where}")
@@ -122,7 +125,10 @@ def go_module_dir(module_dir: Path, module: str) -> Path:
     """Where `module` (as pinned by the go.mod in module_dir) lies in the module cache."""
     out = subprocess.run(
         ["go", "list", "-m", "-json", module],
-        cwd=module_dir, check=True, capture_output=True, text=True,
+        cwd=module_dir,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     info = json.loads(out)
     if not info.get("Dir"):  # not downloaded yet (e.g. binaries were copied in)
@@ -139,7 +145,10 @@ def kuberay_crd_dir() -> Path:
 def kuberay_crd_files() -> list[Path]:
     """The CRDs of the kinds the operator serves. RayCronJob is left out: its
     controller is off by default (feature gate) and its 0.7 MB schema slows start-up."""
-    return [kuberay_crd_dir() / f"ray.io_{plural}.yaml" for plural in ("rayclusters", "rayjobs", "rayservices")]
+    return [
+        kuberay_crd_dir() / f"ray.io_{plural}.yaml"
+        for plural in ("rayclusters", "rayjobs", "rayservices")
+    ]
 
 
 def kwok_stage_files() -> list[Path]:
@@ -245,22 +254,16 @@ class Process:
             return
         if self.popen.poll() is None:
             self._signal_group(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
         # Whatever is left in the group (the leader or any child) gets SIGKILL.
         self._signal_group(signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
 
     def _signal_group(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 # --------------------------------------------------------------------------- certificates
@@ -276,47 +279,126 @@ def make_pki(pki: Path) -> None:
     pki.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     _openssl(
-        "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
-        "-subj", "/CN=rlhf-test-ca",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=rlhf-test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
         cwd=pki,
     )
-    _leaf(pki, "apiserver", "/CN=kube-apiserver", "serverAuth", [
-        "IP:127.0.0.1", "IP:10.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
-        "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local",
-    ])
+    _leaf(
+        pki,
+        "apiserver",
+        "/CN=kube-apiserver",
+        "serverAuth",
+        [
+            "IP:127.0.0.1",
+            "IP:10.0.0.1",
+            "DNS:localhost",
+            "DNS:kubernetes",
+            "DNS:kubernetes.default",
+            "DNS:kubernetes.default.svc",
+            "DNS:kubernetes.default.svc.cluster.local",
+        ],
+    )
     _leaf(pki, "admin", "/O=system:masters/CN=rlhf-test-admin", "clientAuth", [])
-    _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=pki)
+    _openssl(
+        "genpkey",
+        "-algorithm",
+        "RSA",
+        "-pkeyopt",
+        "rsa_keygen_bits:2048",
+        "-out",
+        "sa.key",
+        cwd=pki,
+    )
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
 
 def _leaf(pki: Path, name: str, subject: str, usage: str, sans: list[str]) -> None:
-    ext = ["basicConstraints=critical,CA:FALSE", "keyUsage=critical,digitalSignature,keyEncipherment",
-           f"extendedKeyUsage={usage}"]
+    ext = [
+        "basicConstraints=critical,CA:FALSE",
+        "keyUsage=critical,digitalSignature,keyEncipherment",
+        f"extendedKeyUsage={usage}",
+    ]
     if sans:
         ext.append("subjectAltName=" + ",".join(sans))
     (pki / f"{name}.ext").write_text("\n".join(ext) + "\n")
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=pki)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "3650", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=pki)
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        subject,
+        cwd=pki,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.crt",
+        cwd=pki,
+    )
 
 
 def kubeconfig_yaml(server: str, pki: Path) -> str:
     def b64(name: str) -> str:
         return base64.b64encode((pki / name).read_bytes()).decode()
 
-    return yaml.safe_dump({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "rlhf-test", "cluster": {
-            "server": server, "certificate-authority-data": b64("ca.crt")}}],
-        "users": [{"name": "admin", "user": {
-            "client-certificate-data": b64("admin.crt"), "client-key-data": b64("admin.key")}}],
-        "contexts": [{"name": "rlhf-test", "context": {"cluster": "rlhf-test", "user": "admin"}}],
-        "current-context": "rlhf-test",
-    })
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "rlhf-test",
+                    "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")},
+                }
+            ],
+            "users": [
+                {
+                    "name": "admin",
+                    "user": {
+                        "client-certificate-data": b64("admin.crt"),
+                        "client-key-data": b64("admin.key"),
+                    },
+                }
+            ],
+            "contexts": [
+                {"name": "rlhf-test", "context": {"cluster": "rlhf-test", "user": "admin"}}
+            ],
+            "current-context": "rlhf-test",
+        }
+    )
 
 
 # --------------------------------------------------------------------------- nodes
@@ -329,24 +411,29 @@ def node_manifests(groups: Sequence[NodeGroup]) -> list[dict]:
         if group.gpus:
             resources[GPU_RESOURCE] = str(group.gpus)
         for name in group.node_names():
-            nodes.append({
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {
-                    "name": name,
-                    # kwok manages only nodes carrying this annotation.
-                    "annotations": {KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
-                    "labels": {
-                        "kubernetes.io/hostname": name,
-                        "kubernetes.io/os": "linux",
-                        "kubernetes.io/arch": "amd64",
-                        "type": "kwok",
-                        "pool": group.pool,
+            nodes.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": name,
+                        # kwok manages only nodes carrying this annotation.
+                        "annotations": {
+                            KWOK_NODE_ANNOTATION: "fake",
+                            "node.alpha.kubernetes.io/ttl": "0",
+                        },
+                        "labels": {
+                            "kubernetes.io/hostname": name,
+                            "kubernetes.io/os": "linux",
+                            "kubernetes.io/arch": "amd64",
+                            "type": "kwok",
+                            "pool": group.pool,
+                        },
                     },
-                },
-                "spec": {"taints": [GPU_TAINT] if group.gpus else []},
-                "status": {"capacity": resources, "allocatable": resources},
-            })
+                    "spec": {"taints": [GPU_TAINT] if group.gpus else []},
+                    "status": {"capacity": resources, "allocatable": resources},
+                }
+            )
     return nodes
 
 
@@ -380,16 +467,17 @@ class ControlPlane:
 
     # ----- lifecycle
 
-    def __enter__(self) -> "ControlPlane":
+    def __enter__(self) -> ControlPlane:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "ControlPlane":
+    def start(self) -> ControlPlane:
         if missing_binaries():
             raise ControlPlaneError(
-                f"missing {missing_binaries()} in {BIN_DIR}: run `make -f {MAKEFILE.relative_to(REPO_ROOT)} controlplane`")
+                f"missing {missing_binaries()} in {BIN_DIR}: run `make -f {MAKEFILE.relative_to(REPO_ROOT)} controlplane`"
+            )
         self._prune_old_runs()
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
@@ -440,8 +528,17 @@ class ControlPlane:
 
     def _make_certs(self) -> None:
         make_pki(self.pki)
-        names = ["etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "kwok", "kuberay-metrics", "kuberay-probe"]
-        self._ports = dict(zip(names, free_ports(len(names))))
+        names = [
+            "etcd",
+            "etcd-peer",
+            "apiserver",
+            "kcm",
+            "scheduler",
+            "kwok",
+            "kuberay-metrics",
+            "kuberay-probe",
+        ]
+        self._ports = dict(zip(names, free_ports(len(names)), strict=True))
         self.server = f"https://127.0.0.1:{self._ports['apiserver']}"
         self.kubeconfig.write_text(kubeconfig_yaml(self.server, self.pki))
         self._client_tls = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
@@ -450,85 +547,124 @@ class ControlPlane:
     def _start_etcd(self) -> None:
         client = f"http://127.0.0.1:{self._ports['etcd']}"
         peer = f"http://127.0.0.1:{self._ports['etcd-peer']}"
-        proc = self._spawn("etcd", [
-            BIN_DIR / "etcd",
-            "--name", "default",
-            "--data-dir", self.run_dir / "etcd-data",
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"default={peer}",
-            # Test data need not survive a power cut; fsync dominates etcd latency here.
-            "--unsafe-no-fsync",
-            "--log-level", "warn",
-        ])
+        proc = self._spawn(
+            "etcd",
+            [
+                BIN_DIR / "etcd",
+                "--name",
+                "default",
+                "--data-dir",
+                self.run_dir / "etcd-data",
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"default={peer}",
+                # Test data need not survive a power cut; fsync dominates etcd latency here.
+                "--unsafe-no-fsync",
+                "--log-level",
+                "warn",
+            ],
+        )
         self._wait("etcd", lambda: _http_get(f"{client}/health") == 200, proc, timeout=30)
 
     def _start_apiserver(self) -> None:
         pki = self.pki
-        proc = self._spawn("kube-apiserver", [
-            BIN_DIR / "kube-apiserver",
-            f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-            f"--secure-port={self._ports['apiserver']}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--client-ca-file={pki / 'ca.crt'}",
-            # As kubeadm does; without it the controller manager and scheduler log an
-            # error every second about the missing request-header CA. No client cert
-            # here has the allowed name, so no one can use the headers.
-            f"--requestheader-client-ca-file={pki / 'ca.crt'}",
-            "--requestheader-allowed-names=front-proxy-client",
-            "--requestheader-username-headers=X-Remote-User",
-            "--requestheader-group-headers=X-Remote-Group",
-            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-            "--authorization-mode=RBAC",
-            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
-            f"--service-account-key-file={pki / 'sa.pub'}",
-            f"--service-account-signing-key-file={pki / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # Endpoints may not point at loopback, and no pod could reach it anyway.
-            "--endpoint-reconciler-type=none",
-            "--allow-privileged=true",
-            "--profiling=false",
-            f"--cert-dir={self.run_dir / 'apiserver-certs'}",
-        ])
-        self._wait("kube-apiserver", lambda: _https_get(f"{self.server}/readyz", self._client_tls) == 200,
-                   proc, timeout=60)
+        proc = self._spawn(
+            "kube-apiserver",
+            [
+                BIN_DIR / "kube-apiserver",
+                f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self._ports['apiserver']}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                # As kubeadm does; without it the controller manager and scheduler log an
+                # error every second about the missing request-header CA. No client cert
+                # here has the allowed name, so no one can use the headers.
+                f"--requestheader-client-ca-file={pki / 'ca.crt'}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                "--authorization-mode=RBAC",
+                f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                # Endpoints may not point at loopback, and no pod could reach it anyway.
+                "--endpoint-reconciler-type=none",
+                "--allow-privileged=true",
+                "--profiling=false",
+                f"--cert-dir={self.run_dir / 'apiserver-certs'}",
+            ],
+        )
+        self._wait(
+            "kube-apiserver",
+            lambda: _https_get(f"{self.server}/readyz", self._client_tls) == 200,
+            proc,
+            timeout=60,
+        )
 
     def _start_controllers(self) -> None:
         """Start kube-controller-manager, kube-scheduler and kwok together; their
         health is checked later, in _wait_ready, while the CRDs install."""
         kc = self.kubeconfig
-        delegated = [f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-                     "--bind-address=127.0.0.1", "--leader-elect=false"]
-        self._spawn("kube-controller-manager", [
-            BIN_DIR / "kube-controller-manager", *delegated,
-            f"--secure-port={self._ports['kcm']}",
-            f"--cert-dir={self.run_dir / 'kcm-certs'}",
-            # Signs service-account tokens (token controller) and publishes the root CA.
-            f"--service-account-private-key-file={self.pki / 'sa.key'}",
-            f"--root-ca-file={self.pki / 'ca.crt'}",
-            f"--cluster-signing-cert-file={self.pki / 'ca.crt'}",
-            f"--cluster-signing-key-file={self.pki / 'ca.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-        ])
-        self._spawn("kube-scheduler", [
-            BIN_DIR / "kube-scheduler", *delegated,
-            f"--secure-port={self._ports['scheduler']}",
-            f"--cert-dir={self.run_dir / 'scheduler-certs'}",
-        ])
-        self._spawn("kwok", [
-            BIN_DIR / "kwok",
+        delegated = [
             f"--kubeconfig={kc}",
-            "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
-            f"--server-address=127.0.0.1:{self._ports['kwok']}",
-            # The API server reaches "kubelets" (logs, exec) at the node's IP and port:
-            # point that at kwok itself, on loopback.
-            "--node-ip=127.0.0.1", f"--node-port={self._ports['kwok']}",
-            "--cidr=10.244.0.1/16",
-            "--node-lease-duration-seconds=40",
-            *[f"--config={stage}" for stage in kwok_stage_files()],
-        ])
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1",
+            "--leader-elect=false",
+        ]
+        self._spawn(
+            "kube-controller-manager",
+            [
+                BIN_DIR / "kube-controller-manager",
+                *delegated,
+                f"--secure-port={self._ports['kcm']}",
+                f"--cert-dir={self.run_dir / 'kcm-certs'}",
+                # Signs service-account tokens (token controller) and publishes the root CA.
+                f"--service-account-private-key-file={self.pki / 'sa.key'}",
+                f"--root-ca-file={self.pki / 'ca.crt'}",
+                f"--cluster-signing-cert-file={self.pki / 'ca.crt'}",
+                f"--cluster-signing-key-file={self.pki / 'ca.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                BIN_DIR / "kube-scheduler",
+                *delegated,
+                f"--secure-port={self._ports['scheduler']}",
+                f"--cert-dir={self.run_dir / 'scheduler-certs'}",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                BIN_DIR / "kwok",
+                f"--kubeconfig={kc}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                f"--server-address=127.0.0.1:{self._ports['kwok']}",
+                # The API server reaches "kubelets" (logs, exec) at the node's IP and port:
+                # point that at kwok itself, on loopback.
+                "--node-ip=127.0.0.1",
+                f"--node-port={self._ports['kwok']}",
+                "--cidr=10.244.0.1/16",
+                "--node-lease-duration-seconds=40",
+                *[f"--config={stage}" for stage in kwok_stage_files()],
+            ],
+        )
 
     def _create_crds(self) -> None:
         # A fresh etcd each run, so plain create: server-side apply of KubeRay's
@@ -544,16 +680,22 @@ class ControlPlane:
                     log.write(f"kubectl create -f {path} failed:\n{result.stderr}\n")
 
     def _wait_crds_established(self) -> None:
-        self.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=120s", timeout=130)
+        self.kubectl(
+            "wait", "--for=condition=Established", "crd", "--all", "--timeout=120s", timeout=130
+        )
 
     def _start_kuberay(self) -> None:
-        self._spawn("kuberay-operator", [
-            BIN_DIR / "kuberay-operator",
-            f"--metrics-addr=127.0.0.1:{self._ports['kuberay-metrics']}",
-            f"--health-probe-bind-address=127.0.0.1:{self._ports['kuberay-probe']}",
-            "--enable-leader-election=false",
-            "--log-stdout-encoder=console",
-        ], env={"KUBECONFIG": str(self.kubeconfig)})
+        self._spawn(
+            "kuberay-operator",
+            [
+                BIN_DIR / "kuberay-operator",
+                f"--metrics-addr=127.0.0.1:{self._ports['kuberay-metrics']}",
+                f"--health-probe-bind-address=127.0.0.1:{self._ports['kuberay-probe']}",
+                "--enable-leader-election=false",
+                "--log-stdout-encoder=console",
+            ],
+            env={"KUBECONFIG": str(self.kubeconfig)},
+        )
 
     def _create_nodes(self) -> None:
         # Through the Python client: kubectl would first rediscover every API group,
@@ -569,32 +711,42 @@ class ControlPlane:
         by_name = {p.name: p for p in self.processes}
         insecure = ssl._create_unverified_context()  # their serving certs are self-signed
         checks = {
-            "kube-controller-manager": lambda: _https_get(
-                f"https://127.0.0.1:{self._ports['kcm']}/healthz", insecure) == 200,
-            "kube-scheduler": lambda: _https_get(
-                f"https://127.0.0.1:{self._ports['scheduler']}/healthz", insecure) == 200,
+            "kube-controller-manager": lambda: (
+                _https_get(f"https://127.0.0.1:{self._ports['kcm']}/healthz", insecure) == 200
+            ),
+            "kube-scheduler": lambda: (
+                _https_get(f"https://127.0.0.1:{self._ports['scheduler']}/healthz", insecure) == 200
+            ),
             "kwok": lambda: _http_get(f"http://127.0.0.1:{self._ports['kwok']}/healthz") == 200,
-            "kuberay-operator": lambda: _http_get(
-                f"http://127.0.0.1:{self._ports['kuberay-probe']}/readyz") == 200,
+            "kuberay-operator": lambda: (
+                _http_get(f"http://127.0.0.1:{self._ports['kuberay-probe']}/readyz") == 200
+            ),
         }
         for name, check in checks.items():
             self._wait(name, check, by_name[name], timeout=60)
         nodes = [n for g in self.node_groups for n in g.node_names()]
         self._wait("nodes Ready", lambda: self._nodes_ready(nodes), by_name["kwok"], timeout=60)
         # Pods are refused until the service-account controller made "default".
-        self._wait("default service account", lambda: self._has_default_sa("default"),
-                   by_name["kube-controller-manager"], timeout=60)
+        self._wait(
+            "default service account",
+            lambda: self._has_default_sa("default"),
+            by_name["kube-controller-manager"],
+            timeout=60,
+        )
 
     # ----- waiting
 
-    def _wait(self, what: str, check: Callable[[], bool], proc: Process | None, timeout: float) -> None:
+    def _wait(
+        self, what: str, check: Callable[[], bool], proc: Process | None, timeout: float
+    ) -> None:
         deadline = time.monotonic() + timeout
         last_error: Exception | None = None
         while time.monotonic() < deadline:
             if proc is not None and not proc.alive():
                 raise ControlPlaneError(
                     f"{proc.name} exited (code {proc.popen.returncode}) while waiting for {what}:\n"
-                    f"{tail(proc.log_path)}")
+                    f"{tail(proc.log_path)}"
+                )
             try:
                 if check():
                     return
@@ -602,7 +754,9 @@ class ControlPlane:
                 last_error = e
             time.sleep(0.2)
         log = f"\n{tail(proc.log_path)}" if proc else ""
-        raise ControlPlaneError(f"timed out after {timeout}s waiting for {what} (last error: {last_error}){log}")
+        raise ControlPlaneError(
+            f"timed out after {timeout}s waiting for {what} (last error: {last_error}){log}"
+        )
 
     def _nodes_ready(self, names: list[str]) -> bool:
         out = self.kubectl("get", "nodes", "-o", "json", check=False)
@@ -611,12 +765,20 @@ class ControlPlane:
         ready = {
             n["metadata"]["name"]
             for n in json.loads(out.stdout)["items"]
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
+            if any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in n.get("status", {}).get("conditions", [])
+            )
         }
         return set(names) <= ready
 
     def _has_default_sa(self, namespace: str) -> bool:
-        return self.kubectl("get", "serviceaccount", "default", "-n", namespace, check=False).returncode == 0
+        return (
+            self.kubectl(
+                "get", "serviceaccount", "default", "-n", namespace, check=False
+            ).returncode
+            == 0
+        )
 
     # ----- for tests and people
 
@@ -631,21 +793,32 @@ class ControlPlane:
             "HELM_DATA_HOME": str(helm_home / "data"),
         }
 
-    def _run(self, argv: list[str], check: bool, input: str | None, timeout: float) -> subprocess.CompletedProcess:
-        result = subprocess.run(argv, input=input, capture_output=True, text=True, env=self.env(), timeout=timeout)
+    def _run(
+        self, argv: list[str], check: bool, input: str | None, timeout: float
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            argv, input=input, capture_output=True, text=True, env=self.env(), timeout=timeout
+        )
         if check and result.returncode != 0:
             raise ControlPlaneError(
-                f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+                f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess:
-        argv = [str(BIN_DIR / "kubectl"), f"--kubeconfig={self.kubeconfig}",
-                f"--cache-dir={self.run_dir / 'kube-cache'}", *args]
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        argv = [
+            str(BIN_DIR / "kubectl"),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--cache-dir={self.run_dir / 'kube-cache'}",
+            *args,
+        ]
         return self._run(argv, check, input, timeout)
 
-    def helm(self, *args: str, check: bool = True, input: str | None = None,
-             timeout: float = 120) -> subprocess.CompletedProcess:
+    def helm(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
         argv = [str(BIN_DIR / "helm"), f"--kubeconfig={self.kubeconfig}", *args]
         return self._run(argv, check, input, timeout)
 
@@ -658,7 +831,12 @@ class ControlPlane:
     def create_namespace(self, name: str) -> None:
         """Create a namespace and wait until pods can be created in it."""
         self.kubectl("create", "namespace", name)
-        self._wait(f"service account default in {name}", lambda: self._has_default_sa(name), None, timeout=60)
+        self._wait(
+            f"service account default in {name}",
+            lambda: self._has_default_sa(name),
+            None,
+            timeout=60,
+        )
 
     def log_tails(self, lines: int = 25) -> dict[str, str]:
         return {p.name: tail(p.log_path, lines) for p in self._all_logs()}

@@ -6,44 +6,18 @@ RBAC work; our CRD's CEL rules are enforced by the API server."""
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from pathlib import Path
 
 import pytest
 import yaml
 from kubernetes import client
 
 from .harness import GPU_RESOURCE, GPU_TOLERATION, REPO_ROOT
-
-WAIT = 90  # seconds; generous because a 2-core machine may be busy
-
-
-def eventually(fn, what: str, timeout: float = WAIT):
-    """Poll fn until it returns something truthy; fail with `what` otherwise."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}; last value: {last!r}")
+from .util import eventually, get_json
 
 
-@pytest.fixture
-def namespace(controlplane):
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    controlplane.create_namespace(name)
-    yield name
-    controlplane.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-def get_json(cp, *args) -> dict:
-    return json.loads(cp.kubectl("get", *args, "-o", "json").stdout)
-
-
-def pod(name: str, *, node_selector: dict | None = None, gpus: int = 0, tolerate_gpu: bool = False) -> dict:
+def pod(
+    name: str, *, node_selector: dict | None = None, gpus: int = 0, tolerate_gpu: bool = False
+) -> dict:
     container = {"name": "main", "image": "registry.invalid/sleep:1"}
     if gpus:
         container["resources"] = {"limits": {GPU_RESOURCE: str(gpus)}}
@@ -57,12 +31,19 @@ def pod(name: str, *, node_selector: dict | None = None, gpus: int = 0, tolerate
 
 def apply(cp, namespace: str, *objects: dict, check: bool = True):
     manifest = {"apiVersion": "v1", "kind": "List", "items": list(objects)}
-    return cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=check)
+    return cp.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=check
+    )
 
 
 def scheduling_events(cp, namespace: str, pod_name: str) -> list[str]:
-    events = get_json(cp, "events", "-n", namespace,
-                      f"--field-selector=involvedObject.name={pod_name},reason=FailedScheduling")
+    events = get_json(
+        cp,
+        "events",
+        "-n",
+        namespace,
+        f"--field-selector=involvedObject.name={pod_name},reason=FailedScheduling",
+    )
     return [e["message"] for e in events["items"]]
 
 
@@ -95,12 +76,20 @@ def test_fake_gpu_node_groups(controlplane):
 def test_node_selector_and_toleration_place_pods_on_the_pool(controlplane, namespace):
     cp = controlplane
     names = [f"b-{i}" for i in range(4)]
-    apply(cp, namespace, *[pod(n, node_selector={"pool": "b"}, gpus=4, tolerate_gpu=True) for n in names])
+    apply(
+        cp,
+        namespace,
+        *[pod(n, node_selector={"pool": "b"}, gpus=4, tolerate_gpu=True) for n in names],
+    )
 
     def placed():
         pods = get_json(cp, "pods", "-n", namespace)["items"]
         running = [p for p in pods if p["status"].get("phase") == "Running"]
-        return {p["metadata"]["name"]: p["spec"]["nodeName"] for p in running} if len(running) == 4 else None
+        return (
+            {p["metadata"]["name"]: p["spec"]["nodeName"] for p in running}
+            if len(running) == 4
+            else None
+        )
 
     placement = eventually(placed, "4 pods Running")
     assert set(placement.values()) <= nodes_of_pool(cp, "b")
@@ -110,21 +99,29 @@ def test_node_selector_and_toleration_place_pods_on_the_pool(controlplane, names
 
 def test_gpu_taint_keeps_pods_without_toleration_off_gpu_nodes(controlplane, namespace):
     apply(controlplane, namespace, pod("no-toleration", node_selector={"pool": "a"}))
-    messages = eventually(lambda: scheduling_events(controlplane, namespace, "no-toleration"),
-                          "a FailedScheduling event")
+    messages = eventually(
+        lambda: scheduling_events(controlplane, namespace, "no-toleration"),
+        "a FailedScheduling event",
+    )
     # The only nodes with pool=a are the GPU nodes, and they carry the GPU taint.
     assert any("untolerated taint" in m for m in messages), messages
-    assert get_json(controlplane, "pod", "no-toleration", "-n", namespace)["status"]["phase"] == "Pending"
+    assert (
+        get_json(controlplane, "pod", "no-toleration", "-n", namespace)["status"]["phase"]
+        == "Pending"
+    )
 
 
 def test_pod_asking_for_more_gpus_than_any_node_has_stays_pending(controlplane, namespace):
     apply(controlplane, namespace, pod("too-big", gpus=9, tolerate_gpu=True))
-    messages = eventually(lambda: scheduling_events(controlplane, namespace, "too-big"),
-                          "a FailedScheduling event")
+    messages = eventually(
+        lambda: scheduling_events(controlplane, namespace, "too-big"), "a FailedScheduling event"
+    )
     assert any(f"Insufficient {GPU_RESOURCE}" in m for m in messages), messages
     status = get_json(controlplane, "pod", "too-big", "-n", namespace)["status"]
     assert status["phase"] == "Pending"
-    assert any(c["type"] == "PodScheduled" and c["reason"] == "Unschedulable" for c in status["conditions"])
+    assert any(
+        c["type"] == "PodScheduled" and c["reason"] == "Unschedulable" for c in status["conditions"]
+    )
 
 
 # --------------------------------------------------------------------------- garbage collector
@@ -134,10 +131,16 @@ def test_deleting_owner_garbage_collects_child(controlplane, namespace):
     cp = controlplane
     cp.kubectl("create", "configmap", "owner", "-n", namespace)
     owner_uid = get_json(cp, "configmap", "owner", "-n", namespace)["metadata"]["uid"]
-    child = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
-        "name": "child",
-        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner_uid}],
-    }}
+    child = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "child",
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner_uid}
+            ],
+        },
+    }
     apply(cp, namespace, child)
     cp.kubectl("delete", "configmap", "owner", "-n", namespace)
 
@@ -167,15 +170,25 @@ def test_service_account_tokens_are_issued_and_rbac_is_enforced(controlplane, na
     api = client.CoreV1Api(token_client(cp, token))
 
     review = client.AuthenticationV1Api(token_client(cp, token)).create_self_subject_review(
-        client.V1SelfSubjectReview())
+        client.V1SelfSubjectReview()
+    )
     assert review.status.user_info.username == f"system:serviceaccount:{namespace}:reader"
     with pytest.raises(client.ApiException) as denied:
         api.list_namespaced_pod(namespace)
     assert denied.value.status == 403
 
-    cp.kubectl("create", "role", "pod-reader", "--verb=get,list", "--resource=pods", "-n", namespace)
-    cp.kubectl("create", "rolebinding", "reader", "--role=pod-reader",
-               f"--serviceaccount={namespace}:reader", "-n", namespace)
+    cp.kubectl(
+        "create", "role", "pod-reader", "--verb=get,list", "--resource=pods", "-n", namespace
+    )
+    cp.kubectl(
+        "create",
+        "rolebinding",
+        "reader",
+        "--role=pod-reader",
+        f"--serviceaccount={namespace}:reader",
+        "-n",
+        namespace,
+    )
 
     def allowed():
         try:
@@ -228,7 +241,9 @@ spec:
 """
 
 
-def test_raycluster_is_reconciled_into_pods_on_the_right_node_groups(controlplane, namespace, tmp_path):
+def test_raycluster_is_reconciled_into_pods_on_the_right_node_groups(
+    controlplane, namespace, tmp_path
+):
     cp = controlplane
     manifest = tmp_path / "raycluster.yaml"
     manifest.write_text(RAYCLUSTER)
@@ -242,14 +257,20 @@ def test_raycluster_is_reconciled_into_pods_on_the_right_node_groups(controlplan
     pods = eventually(running_pods, "the head and 2 worker pods Running")
     by_type = {}
     for p in pods:
-        by_type.setdefault(p["metadata"]["labels"]["ray.io/node-type"], []).append(p["spec"]["nodeName"])
+        by_type.setdefault(p["metadata"]["labels"]["ray.io/node-type"], []).append(
+            p["spec"]["nodeName"]
+        )
     assert set(by_type["head"]) <= nodes_of_pool(cp, "cpu")
     # 8 GPUs each: one worker per pool-a node.
     assert sorted(by_type["worker"]) == sorted(nodes_of_pool(cp, "a"))
 
     state = eventually(
-        lambda: get_json(cp, "raycluster", "smoke", "-n", namespace).get("status", {}).get("state") == "ready",
-        "RayCluster status.state=ready")
+        lambda: (
+            get_json(cp, "raycluster", "smoke", "-n", namespace).get("status", {}).get("state")
+            == "ready"
+        ),
+        "RayCluster status.state=ready",
+    )
     assert state
 
 
@@ -277,11 +298,15 @@ def cel_message(crd: dict, field_path: str) -> str:
     """The message of the spec-level CEL rule that reports at `field_path`."""
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
     spec_schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    (rule,) = [r for r in spec_schema["x-kubernetes-validations"] if r.get("fieldPath") == field_path]
+    (rule,) = [
+        r for r in spec_schema["x-kubernetes-validations"] if r.get("fieldPath") == field_path
+    ]
     return " ".join(rule["message"].split())
 
 
-def test_rlhfjob_crd_accepts_valid_and_rejects_invalid_jobs_with_cel_message(controlplane, namespace, tmp_path):
+def test_rlhfjob_crd_accepts_valid_and_rejects_invalid_jobs_with_cel_message(
+    controlplane, namespace, tmp_path
+):
     cp = controlplane
     crd = yaml.safe_load(RLHFJOB_CRD.read_text())
     # The harness applied everything in crds/ before the first test.
@@ -292,7 +317,10 @@ def test_rlhfjob_crd_accepts_valid_and_rejects_invalid_jobs_with_cel_message(con
     valid = tmp_path / "valid.yaml"
     valid.write_text(yaml.safe_dump(job))
     cp.kubectl("apply", "-n", namespace, "-f", str(valid))
-    assert get_json(cp, "rlhf", job["metadata"]["name"], "-n", namespace)["spec"]["roles"] == job["spec"]["roles"]
+    assert (
+        get_json(cp, "rlhf", job["metadata"]["name"], "-n", namespace)["spec"]["roles"]
+        == job["spec"]["roles"]
+    )
 
     job["metadata"]["name"] = "undeclared-pool"
     job["spec"]["roles"]["critic"] = "no-such-pool"
@@ -304,4 +332,6 @@ def test_rlhfjob_crd_accepts_valid_and_rejects_invalid_jobs_with_cel_message(con
     error = " ".join(rejected.stderr.split())
     assert "spec.roles.critic" in error
     assert cel_message(crd, ".roles.critic") in error
-    assert cp.kubectl("get", "rlhf", "undeclared-pool", "-n", namespace, check=False).returncode != 0
+    assert (
+        cp.kubectl("get", "rlhf", "undeclared-pool", "-n", namespace, check=False).returncode != 0
+    )
