@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Ctrl-C and `kill` both end in a clean stop (SIGTERM would otherwise skip `finally`).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Ctrl-C must work even when started from a script that ignores SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cp = ControlPlane()
     try:
         cp.start()
