@@ -5,6 +5,7 @@ RBAC work; our CRD's CEL rules are enforced by the API server."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -201,6 +202,33 @@ def test_service_account_tokens_are_issued_and_rbac_is_enforced(controlplane, na
     # The controller manager publishes the cluster CA into every namespace.
     root_ca = get_json(cp, "configmap", "kube-root-ca.crt", "-n", namespace)
     assert "BEGIN CERTIFICATE" in root_ca["data"]["ca.crt"]
+
+
+def test_controller_manager_signs_legacy_tokens_the_api_server_accepts(controlplane, namespace):
+    """The token controller fills a service-account-token Secret, signing with the
+    controller manager's key; the API server must verify it with its public key."""
+    cp = controlplane
+    cp.kubectl("create", "serviceaccount", "legacy", "-n", namespace)
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/service-account-token",
+        "metadata": {
+            "name": "legacy-token",
+            "annotations": {"kubernetes.io/service-account.name": "legacy"},
+        },
+    }
+    apply(cp, namespace, secret)
+
+    def filled_token():
+        data = get_json(cp, "secret", "legacy-token", "-n", namespace).get("data") or {}
+        return base64.b64decode(data["token"]).decode() if "token" in data else None
+
+    token = eventually(filled_token, "the token controller to fill the Secret")
+    review = client.AuthenticationV1Api(token_client(cp, token)).create_self_subject_review(
+        client.V1SelfSubjectReview()
+    )
+    assert review.status.user_info.username == f"system:serviceaccount:{namespace}:legacy"
 
 
 # --------------------------------------------------------------------------- KubeRay
