@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test unit demo crds lint constraints clean
+.PHONY: help install test unit demo crds lint constraints clean bench-operator
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -45,3 +45,6 @@ constraints: install  ## re-pin constraints.txt to what .venv holds
 
 clean:  ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+bench-operator: install  ## benchmark: create->RayJob latency vs KubeRay's create->RayCluster, and RSS
+	$(PY) -m bench.operator.run

@@ -87,12 +87,13 @@ class Kube:
             raise
 
     def create(self, obj: Obj) -> Obj | None:
-        """Create; None if it already exists (409 means someone, maybe we, made it)."""
+        """Create; None if it already exists (409 means someone, maybe we, made it) or
+        its namespace is being deleted (and the owner with it)."""
         path = KINDS[obj["kind"]].path(obj["metadata"]["namespace"])
         try:
             return self._call("POST", path, body=obj)
         except ApiException as error:
-            if error.status == 409:
+            if error.status == 409 or _namespace_terminating(error):
                 return None
             raise
 
@@ -108,3 +109,7 @@ class Kube:
         )
         items: list[Obj] = found.get("items", [])
         return items
+
+
+def _namespace_terminating(error: ApiException) -> bool:
+    return error.status == 403 and "NamespaceTerminating" in str(error.body or "")

@@ -96,8 +96,7 @@ class Reconciler:
             ops.append({"op": "add", "path": "/spec/suspend", "value": desired["spec"]["suspend"]})
         live_groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
         wanted_groups = desired["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-        group_ops = _replica_ops(live_groups, wanted_groups)
-        ops += [{**op, "path": "/spec/rayClusterSpec" + op["path"]} for op in group_ops]
+        ops += _replica_ops(live_groups, wanted_groups, at="/spec/rayClusterSpec")
         if not ops:
             return rayjob
         log.info("updating RayJob %s/%s: %s", ref.namespace, ref.rayjob, ops)
@@ -106,7 +105,8 @@ class Reconciler:
         cluster_name = (rayjob.get("status") or {}).get("rayClusterName")
         cluster = self.kube.get("RayCluster", ref.namespace, cluster_name) if cluster_name else None
         if cluster_name and cluster:
-            cluster_ops = _replica_ops(cluster["spec"]["workerGroupSpecs"], wanted_groups)
+            live_cluster_groups = cluster["spec"]["workerGroupSpecs"]
+            cluster_ops = _replica_ops(live_cluster_groups, wanted_groups, at="/spec")
             if cluster_ops:
                 self.kube.patch("RayCluster", ref.namespace, cluster_name, cluster_ops, JSON_PATCH)
         return rayjob
@@ -153,8 +153,9 @@ class Reconciler:
         )
 
 
-def _replica_ops(live: list[Obj], wanted: list[Obj]) -> list[dict[str, Any]]:
-    """JSON-patch ops that give each live worker group its wanted replica count."""
+def _replica_ops(live: list[Obj], wanted: list[Obj], at: str) -> list[dict[str, Any]]:
+    """JSON-patch ops that give each live worker group its wanted replica count; `at` is
+    the path of the object holding workerGroupSpecs."""
     wanted_replicas = {g["groupName"]: g["replicas"] for g in wanted}
     ops = []
     for index, group in enumerate(live):
@@ -163,7 +164,7 @@ def _replica_ops(live: list[Obj], wanted: list[Obj]) -> list[dict[str, Any]]:
             continue
         for field in ("replicas", "minReplicas", "maxReplicas"):
             if group.get(field) != replicas:
-                path = f"/workerGroupSpecs/{index}/{field}"
+                path = f"{at}/workerGroupSpecs/{index}/{field}"
                 ops.append({"op": "add", "path": path, "value": replicas})  # add = set
     return ops
 

@@ -5,6 +5,7 @@ Its log goes to the control plane's logs folder, so a failing test shows it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -71,7 +72,5 @@ class OperatorProcess:
         if self.proc is None or self.proc.poll() is not None:
             return
         os.killpg(self.proc.pid, sig)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass

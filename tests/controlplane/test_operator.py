@@ -35,7 +35,9 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def apply(cp: ControlPlane, namespace: str, manifest: dict[str, Any], check: bool = True) -> Any:
-    return cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=check)
+    return cp.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=check
+    )
 
 
 def get(cp: ControlPlane, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
@@ -57,8 +59,26 @@ def worker_pods(cp: ControlPlane, job: str, namespace: str) -> dict[str, list[di
     return by_pool
 
 
+def status_when(
+    cp: ControlPlane, name: str, namespace: str, **expected: Any
+) -> dict[str, Any] | None:
+    """The job's status once the given fields have the given values, else None."""
+    status = job_status(cp, name, namespace)
+    return status if all(status.get(k) == v for k, v in expected.items()) else None
+
+
+def recreated(
+    cp: ControlPlane, kind: str, name: str, namespace: str, old_uid: str
+) -> dict[str, Any] | None:
+    obj = get(cp, kind, name, namespace)
+    return obj if obj and obj["metadata"]["uid"] != old_uid else None
+
+
 def node_pools(cp: ControlPlane) -> dict[str, str]:
-    return {n["metadata"]["name"]: n["metadata"]["labels"]["pool"] for n in get_json(cp, "nodes")["items"]}
+    return {
+        n["metadata"]["name"]: n["metadata"]["labels"]["pool"]
+        for n in get_json(cp, "nodes")["items"]
+    }
 
 
 @pytest.mark.parametrize("example", CLUSTER_EXAMPLES, ids=lambda p: p.name)
@@ -72,7 +92,9 @@ def test_example_runs_each_pool_on_its_own_node_group(
 
     rayjob = eventually(lambda: get(cp, "rayjob", name, namespace), f"RayJob {name}")
     groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    assert {g["groupName"]: g["replicas"] for g in groups} == {n: p.get("replicas", 1) for n, p in pools.items()}
+    assert {g["groupName"]: g["replicas"] for g in groups} == {
+        n: p.get("replicas", 1) for n, p in pools.items()
+    }
 
     cluster = eventually(lambda: (get(cp, "rayjob", name, namespace) or {}).get("status", {}).get("rayClusterName"),
                          "KubeRay to create the RayCluster")  # fmt: skip
@@ -85,7 +107,9 @@ def test_example_runs_each_pool_on_its_own_node_group(
 
     running = eventually(all_workers_running, "every pool's worker pods to run")
     where = node_pools(cp)
-    nodes_by_pool = {pool: {pod["spec"]["nodeName"] for pod in pods} for pool, pods in running.items()}
+    nodes_by_pool = {
+        pool: {pod["spec"]["nodeName"] for pod in pods} for pool, pods in running.items()
+    }
     for pool, nodes in nodes_by_pool.items():  # the real scheduler honoured each pool's node group
         assert {where[n] for n in nodes} == {pools[pool]["nodeSelector"]["pool"]}, (pool, nodes)
     if spec.get("separation", "node") == "node":
@@ -93,11 +117,17 @@ def test_example_runs_each_pool_on_its_own_node_group(
         assert len(seen) == len(set(seen)), f"a node hosts two pools: {nodes_by_pool}"
 
     expected = f"{len(pools)}/{len(pools)}"
-    status = eventually(lambda: (s := job_status(cp, name, namespace)).get("poolsReady") == expected and s,
-                        f"status.poolsReady == {expected}")  # fmt: skip
+    status = eventually(
+        lambda: status_when(cp, name, namespace, poolsReady=expected),
+        f"status.poolsReady == {expected}",
+    )
     for pool_status in status["pools"]:
         pool = pools[pool_status["name"]]
-        assert pool_status["desiredGPUs"] == pool_status["readyGPUs"] == pool.get("replicas", 1) * pool["gpusPerNode"]
+        assert (
+            pool_status["desiredGPUs"]
+            == pool_status["readyGPUs"]
+            == pool.get("replicas", 1) * pool["gpusPerNode"]
+        )
         assert set(pool_status["nodes"]) == nodes_by_pool[pool_status["name"]]
     assert status["rayJob"] == name and status["rayCluster"] == cluster
 
@@ -113,11 +143,18 @@ def test_children_deleted_out_of_band_are_recreated(
     cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
     first = {kind: eventually(lambda k=kind, n=name: get(cp, k, n, namespace), f"{kind} {name}")
              for kind, name in (("configmap", "colocated-spec"), ("role", "colocated-reporter"), ("rayjob", "colocated"))}  # fmt: skip
-    cp.kubectl("delete", "configmap", "colocated-spec", "role", "colocated-reporter", "-n", namespace)
+    cp.kubectl("delete", "configmap/colocated-spec", "role/colocated-reporter", "-n", namespace)
     cp.kubectl("delete", "rayjob", "colocated", "-n", namespace, "--wait=true")
-    for kind, name in (("configmap", "colocated-spec"), ("role", "colocated-reporter"), ("rayjob", "colocated")):
-        again = eventually(lambda k=kind, n=name: (o := get(cp, k, n, namespace)) and o["metadata"]["uid"] != first[k]["metadata"]["uid"] and o,
-                           f"{kind} {name} to be recreated")  # fmt: skip
+    for kind, name in (
+        ("configmap", "colocated-spec"),
+        ("role", "colocated-reporter"),
+        ("rayjob", "colocated"),
+    ):
+        old_uid = first[kind]["metadata"]["uid"]
+        again = eventually(
+            lambda k=kind, n=name, u=old_uid: recreated(cp, k, n, namespace, u),
+            f"{kind} {name} to be recreated",
+        )
         assert again["metadata"]["ownerReferences"][0]["name"] == "colocated"
     assert len(get_json(cp, "rayjobs", "-n", namespace)["items"]) == 1
 
@@ -126,25 +163,51 @@ def test_changing_a_pools_replicas_resizes_its_worker_group(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
     cp = controlplane
-    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "two-nodes-by-node-8-8.yaml"))
-    eventually(lambda: len(worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])) == 1, "one policy worker")
+    cp.kubectl(
+        "apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "two-nodes-by-node-8-8.yaml")
+    )
+    eventually(
+        lambda: len(worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])) == 1,
+        "one policy worker",
+    )
     cp.kubectl("patch", "rlhfjob", "two-nodes-8-8", "-n", namespace, "--type=json",
                "-p", '[{"op": "replace", "path": "/spec/pools/0/replicas", "value": 2}]')  # fmt: skip
 
     def policy_replicas(kind: str, name: str) -> int | None:
         obj = get(cp, kind, name, namespace) or {}
         spec = obj.get("spec", {}).get("rayClusterSpec", obj.get("spec", {}))
-        return next((g["replicas"] for g in spec.get("workerGroupSpecs", []) if g["groupName"] == "policy"), None)
+        return next(
+            (g["replicas"] for g in spec.get("workerGroupSpecs", []) if g["groupName"] == "policy"),
+            None,
+        )
 
-    eventually(lambda: policy_replicas("rayjob", "two-nodes-8-8") == 2, "the RayJob's policy group to have 2 replicas")
+    eventually(
+        lambda: policy_replicas("rayjob", "two-nodes-8-8") == 2,
+        "the RayJob's policy group to have 2 replicas",
+    )
     cluster = job_status(cp, "two-nodes-8-8", namespace)["rayCluster"]
-    eventually(lambda: policy_replicas("raycluster", cluster) == 2, "the RayCluster's policy group to have 2 replicas")
-    pods = eventually(lambda: (p := worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])) if len(p) == 2 else None,
-                      "a second policy worker")  # fmt: skip
-    assert len({p["spec"]["nodeName"] for p in pods}) == 2  # 8 GPUs each: one node per worker
-    eventually(lambda: next(p for p in job_status(cp, "two-nodes-8-8", namespace)["pools"] if p["name"] == "policy")
-               == {"name": "policy", "desiredGPUs": 16, "readyGPUs": 16, "nodes": sorted(p["spec"]["nodeName"] for p in pods)},
-               "status to show 16 ready GPUs in the policy pool")  # fmt: skip
+    eventually(
+        lambda: policy_replicas("raycluster", cluster) == 2,
+        "the RayCluster's policy group to have 2 replicas",
+    )
+
+    def two_policy_workers() -> list[dict[str, Any]] | None:
+        pods = worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])
+        return pods if len(pods) == 2 else None
+
+    pods = eventually(two_policy_workers, "a second policy worker")
+    nodes = sorted(p["spec"]["nodeName"] for p in pods)
+    assert len(set(nodes)) == 2  # 8 GPUs each: one node per worker
+
+    def policy_status() -> dict[str, Any]:
+        return next(
+            p for p in job_status(cp, "two-nodes-8-8", namespace)["pools"] if p["name"] == "policy"
+        )
+
+    expected = {"name": "policy", "desiredGPUs": 16, "readyGPUs": 16, "nodes": nodes}
+    eventually(
+        lambda: policy_status() == expected, "status to show 16 ready GPUs in the policy pool"
+    )
 
 
 @pytest.mark.parametrize(("patch", "message"), [
@@ -158,22 +221,51 @@ def test_changing_fixed_fields_is_rejected_with_a_message(
 ) -> None:
     cp = controlplane
     cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
-    result = cp.kubectl("patch", "rlhfjob", "colocated", "-n", namespace, "--type=json", "-p", patch, check=False)
+    result = cp.kubectl(
+        "patch", "rlhfjob", "colocated", "-n", namespace, "--type=json", "-p", patch, check=False
+    )
     assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
-def test_suspend_and_resume(controlplane: ControlPlane, operator: OperatorProcess, namespace: str) -> None:
+def test_suspend_and_resume(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
     cp = controlplane
     cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
     eventually(lambda: worker_pods(cp, "colocated", namespace).get("all"), "the worker to run")
-    cp.kubectl("patch", "rlhfjob", "colocated", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": true}}')
+    cp.kubectl(
+        "patch",
+        "rlhfjob",
+        "colocated",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec": {"suspend": true}}',
+    )
     eventually(lambda: (get(cp, "rayjob", "colocated", namespace) or {}).get("spec", {}).get("suspend") is True,
                "the RayJob to be suspended")  # fmt: skip
-    eventually(lambda: job_status(cp, "colocated", namespace).get("phase") == "Suspended" and not worker_pods(cp, "colocated", namespace),
-               "phase Suspended and no workers")  # fmt: skip
-    cp.kubectl("patch", "rlhfjob", "colocated", "-n", namespace, "--type=merge", "-p", '{"spec": {"suspend": false}}')
-    eventually(lambda: worker_pods(cp, "colocated", namespace).get("all"), "the worker to run again")
-    eventually(lambda: job_status(cp, "colocated", namespace).get("phase") not in (None, "Suspended"), "the job to leave Suspended")
+    eventually(
+        lambda: status_when(cp, "colocated", namespace, phase="Suspended"), "phase Suspended"
+    )
+    eventually(lambda: not worker_pods(cp, "colocated", namespace), "the workers to go")
+    cp.kubectl(
+        "patch",
+        "rlhfjob",
+        "colocated",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec": {"suspend": false}}',
+    )
+    eventually(
+        lambda: worker_pods(cp, "colocated", namespace).get("all"), "the worker to run again"
+    )
+    eventually(
+        lambda: job_status(cp, "colocated", namespace).get("phase") not in (None, "Suspended"),
+        "the job to leave Suspended",
+    )
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -208,7 +300,10 @@ def test_restart_mid_reconcile_creates_no_duplicates(
         return all(job_status(cp, f"burst-{i}", namespace).get("rayJob") for i in range(count))
 
     eventually(all_reconciled, "every job to be reconciled after the restart")
-    eventually(lambda: len(get_json(cp, "rayclusters", "-n", namespace)["items"]) == count, "a RayCluster per job")
+    eventually(
+        lambda: len(get_json(cp, "rayclusters", "-n", namespace)["items"]) == count,
+        "a RayCluster per job",
+    )
     for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings"):
         items = get_json(cp, kind, "-n", namespace, "-l", "rlhf.dev/job")["items"]
         assert len(items) == count, f"{kind}: {[i['metadata']['name'] for i in items]}"
@@ -221,18 +316,28 @@ def test_two_replicas_with_peering_one_active_then_failover(
     operator.stop()  # the standalone operator steps aside for this test
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(
         {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING_NAME}}))  # fmt: skip
-    active = OperatorProcess(cp, "operator-active", "--peering", PEERING_NAME, "--priority", "10", "-A").start()
-    standby = OperatorProcess(cp, "operator-standby", "--peering", PEERING_NAME, "--priority", "1", "-A").start()
+    active = OperatorProcess(
+        cp, "operator-active", "--peering", PEERING_NAME, "--priority", "10", "-A"
+    ).start()
+    standby = OperatorProcess(
+        cp, "operator-standby", "--peering", PEERING_NAME, "--priority", "1", "-A"
+    ).start()
     try:
         cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
-        eventually(lambda: job_status(cp, "colocated", namespace).get("rayJob"), "the active replica to reconcile")
+        eventually(
+            lambda: job_status(cp, "colocated", namespace).get("rayJob"),
+            "the active replica to reconcile",
+        )
         assert active.metric("rlhf_operator_reconcile_duration_seconds_count") > 0
         assert standby.metric("rlhf_operator_reconcile_duration_seconds_count") == 0
 
         active.stop()  # a clean exit leaves the peering at once
         manifest = load(REPO_ROOT / "examples" / "asymmetric-6-2.yaml")
         apply(cp, namespace, manifest)
-        eventually(lambda: job_status(cp, "asymmetric-6-2", namespace).get("rayJob"), "the standby to take over")
+        eventually(
+            lambda: job_status(cp, "asymmetric-6-2", namespace).get("rayJob"),
+            "the standby to take over",
+        )
         assert standby.metric("rlhf_operator_reconcile_duration_seconds_count") > 0
     finally:
         active.stop()

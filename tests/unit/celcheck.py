@@ -26,7 +26,9 @@ def _program(rule: str) -> Any:
     return env.program(env.compile(rule))
 
 
-def cel_errors(obj: Any, old: Any = None, schema: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+def cel_errors(
+    obj: Any, old: Any = None, schema: dict[str, Any] | None = None
+) -> list[tuple[str, str]]:
     """(field path, message) for every rule that fails on `obj` after defaulting; with
     `old`, as an update of `old` (transition rules on oldSelf run too)."""
     schema = schema or crd_schema()
@@ -57,10 +59,12 @@ def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
 _MISSING = object()
 
 
-def _walk(schema: dict[str, Any], value: Any, old: Any, path: str, found: list[tuple[str, str]]) -> None:
+def _walk(
+    schema: dict[str, Any], value: Any, old: Any, path: str, found: list[tuple[str, str]]
+) -> None:
     for rule in schema.get("x-kubernetes-validations", []):
         transition = "oldSelf" in rule["rule"]
-        if transition and old is _MISSING or transition and old is None:
+        if transition and (old is _MISSING or old is None):
             continue  # transition rules run on updates, where the old value exists
         bindings = {"self": celpy.json_to_cel(value)}
         if transition:
@@ -87,4 +91,6 @@ def _correlated(item: Any, old: Any, keys: list[str] | None) -> Any:
     if not keys or not isinstance(old, list) or not isinstance(item, dict):
         return _MISSING
     key = [item.get(k) for k in keys]
-    return next((o for o in old if isinstance(o, dict) and [o.get(k) for k in keys] == key), _MISSING)
+    return next(
+        (o for o in old if isinstance(o, dict) and [o.get(k) for k in keys] == key), _MISSING
+    )

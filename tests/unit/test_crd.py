@@ -53,7 +53,9 @@ def test_schema_is_structural(path: str, node: dict[str, Any]) -> None:
     assert "$ref" not in node and "$defs" not in node and "patternProperties" not in node
     if "anyOf" in node:
         assert node.get("x-kubernetes-int-or-string"), f"{path}: anyOf outside int-or-string"
-        assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], f"{path}: int-or-string branches hold only a type"
+        assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], (
+            f"{path}: int-or-string branches hold only a type"
+        )
     else:
         assert "type" in node or path == "", f"{path}: no type"
     assert not ("properties" in node and "additionalProperties" in node), path
