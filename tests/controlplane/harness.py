@@ -184,6 +184,11 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _has_condition(obj: dict, condition: str) -> bool:
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c["type"] == condition and c["status"] == "True" for c in conditions)
+
+
 def _die_with_parent() -> None:
     # If the Python process is killed outright (no atexit), the kernel still stops
     # the components instead of leaving them running.
@@ -483,7 +488,7 @@ class ControlPlane:
         atexit.register(self.stop)
         began = time.monotonic()
         try:
-            self._phase("certificates", self._make_certs)
+            self._phase("certificates", self._prepare)
             self._phase("etcd", self._start_etcd)
             self._phase("kube-apiserver", self._start_apiserver)
             self._phase("controllers", self._start_controllers)
@@ -526,7 +531,8 @@ class ControlPlane:
         self.processes.append(proc)
         return proc
 
-    def _make_certs(self) -> None:
+    def _prepare(self) -> None:
+        """Certificates, ports and the kubeconfig: everything known before any start."""
         make_pki(self.pki)
         names = [
             "etcd",
@@ -680,9 +686,12 @@ class ControlPlane:
                     log.write(f"kubectl create -f {path} failed:\n{result.stderr}\n")
 
     def _wait_crds_established(self) -> None:
-        self.kubectl(
-            "wait", "--for=condition=Established", "crd", "--all", "--timeout=120s", timeout=130
-        )
+        # Polled here: `kubectl wait` gives up on a CRD whose status is still empty.
+        self._wait("CRDs Established", self._crds_established, None, timeout=120)
+
+    def _crds_established(self) -> bool:
+        crds = json.loads(self.kubectl("get", "crd", "-o", "json").stdout)["items"]
+        return all(_has_condition(crd, "Established") for crd in crds)
 
     def _start_kuberay(self) -> None:
         self._spawn(
@@ -762,14 +771,8 @@ class ControlPlane:
         out = self.kubectl("get", "nodes", "-o", "json", check=False)
         if out.returncode != 0:
             return False
-        ready = {
-            n["metadata"]["name"]
-            for n in json.loads(out.stdout)["items"]
-            if any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in n.get("status", {}).get("conditions", [])
-            )
-        }
+        nodes = json.loads(out.stdout)["items"]
+        ready = {n["metadata"]["name"] for n in nodes if _has_condition(n, "Ready")}
         return set(names) <= ready
 
     def _has_default_sa(self, namespace: str) -> bool:
