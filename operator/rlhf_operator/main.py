@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
@@ -25,7 +26,8 @@ from rlhf_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("rlhf_operator")
 
-WORKERS = int(os.environ.get("RLHF_OPERATOR_WORKERS", "4"))
+# Reconciles wait on the API server, not the CPU: enough threads to keep it busy.
+WORKERS = int(os.environ.get("RLHF_OPERATOR_WORKERS", "8"))
 HEALTH_PORT = int(os.environ.get("RLHF_OPERATOR_HEALTH_PORT", "8080"))
 RETRY_SECONDS = (1, 2, 5, 10, 30, 60)  # backoff of a job whose reconcile keeps failing
 
@@ -43,10 +45,13 @@ CHILD_KINDS = [
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events say what users need
+    # The work queue already merges bursts of events per job; kopf need not wait for more.
+    settings.batching.batch_window = 0.01
     memo.queue = WorkQueue()
     memo.reconciler = Reconciler(Kube(load_config()))
     memo.gauges = metrics.JobGauges()
     memo.failures = {}
+    memo.executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="reconcile")
     memo.workers = [asyncio.create_task(_work(memo)) for _ in range(WORKERS)]
     app = metrics.health_app(
         is_alive=lambda: not any(w.done() for w in memo.workers), is_ready=lambda: True
@@ -60,6 +65,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
 async def stop(memo: kopf.Memo, **_: Any) -> None:
     for worker in memo.get("workers", []):
         worker.cancel()
+    if "executor" in memo:
+        memo.executor.shutdown(wait=False, cancel_futures=True)
     if "http" in memo:
         await memo.http.cleanup()
 
@@ -89,7 +96,8 @@ async def _work(memo: kopf.Memo) -> None:
         metrics.QUEUE_DEPTH.set(len(queue))
         started = time.perf_counter()
         try:
-            status = await asyncio.to_thread(memo.reconciler.reconcile, *key)
+            loop = asyncio.get_running_loop()
+            status = await loop.run_in_executor(memo.executor, memo.reconciler.reconcile, *key)
             memo.gauges.observe(*key, status)
             memo.failures.pop(key, None)
         except Exception:

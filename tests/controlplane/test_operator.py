@@ -284,6 +284,42 @@ def test_bad_specs_are_refused_at_admission_and_create_nothing(
     assert get(controlplane, "rlhfjob", "colocated", namespace) is None
 
 
+def test_an_invalid_spec_that_slips_past_admission_is_reported_and_not_acted_on(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = controlplane
+    crd_file = REPO_ROOT / "crds" / "rlhfjobs.yaml"
+    loose = load(crd_file)  # as if an old CRD without our schema were installed
+    loose["spec"]["versions"][0]["schema"]["openAPIV3Schema"] = {
+        "type": "object", "x-kubernetes-preserve-unknown-fields": True}  # fmt: skip
+    cp.kubectl("replace", "-f", "-", input=yaml.safe_dump(loose))
+    try:
+        manifest = load(REPO_ROOT / "examples" / "colocated.yaml")
+        manifest["spec"]["roles"]["critic"] = "nowhere"
+        apply(cp, namespace, manifest)
+        status = eventually(
+            lambda: status_when(cp, "colocated", namespace, phase="Failed"), "phase Failed"
+        )
+        invalid = next(c for c in status["conditions"] if c["type"] == "Invalid")
+        assert (
+            invalid["status"] == "True"
+            and "spec.roles.critic: must name a pool" in invalid["message"]
+        )
+        events = get_json(cp, "events", "-n", namespace, "--field-selector", "reason=InvalidSpec")[
+            "items"
+        ]
+        assert [e["type"] for e in events] == ["Warning"]
+        assert "spec.roles.critic" in events[0]["message"]
+        for kind, name in (
+            ("rayjob", "colocated"),
+            ("configmap", "colocated-spec"),
+            ("serviceaccount", "colocated-reporter"),
+        ):
+            assert get(cp, kind, name, namespace) is None, f"{kind} created for an invalid job"
+    finally:
+        cp.kubectl("replace", "-f", str(crd_file))
+
+
 def test_restart_mid_reconcile_creates_no_duplicates(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
