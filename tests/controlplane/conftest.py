@@ -1,0 +1,77 @@
+"""pytest fixtures: one real control plane per test session.
+
+    def test_x(controlplane):
+        controlplane.kubectl("get", "nodes")
+        v1 = kubernetes.client.CoreV1Api(controlplane.api_client())
+
+When a test fails, the last lines of every component's log are added to its report.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from .harness import RUN_ROOT, ControlPlane, build_binaries, missing_binaries
+
+_running: ControlPlane | None = None
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    """Print to the terminal even while pytest captures output."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.ensure_newline()
+        reporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def controlplane(request: pytest.FixtureRequest):
+    global _running
+    # make is a no-op when the binaries are newer than the go.mod/go.sum they come from.
+    if shutil.which("go") and shutil.which("make"):
+        RUN_ROOT.mkdir(parents=True, exist_ok=True)
+        build_log = RUN_ROOT / "build.log"
+        if missing_binaries():
+            _say(
+                request.config,
+                f"building control-plane binaries (first time: many minutes); log: {build_log}",
+            )
+        build_binaries(build_log)
+    cp = ControlPlane()
+    _running = cp
+    cp.start()
+    _say(
+        request.config,
+        f"control plane started in {cp.startup_seconds:.1f}s {cp.phase_seconds}; "
+        f"KUBECONFIG={cp.kubeconfig}",
+    )
+    try:
+        yield cp
+    finally:
+        cp.stop()
+        _running = None
+
+
+@pytest.fixture
+def namespace(controlplane: ControlPlane) -> Iterator[str]:
+    """A fresh namespace per test, ready for pods (its default service account exists)."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    controlplane.create_namespace(name)
+    yield name
+    controlplane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _running is not None:
+        for name, text in _running.log_tails().items():
+            report.sections.append((f"{name} log (last lines)", text))

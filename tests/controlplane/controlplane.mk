@@ -1,0 +1,74 @@
+# Real Kubernetes control plane for tests, built from pinned Go modules.
+#
+# Include this fragment from the top-level Makefile (`include tests/controlplane/controlplane.mk`)
+# or use it alone: `make -f tests/controlplane/controlplane.mk controlplane`.
+#
+#   make controlplane   build etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+#                       kubectl, kwok, helm and KubeRay's operator into tests/controlplane/bin/
+#   make cluster        start that control plane for a person; prints KUBECONFIG; Ctrl-C stops it
+#
+# Binaries are rebuilt only when a module's go.mod/go.sum is newer than them, and the
+# Go build cache makes even a forced rebuild a matter of seconds (mostly linking).
+
+PYTHON ?= .venv/bin/python
+GO ?= go
+
+# Directory of this fragment, relative to where make runs (the repository root).
+CP_DIR := $(patsubst %/,%,$(dir $(lastword $(MAKEFILE_LIST))))
+CP_BIN := $(CP_DIR)/bin
+CP_GO := $(CP_DIR)/go
+# Binaries also depend on this file: changing a build flag here rebuilds them.
+CP_MK := $(CP_DIR)/controlplane.mk
+
+CP_KUBE_VERSION := v1.36.3
+# Without these the binaries report v0.0.0-master, which kubectl, helm and charts'
+# kubeVersion constraints treat as an ancient server.
+CP_KUBE_LDFLAGS := \
+	-X k8s.io/component-base/version.gitVersion=$(CP_KUBE_VERSION) \
+	-X k8s.io/component-base/version.gitMajor=1 \
+	-X k8s.io/component-base/version.gitMinor=36 \
+	-X k8s.io/component-base/version.gitTreeState=clean \
+	-X k8s.io/client-go/pkg/version.gitVersion=$(CP_KUBE_VERSION) \
+	-X k8s.io/client-go/pkg/version.gitMajor=1 \
+	-X k8s.io/client-go/pkg/version.gitMinor=36 \
+	-X k8s.io/client-go/pkg/version.gitTreeState=clean
+
+CP_KUBE_BINS := $(addprefix $(CP_BIN)/,kube-apiserver kube-controller-manager kube-scheduler kubectl)
+CP_TOOLS_BINS := $(addprefix $(CP_BIN)/,kwok helm)
+CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator
+
+.PHONY: controlplane cluster
+
+controlplane: $(CP_BINARIES)
+
+# Grouped target (&:): one `go build` makes all four, sharing compiled packages.
+$(CP_KUBE_BINS) &: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/kube && $(GO) build -ldflags '$(CP_KUBE_LDFLAGS)' -o $(abspath $(CP_BIN))/ \
+		k8s.io/kubernetes/cmd/kube-apiserver \
+		k8s.io/kubernetes/cmd/kube-controller-manager \
+		k8s.io/kubernetes/cmd/kube-scheduler \
+		k8s.io/kubernetes/cmd/kubectl
+	@touch $(CP_KUBE_BINS)
+
+# etcd at the version k8s.io/kubernetes itself requires (go.etcd.io/etcd/server/v3 is a main package).
+$(CP_BIN)/etcd: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/kube && $(GO) build -o $(abspath $@) go.etcd.io/etcd/server/v3
+	@touch $@
+
+$(CP_TOOLS_BINS) &: $(CP_GO)/tools/go.mod $(CP_GO)/tools/go.sum $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/tools && $(GO) build -ldflags '-X helm.sh/helm/v3/internal/version.version=v3.21.4' \
+		-o $(abspath $(CP_BIN))/ \
+		sigs.k8s.io/kwok/cmd/kwok \
+		helm.sh/helm/v3/cmd/helm
+	@touch $(CP_TOOLS_BINS)
+
+$(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/kuberay && $(GO) build -o $(abspath $@) github.com/ray-project/kuberay/ray-operator
+	@touch $@
+
+cluster: controlplane
+	$(PYTHON) -m tests.controlplane --no-build

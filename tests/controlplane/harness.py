@@ -1,0 +1,848 @@
+"""A real Kubernetes control plane on loopback, for tests and for people to poke at.
+
+Every component is the upstream program, built from the pinned Go modules under
+``go/`` (``make -f tests/controlplane/controlplane.mk controlplane``):
+
+    etcd -> kube-apiserver -> kube-controller-manager, kube-scheduler, kwok
+                           -> KubeRay CRDs + our CRDs (crds/) -> KubeRay operator
+                           -> fake nodes (managed by kwok)
+
+Nothing is faked except the machines: kwok plays the kubelets of fake nodes, so
+pods are really scheduled by kube-scheduler and marked Running by kwok.
+
+Needs only the standard library, PyYAML, the ``kubernetes`` client and the
+``openssl`` command (certificates are made on the fly, per run).
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent.parent
+BIN_DIR = HERE / "bin"
+RUN_ROOT = HERE / ".run"
+GO_DIR = HERE / "go"
+MAKEFILE = HERE / "controlplane.mk"
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kwok",
+    "helm",
+    "kuberay-operator",
+)
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TAINT = {"key": GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+SERVICE_CIDR = "10.0.0.0/24"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+# kwok's stock stages (what `kwokctl` uses): nodes become Ready and keep a lease,
+# pods go Pending -> Running (init containers included) -> deleted when asked.
+KWOK_STAGES = (
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "kustomize/stage/pod/general/pod-create.yaml",
+    "kustomize/stage/pod/general/pod-init-container-running.yaml",
+    "kustomize/stage/pod/general/pod-init-container-completed.yaml",
+    "kustomize/stage/pod/general/pod-ready.yaml",
+    "kustomize/stage/pod/general/pod-complete.yaml",
+    "kustomize/stage/pod/general/pod-delete.yaml",
+)
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """Fake nodes sharing a ``pool=<pool>`` label; GPU nodes carry the GPU taint."""
+
+    pool: str
+    count: int
+    gpus: int = 0
+    cpu: str = "32"
+    memory: str = "256Gi"
+
+    def node_names(self) -> list[str]:
+        return [f"kwok-{self.pool}-{i}" for i in range(self.count)]
+
+
+DEFAULT_NODE_GROUPS = (
+    NodeGroup("a", count=2, gpus=8),
+    NodeGroup("b", count=2, gpus=8),
+    NodeGroup("cpu", count=1),
+)
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def missing_binaries() -> list[str]:
+    return [b for b in BINARIES if not (BIN_DIR / b).is_file()]
+
+
+def build_binaries(log_path: Path | None = None) -> None:
+    """Run the Makefile fragment: a no-op when binaries are newer than go.mod/go.sum."""
+    cmd = [
+        "make",
+        "--no-print-directory",
+        "-f",
+        str(MAKEFILE.relative_to(REPO_ROOT)),
+        "controlplane",
+    ]
+    with open(log_path or os.devnull, "ab") as out:
+        rc = subprocess.call(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    if rc != 0:
+        where = f"; see {log_path}" if log_path else ""
+        raise ControlPlaneError(f"{' '.join(cmd)} failed with exit code {rc}{where}")
+
+
+def go_module_dir(module_dir: Path, module: str) -> Path:
+    """Where `module` (as pinned by the go.mod in module_dir) lies in the module cache."""
+    out = subprocess.run(
+        ["go", "list", "-m", "-json", module],
+        cwd=module_dir,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    info = json.loads(out)
+    if not info.get("Dir"):  # not downloaded yet (e.g. binaries were copied in)
+        subprocess.run(["go", "mod", "download", module], cwd=module_dir, check=True)
+        return go_module_dir(module_dir, module)
+    return Path(info["Dir"])
+
+
+def kuberay_crd_dir() -> Path:
+    root = go_module_dir(GO_DIR / "kuberay", "github.com/ray-project/kuberay/ray-operator")
+    return root / "config" / "crd" / "bases"
+
+
+def kuberay_crd_files() -> list[Path]:
+    """The CRDs of the kinds the operator serves. RayCronJob is left out: its
+    controller is off by default (feature gate) and its 0.7 MB schema slows start-up."""
+    return [
+        kuberay_crd_dir() / f"ray.io_{plural}.yaml"
+        for plural in ("rayclusters", "rayjobs", "rayservices")
+    ]
+
+
+def kwok_stage_files() -> list[Path]:
+    root = go_module_dir(GO_DIR / "tools", "sigs.k8s.io/kwok")
+    return [root / stage for stage in KWOK_STAGES]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _has_condition(obj: dict, condition: str) -> bool:
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c["type"] == condition and c["status"] == "True" for c in conditions)
+
+
+def _die_with_parent() -> None:
+    # If the Python process is killed outright (no atexit), the kernel still stops
+    # the components instead of leaving them running.
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _https_get(url: str, context: ssl.SSLContext) -> int:
+    with urllib.request.urlopen(url, context=context, timeout=2) as resp:
+        return resp.status
+
+
+def _http_get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return resp.status
+
+
+def _new_run_dir() -> Path:
+    """RUN_ROOT/<date>-<time>-<pid>-<random>: sortable, unique, and its owner known."""
+    RUN_ROOT.mkdir(parents=True, exist_ok=True)
+    prefix = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=RUN_ROOT))
+
+
+def _run_owner_alive(run_dir: Path) -> bool:
+    try:
+        pid = int(run_dir.name.split("-")[2])
+    except (IndexError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class Process:
+    """One component in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict | None = None):
+        self.name = name
+        self.argv = [str(a) for a in argv]
+        self.log_path = log_path
+        self.env = env
+        self.popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(self.env or {})},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(grace)
+        # Whatever is left in the group (the leader or any child) gets SIGKILL.
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+
+# --------------------------------------------------------------------------- certificates
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(pki: Path) -> None:
+    """A throw-away CA, the API server's serving cert, an admin client cert
+    (group system:masters) and the service-account signing key pair."""
+    pki.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=rlhf-test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=pki,
+    )
+    _leaf(
+        pki,
+        "apiserver",
+        "/CN=kube-apiserver",
+        "serverAuth",
+        [
+            "IP:127.0.0.1",
+            "IP:10.0.0.1",
+            "DNS:localhost",
+            "DNS:kubernetes",
+            "DNS:kubernetes.default",
+            "DNS:kubernetes.default.svc",
+            "DNS:kubernetes.default.svc.cluster.local",
+        ],
+    )
+    _leaf(pki, "admin", "/O=system:masters/CN=rlhf-test-admin", "clientAuth", [])
+    _openssl(
+        "genpkey",
+        "-algorithm",
+        "RSA",
+        "-pkeyopt",
+        "rsa_keygen_bits:2048",
+        "-out",
+        "sa.key",
+        cwd=pki,
+    )
+    _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+
+
+def _leaf(pki: Path, name: str, subject: str, usage: str, sans: list[str]) -> None:
+    ext = [
+        "basicConstraints=critical,CA:FALSE",
+        "keyUsage=critical,digitalSignature,keyEncipherment",
+        f"extendedKeyUsage={usage}",
+    ]
+    if sans:
+        ext.append("subjectAltName=" + ",".join(sans))
+    (pki / f"{name}.ext").write_text("\n".join(ext) + "\n")
+    _openssl(
+        "req",
+        "-new",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        subject,
+        cwd=pki,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.crt",
+        cwd=pki,
+    )
+
+
+def kubeconfig_yaml(server: str, pki: Path) -> str:
+    def b64(name: str) -> str:
+        return base64.b64encode((pki / name).read_bytes()).decode()
+
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "rlhf-test",
+                    "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")},
+                }
+            ],
+            "users": [
+                {
+                    "name": "admin",
+                    "user": {
+                        "client-certificate-data": b64("admin.crt"),
+                        "client-key-data": b64("admin.key"),
+                    },
+                }
+            ],
+            "contexts": [
+                {"name": "rlhf-test", "context": {"cluster": "rlhf-test", "user": "admin"}}
+            ],
+            "current-context": "rlhf-test",
+        }
+    )
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+def node_manifests(groups: Sequence[NodeGroup]) -> list[dict]:
+    nodes = []
+    for group in groups:
+        resources = {"cpu": group.cpu, "memory": group.memory, "pods": "110"}
+        if group.gpus:
+            resources[GPU_RESOURCE] = str(group.gpus)
+        for name in group.node_names():
+            nodes.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": name,
+                        # kwok manages only nodes carrying this annotation.
+                        "annotations": {
+                            KWOK_NODE_ANNOTATION: "fake",
+                            "node.alpha.kubernetes.io/ttl": "0",
+                        },
+                        "labels": {
+                            "kubernetes.io/hostname": name,
+                            "kubernetes.io/os": "linux",
+                            "kubernetes.io/arch": "amd64",
+                            "type": "kwok",
+                            "pool": group.pool,
+                        },
+                    },
+                    "spec": {"taints": [GPU_TAINT] if group.gpus else []},
+                    "status": {"capacity": resources, "allocatable": resources},
+                }
+            )
+    return nodes
+
+
+# --------------------------------------------------------------------------- control plane
+
+
+class ControlPlane:
+    """Start with ``start()`` (or ``with ControlPlane() as cp:``), stop with ``stop()``."""
+
+    def __init__(
+        self,
+        run_dir: Path | None = None,
+        node_groups: Sequence[NodeGroup] = DEFAULT_NODE_GROUPS,
+        crd_dirs: Sequence[Path] = (REPO_ROOT / "crds",),
+        keep_runs: int = 5,
+    ):
+        self.run_dir = Path(run_dir) if run_dir else _new_run_dir()
+        self.node_groups = tuple(node_groups)
+        self.crd_dirs = tuple(Path(d) for d in crd_dirs)
+        self.keep_runs = keep_runs
+        self.pki = self.run_dir / "pki"
+        self.logs_dir = self.run_dir / "logs"
+        self.kubeconfig = self.run_dir / "kubeconfig"
+        self.ca_file = self.pki / "ca.crt"  # the cluster CA, for clients that use tokens
+        self.server = ""  # https://127.0.0.1:<port>, known once started
+        self.processes: list[Process] = []
+        self.phase_seconds: dict[str, float] = {}
+        self.startup_seconds: float | None = None
+        self.crd_errors: dict[str, str] = {}  # file name in crds/ -> the API server's refusal
+        self._ports: dict[str, int] = {}
+
+    # ----- lifecycle
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> ControlPlane:
+        if missing_binaries():
+            raise ControlPlaneError(
+                f"missing {missing_binaries()} in {BIN_DIR}: run `make -f {MAKEFILE.relative_to(REPO_ROOT)} controlplane`"
+            )
+        self._prune_old_runs()
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        began = time.monotonic()
+        try:
+            self._phase("certificates", self._prepare)
+            self._phase("etcd", self._start_etcd)
+            self._phase("kube-apiserver", self._start_apiserver)
+            self._phase("controllers", self._start_controllers)
+            self._phase("create crds", self._create_crds)
+            self._phase("nodes", self._create_nodes)
+            # KubeRay's operator exits if its kinds are not served yet.
+            self._phase("crds established", self._wait_crds_established)
+            self._phase("kuberay-operator", self._start_kuberay)
+            self._phase("ready", self._wait_ready)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - began
+        return self
+
+    def stop(self) -> None:
+        # Reverse order: clients first, etcd last, so shutdown is quiet and quick.
+        while self.processes:
+            self.processes.pop().stop()
+        shutil.rmtree(self.run_dir / "etcd-data", ignore_errors=True)
+        atexit.unregister(self.stop)
+
+    def _phase(self, name: str, fn: Callable[[], None]) -> None:
+        began = time.monotonic()
+        fn()
+        self.phase_seconds[name] = round(time.monotonic() - began, 2)
+
+    def _prune_old_runs(self) -> None:
+        """Keep the newest runs' logs; never touch a run whose process still lives."""
+        runs = sorted(p for p in RUN_ROOT.iterdir() if p.is_dir() and p != self.run_dir)
+        finished = [p for p in runs if not _run_owner_alive(p)]
+        for old in finished[: max(0, len(finished) - self.keep_runs + 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ----- components
+
+    def _spawn(self, name: str, argv: Sequence[str], env: dict | None = None) -> Process:
+        proc = Process(name, argv, self.logs_dir / f"{name}.log", env)
+        proc.start()
+        self.processes.append(proc)
+        return proc
+
+    def _prepare(self) -> None:
+        """Certificates, ports and the kubeconfig: everything known before any start."""
+        make_pki(self.pki)
+        names = [
+            "etcd",
+            "etcd-peer",
+            "apiserver",
+            "kcm",
+            "scheduler",
+            "kwok",
+            "kuberay-metrics",
+            "kuberay-probe",
+        ]
+        self._ports = dict(zip(names, free_ports(len(names)), strict=True))
+        self.server = f"https://127.0.0.1:{self._ports['apiserver']}"
+        self.kubeconfig.write_text(kubeconfig_yaml(self.server, self.pki))
+        self._client_tls = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        self._client_tls.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+
+    def _start_etcd(self) -> None:
+        client = f"http://127.0.0.1:{self._ports['etcd']}"
+        peer = f"http://127.0.0.1:{self._ports['etcd-peer']}"
+        proc = self._spawn(
+            "etcd",
+            [
+                BIN_DIR / "etcd",
+                "--name",
+                "default",
+                "--data-dir",
+                self.run_dir / "etcd-data",
+                "--listen-client-urls",
+                client,
+                "--advertise-client-urls",
+                client,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"default={peer}",
+                # Test data need not survive a power cut; fsync dominates etcd latency here.
+                "--unsafe-no-fsync",
+                "--log-level",
+                "warn",
+            ],
+        )
+        self._wait("etcd", lambda: _http_get(f"{client}/health") == 200, proc, timeout=30)
+
+    def _start_apiserver(self) -> None:
+        pki = self.pki
+        proc = self._spawn(
+            "kube-apiserver",
+            [
+                BIN_DIR / "kube-apiserver",
+                f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self._ports['apiserver']}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                # As kubeadm does; without it the controller manager and scheduler log an
+                # error every second about the missing request-header CA. No client cert
+                # here has the allowed name, so no one can use the headers.
+                f"--requestheader-client-ca-file={pki / 'ca.crt'}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                "--authorization-mode=RBAC",
+                f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                # Endpoints may not point at loopback, and no pod could reach it anyway.
+                "--endpoint-reconciler-type=none",
+                "--allow-privileged=true",
+                "--profiling=false",
+                f"--cert-dir={self.run_dir / 'apiserver-certs'}",
+            ],
+        )
+        self._wait(
+            "kube-apiserver",
+            lambda: _https_get(f"{self.server}/readyz", self._client_tls) == 200,
+            proc,
+            timeout=60,
+        )
+
+    def _start_controllers(self) -> None:
+        """Start kube-controller-manager, kube-scheduler and kwok together; their
+        health is checked later, in _wait_ready, while the CRDs install."""
+        kc = self.kubeconfig
+        delegated = [
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1",
+            "--leader-elect=false",
+        ]
+        self._spawn(
+            "kube-controller-manager",
+            [
+                BIN_DIR / "kube-controller-manager",
+                *delegated,
+                f"--secure-port={self._ports['kcm']}",
+                f"--cert-dir={self.run_dir / 'kcm-certs'}",
+                # Signs service-account tokens (token controller) and publishes the root CA.
+                f"--service-account-private-key-file={self.pki / 'sa.key'}",
+                f"--root-ca-file={self.pki / 'ca.crt'}",
+                f"--cluster-signing-cert-file={self.pki / 'ca.crt'}",
+                f"--cluster-signing-key-file={self.pki / 'ca.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                BIN_DIR / "kube-scheduler",
+                *delegated,
+                f"--secure-port={self._ports['scheduler']}",
+                f"--cert-dir={self.run_dir / 'scheduler-certs'}",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                BIN_DIR / "kwok",
+                f"--kubeconfig={kc}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                f"--server-address=127.0.0.1:{self._ports['kwok']}",
+                # The API server reaches "kubelets" (logs, exec) at the node's IP and port:
+                # point that at kwok itself, on loopback.
+                "--node-ip=127.0.0.1",
+                f"--node-port={self._ports['kwok']}",
+                "--cidr=10.244.0.1/16",
+                "--node-lease-duration-seconds=40",
+                *[f"--config={stage}" for stage in kwok_stage_files()],
+            ],
+        )
+
+    def _create_crds(self) -> None:
+        # A fresh etcd each run, so plain create: server-side apply of KubeRay's
+        # megabyte-sized schemas costs the API server twice the CPU.
+        self.kubectl("create", *[f"--filename={path}" for path in kuberay_crd_files()])
+        # The project's own CRDs are under test: one the API server refuses must fail
+        # the tests that use it (they read crd_errors), not the whole control plane.
+        for path in sorted(p for d in self.crd_dirs for p in d.glob("*.yaml")):
+            result = self.kubectl("create", "-f", str(path), check=False)
+            if result.returncode != 0:
+                self.crd_errors[path.name] = result.stderr.strip()
+                with open(self.logs_dir / "crds.log", "a") as log:
+                    log.write(f"kubectl create -f {path} failed:\n{result.stderr}\n")
+
+    def _wait_crds_established(self) -> None:
+        # Polled here: `kubectl wait` gives up on a CRD whose status is still empty.
+        self._wait("CRDs Established", self._crds_established, None, timeout=120)
+
+    def _crds_established(self) -> bool:
+        crds = json.loads(self.kubectl("get", "crd", "-o", "json").stdout)["items"]
+        return all(_has_condition(crd, "Established") for crd in crds)
+
+    def _start_kuberay(self) -> None:
+        self._spawn(
+            "kuberay-operator",
+            [
+                BIN_DIR / "kuberay-operator",
+                f"--metrics-addr=127.0.0.1:{self._ports['kuberay-metrics']}",
+                f"--health-probe-bind-address=127.0.0.1:{self._ports['kuberay-probe']}",
+                "--enable-leader-election=false",
+                "--log-stdout-encoder=console",
+            ],
+            env={"KUBECONFIG": str(self.kubeconfig)},
+        )
+
+    def _create_nodes(self) -> None:
+        # Through the Python client: kubectl would first rediscover every API group,
+        # which is slow right after CRDs were added.
+        from kubernetes import client
+
+        with self.api_client() as api:
+            core = client.CoreV1Api(api)
+            for node in node_manifests(self.node_groups):
+                core.create_node(node)
+
+    def _wait_ready(self) -> None:
+        by_name = {p.name: p for p in self.processes}
+        insecure = ssl._create_unverified_context()  # their serving certs are self-signed
+        checks = {
+            "kube-controller-manager": lambda: (
+                _https_get(f"https://127.0.0.1:{self._ports['kcm']}/healthz", insecure) == 200
+            ),
+            "kube-scheduler": lambda: (
+                _https_get(f"https://127.0.0.1:{self._ports['scheduler']}/healthz", insecure) == 200
+            ),
+            "kwok": lambda: _http_get(f"http://127.0.0.1:{self._ports['kwok']}/healthz") == 200,
+            "kuberay-operator": lambda: (
+                _http_get(f"http://127.0.0.1:{self._ports['kuberay-probe']}/readyz") == 200
+            ),
+        }
+        for name, check in checks.items():
+            self._wait(name, check, by_name[name], timeout=60)
+        nodes = [n for g in self.node_groups for n in g.node_names()]
+        self._wait("nodes Ready", lambda: self._nodes_ready(nodes), by_name["kwok"], timeout=60)
+        # Pods are refused until the service-account controller made "default".
+        self._wait(
+            "default service account",
+            lambda: self._has_default_sa("default"),
+            by_name["kube-controller-manager"],
+            timeout=60,
+        )
+
+    # ----- waiting
+
+    def _wait(
+        self, what: str, check: Callable[[], bool], proc: Process | None, timeout: float
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if proc is not None and not proc.alive():
+                raise ControlPlaneError(
+                    f"{proc.name} exited (code {proc.popen.returncode}) while waiting for {what}:\n"
+                    f"{tail(proc.log_path)}"
+                )
+            try:
+                if check():
+                    return
+            except Exception as e:  # not up yet: connection refused, 503, not found, ...
+                last_error = e
+            time.sleep(0.2)
+        log = f"\n{tail(proc.log_path)}" if proc else ""
+        raise ControlPlaneError(
+            f"timed out after {timeout}s waiting for {what} (last error: {last_error}){log}"
+        )
+
+    def _nodes_ready(self, names: list[str]) -> bool:
+        out = self.kubectl("get", "nodes", "-o", "json", check=False)
+        if out.returncode != 0:
+            return False
+        nodes = json.loads(out.stdout)["items"]
+        ready = {n["metadata"]["name"] for n in nodes if _has_condition(n, "Ready")}
+        return set(names) <= ready
+
+    def _has_default_sa(self, namespace: str) -> bool:
+        return (
+            self.kubectl(
+                "get", "serviceaccount", "default", "-n", namespace, check=False
+            ).returncode
+            == 0
+        )
+
+    # ----- for tests and people
+
+    def env(self) -> dict[str, str]:
+        """Environment for programs that should talk to this cluster."""
+        helm_home = self.run_dir / "helm"
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "HELM_CACHE_HOME": str(helm_home / "cache"),
+            "HELM_CONFIG_HOME": str(helm_home / "config"),
+            "HELM_DATA_HOME": str(helm_home / "data"),
+        }
+
+    def _run(
+        self, argv: list[str], check: bool, input: str | None, timeout: float
+    ) -> subprocess.CompletedProcess:
+        result = subprocess.run(
+            argv, input=input, capture_output=True, text=True, env=self.env(), timeout=timeout
+        )
+        if check and result.returncode != 0:
+            raise ControlPlaneError(
+                f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+            )
+        return result
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        argv = [
+            str(BIN_DIR / "kubectl"),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--cache-dir={self.run_dir / 'kube-cache'}",
+            *args,
+        ]
+        return self._run(argv, check, input, timeout)
+
+    def helm(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        argv = [str(BIN_DIR / "helm"), f"--kubeconfig={self.kubeconfig}", *args]
+        return self._run(argv, check, input, timeout)
+
+    def api_client(self):
+        """A kubernetes.client.ApiClient logged in as cluster admin."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def create_namespace(self, name: str) -> None:
+        """Create a namespace and wait until pods can be created in it."""
+        self.kubectl("create", "namespace", name)
+        self._wait(
+            f"service account default in {name}",
+            lambda: self._has_default_sa(name),
+            None,
+            timeout=60,
+        )
+
+    def log_tails(self, lines: int = 25) -> dict[str, str]:
+        return {p.name: tail(p.log_path, lines) for p in self._all_logs()}
+
+    def _all_logs(self) -> list[Process]:
+        return [Process(path.stem, [], path) for path in sorted(self.logs_dir.glob("*.log"))]
