@@ -40,6 +40,19 @@ def apply(cp: ControlPlane, namespace: str, manifest: dict[str, Any], check: boo
     )
 
 
+def apply_example(cp: ControlPlane, namespace: str, file_name: str) -> None:
+    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / file_name))
+
+
+def patch_job(
+    cp: ControlPlane, namespace: str, name: str, kind: str, patch: str, check: bool = True
+) -> Any:
+    """kubectl patch --type=KIND of an RLHFJob."""
+    return cp.kubectl(
+        "patch", "rlhfjob", name, "-n", namespace, f"--type={kind}", "-p", patch, check=check
+    )
+
+
 def get(cp: ControlPlane, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
     result = cp.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
     return json.loads(result.stdout) if result.returncode == 0 else None
@@ -140,7 +153,7 @@ def test_children_deleted_out_of_band_are_recreated(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
     cp = controlplane
-    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
+    apply_example(cp, namespace, "colocated.yaml")
     first = {kind: eventually(lambda k=kind, n=name: get(cp, k, n, namespace), f"{kind} {name}")
              for kind, name in (("configmap", "colocated-spec"), ("role", "colocated-reporter"), ("rayjob", "colocated"))}  # fmt: skip
     cp.kubectl("delete", "configmap/colocated-spec", "role/colocated-reporter", "-n", namespace)
@@ -163,15 +176,18 @@ def test_changing_a_pools_replicas_resizes_its_worker_group(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
     cp = controlplane
-    cp.kubectl(
-        "apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "two-nodes-by-node-8-8.yaml")
-    )
+    apply_example(cp, namespace, "two-nodes-by-node-8-8.yaml")
     eventually(
         lambda: len(worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])) == 1,
         "one policy worker",
     )
-    cp.kubectl("patch", "rlhfjob", "two-nodes-8-8", "-n", namespace, "--type=json",
-               "-p", '[{"op": "replace", "path": "/spec/pools/0/replicas", "value": 2}]')  # fmt: skip
+    patch_job(
+        cp,
+        namespace,
+        "two-nodes-8-8",
+        "json",
+        '[{"op": "replace", "path": "/spec/pools/0/replicas", "value": 2}]',
+    )
 
     def policy_replicas(kind: str, name: str) -> int | None:
         obj = get(cp, kind, name, namespace) or {}
@@ -220,10 +236,8 @@ def test_changing_fixed_fields_is_rejected_with_a_message(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str, patch: str, message: str
 ) -> None:
     cp = controlplane
-    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
-    result = cp.kubectl(
-        "patch", "rlhfjob", "colocated", "-n", namespace, "--type=json", "-p", patch, check=False
-    )
+    apply_example(cp, namespace, "colocated.yaml")
+    result = patch_job(cp, namespace, "colocated", "json", patch, check=False)
     assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
@@ -231,34 +245,16 @@ def test_suspend_and_resume(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
     cp = controlplane
-    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
+    apply_example(cp, namespace, "colocated.yaml")
     eventually(lambda: worker_pods(cp, "colocated", namespace).get("all"), "the worker to run")
-    cp.kubectl(
-        "patch",
-        "rlhfjob",
-        "colocated",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec": {"suspend": true}}',
-    )
+    patch_job(cp, namespace, "colocated", "merge", '{"spec": {"suspend": true}}')
     eventually(lambda: (get(cp, "rayjob", "colocated", namespace) or {}).get("spec", {}).get("suspend") is True,
                "the RayJob to be suspended")  # fmt: skip
     eventually(
         lambda: status_when(cp, "colocated", namespace, phase="Suspended"), "phase Suspended"
     )
     eventually(lambda: not worker_pods(cp, "colocated", namespace), "the workers to go")
-    cp.kubectl(
-        "patch",
-        "rlhfjob",
-        "colocated",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec": {"suspend": false}}',
-    )
+    patch_job(cp, namespace, "colocated", "merge", '{"spec": {"suspend": false}}')
     eventually(
         lambda: worker_pods(cp, "colocated", namespace).get("all"), "the worker to run again"
     )
@@ -359,7 +355,7 @@ def test_two_replicas_with_peering_one_active_then_failover(
         cp, "operator-standby", "--peering", PEERING_NAME, "--priority", "1", "-A"
     ).start()
     try:
-        cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "colocated.yaml"))
+        apply_example(cp, namespace, "colocated.yaml")
         eventually(
             lambda: job_status(cp, "colocated", namespace).get("rayJob"),
             "the active replica to reconcile",
