@@ -4,6 +4,7 @@ collector, KubeRay and kwok GPU nodes (pools a and b: 2 nodes x 8 GPUs each)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import yaml
 
 from rlhf_operator.crd import PEERING_NAME
 
-from .harness import REPO_ROOT, ControlPlane
+from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
 from .util import eventually, get_json
 
@@ -278,6 +279,46 @@ def test_bad_specs_are_refused_at_admission_and_create_nothing(
     result = apply(controlplane, namespace, manifest, check=False)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert get(controlplane, "rlhfjob", "colocated", namespace) is None
+
+
+def kubectl_as(cp: ControlPlane, token: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """kubectl authenticated only by a bearer token (no admin certificate)."""
+    argv = [str(BIN_DIR / "kubectl"), "--kubeconfig=/dev/null", f"--server={cp.server}",
+            f"--certificate-authority={cp.ca_file}", f"--token={token}", *args]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_the_driver_may_report_progress_and_nothing_else_and_the_operator_keeps_it(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = controlplane
+    apply_example(cp, namespace, "colocated.yaml")
+    apply_example(cp, namespace, "asymmetric-6-2.yaml")
+    eventually(
+        lambda: job_status(cp, "colocated", namespace).get("rayJob"), "the operator's first status"
+    )
+    token = cp.kubectl("create", "token", "colocated-reporter", "-n", namespace).stdout.strip()
+    progress = {"step": 3, "totalSteps": 500, "policyVersion": 3}
+    patch = json.dumps({"status": {"training": progress}})
+
+    def patch_as_driver(job: str, *where: str) -> subprocess.CompletedProcess[str]:
+        return kubectl_as(
+            cp, token, "patch", "rlhfjob", job, "-n", namespace, *where, "--type=merge", "-p", patch
+        )
+
+    assert patch_as_driver("colocated", "--subresource=status").returncode == 0
+    denied_spec = patch_as_driver("colocated")
+    denied_other = patch_as_driver("asymmetric-6-2", "--subresource=status")
+    assert denied_spec.returncode != 0 and "forbidden" in denied_spec.stderr.lower()
+    assert denied_other.returncode != 0 and "forbidden" in denied_other.stderr.lower()
+
+    patch_job(
+        cp, namespace, "colocated", "merge", '{"spec": {"suspend": true}}'
+    )  # makes the operator write
+    eventually(
+        lambda: status_when(cp, "colocated", namespace, phase="Suspended"), "phase Suspended"
+    )
+    assert job_status(cp, "colocated", namespace)["training"] == progress
 
 
 def test_an_invalid_spec_that_slips_past_admission_is_reported_and_not_acted_on(
