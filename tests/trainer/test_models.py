@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from rlhf_trainer.config import TinyModel
 from rlhf_trainer.models import (
     EOS,
@@ -17,7 +19,6 @@ from rlhf_trainer.models import (
     write_tiny_model,
 )
 from rlhf_trainer.tasks import copy_prompts, toy_copy
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 TINY = TinyModel(hidden_size=64, num_layers=1, num_heads=2, vocab_size=64)
 

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from rlhf_trainer import ppo
 
 Rows = list[list[float]]

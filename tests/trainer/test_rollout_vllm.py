@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
 from rlhf_trainer.config import TinyModel
 from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_model
 from rlhf_trainer.rollout import Rollout, RolloutEngine, rollout_state_dict
 from rlhf_trainer.tasks import copy_prompts
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 pytest.importorskip("vllm", reason="the trainer stack (make install-trainer) is not installed")
 

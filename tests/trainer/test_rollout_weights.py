@@ -5,6 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from torch import nn
+
 from rlhf_trainer.config import TinyModel
 from rlhf_trainer.models import build_tiny_model
 from rlhf_trainer.rollout import (
@@ -13,7 +15,6 @@ from rlhf_trainer.rollout import (
     rollout_state_dict,
     serialize_weights,
 )
-from torch import nn
 
 TINY = TinyModel(hidden_size=64, num_layers=1, num_heads=2, vocab_size=32)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlhf_trainer.tasks import REWARD_FUNCTIONS, copy_prompts, prompt_letters, toy_copy, toy_prompts
 
 
