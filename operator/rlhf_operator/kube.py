@@ -78,6 +78,15 @@ class Kube:
         data: Obj = json.loads(response.data or b"{}")
         return data
 
+    def reachable(self) -> bool:
+        """Whether the API server answers its readiness endpoint."""
+        request = self.api.param_serialize("GET", "/readyz", auth_settings=["BearerToken"])
+        try:
+            response = self.api.call_api(*request, _request_timeout=5)
+        except Exception:  # connection refused, TLS, timeout: all mean "not reachable"
+            return False
+        return bool(response.status == 200)
+
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         try:
             return self._call("GET", KINDS[kind].path(namespace, name))

@@ -53,9 +53,16 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.failures = {}
     memo.executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="reconcile")
     memo.workers = [asyncio.create_task(_work(memo)) for _ in range(WORKERS)]
-    app = metrics.health_app(
-        is_alive=lambda: not any(w.done() for w in memo.workers), is_ready=lambda: True
-    )
+
+    async def alive() -> bool:
+        return not any(worker.done() for worker in memo.workers)
+
+    async def ready() -> bool:
+        loop = asyncio.get_running_loop()
+        reachable = await loop.run_in_executor(memo.executor, memo.reconciler.kube.reachable)
+        return await alive() and bool(reachable)
+
+    app = metrics.health_app(is_alive=alive, is_ready=ready)
     memo.http = web.AppRunner(app, access_log=None)
     await memo.http.setup()
     await web.TCPSite(memo.http, "0.0.0.0", HEALTH_PORT).start()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
@@ -48,18 +48,24 @@ class JobGauges:
             JOBS.labels(phase.value).set(sum(p is phase for p in self._phase.values()))
 
 
-def health_app(is_alive: Callable[[], bool], is_ready: Callable[[], bool]) -> web.Application:
+Check = Callable[[], Awaitable[bool]]
+
+
+def health_app(is_alive: Check, is_ready: Check) -> web.Application:
+    """/healthz: the operator's workers are alive; /readyz: and it can reach the API."""
+
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def probe(check: Callable[[], bool]) -> Callable[[web.Request], object]:
+    def probe(check: Check) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(_: web.Request) -> web.Response:
-            return web.Response(text="ok") if check() else web.Response(status=503, text="not ok")
+            ok = await check()
+            return web.Response(text="ok") if ok else web.Response(status=503, text="not ok")
 
         return handler
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", probe(is_alive))  # type: ignore[arg-type]
-    app.router.add_get("/readyz", probe(is_ready))  # type: ignore[arg-type]
+    app.router.add_get("/healthz", probe(is_alive))
+    app.router.add_get("/readyz", probe(is_ready))
     return app

@@ -101,19 +101,25 @@ class Reconciler:
         live_groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
         wanted_groups = desired["spec"]["rayClusterSpec"]["workerGroupSpecs"]
         ops += _replica_ops(live_groups, wanted_groups, at="/spec/rayClusterSpec")
-        if not ops:
-            return rayjob
-        log.info("updating RayJob %s/%s: %s", ref.namespace, ref.rayjob, ops)
-        rayjob = self.kube.patch("RayJob", ref.namespace, ref.rayjob, ops, JSON_PATCH)
-        # KubeRay does not push a RayJob's cluster spec to a running cluster: scale it too.
-        cluster_name = (rayjob.get("status") or {}).get("rayClusterName")
-        cluster = self.kube.get("RayCluster", ref.namespace, cluster_name) if cluster_name else None
-        if cluster_name and cluster:
-            live_cluster_groups = cluster["spec"]["workerGroupSpecs"]
-            cluster_ops = _replica_ops(live_cluster_groups, wanted_groups, at="/spec")
-            if cluster_ops:
-                self.kube.patch("RayCluster", ref.namespace, cluster_name, cluster_ops, JSON_PATCH)
+        if ops:
+            log.info("updating RayJob %s/%s: %s", ref.namespace, ref.rayjob, ops)
+            rayjob = self.kube.patch("RayJob", ref.namespace, ref.rayjob, ops, JSON_PATCH)
+        self._sync_cluster_replicas(ref, rayjob, wanted_groups)
         return rayjob
+
+    def _sync_cluster_replicas(self, ref: JobRef, rayjob: Obj, wanted_groups: list[Obj]) -> None:
+        """KubeRay does not push a RayJob's cluster spec to a running cluster, so scale
+        the live RayCluster too (checked every time: the RayJob may have been patched by
+        a reconcile that died before getting here)."""
+        name = (rayjob.get("status") or {}).get("rayClusterName")
+        cluster = self.kube.get("RayCluster", ref.namespace, name) if name else None
+        if cluster is None:
+            return
+        ops = _replica_ops(cluster["spec"]["workerGroupSpecs"], wanted_groups, at="/spec")
+        if ops:
+            self.kube.patch(
+                "RayCluster", ref.namespace, cluster["metadata"]["name"], ops, JSON_PATCH
+            )
 
     def _write_status(self, job: Obj, old: RLHFJobStatus, new: RLHFJobStatus) -> None:
         """Patch status only when it changed; leave the trainer's `training` alone."""

@@ -36,8 +36,14 @@ def test_pool_gpus_and_phases_follow_the_jobs() -> None:
 def test_probes_and_metrics_endpoint() -> None:
     alive = {"value": True}
 
+    async def is_alive() -> bool:
+        return alive["value"]
+
+    async def is_ready() -> bool:
+        return alive["value"]
+
     async def scenario() -> None:
-        client = TestClient(TestServer(health_app(lambda: alive["value"], lambda: True)))
+        client = TestClient(TestServer(health_app(is_alive, is_ready)))
         await client.start_server()
         try:
             assert (await client.get("/healthz")).status == 200
@@ -46,7 +52,19 @@ def test_probes_and_metrics_endpoint() -> None:
             assert "rlhf_operator_reconcile_duration_seconds_bucket" in body
             alive["value"] = False
             assert (await client.get("/healthz")).status == 503
+            assert (await client.get("/readyz")).status == 503
         finally:
             await client.close()
 
     asyncio.run(scenario())
+
+
+def test_an_unreachable_api_server_is_reported_as_such() -> None:
+    from kubernetes import client
+
+    from rlhf_operator.kube import Kube
+    from tests.controlplane.harness import free_ports
+
+    port = free_ports(1)[0]  # nothing listens there
+    kube = Kube(client.ApiClient(client.Configuration(host=f"https://127.0.0.1:{port}")))
+    assert kube.reachable() is False
