@@ -12,58 +12,61 @@ from pathlib import Path
 
 import yaml
 
+from rlhf_operator.api import RLHFJob
 from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
 from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job
 from rlhf_trainer.plan import describe, plan_placement
 
 
-def validate_file(path: Path) -> list[str]:
-    """Error lines for one file (empty when every document in it is a valid RLHFJob)."""
+def read_jobs(path: Path) -> tuple[list[RLHFJob], list[str]]:
+    """The valid RLHFJobs in a file, and an error line for each problem found."""
     try:
-        text = path.read_text()
+        docs = list(load_documents(path.read_text()))
     except OSError as error:
-        return [f"{path}: cannot read: {error.strerror}"]
-    try:
-        docs = list(load_documents(text))
+        return [], [f"{path}: cannot read: {error.strerror}"]
     except InvalidJob as invalid:
-        return [f"{path}: {e}" for e in invalid.errors]
-    problems = []
+        return [], [f"{path}: {e}" for e in invalid.errors]
+    jobs, problems = [], []
     for index, doc in enumerate(docs):
         where = f"{path}[{index}]" if len(docs) > 1 else str(path)
         try:
-            parse_job(doc)
+            jobs.append(parse_job(doc))
         except InvalidJob as invalid:
             problems += [f"{where}: {e}" for e in invalid.errors]
-    return problems
+    return jobs, problems
+
+
+def validate_files(paths: list[Path]) -> int:
+    failed = False
+    for path in paths:
+        _, problems = read_jobs(path)
+        failed |= bool(problems)
+        print("\n".join(problems) if problems else f"{path}: ok")
+    return 1 if failed else 0
 
 
 def print_plans(paths: list[Path]) -> int:
     for path in paths:
-        problems = validate_file(path)
+        jobs, problems = read_jobs(path)
         if problems:
             print("\n".join(problems))
             return 1
-        for doc in load_documents(path.read_text()):
-            job = parse_job(doc)
+        for job in jobs:
             print(f"{job.metadata.name} ({path})")
             print(describe(plan_placement(job.spec.job_config())))
     return 0
 
 
 def print_children(path: Path, namespace: str) -> int:
-    problems = validate_file(path)
+    jobs, problems = read_jobs(path)
     if problems:
         print("\n".join(problems))
         return 1
     objects = []
-    for doc in load_documents(path.read_text()):
-        job = parse_job(doc)
-        ref = JobRef(
-            job.metadata.name,
-            job.metadata.namespace or namespace,
-            uid="<assigned by the API server>",
-        )
+    for job in jobs:
+        where = job.metadata.namespace or namespace
+        ref = JobRef(job.metadata.name, where, uid="<assigned by the API server>")
         objects += render_children(ref, job.spec)
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
     return 0
@@ -92,12 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return print_plans(args.files)
     if args.command == "render":
         return print_children(args.file, args.namespace)
-    failed = False
-    for path in args.files:
-        problems = validate_file(path)
-        failed |= bool(problems)
-        print("\n".join(problems) if problems else f"{path}: ok")
-    return 1 if failed else 0
+    return validate_files(args.files)
 
 
 if __name__ == "__main__":

@@ -80,3 +80,15 @@ def test_plan_of_an_invalid_file_shows_the_errors(
     bad.write_text("apiVersion: rlhf.dev/v1alpha1\nkind: RLHFJob\nmetadata: {name: x}\n")
     assert main(["plan", str(bad)]) == 1
     assert f"{bad}: spec: required field is missing" in capsys.readouterr().out
+
+
+def test_render_prints_the_owned_objects_as_a_yaml_stream(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["render", str(EXAMPLES[0].parent / "colocated.yaml"), "--namespace", "ml"]) == 0
+    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
+        ("ConfigMap", "colocated-spec"), ("ServiceAccount", "colocated-reporter"),
+        ("Role", "colocated-reporter"), ("RoleBinding", "colocated-reporter"), ("RayJob", "colocated"),
+    ]  # fmt: skip
+    assert {o["metadata"]["namespace"] for o in objects} == {"ml"}
