@@ -144,30 +144,27 @@ def _with_transition_rules(spec: Schema) -> Schema:
     They sit on the parent object, not on each field: a field-level rule never runs
     when the field is added or removed (there is no old value to compare).
     """
-    props, required = spec["properties"], set(spec.get("required", []))
-    for name, prop in props.items():
+    for name in spec["properties"]:
         if name not in MUTABLE_SPEC_FIELDS:
             spec["x-kubernetes-validations"].append({
-                "rule": _field_unchanged(name, name in required or "default" in prop),
+                "rule": _unchanged(spec, name),
                 "message": "cannot change after creation (only suspend and pool replicas can)",
                 "fieldPath": f".{name}",
             })  # fmt: skip
-    pools = props["pools"]
+    pools = spec["properties"]["pools"]
     same_names = "oldSelf.all(o, self.exists(p, p.name == o.name))"
     _add_rule(pools, f"size(self) == size(oldSelf) && {same_names}",
               "pools cannot be added, removed or renamed after creation")  # fmt: skip
-    item = pools["items"]
-    fixed = [f for f in item["properties"] if f not in MUTABLE_POOL_FIELDS]
-    required = set(item.get("required", []))
-    checks = [
-        _field_unchanged(f, f in required or "default" in item["properties"][f]) for f in fixed
-    ]
-    _add_rule(item, " && ".join(checks), "only a pool's replicas can change after creation")
+    pool = pools["items"]
+    fixed = [f for f in pool["properties"] if f not in MUTABLE_POOL_FIELDS]
+    _add_rule(pool, " && ".join(_unchanged(pool, f) for f in fixed),
+              "only a pool's replicas can change after creation")  # fmt: skip
     return spec
 
 
-def _field_unchanged(field: str, always_set: bool) -> str:
-    if always_set:
+def _unchanged(parent: Schema, field: str) -> str:
+    """CEL: the field equals its old value (an optional one must also stay (un)set)."""
+    if field in parent.get("required", []) or "default" in parent["properties"][field]:
         return f"self.{field} == oldSelf.{field}"
     return (f"(has(self.{field}) == has(oldSelf.{field}) && "
             f"(!has(self.{field}) || self.{field} == oldSelf.{field}))")  # fmt: skip
