@@ -99,12 +99,19 @@ def test_a_rule_based_reward_has_no_slots() -> None:
 
 def test_timeout_message_names_the_pool_and_what_it_asked_for() -> None:
     message = _not_ready_message(
-        "policy", [gpu_bundle("policy")] * 4, 5, {"GPU": 3, "rlhf-pool-policy": 2}
+        "policy",
+        [gpu_bundle("policy")] * 4,
+        5,
+        total={"GPU": 3, "rlhf-pool-policy": 2, "CPU": 8},
+        free={"GPU": 1, "rlhf-pool-policy": 0},
     )
-    assert message.startswith("pool 'policy': placement group not ready after 5 s")
-    assert "4 bundle(s) of {'GPU': 1, 'rlhf-pool-policy': 1}" in message
-    assert "GPU=4, rlhf-pool-policy=4" in message  # asked
-    assert "GPU=3, rlhf-pool-policy=2 in all" in message  # the cluster has
+    assert message.startswith("pool 'policy': placement group not ready after 5 s.")
+    assert "4 bundle(s) of {'GPU': 1, 'rlhf-pool-policy': 1} (GPU=4, rlhf-pool-policy=4)" in message
+    assert (
+        "the cluster has GPU=3, rlhf-pool-policy=2 in all, GPU=1, rlhf-pool-policy=0 free"
+        in message
+    )
+    assert "the resource 'rlhf-pool-policy' and the label rlhf.dev/pool=policy?" in message
     assert issubclass(PlacementTimeout, TimeoutError)
 
 

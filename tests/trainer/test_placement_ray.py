@@ -4,7 +4,8 @@ One simulated cluster for the module (starting it takes 8-20 s here): a CPU head
 one node per pool replica, with logical GPUs, the custom resource and the node label
 taken from the RayJob the operator renders, so the trainer is tested against what the
 operator really gives it. Pool "policy" (actor, rollout, ref) has 2 GPUs on one node,
-pool "value" (critic) 1 GPU on another.
+pool "value" (critic) 1 GPU on another. One more node is mis-labelled on purpose: it
+carries pool "stray"'s resource but another pool's label.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rlhf_trainer.placement import (
     PlacementTimeout,
     PoolGroup,
     create_pool_groups,
+    pool_resource,
     remove_pool_groups,
     wait_ready,
 )
@@ -67,6 +69,12 @@ def ray_pools() -> Iterator[RayPools]:
                 cluster.add_node(
                     num_cpus=1, num_gpus=gpus, resources=resources, labels=group["labels"]
                 )
+        cluster.add_node(
+            num_cpus=0,
+            num_gpus=1,
+            resources={pool_resource("stray"): 1},
+            labels={POOL_LABEL: "not-stray"},
+        )
         ray.init(address=cluster.address, include_dashboard=False)
         pool_nodes: dict[str, set[str]] = {}
         for node in ray.nodes():
@@ -98,6 +106,7 @@ def test_the_cluster_is_what_the_operator_renders(ray_pools: RayPools) -> None:
     assert {pool: len(nodes) for pool, nodes in ray_pools.pool_nodes.items()} == {
         "policy": 1,
         "value": 1,
+        "not-stray": 1,
     }
 
 
@@ -153,5 +162,22 @@ def test_a_pool_the_cluster_cannot_hold_times_out_naming_it(ray_pools: RayPools)
     try:
         with pytest.raises(PlacementTimeout, match=r"pool 'value': .* 4 bundle\(s\)"):
             wait_ready({"value": pending["value"]}, timeout_s=1)
+    finally:
+        remove_pool_groups(pending)
+
+
+def test_a_node_with_the_pools_resource_but_another_label_is_not_used(
+    ray_pools: RayPools,
+) -> None:
+    manifest = job_manifest()
+    manifest["spec"]["pools"] = [{"name": "stray", "gpusPerNode": 1}]
+    manifest["spec"]["roles"] = {role: "stray" for role in ("actor", "rollout", "ref", "critic")}
+    plan = plan_placement(parse_job(manifest).spec)
+    pending = create_pool_groups(plan, "stray")
+    try:
+        # The resource and a GPU are free on the mis-labelled node, yet nothing lands.
+        assert ray.available_resources()[pool_resource("stray")] == 1
+        with pytest.raises(PlacementTimeout, match=r"label rlhf\.dev/pool=stray\?"):
+            wait_ready(pending, timeout_s=1)
     finally:
         remove_pool_groups(pending)

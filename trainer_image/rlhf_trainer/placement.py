@@ -163,8 +163,10 @@ def wait_ready(groups: Mapping[str, PlacementGroup], timeout_s: float) -> dict[s
     for pool, group in groups.items():
         ready, _ = ray.wait([group.ready()], timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
+            total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+            free = ray.available_resources()  # type: ignore[no-untyped-call]
             raise PlacementTimeout(
-                _not_ready_message(pool, group.bundle_specs, timeout_s, ray.cluster_resources())
+                _not_ready_message(pool, group.bundle_specs, timeout_s, total, free)
             )
     placed = {}
     for pool, group in groups.items():
@@ -178,19 +180,24 @@ def _not_ready_message(
     pool: str,
     bundles: Sequence[Mapping[str, float]],
     timeout_s: float,
-    cluster: Mapping[str, float],
+    total: Mapping[str, float],
+    free: Mapping[str, float],
 ) -> str:
     wanted: dict[str, float] = {}
     for bundle in bundles:
         for name, amount in bundle.items():
             wanted[name] = wanted.get(name, 0) + amount
-    has = ", ".join(f"{name}={cluster.get(name, 0):g}" for name in sorted(wanted))
-    asks = ", ".join(f"{name}={amount:g}" for name, amount in sorted(wanted.items()))
+
+    def amounts(of: Mapping[str, float]) -> str:
+        return ", ".join(f"{name}={of.get(name, 0):g}" for name in sorted(wanted))
+
+    first = dict(bundles[0]) if bundles else {}
     return (
-        f"pool {pool!r}: placement group not ready after {timeout_s:g} s; it asks for "
-        f"{len(bundles)} bundle(s) of {dict(bundles[0]) if bundles else {}} ({asks}) and the "
-        f"cluster has {has} in all. Are the pool's Ray nodes up and carrying "
-        f"{pool_resource(pool)!r}?"
+        f"pool {pool!r}: placement group not ready after {timeout_s:g} s. It asks for "
+        f"{len(bundles)} bundle(s) of {first} ({amounts(wanted)}); the cluster has "
+        f"{amounts(total)} in all, {amounts(free)} free. Are all the pool's Ray nodes up, "
+        f"each with its GPUs, the resource {pool_resource(pool)!r} and the label "
+        f"{POOL_LABEL}={pool}?"
     )
 
 

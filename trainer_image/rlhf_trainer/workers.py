@@ -29,7 +29,6 @@ from rlhf_trainer.plan import PlacementPlan
 
 if TYPE_CHECKING:
     from ray import ObjectRef
-    from ray.actor import ActorHandle
 
 # A batch is split along its first (batch) dimension: one tensor, or named tensors
 # that share that dimension, e.g. {"input_ids": (B, T), "rewards": (B,)}.
@@ -57,8 +56,8 @@ def concat_batches(shards: Sequence[BatchT]) -> BatchT:
         raise ValueError("no shards to concatenate")
     first = shards[0]
     if isinstance(first, Tensor):
-        return torch.cat(list(shards), dim=0)  # type: ignore[arg-type]
-    return {name: torch.cat([s[name] for s in shards], dim=0) for name in first}  # type: ignore[index]
+        return torch.cat(list(shards), dim=0)
+    return {name: torch.cat([s[name] for s in shards], dim=0) for name in first}
 
 
 def _batch_size(batch: Mapping[str, Tensor]) -> int:
@@ -160,7 +159,7 @@ class RankHost:
         context = ray.get_runtime_context()
         return Whereabouts(
             node_id=context.get_node_id(),
-            node_ip=ray.util.get_node_ip_address(),
+            node_ip=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
             gpu_ids=tuple(context.get_accelerator_ids().get("GPU", [])),
         )
 
@@ -190,9 +189,9 @@ class WorkerGroup:
     the same time when their calls are issued together.
     """
 
-    def __init__(
-        self, role: Role, slots: Sequence[WorkerSlot], hosts: Sequence[ActorHandle]
-    ) -> None:
+    # Ray's annotations do not cover calling actor methods (`handle.method.remote`), so
+    # the actor handles are Any; the methods they run are RankHost's, which are typed.
+    def __init__(self, role: Role, slots: Sequence[WorkerSlot], hosts: Sequence[Any]) -> None:
         self.role = role
         self.slots = tuple(slots)
         self.hosts = tuple(hosts)
@@ -216,9 +215,9 @@ class WorkerGroup:
         import ray
 
         slots = role_slots(plan, role, pool_group.rank_order)
-        remote_host = ray.remote(RankHost)
+        remote_host: Any = ray.remote(RankHost)
         hosts = [
-            remote_host.options(  # type: ignore[attr-defined]
+            remote_host.options(
                 name=None,
                 # CPU is not what limits a pool's workers; asking for none keeps a
                 # GPU-only bundle enough (see placement.gpu_bundle).
