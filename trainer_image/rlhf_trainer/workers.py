@@ -123,9 +123,6 @@ class Worker:
         self.info = info
 
 
-WorkerT = TypeVar("WorkerT", bound=Worker)
-
-
 @dataclass(frozen=True)
 class Whereabouts:
     """Where a rank actually runs, as Ray sees it."""
@@ -218,7 +215,6 @@ class WorkerGroup:
         remote_host: Any = ray.remote(RankHost)
         hosts = [
             remote_host.options(
-                name=None,
                 # CPU is not what limits a pool's workers; asking for none keeps a
                 # GPU-only bundle enough (see placement.gpu_bundle).
                 num_cpus=0,
