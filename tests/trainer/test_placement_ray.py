@@ -97,6 +97,7 @@ def groups(ray_pools: RayPools) -> Iterator[dict[Role, WorkerGroup]]:
         )
         for role in (Role.ACTOR, Role.REF, Role.CRITIC)
     }
+    ray.get([ref for group in spawned.values() for ref in group.ready])  # built together
     yield spawned
     for group in spawned.values():
         group.shutdown()

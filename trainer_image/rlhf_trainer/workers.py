@@ -170,7 +170,10 @@ class RankHost:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.worker is None:
-            raise RuntimeError(f"{self.info.role} rank {self.info.rank}: call before setup")
+            raise RuntimeError(
+                f"{self.info.role} rank {self.info.rank} has no worker: its setup failed "
+                "(the error is in WorkerGroup.ready)"
+            )
         return getattr(self.worker, method)(*args, **kwargs)
 
     def shutdown(self) -> None:
@@ -188,10 +191,17 @@ class WorkerGroup:
 
     # Ray's annotations do not cover calling actor methods (`handle.method.remote`), so
     # the actor handles are Any; the methods they run are RankHost's, which are typed.
-    def __init__(self, role: Role, slots: Sequence[WorkerSlot], hosts: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        role: Role,
+        slots: Sequence[WorkerSlot],
+        hosts: Sequence[Any],
+        ready: Sequence[ObjectRef[None]],
+    ) -> None:
         self.role = role
         self.slots = tuple(slots)
         self.hosts = tuple(hosts)
+        self.ready = list(ready)  # one per rank: done once its worker is built
 
     @property
     def world_size(self) -> int:
@@ -207,8 +217,11 @@ class WorkerGroup:
         *args: Any,
         **kwargs: Any,
     ) -> WorkerGroup:
-        """Start the role's ranks on its pool, rendezvous, build the workers; blocks until
-        every rank's worker is built (a failure there is raised here, not at first use)."""
+        """Start the role's ranks on its pool and have them rendezvous and build their
+        workers. Returns once rank 0 is placed, without waiting for the (slow) builds, so
+        the groups of several roles start together; `ray.get(group.ready)` joins them.
+        Calls issued before then queue behind the build (an actor runs its calls in
+        order)."""
         import ray
 
         slots = role_slots(plan, role, pool_group.rank_order)
@@ -225,8 +238,8 @@ class WorkerGroup:
         ]
         master_addr, master_port = ray.get(hosts[0].rendezvous_address.remote())
         # All ranks at once: init_process_group blocks until the whole group has joined.
-        ray.get([h.setup.remote(master_addr, master_port) for h in hosts])
-        return cls(role, slots, hosts)
+        ready = [h.setup.remote(master_addr, master_port) for h in hosts]
+        return cls(role, slots, hosts, ready)
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[ObjectRef[Any]]:
         """Call `method` with the same arguments on every rank."""
