@@ -3,6 +3,8 @@ batch sharding, and a plain worker run in this process."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -141,3 +143,13 @@ def test_a_plain_worker_runs_without_ray() -> None:
         assert worker.total_sum(torch.arange(5.0)) == 10.0
     finally:
         dist.destroy_process_group()
+
+
+def test_the_operator_uses_the_placement_names_without_ray_or_torch() -> None:
+    # The operator image has neither: importing its renderer must not pull them in.
+    code = (
+        "import sys, rlhf_operator.render, rlhf_trainer.placement; "
+        "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

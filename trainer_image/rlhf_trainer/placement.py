@@ -51,7 +51,7 @@ def placement_group_name(job: str, pool: str) -> str:
 
 
 def gpu_bundle(pool: str) -> Bundle:
-    """One GPU of the pool. No CPU: the workers ask for none (see `WorkerSlot`), and a
+    """One GPU of the pool. No CPU: the workers ask for none (`WorkerGroup.spawn`), and a
     node's CPUs are not what limits how many workers fit on it, its GPUs are."""
     return {"GPU": 1, pool_resource(pool): 1}
 
