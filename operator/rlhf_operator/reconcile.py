@@ -14,9 +14,10 @@ from typing import Any
 
 from rlhf_operator.api import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.kube import JSON_PATCH, Kube, Obj
-from rlhf_operator.render import JOB_LABEL, POOL_LABEL, JobRef, render_children
+from rlhf_operator.render import JOB_LABEL, JobRef, render_children
 from rlhf_operator.status import Observed, compute_status, finished, invalid_status
 from rlhf_operator.validation import InvalidJob, parse_spec
+from rlhf_trainer.placement import POOL_LABEL
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from rlhf_operator.api import (
     Separation,
     Toleration,
 )
+from rlhf_trainer.placement import POOL_LABEL, pool_resource
 
 Obj = dict[str, Any]
 
@@ -31,13 +32,7 @@ ENTRYPOINT = f"python -m rlhf_trainer --spec {SPEC_MOUNT}/{SPEC_FILE}"
 RUN_AS_USER = 1000  # the trainer image's non-root user
 
 JOB_LABEL = f"{GROUP}/job"
-POOL_LABEL = f"{GROUP}/pool"
 HEAD_DEFAULTS = PodResources(cpu=2, memory="8Gi")
-
-
-def pool_resource(pool: str) -> str:
-    """The Ray logical resource a pool's nodes carry, for placing roles onto the pool."""
-    return f"rlhf-pool-{pool}"
 
 
 @dataclass(frozen=True)

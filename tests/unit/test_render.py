@@ -12,9 +12,10 @@ import jsonschema
 import pytest
 import yaml
 
-from rlhf_operator.render import POOL_LABEL, JobRef, pool_resource, render_children
+from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.validation import parse_job
 from rlhf_trainer.config import JobConfig
+from rlhf_trainer.placement import POOL_LABEL, pool_resource
 from tests.unit.conftest import EXAMPLES, load
 
 DATA = Path(__file__).parent / "data"

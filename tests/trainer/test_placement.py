@@ -1,0 +1,155 @@
+"""Placement and worker-group logic that needs no Ray: bundles, shares, rank order,
+batch sharding, and a plain worker run in this process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlhf_trainer.config import JobConfig, Role
+from rlhf_trainer.placement import (
+    PlacementTimeout,
+    _not_ready_message,
+    gpu_bundle,
+    gpu_share,
+    pool_bundles,
+    pool_resource,
+    rank_order,
+    role_slots,
+)
+from rlhf_trainer.plan import plan_placement
+from rlhf_trainer.workers import (
+    RankInfo,
+    concat_batches,
+    free_port,
+    init_distributed,
+    split_batch,
+)
+from tests.trainer.toy_workers import PartialSums
+
+
+def config(pools: list[dict[str, Any]], roles: dict[str, str], **extra: Any) -> JobConfig:
+    spec = {
+        "pools": pools,
+        "roles": roles,
+        "models": {"actor": {"path": "m"}, "reward": {"path": "rm"}},
+        "data": {"train": "toy:copy"},
+        "trainer": {"batchSize": 240, "miniBatchSize": 120},
+        **extra,
+    }
+    return JobConfig.model_validate(spec)
+
+
+SPLIT = config(
+    [{"name": "a", "replicas": 2, "gpusPerNode": 2}, {"name": "b", "gpusPerNode": 4}],
+    {"actor": "a", "rollout": "a", "ref": "a", "critic": "b", "reward": "b"},
+    generation={"tensorParallelSize": 2},
+)
+
+
+def test_one_bundle_per_gpu_pinned_to_the_pool() -> None:
+    plan = plan_placement(SPLIT)
+    a, b = plan.pools
+    assert pool_bundles(a) == [{"GPU": 1, "rlhf-pool-a": 1}] * 4
+    assert pool_bundles(b) == [{"GPU": 1, pool_resource("b"): 1}] * 4
+    assert gpu_bundle("a") == {"GPU": 1, "rlhf-pool-a": 1}
+
+
+def test_colocated_roles_share_each_gpu() -> None:
+    a, b = plan_placement(SPLIT).pools
+    assert gpu_share(a) == pytest.approx(1 / 3)  # actor, rollout, ref
+    assert gpu_share(b) == pytest.approx(1 / 2)  # critic, reward
+    assert gpu_share(a) * len(a.roles) <= 1
+
+
+def test_ranks_of_a_node_are_consecutive() -> None:
+    # PACK may number bundles across nodes in any order.
+    assert rank_order(["n2", "n1", "n2", "n1"]) == [0, 2, 1, 3]
+    assert rank_order(["n1", "n1", "n2"]) == [0, 1, 2]
+    assert rank_order([]) == []
+
+
+def test_slots_of_colocated_roles_are_the_same_bundles() -> None:
+    plan = plan_placement(SPLIT)
+    order = [0, 2, 1, 3]
+    actor = role_slots(plan, Role.ACTOR, order)
+    ref = role_slots(plan, Role.REF, order)
+    assert [s.bundle_index for s in actor] == [s.bundle_index for s in ref] == order
+    assert {s.pool for s in actor} == {"a"}
+    # rollout engines of 2 GPUs each: rank r sits in the first bundle of its slice
+    assert [s.bundle_index for s in role_slots(plan, Role.ROLLOUT, order)] == [0, 1]
+    with pytest.raises(ValueError, match="pool a has 4 bundles"):
+        role_slots(plan, Role.ACTOR, [0, 1])
+
+
+def test_a_rule_based_reward_has_no_slots() -> None:
+    plan = plan_placement(
+        config(
+            [{"name": "a", "gpusPerNode": 1}],
+            {"actor": "a", "rollout": "a", "ref": "a", "critic": "a"},
+            models={"actor": {"path": "m"}, "reward": {"function": "toy_copy"}},
+        )
+    )
+    with pytest.raises(ValueError, match="runs on the driver"):
+        role_slots(plan, Role.REWARD, [0])
+
+
+def test_timeout_message_names_the_pool_and_what_it_asked_for() -> None:
+    message = _not_ready_message(
+        "policy",
+        [gpu_bundle("policy")] * 4,
+        5,
+        total={"GPU": 3, "rlhf-pool-policy": 2, "CPU": 8},
+        free={"GPU": 1, "rlhf-pool-policy": 0},
+    )
+    assert message.startswith("pool 'policy': placement group not ready after 5 s.")
+    assert "4 bundle(s) of {'GPU': 1, 'rlhf-pool-policy': 1} (GPU=4, rlhf-pool-policy=4)" in message
+    assert (
+        "the cluster has GPU=3, rlhf-pool-policy=2 in all, GPU=1, rlhf-pool-policy=0 free"
+        in message
+    )
+    assert "the resource 'rlhf-pool-policy' and the label rlhf.dev/pool=policy?" in message
+    assert issubclass(PlacementTimeout, TimeoutError)
+
+
+@pytest.mark.parametrize(
+    ("rows", "parts", "sizes"), [(6, 3, [2, 2, 2]), (5, 2, [3, 2]), (2, 3, [1, 1, 0])]
+)
+def test_split_along_the_batch_and_rejoin(rows: int, parts: int, sizes: list[int]) -> None:
+    batch = {"ids": torch.arange(rows * 4).reshape(rows, 4), "reward": torch.arange(rows) * 1.0}
+    shards = split_batch(batch, parts)
+    assert [len(s["ids"]) for s in shards] == [len(s["reward"]) for s in shards] == sizes
+    rejoined = concat_batches(shards)
+    assert torch.equal(rejoined["ids"], batch["ids"])
+    assert torch.equal(rejoined["reward"], batch["reward"])
+    assert torch.equal(concat_batches(split_batch(batch["ids"], parts)), batch["ids"])
+
+
+def test_split_rejects_tensors_of_different_batch_sizes() -> None:
+    with pytest.raises(ValueError, match="disagree on the batch dimension"):
+        split_batch({"a": torch.zeros(3), "b": torch.zeros(4)}, 2)
+
+
+def test_a_plain_worker_runs_without_ray() -> None:
+    info = RankInfo(Role.CRITIC, "value", rank=0, world_size=1)
+    init_distributed(info, "127.0.0.1", free_port())
+    try:
+        worker = PartialSums(info)
+        assert worker.total_sum(torch.arange(5.0)) == 10.0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_operator_uses_the_placement_names_without_ray_or_torch() -> None:
+    # The operator image has neither: importing its renderer must not pull them in.
+    code = (
+        "import sys, rlhf_operator.render, rlhf_trainer.placement; "
+        "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

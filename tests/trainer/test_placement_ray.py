@@ -1,0 +1,184 @@
+"""Placement groups and worker groups on a real Ray cluster.
+
+One simulated cluster for the module (starting it takes 8-20 s here): a CPU head and
+one node per pool replica, with logical GPUs, the custom resource and the node label
+taken from the RayJob the operator renders, so the trainer is tested against what the
+operator really gives it. Pool "policy" (actor, rollout, ref) has 2 GPUs on one node,
+pool "value" (critic) 1 GPU on another. One more node is mis-labelled on purpose: it
+carries pool "stray"'s resource but another pool's label.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from rlhf_operator.render import JobRef, render_rayjob
+from rlhf_operator.validation import parse_job
+from rlhf_trainer.config import Role
+from rlhf_trainer.placement import (
+    POOL_LABEL,
+    PlacementTimeout,
+    PoolGroup,
+    create_pool_groups,
+    pool_resource,
+    remove_pool_groups,
+    wait_ready,
+)
+from rlhf_trainer.plan import PlacementPlan, plan_placement
+from rlhf_trainer.workers import WorkerGroup, gather
+from tests.trainer.toy_workers import PartialSums
+from tests.unit.conftest import EXAMPLES, load
+
+ray = pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+READY_TIMEOUT_S = 120  # generous: other test runs share this machine's two cores
+
+
+def job_manifest() -> dict[str, Any]:
+    manifest = copy.deepcopy(load(EXAMPLES[0].parent / "local-cpu.yaml"))
+    manifest["spec"]["pools"][0]["gpusPerNode"] = 2
+    return manifest
+
+
+@dataclass(frozen=True)
+class RayPools:
+    plan: PlacementPlan
+    pool_nodes: dict[str, set[str]]  # pool -> Ray node ids, found by the node label
+    groups: dict[str, PoolGroup]
+
+
+@pytest.fixture(scope="module")
+def ray_pools() -> Iterator[RayPools]:
+    job = parse_job(job_manifest())
+    rayjob = render_rayjob(JobRef(job.metadata.name, "default", "uid"), job.spec)
+    cluster = cluster_utils.Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0}
+    )
+    try:
+        for group in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+            resources = {k: float(v) for k, v in group["resources"].items()}
+            gpus = resources.pop("GPU")
+            for _ in range(group["replicas"]):
+                cluster.add_node(
+                    num_cpus=1, num_gpus=gpus, resources=resources, labels=group["labels"]
+                )
+        cluster.add_node(
+            num_cpus=0,
+            num_gpus=1,
+            resources={pool_resource("stray"): 1},
+            labels={POOL_LABEL: "not-stray"},
+        )
+        ray.init(address=cluster.address, include_dashboard=False)
+        pool_nodes: dict[str, set[str]] = {}
+        for node in ray.nodes():
+            if POOL_LABEL in node.get("Labels", {}):
+                pool_nodes.setdefault(node["Labels"][POOL_LABEL], set()).add(node["NodeID"])
+        plan = plan_placement(job.spec)
+        groups = wait_ready(create_pool_groups(plan, job.metadata.name), READY_TIMEOUT_S)
+        yield RayPools(plan, pool_nodes, groups)
+        remove_pool_groups(groups)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def groups(ray_pools: RayPools) -> Iterator[dict[Role, WorkerGroup]]:
+    spawned = {
+        role: WorkerGroup.spawn(
+            ray_pools.plan, role, ray_pools.groups[ray_pools.plan.roles[role].pool], PartialSums
+        )
+        for role in (Role.ACTOR, Role.REF, Role.CRITIC)
+    }
+    ray.get([ref for group in spawned.values() for ref in group.ready])  # built together
+    yield spawned
+    for group in spawned.values():
+        group.shutdown()
+
+
+def test_the_cluster_is_what_the_operator_renders(ray_pools: RayPools) -> None:
+    assert {pool: len(nodes) for pool, nodes in ray_pools.pool_nodes.items()} == {
+        "policy": 1,
+        "value": 1,
+        "not-stray": 1,
+    }
+
+
+def test_each_pool_group_lands_on_its_pools_nodes(ray_pools: RayPools) -> None:
+    for pool, group in ray_pools.groups.items():
+        assert set(group.bundle_nodes) <= ray_pools.pool_nodes[pool]
+    assert len(ray_pools.groups["policy"].bundle_nodes) == 2
+
+
+def test_every_worker_runs_on_a_node_of_its_pool(
+    ray_pools: RayPools, groups: dict[Role, WorkerGroup]
+) -> None:
+    for role, group in groups.items():
+        pool = ray_pools.plan.roles[role].pool
+        assert group.world_size == ray_pools.plan.roles[role].data_parallel_size
+        assert {w.node_id for w in group.whereabouts()} <= ray_pools.pool_nodes[pool], role
+
+
+def test_colocated_roles_share_their_gpus(groups: dict[Role, WorkerGroup]) -> None:
+    actor, ref = groups[Role.ACTOR].whereabouts(), groups[Role.REF].whereabouts()
+    assert [w.gpu_ids for w in actor] == [w.gpu_ids for w in ref]
+    assert len({w.gpu_ids for w in actor}) == 2  # one GPU per rank, each its own
+    assert all(len(w.gpu_ids) == 1 for w in actor)
+
+
+def test_data_parallel_all_reduce_over_an_uneven_batch(groups: dict[Role, WorkerGroup]) -> None:
+    batch = torch.arange(7.0)  # 4 rows on rank 0, 3 on rank 1
+    refs = groups[Role.ACTOR].run_sharded("total_sum", batch)
+    assert ray.get(refs) == [21.0, 21.0]
+    assert ray.get(groups[Role.ACTOR].run("total_sum", torch.ones(3))) == [6.0, 6.0]
+
+
+def test_gather_rejoins_in_rank_order(groups: dict[Role, WorkerGroup]) -> None:
+    x = torch.arange(5.0)
+    out = gather(groups[Role.REF].run_sharded("doubled", {"x": x}))
+    assert torch.equal(out["x"], x * 2)
+    assert out["rank"].tolist() == [0, 0, 0, 1, 1]
+
+
+def test_groups_on_different_pools_run_at_the_same_time(groups: dict[Role, WorkerGroup]) -> None:
+    # Issued together, joined after: the intervals overlap (no wall-time assertion).
+    actor = groups[Role.ACTOR].run("sleep", 1.0)
+    critic = groups[Role.CRITIC].run("sleep", 1.0)
+    intervals = ray.get(actor + critic)
+    assert max(start for start, _ in intervals) < min(end for _, end in intervals)
+
+
+def test_a_pool_the_cluster_cannot_hold_times_out_naming_it(ray_pools: RayPools) -> None:
+    manifest = job_manifest()
+    manifest["spec"]["pools"][1]["gpusPerNode"] = 4  # the value node has 1 GPU
+    plan = plan_placement(parse_job(manifest).spec)
+    pending = create_pool_groups(plan, "too-big")
+    try:
+        with pytest.raises(PlacementTimeout, match=r"pool 'value': .* 4 bundle\(s\)"):
+            wait_ready({"value": pending["value"]}, timeout_s=1)
+    finally:
+        remove_pool_groups(pending)
+
+
+def test_a_node_with_the_pools_resource_but_another_label_is_not_used(
+    ray_pools: RayPools,
+) -> None:
+    manifest = job_manifest()
+    manifest["spec"]["pools"] = [{"name": "stray", "gpusPerNode": 1}]
+    manifest["spec"]["roles"] = {role: "stray" for role in ("actor", "rollout", "ref", "critic")}
+    plan = plan_placement(parse_job(manifest).spec)
+    pending = create_pool_groups(plan, "stray")
+    try:
+        # The resource and a GPU are free on the mis-labelled node, yet nothing lands.
+        assert ray.available_resources()[pool_resource("stray")] == 1
+        with pytest.raises(PlacementTimeout, match=r"label rlhf\.dev/pool=stray\?"):
+            wait_ready(pending, timeout_s=1)
+    finally:
+        remove_pool_groups(pending)

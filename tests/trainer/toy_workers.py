@@ -1,0 +1,36 @@
+"""A toy role worker for the placement tests: plain Python, as a real role's is."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlhf_trainer.workers import RankInfo, Worker
+
+
+class PartialSums(Worker):
+    def __init__(self, info: RankInfo) -> None:
+        super().__init__(info)
+        # The process group is up before the constructor: a collective here must work.
+        token = torch.ones(1)
+        dist.all_reduce(token)
+        self.group_size_seen = int(token.item())
+
+    def total_sum(self, shard: Tensor) -> float:
+        """This rank's partial sum, all-reduced over the ranks: the sum of the batch."""
+        partial = shard.sum().reshape(1).to(torch.float64)
+        dist.all_reduce(partial)
+        return float(partial.item())
+
+    def doubled(self, shard: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A per-row result, for gather to put back in rank order."""
+        return {"x": shard["x"] * 2, "rank": torch.full_like(shard["x"], self.info.rank)}
+
+    def sleep(self, seconds: float) -> tuple[float, float]:
+        """Start and end, wall clock, for the test to check two pools overlapped."""
+        start = time.time()
+        time.sleep(seconds)
+        return start, time.time()

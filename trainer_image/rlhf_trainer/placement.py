@@ -1,0 +1,208 @@
+"""Placement on Ray: one placement group per pool, one bundle per GPU.
+
+The operator gives every Ray worker node of a pool a logical resource named after the
+pool (`pool_resource`), as many units as the node has GPUs. A bundle asks for one GPU
+and one unit of that resource, so Ray can put it only on a node of its pool: that is
+what pins a pool's workers to the pool's node group. PACK fills a node before using
+the next, so a pool of 2 nodes x 4 GPUs gets 4 bundles on each node.
+
+Colocated roles share the bundles: rank r of every role on a pool sits in bundle r
+(with tensor parallelism, in the first bundle of its slice) and takes a fraction of
+its GPU (`gpu_share`). Ray then hands all of them the same device, and the step
+schedule (plan.py) runs them one after another, never at the same time.
+
+The pure part (names, bundles, shares, rank order) needs no Ray; the functions that
+talk to Ray import it when called, because the operator imports `pool_resource` and
+runs without Ray installed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rlhf_trainer.config import Role
+from rlhf_trainer.plan import DRIVER, PlacementPlan, PoolPlan
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+Bundle = dict[str, float]
+
+# The Ray node label (and pod label) the operator puts on every node of a pool.
+POOL_LABEL = "rlhf.dev/pool"
+
+# Each pool's placement group packs its bundles onto as few of the pool's nodes as
+# possible; STRICT_PACK would forbid a pool of several nodes.
+POOL_STRATEGY = "PACK"
+
+
+def pool_resource(pool: str) -> str:
+    """The Ray logical resource a pool's nodes carry, for placing roles onto the pool."""
+    return f"rlhf-pool-{pool}"
+
+
+def placement_group_name(job: str, pool: str) -> str:
+    # Named, so `ray list placement-groups` shows which pool a group belongs to.
+    return f"{job}-{pool}"
+
+
+def gpu_bundle(pool: str) -> Bundle:
+    """One GPU of the pool. No CPU: the workers ask for none (`WorkerGroup.spawn`), and a
+    node's CPUs are not what limits how many workers fit on it, its GPUs are."""
+    return {"GPU": 1, pool_resource(pool): 1}
+
+
+def pool_bundles(pool: PoolPlan) -> list[Bundle]:
+    return [gpu_bundle(pool.name) for _ in range(pool.total_gpus)]
+
+
+def gpu_share(pool: PoolPlan) -> float:
+    """The fraction of a GPU each colocated role's worker asks for within its bundle.
+
+    Equal shares that add up to at most one GPU, so all the pool's roles fit on every
+    bundle at once (their models stay resident, as colocated PPO needs), and Ray gives
+    them the same device. The share is a scheduling fraction, not a memory limit.
+    """
+    return 1.0 / len(pool.roles)
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """Where one data-parallel rank of a role runs: a bundle of its pool's group."""
+
+    pool: str
+    bundle_index: int
+    gpu_share: float
+
+
+def role_slots(plan: PlacementPlan, role: Role, bundle_order: Sequence[int]) -> list[WorkerSlot]:
+    """The slot of each rank of `role`, rank 0 first.
+
+    `bundle_order` lists the pool's bundle indices in rank order (`rank_order`), so the
+    ranks on one node are consecutive. A rank with tensor parallelism t owns t
+    consecutive bundles and is placed in the first; its engine uses the rest.
+    """
+    role_plan = plan.roles[role]
+    if role_plan.pool == DRIVER:
+        raise ValueError(f"role {role} runs on the driver, not on a pool: it has no slots")
+    pool = next(p for p in plan.pools if p.name == role_plan.pool)
+    if len(bundle_order) != pool.total_gpus:
+        raise ValueError(
+            f"pool {pool.name} has {pool.total_gpus} bundles, got an order of {len(bundle_order)}"
+        )
+    tp = role_plan.tensor_parallel_size
+    share = gpu_share(pool)
+    return [
+        WorkerSlot(pool.name, bundle_order[rank * tp], share)
+        for rank in range(role_plan.data_parallel_size)
+    ]
+
+
+def rank_order(bundle_nodes: Sequence[str]) -> list[int]:
+    """Bundle indices grouped by node (nodes in order of first appearance), so ranks on
+    one node are consecutive: NCCL and FSDP assume it, and PACK does not promise it."""
+    first_seen = {node: i for i, node in reversed(list(enumerate(bundle_nodes)))}
+    return sorted(range(len(bundle_nodes)), key=lambda i: (first_seen[bundle_nodes[i]], i))
+
+
+class PlacementTimeout(TimeoutError):
+    """A pool's placement group did not become ready: the cluster lacks what it asks for."""
+
+
+@dataclass(frozen=True)
+class PoolGroup:
+    """A pool's placement group once ready, with where each of its bundles landed."""
+
+    pool: str
+    group: PlacementGroup
+    bundle_nodes: tuple[str, ...]  # Ray node id of each bundle, by bundle index
+
+    @property
+    def rank_order(self) -> list[int]:
+        return rank_order(self.bundle_nodes)
+
+    def scheduling(self, slot: WorkerSlot) -> PlacementGroupSchedulingStrategy:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.group,
+            placement_group_bundle_index=slot.bundle_index,
+            # Whatever the worker starts (tasks, vLLM's own actors) stays on the pool.
+            placement_group_capture_child_tasks=True,
+        )
+
+
+def create_pool_groups(plan: PlacementPlan, job: str) -> dict[str, PlacementGroup]:
+    """Ask Ray for every pool's group. Returns at once; `wait_ready` waits for them."""
+    from ray.util.placement_group import placement_group
+
+    return {
+        pool.name: placement_group(
+            pool_bundles(pool),
+            strategy=POOL_STRATEGY,
+            name=placement_group_name(job, pool.name),
+            # The pool resource already pins the bundles; the label says the same in
+            # the words of `ray list nodes`, and guards a node given the wrong resource.
+            bundle_label_selector=[{POOL_LABEL: pool.name}] * pool.total_gpus,
+        )
+        for pool in plan.pools
+    }
+
+
+def wait_ready(groups: Mapping[str, PlacementGroup], timeout_s: float) -> dict[str, PoolGroup]:
+    """Wait until every pool's group is placed, or raise `PlacementTimeout` naming the
+    first pool that is not, what it asked for and what the cluster has of it."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    deadline = time.monotonic() + timeout_s
+    for pool, group in groups.items():
+        ready, _ = ray.wait([group.ready()], timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+            free = ray.available_resources()  # type: ignore[no-untyped-call]
+            raise PlacementTimeout(
+                _not_ready_message(pool, group.bundle_specs, timeout_s, total, free)
+            )
+    placed = {}
+    for pool, group in groups.items():
+        by_index = placement_group_table(group)["bundles_to_node_id"]
+        nodes = tuple(by_index[i] for i in range(len(group.bundle_specs)))
+        placed[pool] = PoolGroup(pool, group, nodes)
+    return placed
+
+
+def _not_ready_message(
+    pool: str,
+    bundles: Sequence[Mapping[str, float]],
+    timeout_s: float,
+    total: Mapping[str, float],
+    free: Mapping[str, float],
+) -> str:
+    wanted: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            wanted[name] = wanted.get(name, 0) + amount
+
+    def amounts(of: Mapping[str, float]) -> str:
+        return ", ".join(f"{name}={of.get(name, 0):g}" for name in sorted(wanted))
+
+    first = dict(bundles[0]) if bundles else {}
+    return (
+        f"pool {pool!r}: placement group not ready after {timeout_s:g} s. It asks for "
+        f"{len(bundles)} bundle(s) of {first} ({amounts(wanted)}); the cluster has "
+        f"{amounts(total)} in all, {amounts(free)} free. Are all the pool's Ray nodes up, "
+        f"each with its GPUs, the resource {pool_resource(pool)!r} and the label "
+        f"{POOL_LABEL}={pool}?"
+    )
+
+
+def remove_pool_groups(groups: Mapping[str, PlacementGroup | PoolGroup]) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups.values():
+        remove_placement_group(group.group if isinstance(group, PoolGroup) else group)

@@ -1,0 +1,276 @@
+"""Worker groups: the data-parallel ranks of one role on one pool.
+
+A role's work lives in a plain Python class (a `Worker` subclass) that knows its rank
+and finds torch.distributed initialised; it runs and is tested without Ray. Ray stays
+at the edge: `RankHost` is the one actor class, hosting one worker, and `WorkerGroup`
+owns the hosts of a role: it places them on the pool's bundles, runs the rank-0
+rendezvous, shards batches over the ranks, fans calls out and gathers the results.
+
+Calls return futures (Ray `ObjectRef`s), so the PPO loop issues the calls of different
+pools together and joins them when it needs the results: that is split placement.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlhf_trainer.config import Role
+from rlhf_trainer.placement import PoolGroup, WorkerSlot, role_slots
+from rlhf_trainer.plan import PlacementPlan
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+# A batch is split along its first (batch) dimension: one tensor, or named tensors
+# that share that dimension, e.g. {"input_ids": (B, T), "rewards": (B,)}.
+BatchT = TypeVar("BatchT", Tensor, dict[str, Tensor])
+
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank must join before this
+
+
+def split_batch(batch: BatchT, parts: int) -> list[BatchT]:
+    """`parts` shards along dim 0, in rank order. Uneven sizes differ by at most one row,
+    the first shards larger; with fewer rows than parts the last shards are empty (every
+    rank still takes part in the collectives)."""
+    if parts < 1:
+        raise ValueError(f"cannot split a batch into {parts} parts")
+    if isinstance(batch, Tensor):
+        return list(torch.tensor_split(batch, parts, dim=0))
+    _batch_size(batch)  # checks the tensors agree
+    pieces = {name: torch.tensor_split(t, parts, dim=0) for name, t in batch.items()}
+    return [{name: pieces[name][i] for name in batch} for i in range(parts)]
+
+
+def concat_batches(shards: Sequence[BatchT]) -> BatchT:
+    """The inverse of `split_batch`: the shards re-joined along dim 0, in order."""
+    if not shards:
+        raise ValueError("no shards to concatenate")
+    first = shards[0]
+    if isinstance(first, Tensor):
+        return torch.cat(list(shards), dim=0)
+    return {name: torch.cat([s[name] for s in shards], dim=0) for name in first}
+
+
+def _batch_size(batch: Mapping[str, Tensor]) -> int:
+    sizes = {name: t.shape[0] for name, t in batch.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch tensors disagree on the batch dimension: {sizes}")
+    return next(iter(sizes.values()), 0)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a worker knows about its place in the group."""
+
+    role: Role
+    pool: str
+    rank: int
+    world_size: int
+
+    @property
+    def device(self) -> torch.device:
+        # Ray shows each worker only its own GPU (CUDA_VISIBLE_DEVICES), so it is cuda:0.
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def distributed_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(info: RankInfo, master_addr: str, master_port: int) -> None:
+    """Join the role's process group. The variables are set, not just passed, because
+    libraries started later (FSDP, vLLM) read them."""
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(info.rank),
+        WORLD_SIZE=str(info.world_size),
+    )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.device)
+    dist.init_process_group(
+        distributed_backend(),
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=RENDEZVOUS_TIMEOUT,
+    )
+
+
+def free_port() -> int:
+    """A port free now on this node, for rank 0 to listen on. Another process may take
+    it before the rendezvous binds it; the window is small and the failure is loud."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    """Base of a role's plain worker: one data-parallel rank. Subclasses do the work
+    (load a model, compute log-probs, update) in ordinary methods; the process group
+    is initialised before `__init__` runs, so the constructor may use collectives."""
+
+    def __init__(self, info: RankInfo) -> None:
+        self.info = info
+
+
+@dataclass(frozen=True)
+class Whereabouts:
+    """Where a rank actually runs, as Ray sees it."""
+
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[str, ...]  # the GPUs Ray assigned (shared by colocated roles)
+
+
+class RankHost:
+    """The Ray actor around one worker: the only code that asks Ray where it is.
+
+    Constructed first, then `setup` joins the process group and builds the worker, since
+    rank 0's address is known only once rank 0 is placed.
+    """
+
+    def __init__(
+        self,
+        info: RankInfo,
+        worker_cls: type[Worker],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.info = info
+        self._build = (worker_cls, args, kwargs)
+        self.worker: Worker | None = None
+
+    def whereabouts(self) -> Whereabouts:
+        import ray
+
+        context = ray.get_runtime_context()
+        return Whereabouts(
+            node_id=context.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            gpu_ids=tuple(context.get_accelerator_ids().get("GPU", [])),
+        )
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return self.whereabouts().node_ip, free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        init_distributed(self.info, master_addr, master_port)
+        worker_cls, args, kwargs = self._build
+        self.worker = worker_cls(self.info, *args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.worker is None:
+            raise RuntimeError(
+                f"{self.info.role} rank {self.info.rank} has no worker: its setup failed "
+                "(the error is in WorkerGroup.ready)"
+            )
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """The data-parallel ranks of one role, placed on its pool's bundles.
+
+    `run` and `run_sharded` return one future per rank, in rank order; `gather` joins
+    them. Nothing here blocks on the work itself, so groups on different pools run at
+    the same time when their calls are issued together.
+    """
+
+    # Ray's annotations do not cover calling actor methods (`handle.method.remote`), so
+    # the actor handles are Any; the methods they run are RankHost's, which are typed.
+    def __init__(
+        self,
+        role: Role,
+        slots: Sequence[WorkerSlot],
+        hosts: Sequence[Any],
+        ready: Sequence[ObjectRef[None]],
+    ) -> None:
+        self.role = role
+        self.slots = tuple(slots)
+        self.hosts = tuple(hosts)
+        self.ready = list(ready)  # one per rank: done once its worker is built
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts)
+
+    @classmethod
+    def spawn(
+        cls,
+        plan: PlacementPlan,
+        role: Role,
+        pool_group: PoolGroup,
+        worker_cls: type[Worker],
+        *args: Any,
+        **kwargs: Any,
+    ) -> WorkerGroup:
+        """Start the role's ranks on its pool and have them rendezvous and build their
+        workers. Returns once rank 0 is placed, without waiting for the (slow) builds, so
+        the groups of several roles start together; `ray.get(group.ready)` joins them.
+        Calls issued before then queue behind the build (an actor runs its calls in
+        order)."""
+        import ray
+
+        slots = role_slots(plan, role, pool_group.rank_order)
+        remote_host: Any = ray.remote(RankHost)
+        hosts = [
+            remote_host.options(
+                # CPU is not what limits a pool's workers; asking for none keeps a
+                # GPU-only bundle enough (see placement.gpu_bundle).
+                num_cpus=0,
+                num_gpus=slot.gpu_share,
+                scheduling_strategy=pool_group.scheduling(slot),
+            ).remote(RankInfo(role, slot.pool, rank, len(slots)), worker_cls, args, kwargs)
+            for rank, slot in enumerate(slots)
+        ]
+        master_addr, master_port = ray.get(hosts[0].rendezvous_address.remote())
+        # All ranks at once: init_process_group blocks until the whole group has joined.
+        ready = [h.setup.remote(master_addr, master_port) for h in hosts]
+        return cls(role, slots, hosts, ready)
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[ObjectRef[Any]]:
+        """Call `method` with the same arguments on every rank."""
+        return [h.call.remote(method, *args, **kwargs) for h in self.hosts]
+
+    def run_sharded(
+        self, method: str, batch: BatchT, *args: Any, **kwargs: Any
+    ) -> list[ObjectRef[Any]]:
+        """Call `method` on every rank with its shard of `batch` as first argument."""
+        shards = split_batch(batch, self.world_size)
+        return [
+            h.call.remote(method, shard, *args, **kwargs)
+            for h, shard in zip(self.hosts, shards, strict=True)
+        ]
+
+    def whereabouts(self) -> list[Whereabouts]:
+        import ray
+
+        return list(ray.get([h.whereabouts.remote() for h in self.hosts]))
+
+    def shutdown(self) -> None:
+        """Leave the process group and end the actors; the placement groups stay."""
+        import ray
+
+        ray.get([h.shutdown.remote() for h in self.hosts])
+        for h in self.hosts:
+            ray.kill(h)
+
+
+def gather(refs: Sequence[ObjectRef[BatchT]]) -> BatchT:
+    """Wait for the ranks' batch results and re-join them in rank order."""
+    import ray
+
+    return concat_batches(ray.get(list(refs)))
