@@ -25,7 +25,7 @@ from rlhf_trainer.placement import POOL_LABEL, pool_resource
 
 Obj = dict[str, Any]
 
-RAY_VERSION = "2.52.0"  # the Ray in the trainer image (KubeRay checks the cluster against it)
+RAY_VERSION = "2.60.0"  # the Ray in the trainer image (a test keeps it equal to the pin)
 SPEC_MOUNT = "/etc/rlhf"
 SPEC_FILE = "spec.json"
 ENTRYPOINT = f"python -m rlhf_trainer --spec {SPEC_MOUNT}/{SPEC_FILE}"

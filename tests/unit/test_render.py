@@ -217,3 +217,10 @@ def test_reporter_may_patch_only_this_jobs_status() -> None:
     assert objects["RoleBinding"]["roleRef"]["name"] == "colocated-reporter"
     head = objects["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     assert head["serviceAccountName"] == "colocated-reporter"
+
+
+def test_the_ray_version_given_to_kuberay_is_the_one_the_image_installs() -> None:
+    from rlhf_operator.render import RAY_VERSION
+
+    lock = (Path(__file__).parents[2] / "trainer_image" / "requirements-cpu.txt").read_text()
+    assert f"ray=={RAY_VERSION}" in lock.splitlines()
