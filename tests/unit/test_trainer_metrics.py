@@ -1,0 +1,116 @@
+"""The trainer's metrics: pool busy time is the union of its roles' spans."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rlhf_trainer.config import TrainingProgress
+from rlhf_trainer.metrics import IntervalUnion, TrainerMetrics, serve_metrics, union_seconds
+from rlhf_trainer.timeline import Timeline
+
+intervals = st.lists(
+    st.tuples(st.integers(0, 50), st.integers(0, 20)).map(lambda p: (p[0], p[0] + p[1])),
+    max_size=30,
+)
+
+
+def naive_union_seconds(spans: list[tuple[int, int]]) -> int:
+    """Count the unit cells [t, t+1) that some span covers (integer endpoints)."""
+    return sum(any(s <= t < e for s, e in spans) for t in range(100))
+
+
+@given(intervals)
+def test_union_seconds_counts_overlaps_once(spans: list[tuple[int, int]]) -> None:
+    assert union_seconds(spans) == naive_union_seconds(spans)
+
+
+@given(intervals)
+def test_interval_union_added_in_any_order_matches(spans: list[tuple[int, int]]) -> None:
+    union = IntervalUnion()
+    for start, end in spans:
+        union.add(start, end)
+    assert union.seconds == naive_union_seconds(spans)
+    merged = union.intervals()
+    assert all(e1 < s2 for (_, e1), (s2, _) in zip(merged, merged[1:], strict=False))
+    assert union_seconds(merged) == union.seconds
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def value(metrics: TrainerMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_colocated_roles_take_turns_so_pool_busy_is_their_union() -> None:
+    clock = Clock(0.0)
+    metrics = TrainerMetrics(pools=["a", "b", "idle"], clock=clock)
+    timeline = Timeline(listeners=[metrics.observe_span], clock=clock)
+    timeline.record("a", "actor", "update_actor", 0.0, 4.0)
+    timeline.record("a", "ref", "ref_log_prob", 3.0, 5.0)  # overlaps the actor by 1 s
+    timeline.record("b", "critic", "update_critic", 1.0, 3.0)
+    clock.now = 10.0
+
+    assert value(metrics, "rlhf_role_busy_seconds_total", pool="a", role="actor") == 4.0
+    assert value(metrics, "rlhf_role_busy_seconds_total", pool="a", role="ref") == 2.0
+    assert value(metrics, "rlhf_pool_busy_ratio", pool="a") == 0.5  # 5 s of 10, not 6
+    assert value(metrics, "rlhf_pool_busy_ratio", pool="b") == 0.2
+    assert value(metrics, "rlhf_pool_busy_ratio", pool="idle") == 0.0
+    assert value(metrics, "rlhf_step_phase_seconds_count", phase="update_actor") == 1
+    assert value(metrics, "rlhf_step_phase_seconds_sum", phase="ref_log_prob") == 2.0
+
+    clock.now = 20.0  # computed at scrape time: an idle pool's ratio falls
+    assert value(metrics, "rlhf_pool_busy_ratio", pool="a") == 0.25
+
+
+def test_time_before_the_start_and_clock_skew_do_not_push_the_ratio_past_one() -> None:
+    clock = Clock(100.0)
+    metrics = TrainerMetrics(clock=clock)
+    metrics.observe_span(Timeline(clock=clock).record("a", "actor", "p", 90.0, 112.0))
+    clock.now = 110.0
+    assert metrics.pool_busy_ratios() == {"a": 1.0}
+
+
+def test_every_series_is_exported_and_served() -> None:
+    metrics = TrainerMetrics(pools=["a"])
+    metrics.tokens_generated.inc(128)
+    metrics.samples_trained.inc(8)
+    metrics.sample_staleness.observe(1)
+    metrics.queue_depth.set(3)
+    metrics.weight_sync_seconds.observe(0.4)
+    metrics.kl.set(0.02)
+    metrics.observe_progress(TrainingProgress(step=3, policy_version=3, reward_mean=0.5))
+    server = serve_metrics(metrics.registry, port=0, addr="127.0.0.1")
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    for line in [
+        "rlhf_tokens_generated_total 128.0",
+        "rlhf_samples_trained_total 8.0",
+        'rlhf_sample_staleness_bucket{le="1.0"} 1.0',
+        "rlhf_queue_depth 3.0",
+        "rlhf_weight_sync_seconds_count 1.0",
+        "rlhf_policy_version 3.0",
+        "rlhf_reward_mean 0.5",
+        "rlhf_kl 0.02",
+        'rlhf_pool_busy_ratio{pool="a"} 0.0',
+    ]:
+        assert line in text.splitlines(), line
+
+
+def test_each_trainer_has_its_own_registry() -> None:
+    first, second = TrainerMetrics(), TrainerMetrics()  # no duplicate-series error
+    first.tokens_generated.inc(5)
+    assert value(second, "rlhf_tokens_generated_total") == 0.0
