@@ -82,9 +82,7 @@ def test_chrome_trace_is_valid_and_shows_two_pools_working_at_once(tmp_path: Pat
         assert event["ph"] in {"X", "M"}
         assert isinstance(event["pid"], int) and isinstance(event["tid"], int)
         assert isinstance(event["name"], str)
-    names = {
-        (e["name"], e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M"
-    }
+    names = {(e["name"], e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M"}
     pool = {pid: name for (kind, pid, _), name in names.items() if kind == "process_name"}
     role = {(pid, tid): n for (kind, pid, tid), n in names.items() if kind == "thread_name"}
     assert sorted(pool.values()) == ["a", "b"]

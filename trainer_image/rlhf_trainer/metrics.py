@@ -155,7 +155,9 @@ class TrainerMetrics:
         with self._lock:
             busy = {pool: union.seconds for pool, union in self._pool_busy.items()}
         # A span reported by a worker whose clock runs ahead may end "in the future".
-        return {pool: min(1.0, seconds / wall) if wall > 0 else 0.0 for pool, seconds in busy.items()}
+        return {
+            pool: min(1.0, seconds / wall) if wall > 0 else 0.0 for pool, seconds in busy.items()
+        }
 
 
 class _PoolBusyRatio:

@@ -72,8 +72,7 @@ class ApiServer:
 
 def status_url(server: str, namespace: str, name: str) -> str:
     return (
-        f"{server.rstrip('/')}/apis/{GROUP}/{VERSION}/namespaces/{namespace}"
-        f"/{PLURAL}/{name}/status"
+        f"{server.rstrip('/')}/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
     )
 
 

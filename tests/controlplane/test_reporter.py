@@ -1,0 +1,58 @@
+"""The trainer's status reporter against the real API server, as the job's reporter
+service account (no operator needed: the test creates what the operator would)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+import yaml
+
+from rlhf_operator.render import JobRef, render_reporter_rbac
+from rlhf_trainer.config import TrainingProgress
+from rlhf_trainer.report import ApiServer, StatusReporter
+
+from .harness import REPO_ROOT, ControlPlane
+from .util import get_json
+
+
+def create_job(cp: ControlPlane, namespace: str, name: str) -> JobRef:
+    manifest: dict[str, Any] = yaml.safe_load((REPO_ROOT / "examples/colocated.yaml").read_text())
+    manifest["metadata"]["name"] = name
+    cp.kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest))
+    uid = get_json(cp, "rlhfjob", name, "-n", namespace)["metadata"]["uid"]
+    return JobRef(name, namespace, uid)
+
+
+def test_the_reporter_patches_its_own_jobs_training_status_and_no_other(
+    controlplane: ControlPlane, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    cp = controlplane
+    job = create_job(cp, namespace, "colocated")
+    other = create_job(cp, namespace, "other")
+    rbac = render_reporter_rbac(job)
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))
+    token = cp.kubectl("create", "token", job.reporter, "-n", namespace).stdout.strip()
+    server = ApiServer(cp.server, lambda: token, cp.ca_file)
+
+    progress = TrainingProgress(
+        step=7, total_steps=500, samples_per_second=12.5, policy_version=7, reward_mean=0.25
+    )
+    assert StatusReporter(job.name, namespace, server).report(progress, final=True)
+    status = get_json(cp, "rlhfjob", job.name, "-n", namespace).get("status", {})
+    assert status["training"] == progress.to_dict()
+
+    # A later report replaces the fields it sets and keeps the rest (a merge patch).
+    later = progress.model_copy(update={"step": 8, "last_checkpoint": "/ckpt/step-8"})
+    assert StatusReporter(job.name, namespace, server).report(later, final=True)
+    status = get_json(cp, "rlhfjob", job.name, "-n", namespace)["status"]
+    assert status["training"] == later.to_dict()
+
+    with caplog.at_level(logging.WARNING):
+        assert not StatusReporter(other.name, namespace, server).report(progress, final=True)
+    assert "HTTP 403" in caplog.text and "forbidden" in caplog.text
+    assert token not in caplog.text
+    other_status = get_json(cp, "rlhfjob", other.name, "-n", namespace).get("status") or {}
+    assert "training" not in other_status, json.dumps(other_status)

@@ -1,0 +1,160 @@
+"""The status reporter: what it sends, how often, and that failures never raise."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlhf_operator import crd
+from rlhf_trainer import report
+from rlhf_trainer.config import TrainingProgress
+from rlhf_trainer.report import (
+    ApiServer,
+    ConsoleReporter,
+    RateLimit,
+    StatusReporter,
+    reporter_from_env,
+    status_url,
+)
+
+TOKEN = "s3cret-token-value"
+PROGRESS = TrainingProgress(step=3, total_steps=500, policy_version=3, reward_mean=0.25)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_api_names_match_the_operators() -> None:
+    assert (report.GROUP, report.VERSION, report.PLURAL) == (crd.GROUP, crd.VERSION, crd.PLURAL)
+    assert (
+        status_url("https://10.0.0.1:443/", "ns", "job")
+        == "https://10.0.0.1:443/apis/rlhf.dev/v1alpha1/namespaces/ns/rlhfjobs/job/status"
+    )
+
+
+def test_rate_limit_lets_one_through_per_interval_and_forced_ones_always() -> None:
+    clock = Clock()
+    limit = RateLimit(5.0, clock)
+    assert limit.allow()
+    clock.now = 4.9
+    assert not limit.allow()
+    assert limit.allow(force=True)
+    clock.now = 9.8
+    assert not limit.allow()  # the forced one restarted the interval
+    clock.now = 9.9
+    assert limit.allow()
+
+
+@pytest.fixture
+def fake_api() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A plain-HTTP stand-in for the API server that records the requests it gets."""
+    requests: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            requests.append(
+                {"path": self.path, "headers": dict(self.headers), "body": json.loads(body)}
+            )
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}", requests
+    server.shutdown()
+    server.server_close()
+
+
+def test_reporter_sends_a_rate_limited_merge_patch_of_status_training(
+    fake_api: tuple[str, list[dict[str, Any]]],
+) -> None:
+    url, requests = fake_api
+    clock = Clock()
+    reporter = StatusReporter("job", "ns", ApiServer(url, lambda: TOKEN), every=5, clock=clock)
+    assert reporter.report(PROGRESS)
+    assert not reporter.report(PROGRESS.model_copy(update={"step": 4}))  # too soon
+    assert reporter.report(PROGRESS.model_copy(update={"step": 5}), final=True)
+    assert [r["body"]["status"]["training"]["step"] for r in requests] == [3, 5]
+    first = requests[0]
+    assert first["path"] == "/apis/rlhf.dev/v1alpha1/namespaces/ns/rlhfjobs/job/status"
+    assert first["headers"]["Content-Type"] == "application/merge-patch+json"
+    assert first["headers"]["Authorization"] == f"Bearer {TOKEN}"
+    assert first["body"] == {"status": {"training": PROGRESS.to_dict()}}
+    assert "rewardMean" in first["body"]["status"]["training"]  # camelCase on the wire
+
+
+def test_an_unreachable_api_server_logs_a_warning_without_the_token(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = ApiServer("https://127.0.0.1:1", lambda: TOKEN)  # nothing listens on port 1
+    assert TOKEN not in repr(server)
+    with caplog.at_level(logging.WARNING):
+        assert not StatusReporter("job", "ns", server).report(PROGRESS, final=True)
+    assert "could not report progress to rlhfjob ns/job" in caplog.text
+    assert TOKEN not in caplog.text
+
+
+def test_a_missing_token_file_is_a_warning_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = ApiServer("https://127.0.0.1:1", lambda: (tmp_path / "token").read_text())
+    with caplog.at_level(logging.WARNING):
+        assert not StatusReporter("job", "ns", server).report(PROGRESS)
+    assert "FileNotFoundError" in caplog.text
+
+
+def test_local_mode_prints_progress_lines() -> None:
+    out = io.StringIO()
+    clock = Clock()
+    console = ConsoleReporter(out, every=1.0, clock=clock)
+    assert console.report(PROGRESS)
+    assert not console.report(PROGRESS)
+    assert console.report(PROGRESS.model_copy(update={"samples_per_second": 12.5}), final=True)
+    assert out.getvalue().splitlines() == [
+        "step 3/500 (0%) · policy v3 · reward 0.250",
+        "step 3/500 (0%) · policy v3 · reward 0.250 · 12.5 samples/s",
+    ]
+
+
+def test_from_env_reports_in_the_pod_and_prints_elsewhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    pod_env = {
+        "RLHF_JOB_NAME": "job",
+        "RLHF_JOB_NAMESPACE": "ns",
+        "KUBERNETES_SERVICE_HOST": "fd00::1",
+        "KUBERNETES_SERVICE_PORT": "443",
+    }
+    in_pod = reporter_from_env(pod_env, tmp_path)
+    assert isinstance(in_pod, StatusReporter)
+    assert (in_pod.name, in_pod.namespace) == ("job", "ns")
+    server = ApiServer.in_cluster(pod_env, tmp_path)
+    assert server is not None and server.url == "https://[fd00::1]:443"
+    assert server.token() == TOKEN and server.ca_file == tmp_path / "ca.crt"
+
+    assert isinstance(reporter_from_env({}, tmp_path), ConsoleReporter)
+    with caplog.at_level(logging.WARNING):
+        no_token = reporter_from_env(pod_env, tmp_path / "missing")
+    assert isinstance(no_token, ConsoleReporter)
+    assert "printing progress instead" in caplog.text
