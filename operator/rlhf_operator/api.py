@@ -24,6 +24,8 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from rlhf_trainer.config import GROUP as GROUP  # the API's names, re-exported
+from rlhf_trainer.config import PLURAL as PLURAL
 from rlhf_trainer.config import (
     POOLS_DESCRIPTION,
     POOLS_LIST_MAP,
@@ -31,13 +33,11 @@ from rlhf_trainer.config import (
     PoolConfig,
     TrainingProgress,
 )
+from rlhf_trainer.config import VERSION as VERSION
 from rlhf_trainer.rules import Rule, SpecModel
 
-GROUP = "rlhf.dev"
-VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "RLHFJob"
-PLURAL = "rlhfjobs"
 SINGULAR = "rlhfjob"
 SHORT_NAMES = ["rlhf"]
 

@@ -15,6 +15,11 @@ from pydantic.config import JsonDict
 
 from rlhf_trainer.rules import Rule, SpecModel
 
+# The RLHFJob API both sides speak: the operator serves it, the driver reports into it.
+GROUP = "rlhf.dev"
+VERSION = "v1alpha1"
+PLURAL = "rlhfjobs"
+
 # Pool names become KubeRay worker-group names, Ray resource names and label values.
 PoolName = Annotated[
     str,

@@ -25,14 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from rlhf_trainer.config import TrainingProgress
+from rlhf_trainer.config import GROUP, PLURAL, VERSION, TrainingProgress
 
 log = logging.getLogger(__name__)
 
-# The RLHFJob API (rlhf_operator.crd defines the same; the trainer must not import it).
-GROUP = "rlhf.dev"
-VERSION = "v1alpha1"
-PLURAL = "rlhfjobs"
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 REPORT_EVERY = 5.0  # seconds between status patches: the API server is shared
 PRINT_EVERY = 1.0  # seconds between progress lines in local mode
