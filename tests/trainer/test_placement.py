@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from rlhf_trainer.config import JobConfig, Role
+from rlhf_trainer.config import Role
 from rlhf_trainer.placement import (
     PlacementTimeout,
     _not_ready_message,
@@ -30,20 +29,8 @@ from rlhf_trainer.workers import (
     init_distributed,
     split_batch,
 )
+from tests.specs import job_config as config
 from tests.trainer.toy_workers import PartialSums
-
-
-def config(pools: list[dict[str, Any]], roles: dict[str, str], **extra: Any) -> JobConfig:
-    spec = {
-        "pools": pools,
-        "roles": roles,
-        "models": {"actor": {"path": "m"}, "reward": {"path": "rm"}},
-        "data": {"train": "toy:copy"},
-        "trainer": {"batchSize": 240, "miniBatchSize": 120},
-        **extra,
-    }
-    return JobConfig.model_validate(spec)
-
 
 SPLIT = config(
     [{"name": "a", "replicas": 2, "gpusPerNode": 2}, {"name": "b", "gpusPerNode": 4}],

@@ -6,21 +6,9 @@ from typing import Any
 
 import pytest
 
-from rlhf_trainer.config import JobConfig, Role
+from rlhf_trainer.config import Role
 from rlhf_trainer.plan import DRIVER, Mode, Phase, plan_placement
-
-
-def config(pools: list[dict[str, Any]], roles: dict[str, str], **extra: Any) -> JobConfig:
-    spec = {
-        "pools": pools,
-        "roles": roles,
-        "models": {"actor": {"path": "m"}, "reward": {"path": "rm"}},
-        "data": {"train": "toy:copy"},
-        "trainer": {"batchSize": 240, "miniBatchSize": 120},
-        **extra,
-    }
-    return JobConfig.model_validate(spec)
-
+from tests.specs import job_config as config
 
 SPLIT_ROLES = {"actor": "a", "rollout": "a", "ref": "a", "critic": "b", "reward": "b"}
 
