@@ -106,12 +106,11 @@ def _load_affinity_schema() -> dict[str, Any]:
 
 
 AFFINITY_SCHEMA = _load_affinity_schema()
+_AFFINITY_VALIDATOR = jsonschema.Draft4Validator(AFFINITY_SCHEMA)
 
 
 def _check_affinity(value: dict[str, Any]) -> dict[str, Any]:
-    error = jsonschema.exceptions.best_match(
-        jsonschema.Draft4Validator(AFFINITY_SCHEMA).iter_errors(value)
-    )
+    error = jsonschema.exceptions.best_match(_AFFINITY_VALIDATOR.iter_errors(value))
     if error is not None:
         where = ".".join(str(p) for p in error.absolute_path) or "affinity"
         raise ValueError(f"not a valid Kubernetes Affinity at {where}: {error.message}")
