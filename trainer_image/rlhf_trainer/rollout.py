@@ -38,16 +38,20 @@ EXTENSION = f"{__name__}.WeightSyncExtension"
 
 
 def rollout_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The weights to send to the engine, in checkpoint (Hugging Face) names.
+    """The weights to send to the engine, in checkpoint (Hugging Face) names."""
+    config = getattr(model, "config", None)
+    return engine_weights(model.state_dict(), bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def engine_weights(state: Mapping[str, Tensor], tied: bool) -> dict[str, Tensor]:
+    """A causal LM's state dict as the engine loads it.
 
     With tied embeddings `lm_head.weight` is the embedding matrix again, and vLLM's
     loader has no separate parameter for it, so it is left out.
     """
-    config = getattr(model, "config", None)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
     return {
         name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
+        for name, tensor in state.items()
         if not (tied and name == "lm_head.weight")
     }
 
@@ -186,12 +190,15 @@ class RolloutEngine:
         )
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Load new policy weights (checkpoint names) into the running engine.
+        """Load new policy weights (checkpoint names) into the running engine."""
+        self.load_serialized_weights(serialize_weights(dict(weights)), version)
+
+    def load_serialized_weights(self, payload: bytes, version: int) -> None:
+        """Load new policy weights, as safetensors bytes, into the running engine.
 
         Requests must not be in flight (the synchronous LLM never has any between calls).
         The prefix cache holds KV computed with the old weights, so it is dropped.
         """
-        payload = serialize_weights(dict(weights))
         self._llm.collective_rpc("load_serialized_weights", args=(payload,))
         self._llm.reset_prefix_cache()
         self.policy_version = version

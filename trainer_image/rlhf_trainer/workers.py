@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,7 +35,10 @@ if TYPE_CHECKING:
 # that share that dimension, e.g. {"input_ids": (B, T), "rewards": (B,)}.
 BatchT = TypeVar("BatchT", Tensor, dict[str, Tensor])
 
+T = TypeVar("T")
+
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank must join before this
+CPU_THREADS_PER_RANK = 1
 
 
 def split_batch(batch: BatchT, parts: int) -> list[BatchT]:
@@ -119,6 +123,9 @@ class Worker:
     (load a model, compute log-probs, update) in ordinary methods; the process group
     is initialised before `__init__` runs, so the constructor may use collectives."""
 
+    # A role whose library makes its own process group (vLLM) skips the rendezvous.
+    needs_process_group = True
+
     def __init__(self, info: RankInfo) -> None:
         self.info = info
 
@@ -149,6 +156,7 @@ class RankHost:
         self.info = info
         self._build = (worker_cls, args, kwargs)
         self.worker: Worker | None = None
+        self.calls: list[tuple[str, float, float]] = []  # (method, start, end), wall clock
 
     def whereabouts(self) -> Whereabouts:
         import ray
@@ -164,17 +172,33 @@ class RankHost:
         return self.whereabouts().node_ip, free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        init_distributed(self.info, master_addr, master_port)
         worker_cls, args, kwargs = self._build
+        if not torch.cuda.is_available():
+            # On a CPU machine a "GPU" stands for a core: a rank computing on many
+            # threads would slow the ranks of other pools that run at the same time.
+            torch.set_num_threads(CPU_THREADS_PER_RANK)
+        if worker_cls.needs_process_group:
+            init_distributed(self.info, master_addr, master_port)
         self.worker = worker_cls(self.info, *args, **kwargs)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: str, *args: Any, after: Any = None, **kwargs: Any) -> Any:
+        """Run the worker's `method`. `after` is only there to be waited for: Ray runs
+        the call once that future (another role's call on this GPU) is done."""
         if self.worker is None:
             raise RuntimeError(
                 f"{self.info.role} rank {self.info.rank} has no worker: its setup failed "
                 "(the error is in WorkerGroup.ready)"
             )
-        return getattr(self.worker, method)(*args, **kwargs)
+        start = time.time()
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        finally:
+            self.calls.append((method, start, time.time()))
+
+    def drain_calls(self) -> list[tuple[str, float, float]]:
+        """The calls timed since the last drain: what the timeline shows of this rank."""
+        calls, self.calls = self.calls, []
+        return calls
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -206,6 +230,10 @@ class WorkerGroup:
     @property
     def world_size(self) -> int:
         return len(self.hosts)
+
+    @property
+    def pool(self) -> str:
+        return self.slots[0].pool
 
     @classmethod
     def spawn(
@@ -241,19 +269,62 @@ class WorkerGroup:
         ready = [h.setup.remote(master_addr, master_port) for h in hosts]
         return cls(role, slots, hosts, ready)
 
-    def run(self, method: str, *args: Any, **kwargs: Any) -> list[ObjectRef[Any]]:
+    def run(
+        self, method: str, *args: Any, after: Sequence[ObjectRef[Any]] | None = None, **kwargs: Any
+    ) -> list[ObjectRef[Any]]:
         """Call `method` with the same arguments on every rank."""
-        return [h.call.remote(method, *args, **kwargs) for h in self.hosts]
+        return self._issue(method, [args] * self.world_size, kwargs, after)
 
     def run_sharded(
-        self, method: str, batch: BatchT, *args: Any, **kwargs: Any
+        self,
+        method: str,
+        batch: BatchT,
+        *args: Any,
+        after: Sequence[ObjectRef[Any]] | None = None,
+        **kwargs: Any,
     ) -> list[ObjectRef[Any]]:
-        """Call `method` on every rank with its shard of `batch` as first argument."""
+        """Call `method` on every rank with its shard of `batch` as first argument.
+
+        `after`: one future per rank that the rank's call waits for (a call of another
+        role on the same GPUs, so colocated roles take turns instead of overlapping).
+        """
         shards = split_batch(batch, self.world_size)
+        return self.run_each(method, shards, *args, after=after, **kwargs)
+
+    def run_each(
+        self,
+        method: str,
+        firsts: Sequence[Any],
+        *args: Any,
+        after: Sequence[ObjectRef[Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[ObjectRef[Any]]:
+        """Call `method` on every rank, rank i with firsts[i] as first argument."""
+        return self._issue(method, [(first, *args) for first in firsts], kwargs, after)
+
+    def _issue(
+        self,
+        method: str,
+        rank_args: Sequence[tuple[Any, ...]],
+        kwargs: dict[str, Any],
+        after: Sequence[ObjectRef[Any]] | None,
+    ) -> list[ObjectRef[Any]]:
+        waits: Sequence[ObjectRef[Any] | None] = (
+            after if after is not None else [None] * self.world_size
+        )
+        if len(waits) != self.world_size or len(rank_args) != self.world_size:
+            raise ValueError(
+                f"{self.role} has {self.world_size} ranks: got {len(rank_args)} argument "
+                f"lists and {len(waits)} calls to wait for"
+            )
         return [
-            h.call.remote(method, shard, *args, **kwargs)
-            for h, shard in zip(self.hosts, shards, strict=True)
+            h.call.remote(method, *a, after=wait, **kwargs)
+            for h, a, wait in zip(self.hosts, rank_args, waits, strict=True)
         ]
+
+    def drain_calls(self) -> list[list[tuple[str, float, float]]]:
+        """Per rank, the calls it ran since the last drain (see RankHost.drain_calls)."""
+        return join([h.drain_calls.remote() for h in self.hosts])
 
     def whereabouts(self) -> list[Whereabouts]:
         import ray
@@ -269,8 +340,13 @@ class WorkerGroup:
             ray.kill(h)
 
 
-def gather(refs: Sequence[ObjectRef[BatchT]]) -> BatchT:
-    """Wait for the ranks' batch results and re-join them in rank order."""
+def join(refs: Sequence[ObjectRef[T]]) -> list[T]:
+    """Wait for the futures and return their results, in order."""
     import ray
 
-    return concat_batches(ray.get(list(refs)))
+    return list(ray.get(list(refs)))
+
+
+def gather(refs: Sequence[ObjectRef[BatchT]]) -> BatchT:
+    """Wait for the ranks' batch results and re-join them in rank order."""
+    return concat_batches(join(refs))

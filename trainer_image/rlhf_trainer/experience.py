@@ -1,0 +1,113 @@
+"""From generated rollouts to a scored, advantaged training batch: pure tensor code.
+
+A batch is a dict of (B, T) tensors over whole sequences, prompt and response side by
+side, so every role reads the same layout:
+
+    input_ids       <pad> <pad> <s> c a f = | c a f </s> <pad>
+    attention_mask    0     0    1  1 1 1 1 | 1 1 1  1     0
+    response_mask     0     0    0  0 0 0 0 | 1 1 1  1     0
+
+Prompts are padded on the left, responses on the right. Position t of every per-token
+tensor (log-probs, values, advantages) is about the token at t: log π(x_t | x_<t), and
+V(s_t), the value of the state just before x_t was chosen. `response_mask` picks the
+tokens the policy chose, the only ones PPO counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhf_trainer.config import AlgorithmConfig
+from rlhf_trainer.ppo import gae, kl_penalty, masked_mean, token_rewards, whiten
+from rlhf_trainer.rollout import Rollout
+
+Batch = dict[str, Tensor]
+
+
+def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Batch:
+    """The (B, T) tensors of a batch of rollouts (see the module doc for the layout).
+
+    `rollout_log_probs` are the engine's log-probs of the response tokens, the
+    reference for off-policy correction; `policy_version` (B,) says which weights
+    generated each row.
+    """
+    prompt_len = max(len(r.prompt_token_ids) for r in rollouts)
+    response_len = max(max(len(r.response_token_ids) for r in rollouts), 1)
+    size = (len(rollouts), prompt_len + response_len)
+    input_ids = torch.full(size, pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(size, dtype=torch.long)
+    response_mask = torch.zeros(size, dtype=torch.float32)
+    rollout_log_probs = torch.zeros(size, dtype=torch.float32)
+    for row, r in enumerate(rollouts):
+        prompt, response = r.prompt_token_ids, r.response_token_ids
+        start, end = prompt_len - len(prompt), prompt_len + len(response)
+        input_ids[row, start:prompt_len] = torch.tensor(prompt)
+        input_ids[row, prompt_len:end] = torch.tensor(response, dtype=torch.long)
+        attention_mask[row, start:end] = 1
+        response_mask[row, prompt_len:end] = 1
+        rollout_log_probs[row, prompt_len:end] = torch.tensor(r.response_log_probs)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "rollout_log_probs": rollout_log_probs,
+        "policy_version": torch.tensor([r.policy_version for r in rollouts]),
+    }
+
+
+@dataclass(frozen=True)
+class Advantages:
+    advantages: Tensor  # (B, T) for the policy loss, whitened if configured
+    returns: Tensor  # (B, T) the critic's regression targets
+    kl: Tensor  # (B, T) per-token KL(π_old ‖ π_ref) estimate (0 without a ref)
+
+
+def compute_advantages(
+    scores: Tensor,
+    old_log_probs: Tensor,
+    ref_log_probs: Tensor | None,
+    values: Tensor,
+    mask: Tensor,
+    algorithm: AlgorithmConfig,
+) -> Advantages:
+    """Scores (B,) and the scoring phase's per-token tensors -> GAE advantages.
+
+    With `klMode: reward` the KL to the reference is a per-token reward penalty here;
+    with `klMode: loss` it is left to the actor's loss and only reported.
+    """
+    kl = (
+        kl_penalty(old_log_probs, ref_log_probs, algorithm.kl_estimator) * mask
+        if ref_log_probs is not None
+        else torch.zeros_like(mask)
+    )
+    in_reward = algorithm.kl_mode == "reward" and ref_log_probs is not None
+    rewards = token_rewards(scores, mask, kl if in_reward else None, algorithm.kl_coef)
+    advantages, returns = gae(rewards, values, mask, algorithm.gamma, algorithm.lam)
+    if algorithm.whiten_advantages:
+        advantages = whiten(advantages, mask)
+    return Advantages(advantages=advantages, returns=returns, kl=kl)
+
+
+def mean_kl(kl: Tensor, mask: Tensor) -> float:
+    """KL per response (tokens summed), averaged over the batch: the usual KL to report."""
+    return float(masked_mean((kl * mask).sum(dim=1), (mask.sum(dim=1) > 0).float()))
+
+
+def state_values(token_values: Tensor) -> Tensor:
+    """Shift a value model's per-position outputs onto the layout's V(s_t).
+
+    The model's output at position t is the value after reading x_t; the state in which
+    x_t was chosen is the one after reading x_{t-1}, one position earlier.
+    """
+    return torch.nn.functional.pad(token_values[:, :-1], (1, 0))
+
+
+def minibatches(rows: int, size: int, generator: torch.Generator) -> list[Tensor]:
+    """A random partition of range(rows) into index sets of `size` (the last may be
+    smaller), so every row is trained on once per epoch."""
+    order = torch.randperm(rows, generator=generator)
+    return list(torch.split(order, size))

@@ -1,0 +1,238 @@
+"""The PPO loop: one step, top to bottom, for every placement.
+
+    generate → (actor log-probs ∥ ref log-probs ∥ values ∥ reward) → advantages
+             → (update actor ∥ update critic) → sync weights → log
+
+Each role's calls return futures. The calls of one stage are all issued before any is
+joined, so roles on different pools run at the same time (split placement) while
+roles sharing a pool queue up on its GPUs (colocated): only the placement differs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlhf_trainer.cluster import RoleGroups
+from rlhf_trainer.config import JobConfig, RewardSource, Role
+from rlhf_trainer.data import Prompt, PromptStream
+from rlhf_trainer.experience import Batch, compute_advantages, mean_kl, pack_rollouts
+from rlhf_trainer.metrics import union_seconds
+from rlhf_trainer.plan import DRIVER, Phase
+from rlhf_trainer.rollout import Rollout
+from rlhf_trainer.tasks import REWARD_FUNCTIONS, RewardFunction
+from rlhf_trainer.timeline import Timeline
+from rlhf_trainer.workers import WorkerGroup, gather, join
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+Decode = Callable[[Sequence[int]], str]
+
+# What each worker method is, as a phase of the step (for the timeline and metrics).
+PHASES: dict[tuple[Role, str], str] = {
+    (Role.ROLLOUT, "generate"): Phase.GENERATE,
+    (Role.ACTOR, "log_probs"): Phase.ACTOR_LOG_PROB,
+    (Role.REF, "log_probs"): Phase.REF_LOG_PROB,
+    (Role.CRITIC, "values"): Phase.VALUES,
+    (Role.REWARD, "score"): Phase.REWARD,
+    (Role.ACTOR, "update"): Phase.UPDATE_ACTOR,
+    (Role.CRITIC, "update"): Phase.UPDATE_CRITIC,
+    (Role.ACTOR, "rollout_weights"): Phase.SYNC_WEIGHTS,
+    (Role.ROLLOUT, "load_weights"): Phase.SYNC_WEIGHTS,
+}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    seconds: float  # wall time of the step
+    reward_mean: float
+    kl: float
+    response_tokens: int
+    # max |log π_actor - log π_rollout| over the batch's tokens: the engine samples with
+    # the weights the actor has (before its update), up to numerics
+    rollout_log_prob_diff: float
+    stats: dict[str, float]  # the actor's and critic's update statistics
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # busy time per phase
+
+
+def reward_function(source: RewardSource) -> RewardFunction | None:
+    """The rule-based reward the spec names (built-in or `module:function`); None when
+    the reward is a model."""
+    if source.function is None:
+        return None
+    if source.function in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[source.function]
+    module, _, name = source.function.partition(":")
+    if not name:
+        raise ValueError(
+            f"models.reward.function: {source.function!r} is not built in "
+            f"({', '.join(REWARD_FUNCTIONS)}); name one as 'module:function'"
+        )
+    function: RewardFunction = getattr(importlib.import_module(module), name)
+    return function
+
+
+class PPOTrainer:
+    """Runs PPO steps over the job's role groups."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        groups: RoleGroups,
+        prompts: PromptStream,
+        decode: Decode,
+        pad_id: int,
+        timeline: Timeline,
+    ) -> None:
+        self.config = config
+        self.groups = groups
+        self.prompts = prompts
+        self.decode = decode
+        self.pad_id = pad_id
+        self.timeline = timeline
+        self.reward = reward_function(config.models.reward)
+        self.policy_version = 0  # the actor's weights: bumped by every update
+
+    def step(self, step: int) -> StepResult:
+        started = time.time()
+        actor, critic, ref = (
+            self.groups[Role.ACTOR],
+            self.groups[Role.CRITIC],
+            self.groups.get(Role.REF),
+        )
+        prompts = self.prompts.next_batch(self.config.trainer.batch_size)
+
+        rollouts = self.generate(prompts, step)
+        batch = pack_rollouts(rollouts, self.pad_id)
+
+        # Score: every role at once; the rule-based reward runs here meanwhile.
+        score = Stage()
+        old_log_probs = score.run_sharded(actor, "log_probs", batch)
+        ref_log_probs = score.run_sharded(ref, "log_probs", batch) if ref else None
+        values = score.run_sharded(critic, "values", batch)
+        scores = self.score(prompts, rollouts, batch, score)
+        experience = {
+            **batch,
+            "old_log_probs": gather(old_log_probs),
+            "values": gather(values),
+        }
+        if ref_log_probs is not None:
+            experience["ref_log_probs"] = gather(ref_log_probs)
+        advantages = compute_advantages(
+            scores,
+            experience["old_log_probs"],
+            experience.get("ref_log_probs"),
+            experience["values"],
+            batch["response_mask"],
+            self.config.algorithm,
+        )
+        experience |= {"advantages": advantages.advantages, "returns": advantages.returns}
+
+        # Update: actor and critic at once.
+        update = Stage()
+        actor_stats = update.run_sharded(actor, "update", experience, step)
+        critic_stats = update.run_sharded(critic, "update", experience, step)
+        stats = mean_stats(join(actor_stats)) | mean_stats(join(critic_stats))
+
+        self.sync_weights(self.policy_version + 1)
+        return StepResult(
+            step=step,
+            seconds=time.time() - started,
+            reward_mean=float(scores.mean()),
+            kl=mean_kl(advantages.kl, batch["response_mask"]),
+            response_tokens=int(batch["response_mask"].sum()),
+            rollout_log_prob_diff=max_abs_diff(
+                experience["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+            ),
+            stats=stats,
+            phase_seconds=self.record_spans(since=started),
+        )
+
+    def generate(self, prompts: Sequence[Prompt], step: int) -> list[Rollout]:
+        rollout = self.groups[Role.ROLLOUT]
+        shards = split_list([p.token_ids for p in prompts], rollout.world_size)
+        return [r for shard in join(rollout.run_each("generate", shards, step)) for r in shard]
+
+    def score(
+        self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout], batch: Batch, stage: Stage
+    ) -> torch.Tensor:
+        """(B,) one reward per response: from the reward model, or the rule here."""
+        if self.reward is None:
+            scores: torch.Tensor = gather(
+                stage.run_sharded(self.groups[Role.REWARD], "score", batch)
+            )
+            return scores
+        with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
+            return torch.tensor(
+                [
+                    self.reward(p.text, self.decode(r.response_token_ids))
+                    for p, r in zip(prompts, rollouts, strict=True)
+                ]
+            )
+
+    def sync_weights(self, version: int) -> None:
+        """Hand the actor's weights to every rollout engine.
+
+        Rank 0's bytes go from its object store to the engines' directly (the future
+        is passed on, not fetched here): a broadcast through Ray's object store.
+        """
+        payloads = self.groups[Role.ACTOR].run("rollout_weights")  # a collective
+        loads = self.groups[Role.ROLLOUT].run("load_weights", payloads[0], version)
+        join([*payloads, *loads])
+        self.policy_version = version
+
+    def record_spans(self, since: float) -> dict[str, float]:
+        """Put every rank's timed calls on the timeline; returns each phase's busy
+        seconds since `since` (the union of its spans over ranks)."""
+        for role, group in self.groups.groups.items():
+            for rank_calls in group.drain_calls():
+                for method, start, end in rank_calls:
+                    phase = PHASES.get((role, method), method)
+                    self.timeline.record(group.slots[0].pool, role, phase, start, end)
+        by_phase: dict[str, list[tuple[float, float]]] = {}
+        for span in self.timeline.spans():
+            if span.start >= since:
+                by_phase.setdefault(span.phase, []).append((span.start, span.end))
+        return {phase: union_seconds(intervals) for phase, intervals in by_phase.items()}
+
+
+class Stage:
+    """The calls of one stage of the step. Calls on different pools run at once; calls
+    on the same pool run one after another, in the order issued (colocated roles take
+    turns on the pool's GPUs, as the placement plan's lanes say)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, list[ObjectRef[Any]]] = {}  # pool -> its latest calls
+
+    def run_sharded(
+        self, group: WorkerGroup, method: str, batch: Batch, *args: Any
+    ) -> list[ObjectRef[Any]]:
+        refs = group.run_sharded(method, batch, *args, after=self._last.get(group.pool))
+        self._last[group.pool] = refs
+        return refs
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a - b).abs() * mask).max()) if mask.any() else 0.0
+
+
+def mean_stats(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    return {name: sum(s[name] for s in per_rank) / len(per_rank) for name in per_rank[0]}
+
+
+def split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """`parts` contiguous slices in order, sizes differing by at most one."""
+    size, extra = divmod(len(items), parts)
+    slices, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        slices.append(list(items[start:end]))
+        start = end
+    return slices
