@@ -28,7 +28,12 @@ Obj = dict[str, Any]
 RAY_VERSION = "2.60.0"  # the Ray in the trainer image (a test keeps it equal to the pin)
 SPEC_MOUNT = "/etc/rlhf"
 SPEC_FILE = "spec.json"
-ENTRYPOINT = f"python -m rlhf_trainer --spec {SPEC_MOUNT}/{SPEC_FILE}"
+# The driver runs in the head pod (KubeRay submits the entrypoint there) and serves
+# the trainer's metrics on this port.
+TRAINER_METRICS_PORT = 9400
+ENTRYPOINT = (
+    f"python -m rlhf_trainer --spec {SPEC_MOUNT}/{SPEC_FILE} --metrics-port {TRAINER_METRICS_PORT}"
+)
 RUN_AS_USER = 1000  # the trainer image's non-root user
 
 JOB_LABEL = f"{GROUP}/job"
@@ -177,6 +182,9 @@ def _head_group(job: JobRef, spec: RLHFJobSpec) -> Obj:
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "env": _job_env(job),
+                "ports": [
+                    {"name": "metrics", "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"}
+                ],
                 "resources": _container_resources(head.resources or HEAD_DEFAULTS),
                 "securityContext": _container_security(),
                 "volumeMounts": _mounts(),
@@ -188,7 +196,17 @@ def _head_group(job: JobRef, spec: RLHFJobSpec) -> Obj:
     return {
         # No Ray work on the head: it runs the driver; GPU work goes to the pools.
         "rayStartParams": {"num-cpus": "0"},
-        "template": {"metadata": {"labels": labels(job, "head")}, "spec": pod},
+        "template": {
+            "metadata": {
+                "labels": labels(job, "head"),
+                # For Prometheus' pod discovery (the chart's PodMonitor selects the label).
+                "annotations": {
+                    "prometheus.io/scrape": "true",
+                    "prometheus.io/port": str(TRAINER_METRICS_PORT),
+                },
+            },
+            "spec": pod,
+        },
     }
 
 

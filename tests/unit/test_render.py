@@ -160,11 +160,16 @@ def test_user_affinity_is_kept_and_merged_with_separation() -> None:
 def test_head_runs_the_driver_on_cpu_with_the_mounted_spec() -> None:
     objects = render("local-cpu.yaml")
     rayjob = objects["RayJob"]["spec"]
-    assert rayjob["entrypoint"] == "python -m rlhf_trainer --spec /etc/rlhf/spec.json"
+    assert rayjob["entrypoint"] == (
+        "python -m rlhf_trainer --spec /etc/rlhf/spec.json --metrics-port 9400"
+    )
     head = rayjob["rayClusterSpec"]["headGroupSpec"]
+    annotations = head["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "9400"}
     assert head["rayStartParams"] == {"num-cpus": "0"}
     container = head["template"]["spec"]["containers"][0]
     assert not any("gpu" in k for k in container["resources"]["limits"])
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
     assert {"name": "spec", "mountPath": "/etc/rlhf", "readOnly": True} in container["volumeMounts"]
     handed_over = JobConfig.model_validate_json(objects["ConfigMap"]["data"]["spec.json"])
     assert handed_over == parse_job(load(EXAMPLES[0].parent / "local-cpu.yaml")).spec.job_config()
