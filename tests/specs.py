@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from rlhf_trainer.config import JobConfig
 
@@ -17,4 +20,21 @@ def job_config(pools: list[dict[str, Any]], roles: dict[str, str], **extra: Any)
         "trainer": {"batchSize": 240, "miniBatchSize": 120},
         **extra,
     }
+    return JobConfig.model_validate(spec)
+
+
+LOCAL_EXAMPLE = Path(__file__).parents[1] / "examples" / "local-cpu.yaml"
+
+
+def local_job(
+    *, colocated: bool, total_steps: int, checkpoint_dir: Path, every_steps: int
+) -> JobConfig:
+    """The local example's JobConfig (what the operator would hand the trainer), for a
+    given number of steps; colocated puts the critic on the policy pool."""
+    spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    if colocated:
+        spec["pools"] = [p for p in spec["pools"] if p["name"] == spec["roles"]["actor"]]
+        spec["roles"]["critic"] = spec["roles"]["actor"]
+    spec["trainer"]["totalSteps"] = total_steps
+    spec["trainer"]["checkpoint"] = {"path": str(checkpoint_dir), "everySteps": every_steps}
     return JobConfig.model_validate(spec)

@@ -1,6 +1,9 @@
 """`rlhfjob`: check RLHFJob manifests and print the generated CRD.
 
 rlhfjob validate FILE...   print `FILE: ok` or each error with its field path
+rlhfjob plan FILE...       print each job's placement plan
+rlhfjob render FILE        print the objects the operator would create
+rlhfjob train FILE         run the job on this machine (a simulated Ray cluster)
 rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
 """
 
@@ -72,6 +75,19 @@ def print_children(path: Path, namespace: str) -> int:
     return 0
 
 
+def train_locally(path: Path, trace: Path | None) -> int:
+    """Run a one-job file on this machine; needs the trainer stack (make install)."""
+    jobs, problems = read_jobs(path)
+    if problems or len(jobs) != 1:
+        print("\n".join(problems) or f"{path}: expected one RLHFJob, found {len(jobs)}")
+        return 1
+    from rlhf_trainer.__main__ import train
+
+    job = jobs[0]
+    print(describe(plan_placement(job.spec.job_config())), flush=True)
+    return train(job.spec.job_config(), job.metadata.name, local=True, trace=trace)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rlhfjob", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -84,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     render = commands.add_parser("render", help="print the objects the operator would create")
     render.add_argument("file", type=Path, metavar="FILE")
     render.add_argument("--namespace", default="default")
+    train = commands.add_parser("train", help="run an RLHFJob on this machine (Ray simulated)")
+    train.add_argument("file", type=Path, metavar="FILE")
+    train.add_argument("--trace", type=Path, help="write a Chrome trace of the pools here")
     crd = commands.add_parser("crd", help="print the generated CRD YAML")
     crd.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
     args = parser.parse_args(argv)
@@ -95,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         return print_plans(args.files)
     if args.command == "render":
         return print_children(args.file, args.namespace)
+    if args.command == "train":
+        return train_locally(args.file, args.trace)
     return validate_files(args.files)
 
 

@@ -1,0 +1,152 @@
+"""The whole PPO loop on a simulated Ray cluster with real vLLM: colocated and split.
+
+Each mode trains the local example (toy:copy, tiny qwen2) for STEPS steps, once for
+the module: about 1 min to start the roles (vLLM's engine is most of it) and 0.3-0.5 s
+a step on 2 cores. Measured with these seeds: the mean reward goes from 0.13 over the
+first ten steps to 0.24 over steps 51-60, the same in both modes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlhf_trainer.config import JobConfig, TrainingProgress
+from rlhf_trainer.loop import StepResult
+from rlhf_trainer.metrics import TrainerMetrics
+from rlhf_trainer.plan import Phase
+from tests.specs import local_job
+
+pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
+pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
+
+STEPS = 60
+WINDOW = 10  # steps averaged at the start and at the end
+MIN_RISE = 0.06  # measured: +0.11
+LOG_PROB_TOLERANCE = 1e-4  # measured: at most 1e-6 (float32 kernels of vLLM and torch)
+
+
+@dataclass(frozen=True)
+class Trained:
+    config: JobConfig
+    steps: list[StepResult]
+    progress: TrainingProgress
+    metrics: TrainerMetrics
+    trace: dict[str, Any]
+
+
+class Progress:
+    """A reporter that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[TrainingProgress, bool]] = []
+
+    def report(self, progress: TrainingProgress, final: bool = False) -> bool:
+        self.reports.append((progress, final))
+        return True
+
+
+def train(config: JobConfig, tmp: Path) -> Trained:
+    from rlhf_trainer.cluster import local_ray_cluster
+    from rlhf_trainer.run import run_job
+
+    steps: list[StepResult] = []
+    metrics = TrainerMetrics(pools=[p.name for p in config.pools])
+    reporter = Progress()
+    with local_ray_cluster(config):
+        run_job(config, "test", reporter, metrics, tmp / "trace.json", on_step=steps.append)
+    assert reporter.reports[-1][1], "the last report is final"
+    trace = json.loads((tmp / "trace.json").read_text())
+    return Trained(config, steps, reporter.reports[-1][0], metrics, trace)
+
+
+@pytest.fixture(scope="module", params=["colocated", "split"])
+def trained(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Trained]:
+    tmp = tmp_path_factory.mktemp(request.param)
+    config = local_job(
+        colocated=request.param == "colocated",
+        total_steps=STEPS,
+        checkpoint_dir=tmp / "checkpoints",
+        every_steps=STEPS,
+    )
+    result = train(config, tmp)
+    TRAINED[request.param] = result
+    yield result
+
+
+TRAINED: dict[str, Trained] = {}  # by mode, to compare the modes once both have run
+
+
+def mean_reward(steps: list[StepResult]) -> float:
+    return sum(s.reward_mean for s in steps) / len(steps)
+
+
+def test_the_reward_rises(trained: Trained) -> None:
+    start, end = mean_reward(trained.steps[:WINDOW]), mean_reward(trained.steps[-WINDOW:])
+    assert end > start + MIN_RISE, f"reward {start:.3f} -> {end:.3f}"
+
+
+def test_the_engine_samples_with_the_actors_latest_weights(trained: Trained) -> None:
+    """After every update the weights reach vLLM: the log-probs it reports for the next
+    batch equal the actor's own log-probs of those tokens."""
+    worst = max(s.rollout_log_prob_diff for s in trained.steps)
+    assert worst < LOG_PROB_TOLERANCE
+    # and the policy did change, so the check above had something to check
+    assert max(s.kl for s in trained.steps) > 0.1
+
+
+def test_every_step_is_trained_and_reported(trained: Trained) -> None:
+    assert [s.step for s in trained.steps] == list(range(1, STEPS + 1))
+    progress = trained.progress
+    assert (progress.step, progress.total_steps, progress.policy_version) == (STEPS, STEPS, STEPS)
+    assert progress.last_checkpoint is not None and progress.last_checkpoint.endswith(
+        f"{STEPS:08d}"
+    )
+    registry = trained.metrics.registry
+    batch = trained.config.trainer.batch_size
+    assert registry.get_sample_value("rlhf_samples_trained_total") == STEPS * batch
+    assert registry.get_sample_value("rlhf_policy_version") == STEPS
+    tokens = registry.get_sample_value("rlhf_tokens_generated_total")
+    assert tokens == sum(s.response_tokens for s in trained.steps)
+    for pool in trained.config.pools:
+        ratio = registry.get_sample_value("rlhf_pool_busy_ratio", {"pool": pool.name})
+        assert ratio is not None and 0 < ratio <= 1
+
+
+def update_spans(trace: dict[str, Any], phase: Phase) -> list[tuple[float, float]]:
+    return [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in trace["traceEvents"]
+        if e["ph"] == "X" and e["name"] == phase
+    ]
+
+
+def overlapping_steps(trace: dict[str, Any]) -> int:
+    actor = update_spans(trace, Phase.UPDATE_ACTOR)
+    critic = update_spans(trace, Phase.UPDATE_CRITIC)
+    assert len(actor) == len(critic) == STEPS
+    return sum(1 for a, c in zip(actor, critic, strict=True) if a[0] < c[1] and c[0] < a[1])
+
+
+def test_split_updates_overlap_and_colocated_ones_take_turns(trained: Trained) -> None:
+    overlaps = overlapping_steps(trained.trace)
+    if len(trained.config.pools) == 1:
+        assert overlaps == 0
+    else:
+        assert overlaps > STEPS // 2, f"actor and critic updates overlapped in {overlaps} steps"
+
+
+def test_colocated_and_split_train_the_same_policy(trained: Trained) -> None:
+    """Only the placement differs: with the same seeds both modes sample the same
+    tokens and get the same rewards (float32 on CPU, one thread per worker)."""
+    if len(TRAINED) < 2:
+        pytest.skip("needs both modes to have run in this session")
+    colocated, split = TRAINED["colocated"].steps, TRAINED["split"].steps
+    assert [s.reward_mean for s in colocated] == pytest.approx([s.reward_mean for s in split])
