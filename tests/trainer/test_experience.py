@@ -167,7 +167,7 @@ def test_prompts_load_from_jsonl_with_the_prompt_key(tmp_path: Path) -> None:
 def test_toy_prompts_and_unknown_sources() -> None:
     texts = load_prompt_texts(DataConfig(train="toy:copy"), seed=0)
     assert texts[0].endswith(" =") and len(texts) == 4096
-    with pytest.raises(ValueError, match="data.train"):
+    with pytest.raises(ValueError, match=r"data\.train"):
         load_prompt_texts(DataConfig(train="prompts.csv"), seed=0)
 
 
