@@ -120,6 +120,14 @@ class Run:
         while self.step < total:
             self.step += 1
             result = self.trainer.step(self.step)
+            log.info(
+                "step %d/%d: reward %.6f, kl %.4f, %.2f s",
+                self.step,
+                total,
+                result.reward_mean,
+                result.kl,
+                result.seconds,
+            )
             if self.step % every == 0 or self.step == total:
                 self.save()
             self.observe(result)

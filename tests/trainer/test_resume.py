@@ -1,0 +1,86 @@
+"""A run killed mid-training resumes from its last checkpoint and carries on as if
+nothing had happened.
+
+The first run (`python -m rlhf_trainer --local`, the command a user runs) is killed
+with SIGKILL, process group and all, a step or two after a checkpoint. The second run
+must start from that checkpoint and replay the steps the first run made past it with
+the same rewards, to the last digit: weights, optimizers, data position and sampling
+seeds all came back.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_trainer import checkpoint
+from tests.specs import local_job
+
+pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
+pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
+
+TOTAL_STEPS = 12
+EVERY = 3
+RUN_TIMEOUT_S = 600  # generous: starting the roles takes about a minute on 2 cores
+STEP_LINE = re.compile(r"step (\d+)/\d+: reward ([-\d.]+)")
+
+
+def rewards(log: str) -> dict[int, str]:
+    return {int(step): reward for step, reward in STEP_LINE.findall(log)}
+
+
+def start(spec: Path, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlhf_trainer", "--spec", str(spec), "--local"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the kill takes Ray with it
+        )
+
+
+def kill_after_a_step_past_a_checkpoint(run: subprocess.Popen[bytes], root: Path, log: Path) -> int:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        latest = checkpoint.latest(root)
+        saved = checkpoint.step_of(latest) if latest else 0
+        if saved >= EVERY and max(rewards(log.read_text()), default=0) > saved:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+            return saved
+        assert run.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL)
+    raise AssertionError("no checkpoint followed by a step in time:\n" + log.read_text()[-3000:])
+
+
+def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    config = local_job(
+        colocated=True, total_steps=TOTAL_STEPS, checkpoint_dir=root, every_steps=EVERY
+    )
+    spec = tmp_path / "spec.json"
+    spec.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
+
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    saved = kill_after_a_step_past_a_checkpoint(start(spec, first_log), root, first_log)
+    first = rewards(first_log.read_text())
+    assert saved < TOTAL_STEPS
+
+    second = start(spec, second_log)
+    assert second.wait(timeout=RUN_TIMEOUT_S) == 0, second_log.read_text()[-3000:]
+    output = second_log.read_text()
+    assert f"at step {saved}" in output  # "resumed from <dir> at step N"
+    resumed = rewards(output)
+    assert sorted(resumed) == list(range(saved + 1, TOTAL_STEPS + 1))
+    replayed = [step for step in first if step > saved]
+    assert replayed, "the first run made no step past its checkpoint"
+    assert {s: resumed[s] for s in replayed} == {s: first[s] for s in replayed}
+    assert checkpoint.latest(root) == root / f"step-{TOTAL_STEPS:08d}"
