@@ -31,7 +31,7 @@ from rlhf_trainer.placement import (
     wait_ready,
 )
 from rlhf_trainer.plan import PlacementPlan, plan_placement
-from rlhf_trainer.workers import WorkerGroup, gather
+from rlhf_trainer.workers import WorkerGroup, gather, join
 from tests.trainer.toy_workers import PartialSums
 from tests.unit.conftest import EXAMPLES, load
 
@@ -182,3 +182,20 @@ def test_a_node_with_the_pools_resource_but_another_label_is_not_used(
             wait_ready(pending, timeout_s=1)
     finally:
         remove_pool_groups(pending)
+
+
+def test_a_rank_dying_mid_collective_fails_the_call_instead_of_hanging(
+    ray_pools: RayPools,
+) -> None:
+    """Rank 0 is stuck in all_reduce (until the 10-minute rendezvous timeout) when rank 1
+    dies; `join` must raise the death at once, and shutdown must still end the group."""
+    group = WorkerGroup.spawn(ray_pools.plan, Role.ACTOR, ray_pools.groups["policy"], PartialSums)
+    join(group.ready)
+    try:
+        with pytest.raises(ray.exceptions.RayActorError):
+            join(group.run("die_in_all_reduce", 1))
+    finally:
+        group.shutdown(grace_s=1)
+    for host in group.hosts:  # both ended: the stuck rank 0 too
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(host.whereabouts.remote(), timeout=60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,3 +35,12 @@ class PartialSums(Worker):
         start = time.time()
         time.sleep(seconds)
         return start, time.time()
+
+    def die_in_all_reduce(self, dying_rank: int) -> float:
+        """Every rank joins an all_reduce but `dying_rank` exits first: the others are
+        left waiting in the collective for a peer that will never come."""
+        if self.info.rank == dying_rank:
+            os._exit(1)
+        token = torch.ones(1)
+        dist.all_reduce(token)
+        return float(token.item())

@@ -292,6 +292,9 @@ class RolloutWorker(Worker):
     def policy_version(self) -> int:
         return self.engine.policy_version
 
+    def close(self) -> None:
+        self.engine.shutdown()
+
 
 class RewardModel(Worker):
     """A reward model: a sequence classifier with one label, read at the last token."""

@@ -39,6 +39,7 @@ T = TypeVar("T")
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank must join before this
 CPU_THREADS_PER_RANK = 1
+SHUTDOWN_GRACE_S = 30.0
 
 
 def split_batch(batch: BatchT, parts: int) -> list[BatchT]:
@@ -201,6 +202,9 @@ class RankHost:
         return calls
 
     def shutdown(self) -> None:
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()  # e.g. stop vLLM's engine processes
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -331,19 +335,33 @@ class WorkerGroup:
 
         return list(ray.get([h.whereabouts.remote() for h in self.hosts]))
 
-    def shutdown(self) -> None:
-        """Leave the process group and end the actors; the placement groups stay."""
+    def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """End the actors, cleanly if they answer within `grace_s`; the placement groups
+        stay. After a failure some ranks may be dead or stuck in a collective: they
+        are killed all the same, and the error that caused it is not hidden."""
         import ray
 
-        ray.get([h.shutdown.remote() for h in self.hosts])
+        try:
+            ray.get([h.shutdown.remote() for h in self.hosts], timeout=grace_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
         for h in self.hosts:
             ray.kill(h)
 
 
 def join(refs: Sequence[ObjectRef[T]]) -> list[T]:
-    """Wait for the futures and return their results, in order."""
+    """Wait for the futures and return their results, in order.
+
+    Raises as soon as any of them fails: when one rank dies, the others may wait in a
+    collective for it until the rendezvous timeout, and waiting for them in order
+    would hang the driver just as long.
+    """
     import ray
 
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)  # raises the failure, if that is what finished
     return list(ray.get(list(refs)))
 
 
