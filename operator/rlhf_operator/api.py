@@ -213,9 +213,36 @@ class RLHFJobSpec(JobConfig):
     suspend: bool = Field(
         False, description="Suspend the job: its Ray cluster is deleted; resume to restart."
     )
+    checkpoint_claim: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=253,
+        description=(
+            "A ReadWriteMany PersistentVolumeClaim mounted at trainer.checkpoint.path on "
+            "the head and every worker: every rank writes its shard of a checkpoint there, "
+            "and a restarted job resumes from it. Without one, checkpoints stay on each "
+            "pod's own disk and a new Ray cluster starts training over."
+        ),
+    )
 
     rules = (
         *JobConfig.rules,
+        Rule(
+            "trainer.checkpoint.path",
+            "must be an absolute path outside /etc/rlhf and /dev/shm when checkpointClaim "
+            "mounts a volume there",
+            "!has(self.checkpointClaim) || (self.trainer.checkpoint.path.startsWith('/') && "
+            "!self.trainer.checkpoint.path.startsWith('/etc/rlhf') && "
+            "!self.trainer.checkpoint.path.startsWith('/dev/shm'))",
+            lambda s: (
+                s.checkpoint_claim is None
+                or (
+                    s.trainer.checkpoint.path.startswith("/")
+                    and not s.trainer.checkpoint.path.startswith(("/etc/rlhf", "/dev/shm"))
+                )
+            ),
+            lambda s: f"got {s.trainer.checkpoint.path!r}",
+        ),
         Rule(
             "separation",
             "'gpu' lets pools share nodes, but some pools cannot share one (different "

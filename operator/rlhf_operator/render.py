@@ -187,10 +187,10 @@ def _head_group(job: JobRef, spec: RLHFJobSpec) -> Obj:
                 ],
                 "resources": _container_resources(head.resources or HEAD_DEFAULTS),
                 "securityContext": _container_security(),
-                "volumeMounts": _mounts(),
+                "volumeMounts": _mounts(spec),
             }
         ],
-        "volumes": _volumes(job),
+        "volumes": _volumes(job, spec),
         **_placement(head.node_selector, head.tolerations, None),
     }
     return {
@@ -227,10 +227,10 @@ def _worker_group(job: JobRef, spec: RLHFJobSpec, pool: Pool) -> Obj:
                 "env": _job_env(job),
                 "resources": resources,
                 "securityContext": _container_security(),
-                "volumeMounts": _mounts(),
+                "volumeMounts": _mounts(spec),
             }
         ],
-        "volumes": _volumes(job),
+        "volumes": _volumes(job, spec),
         **_placement(pool.node_selector, pool.tolerations, _pool_affinity(job, spec, pool)),
     }
     return {
@@ -342,17 +342,25 @@ def _container_security() -> Obj:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
-def _mounts() -> list[Obj]:
-    return [
+def _mounts(spec: RLHFJobSpec) -> list[Obj]:
+    mounts: list[Obj] = [
         {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
+    if spec.checkpoint_claim:
+        mounts.append({"name": "checkpoints", "mountPath": spec.trainer.checkpoint.path})
+    return mounts
 
 
-def _volumes(job: JobRef) -> list[Obj]:
-    return [
+def _volumes(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
+    volumes: list[Obj] = [
         {"name": "spec", "configMap": {"name": job.spec_configmap}},
         # NCCL and Ray's object store need a large /dev/shm (the default is 64 MiB).
         # Memory-backed, it counts against the pod's memory limit, which bounds it.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
     ]
+    if spec.checkpoint_claim:
+        # Shared by every pod: each rank writes its shard, the driver commits.
+        claim = {"claimName": spec.checkpoint_claim}
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": claim})
+    return volumes

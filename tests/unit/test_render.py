@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from rlhf_operator.render import JobRef, render_children
+from rlhf_operator.render import JobRef, render_children, render_rayjob
 from rlhf_operator.validation import parse_job
 from rlhf_trainer.config import JobConfig
 from rlhf_trainer.placement import POOL_LABEL, pool_resource
@@ -229,3 +229,24 @@ def test_the_ray_version_given_to_kuberay_is_the_one_the_image_installs() -> Non
 
     lock = (Path(__file__).parents[2] / "trainer_image" / "requirements-cpu.txt").read_text()
     assert f"ray=={RAY_VERSION}" in lock.splitlines()
+
+
+def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_on_every_pod() -> None:
+    manifest = load(EXAMPLES[0].parent / "two-nodes-by-node-8-8.yaml")
+    manifest["spec"]["checkpointClaim"] = "rlhf-checkpoints"
+    manifest["spec"]["trainer"]["checkpoint"] = {"path": "/mnt/ckpt"}
+    job = parse_job(manifest)
+    cluster = render_rayjob(JobRef(job.metadata.name, "ns", "uid"), job.spec)["spec"][
+        "rayClusterSpec"
+    ]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [
+        g["template"]["spec"] for g in cluster["workerGroupSpecs"]
+    ]
+    assert len(pods) == 3
+    for pod in pods:
+        claim = {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "rlhf-checkpoints"}}
+        assert claim in pod["volumes"]
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert {"name": "checkpoints", "mountPath": "/mnt/ckpt"} in mounts
+    without = render("two-nodes-by-node-8-8.yaml")["RayJob"]["spec"]["rayClusterSpec"]
+    assert "checkpoints" not in str(without)

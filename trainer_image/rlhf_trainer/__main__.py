@@ -77,7 +77,15 @@ def train(
         with local_ray_cluster(config):
             run_job(config, job, reporter_from_env(), metrics, trace)
     else:
-        ray.init()  # the cluster KubeRay started this driver in
+        try:
+            ray.init(address="auto")  # the cluster KubeRay started this driver in
+        except ConnectionError as error:
+            print(
+                f"no Ray cluster to join ({error}); run with --local to train on a "
+                "simulated cluster on this machine",
+                file=sys.stderr,
+            )
+            return 2
         run_job(config, job, reporter_from_env(), metrics, trace)
     return 0
 
