@@ -78,6 +78,15 @@ def test_two_ranks_train_like_one_process_on_the_whole_batch(
     assert moved > 100 * WEIGHT_TOLERANCE  # the steps changed the weights beyond the tolerance
 
 
+def test_one_rank_takes_the_same_path_and_its_full_state_dict_is_a_snapshot() -> None:
+    (run,) = run_ranks(train_sharded, 1, "actor", 1)
+    plain = train_plain("actor")
+    # Taken before the steps: a view of the live weights would have moved with them.
+    assert_state_dicts_close(run.initial, plain.initial, atol=0)
+    assert_state_dicts_close(run.trained, plain.trained, atol=WEIGHT_TOLERANCE)
+    assert run.tied
+
+
 def test_full_state_dict_is_the_plain_model_on_rank_0_only(
     actor_runs: tuple[list[TrainingRun], TrainingRun],
 ) -> None:

@@ -69,8 +69,14 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     on rank 0; the other ranks get {}. A collective: every rank must call it."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
-    # Typed as any state value (nested dicts, ...); a model's are all tensors.
-    return {name: _as_tensor(value) for name, value in state.items()}
+    # On one CPU rank the "gathered, offloaded" tensors are the live parameters
+    # themselves: copy those, or the snapshot changes with the next optimizer step.
+    live = _storages(model)
+    snapshot: dict[str, Tensor] = {}
+    for name, value in state.items():
+        tensor = _as_tensor(value)
+        snapshot[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+    return snapshot
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> float:
@@ -81,6 +87,12 @@ def clip_gradients(model: nn.Module, max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm.item())
+
+
+def _storages(model: nn.Module) -> set[int]:
+    """Where this rank's parameters and buffers (its shards of them) live."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in model.state_dict().values())
+    return {t.untyped_storage().data_ptr() for t in local if isinstance(t, Tensor)}
 
 
 def _as_tensor(value: object) -> Tensor:
