@@ -1,0 +1,132 @@
+"""FSDP2 for the training roles (actor, critic): shard a model over the role's ranks.
+
+Each transformer decoder layer is one FSDP unit, and the root is the last: it holds
+everything else (embeddings, final norm, LM or value head). A tied LM head shares its
+weight with the embeddings; both live in the root unit, so the one parameter is sharded
+once and stays shared. The same code runs at world size 1 (a mesh of one rank), so a
+one-GPU role takes the path a larger one does.
+
+All three functions are collectives over the default process group: every rank of the
+role calls them, in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+DECODER_LAYER_SUFFIX = "DecoderLayer"  # Qwen2DecoderLayer, LlamaDecoderLayer, ...
+
+
+def data_parallel_mesh() -> DeviceMesh:
+    """A 1-D mesh over all ranks of the default process group."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, found by class: those Hugging Face keeps whole
+    (`_no_split_modules`) or named `...DecoderLayer`. Works for a causal LM and for a
+    `ValueModel` around a backbone alike."""
+    unsplit: set[str] = set()
+    for module in model.modules():
+        unsplit.update(getattr(module, "_no_split_modules", None) or ())
+    return [
+        module
+        for module in model.modules()
+        if module is not model and _is_decoder_layer(type(module).__name__, unsplit)
+    ]
+
+
+def _is_decoder_layer(class_name: str, unsplit: set[str]) -> bool:
+    return class_name in unsplit or class_name.endswith(DECODER_LAYER_SUFFIX)
+
+
+def shard_model(model: nn.Module) -> nn.Module:
+    """Apply FSDP2 (`fully_shard`) to every decoder layer, then to the root; in place.
+
+    Returns the model (now an FSDP module whose parameters are DTensors) for chaining.
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"no decoder layers found in {type(model).__name__}")
+    mesh = data_parallel_mesh()
+    for layer in layers:
+        _check_no_weight_shared_outside(model, layer)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _check_still_tied(model)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The whole model's weights, unsharded, on the CPU, under their Hugging Face names:
+    on rank 0; the other ranks get {}. A collective: every rank must call it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    # On one CPU rank the "gathered, offloaded" tensors are the live parameters
+    # themselves: copy those, or the snapshot changes with the next optimizer step.
+    live = _storages(model)
+    snapshot: dict[str, Tensor] = {}
+    for name, value in state.items():
+        tensor = _as_tensor(value)
+        snapshot[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
+    return snapshot
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> float:
+    """Scale the gradients so their global L2 norm is at most max_norm; returns the
+    norm before clipping (the same on every rank). With sharded (DTensor) gradients the
+    norm is a replicated DTensor, gathered here into a plain number."""
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm.item())
+
+
+def _storages(model: nn.Module) -> set[int]:
+    """Where this rank's parameters and buffers (its shards of them) live."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in model.state_dict().values())
+    return {t.untyped_storage().data_ptr() for t in local if isinstance(t, Tensor)}
+
+
+def _as_tensor(value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"a model state value is {type(value).__name__}, not a tensor")
+    return value
+
+
+def _check_no_weight_shared_outside(model: nn.Module, layer: nn.Module) -> None:
+    # A weight shared between a layer and the rest of the model would be sharded twice
+    # (once per unit) and the two copies would drift apart after the first step.
+    inside = {id(p) for p in layer.parameters()}
+    layer_modules = {id(m) for m in layer.modules()}
+    for module in model.modules():
+        if id(module) in layer_modules:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in inside:
+                raise ValueError(
+                    f"{type(module).__name__}.{name} shares a weight with a "
+                    f"{type(layer).__name__}: they cannot be in separate FSDP units"
+                )
+
+
+def _check_still_tied(model: nn.Module) -> None:
+    # fully_shard swaps each module's parameters for DTensor ones; a tied pair must
+    # come out as one parameter again, or the head and the embeddings train apart.
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    if get_input is None or get_output is None:
+        return
+    output = get_output()
+    if output is not None and output.weight is not get_input().weight:
+        raise RuntimeError("sharding untied the LM head from the input embeddings")
