@@ -57,8 +57,8 @@ crds: install  ## regenerate crds/ from the API models
 	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
 
 lint: install  ## ruff and mypy
-	$(VENV)/bin/ruff check operator trainer_image tests
-	$(VENV)/bin/ruff format --check operator trainer_image tests
+	$(VENV)/bin/ruff check operator trainer_image tests bench
+	$(VENV)/bin/ruff format --check operator trainer_image tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint trainer_image/Dockerfile
 

@@ -152,5 +152,7 @@ class ValueModel(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids(attention_mask),
         ).last_hidden_state  # (B, T, H)
-        values: Tensor = self.value_head(hidden).squeeze(-1)  # (B, T)
+        # A copy, not a view: FSDP2 warns that in-place ops on a returned view skip its
+        # backward hook.
+        values: Tensor = self.value_head(hidden).squeeze(-1).clone()  # (B, T)
         return values

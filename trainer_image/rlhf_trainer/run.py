@@ -12,7 +12,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhf_trainer import checkpoint
-from rlhf_trainer.checkpoint import TrainerState
+from rlhf_trainer.checkpoint import TrainerState, capture_rng, restore_rng
 from rlhf_trainer.cluster import RoleGroups
 from rlhf_trainer.config import JobConfig, Role, TrainingProgress
 from rlhf_trainer.data import PromptStream
@@ -57,7 +57,7 @@ class Run:
         latest = checkpoint.latest(self.checkpoint_root)
         if latest is None:
             return
-        state = TrainerState.load(latest)
+        state = checkpoint.load_trainer_state(latest)
         groups = self.trainer.groups
         join(
             [
@@ -67,7 +67,7 @@ class Run:
             ]
         )
         self.trainer.prompts.seek(state.data_epoch, state.data_position)
-        state.restore_rng()
+        restore_rng(state.rng)
         self.step = state.step
         self.trainer.sync_weights(
             state.policy_version
@@ -87,7 +87,8 @@ class Run:
             ]
         )
         epoch, position = self.trainer.prompts.position()
-        TrainerState.capture(self.step, self.trainer.policy_version, epoch, position).save(staging)
+        state = TrainerState(self.step, self.trainer.policy_version, epoch, position, capture_rng())
+        checkpoint.save_trainer_state(staging, state)
         final = checkpoint.commit(self.checkpoint_root, self.step)
         checkpoint.prune(self.checkpoint_root, self.config.trainer.checkpoint.keep)
         self.last_checkpoint = str(final)

@@ -12,6 +12,7 @@ pools together and joins them when it needs the results: that is split placement
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -341,10 +342,8 @@ class WorkerGroup:
         are killed all the same, and the error that caused it is not hidden."""
         import ray
 
-        try:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
             ray.get([h.shutdown.remote() for h in self.hosts], timeout=grace_s)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass
         for h in self.hosts:
             ray.kill(h)
 
