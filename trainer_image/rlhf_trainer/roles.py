@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf_trainer.checkpoint import load_role_state, save_role_state
 from rlhf_trainer.config import JobConfig, ModelSource
 from rlhf_trainer.experience import Batch, minibatches, state_values
-from rlhf_trainer.models import ValueModel, position_ids, write_tiny_model
+from rlhf_trainer.models import ValueModel, build_tiny_model, position_ids, write_tiny_model
 from rlhf_trainer.ppo import (
     aggregate,
     aggregation_normalizer,
@@ -46,8 +46,8 @@ Stats = dict[str, float]
 
 
 def model_path(source: ModelSource, seed: int) -> str:
-    """A directory (or hub id) to load the model from; a tiny model is written to a
-    fresh local directory, the same weights on every node for the same seed."""
+    """A directory (or hub id) for vLLM to load the model from; a tiny model is written
+    to a fresh local directory, the same weights on every node for the same seed."""
     if source.tiny is None:
         assert source.path is not None  # the spec's rules: exactly one of path or tiny
         return source.path
@@ -55,9 +55,21 @@ def model_path(source: ModelSource, seed: int) -> str:
     return str(write_tiny_model(source.tiny, directory, seed))
 
 
-def load_policy(path: str) -> PreTrainedModel:
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def load_policy(source: ModelSource, seed: int) -> PreTrainedModel:
+    """The causal LM, built in memory when tiny (saving it to load it back would not do:
+    transformers writes only on rank 0 once torch.distributed is up)."""
+    if source.tiny is not None:
+        return build_tiny_model(source.tiny, seed)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
     return model
+
+
+def load_value_model(source: ModelSource, seed: int) -> ValueModel:
+    """The critic: the source's transformer backbone with a fresh value head."""
+    if source.tiny is not None:
+        return ValueModel(build_tiny_model(source.tiny, seed).model)
+    assert source.path is not None
+    return ValueModel.from_pretrained(source.path)
 
 
 def micro_batches(batch: Batch, size: int | None) -> Iterator[Batch]:
@@ -87,6 +99,10 @@ def policy_outputs(
     if not with_entropy:
         return log_probs, torch.zeros_like(log_probs)
     return log_probs, nn.functional.pad(entropy_from_logits(logits.float()), (1, 0))
+
+
+def scalar(value: Tensor) -> float:
+    return float(value.detach())
 
 
 def all_ranks_sum(value: Tensor) -> Tensor:
@@ -153,7 +169,7 @@ class Trainable(Worker):
 class Actor(Trainable):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info, config)
-        model = load_policy(model_path(config.models.actor, config.trainer.seed))
+        model = load_policy(config.models.actor, config.trainer.seed)
         self.tied = bool(model.config.tie_word_embeddings)
         self.model = shard_model(model.to(info.device))
         self.optimizer = torch.optim.AdamW(
@@ -188,11 +204,11 @@ class Actor(Trainable):
             per_token = per_token + algorithm.kl_coef * kl
         loss = aggregate(per_token, mask, algorithm.loss_aggregation, normalizer)
         return loss, {
-            "policy_loss": float(masked_mean(policy.loss, mask)),
-            "clip_fraction": float(masked_mean(policy.clipped.float(), mask)),
-            "entropy": float(masked_mean(entropy, mask)),
-            "approx_kl_old": float(masked_mean(micro["old_log_probs"] - log_probs, mask)),
-            "importance_clipped": float(weights.clipped_fraction),
+            "policy_loss": scalar(masked_mean(policy.loss, mask)),
+            "clip_fraction": scalar(masked_mean(policy.clipped.float(), mask)),
+            "entropy": scalar(masked_mean(entropy, mask)),
+            "approx_kl_old": scalar(masked_mean(micro["old_log_probs"] - log_probs, mask)),
+            "importance_clipped": scalar(weights.clipped_fraction),
         }
 
     def rollout_weights(self) -> bytes | None:
@@ -217,7 +233,7 @@ class Ref(Worker):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info)
         source = config.models.ref or config.models.actor
-        self.model = load_policy(model_path(source, config.trainer.seed)).to(info.device).eval()
+        self.model = load_policy(source, config.trainer.seed).to(info.device).eval()
         self.config = config
 
     @torch.no_grad()
@@ -230,7 +246,7 @@ class Critic(Trainable):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info, config)
         source = config.models.critic or config.models.actor
-        model = ValueModel.from_pretrained(model_path(source, config.trainer.seed))
+        model = load_value_model(source, config.trainer.seed)
         self.model = shard_model(model.to(info.device))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.trainer.critic_learning_rate
@@ -254,7 +270,7 @@ class Critic(Trainable):
             values, micro["values"], micro["returns"], algorithm.value_clip
         )
         loss = aggregate(per_token, mask, algorithm.loss_aggregation, normalizer)
-        return loss, {"value_loss": float(masked_mean(per_token, mask))}
+        return loss, {"value_loss": scalar(masked_mean(per_token, mask))}
 
 
 class RolloutWorker(Worker):

@@ -1,0 +1,115 @@
+"""The role workers without Ray: on real gloo ranks, or plain in the test process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+from rlhf_trainer.config import JobConfig, Role
+from rlhf_trainer.experience import Batch
+from rlhf_trainer.roles import Actor, Critic, RewardModel
+from rlhf_trainer.sharding import full_state_dict
+from rlhf_trainer.workers import RankInfo, split_batch
+from tests.specs import local_job
+from tests.trainer.distributed import run_ranks
+
+ROWS, LENGTH = 8, 10
+
+
+def config(micro_batch_size: int | None, gpus: int, tmp: Path) -> JobConfig:
+    job = local_job(colocated=True, total_steps=1, checkpoint_dir=tmp, every_steps=1)
+    spec = job.model_dump(by_alias=True, exclude_none=True)
+    spec["pools"][0]["gpusPerNode"] = gpus
+    spec["models"]["actor"]["tiny"] |= {"hiddenSize": 64, "numHeads": 2}
+    spec["trainer"] |= {
+        "miniBatchSize": ROWS,
+        "batchSize": ROWS,
+        "microBatchSize": micro_batch_size,
+    }
+    return JobConfig.model_validate(spec)
+
+
+def experience() -> Batch:
+    """A batch whose rows have different response lengths (so ranks and micro-batches
+    hold different token counts) and left padding."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(4, 30, (ROWS, LENGTH), generator=generator)
+    attention_mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
+    response_mask = torch.zeros(ROWS, LENGTH)
+    for row in range(ROWS):
+        attention_mask[row, : row % 3] = 0
+        response_mask[row, LENGTH - 1 - row % 4 :] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "advantages": torch.randn(ROWS, LENGTH, generator=generator) * response_mask,
+        "returns": torch.randn(ROWS, LENGTH, generator=generator) * response_mask,
+    }
+
+
+def train_once(rank: int, role: Role, job: JobConfig) -> list[dict[str, torch.Tensor]]:
+    """One update of a fresh actor or critic on its rank's shard; the weights before
+    and after."""
+    world = torch.distributed.get_world_size()
+    info = RankInfo(role, "policy", rank, world)
+    worker: Any = Actor(info, job) if role == Role.ACTOR else Critic(info, job)
+    batch = split_batch(experience(), world)[rank]
+    if role == Role.ACTOR:
+        batch["old_log_probs"] = batch["rollout_log_probs"] = worker.log_probs(batch).detach()
+    else:
+        batch["values"] = worker.values(batch)
+    before = full_state_dict(worker.model)
+    worker.update(batch, step=1)
+    return [before, full_state_dict(worker.model)]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_micro_batches_and_ranks_add_up_to_one_pass_over_the_batch(tmp_path: Path) -> None:
+    """The loss is normalised by the whole mini-batch's token count over all ranks, so
+    splitting it into micro-batches, or over ranks with unequal token counts, takes the
+    same optimizer step as one pass over everything (for the actor and the critic)."""
+    for role in (Role.ACTOR, Role.CRITIC):
+        ((initial, whole),) = run_ranks(train_once, 1, role, config(None, 1, tmp_path))
+        ((_, micro),) = run_ranks(train_once, 1, role, config(2, 1, tmp_path))
+        (_, sharded), _ = run_ranks(train_once, 2, role, config(2, 2, tmp_path))
+        assert any(not torch.equal(whole[n], initial[n]) for n in whole), "no step was taken"
+        assert_same_weights(micro, whole)
+        assert_same_weights(sharded, whole)
+
+
+def test_a_reward_model_scores_each_sequence_at_its_last_token(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model_config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    Qwen2ForSequenceClassification(model_config).save_pretrained(tmp_path / "rm")
+    spec = config(None, 1, tmp_path).model_dump(by_alias=True, exclude_none=True)
+    spec["models"]["reward"] = {"path": str(tmp_path / "rm")}
+    spec["roles"]["reward"] = "policy"
+    scorer = RewardModel(RankInfo(Role.REWARD, "policy", 0, 1), JobConfig.model_validate(spec))
+    batch = {  # left-padded prompts, right-padded responses, as experience.py packs them
+        "input_ids": torch.tensor([[0, 5, 6, 7, 0], [5, 6, 7, 8, 9]]),
+        "attention_mask": torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
+    }
+    scores = scorer.score(batch)
+    alone = [
+        scorer.model(input_ids=torch.tensor([ids])).logits[0, 0]
+        for ids in ([5, 6, 7], [5, 6, 7, 8, 9])
+    ]
+    torch.testing.assert_close(scores, torch.stack(alone).detach(), rtol=0, atol=1e-5)
