@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -101,15 +101,26 @@ class PPOTrainer:
         self.policy_version = 0  # the actor's weights: bumped by every update
 
     def step(self, step: int) -> StepResult:
+        """One synchronous PPO step: generate, train on it, hand the weights over."""
         started = time.time()
+        prompts = self.prompts.next_batch(self.config.trainer.batch_size)
+        rollouts = self.generate(prompts, step)
+        result = self.train_on(step, [p.text for p in prompts], rollouts)
+        self.sync_weights(self.policy_version + 1)
+        return replace(
+            result, seconds=time.time() - started, phase_seconds=self.record_spans(since=started)
+        )
+
+    def train_on(
+        self, step: int, prompts: Sequence[str], rollouts: Sequence[Rollout]
+    ) -> StepResult:
+        """Score the rollouts, compute advantages and update the actor and the critic
+        (the policy version is bumped by the caller's weight sync). Without timings."""
         actor, critic, ref = (
             self.groups[Role.ACTOR],
             self.groups[Role.CRITIC],
             self.groups.get(Role.REF),
         )
-        prompts = self.prompts.next_batch(self.config.trainer.batch_size)
-
-        rollouts = self.generate(prompts, step)
         batch = pack_rollouts(rollouts, self.pad_id)
 
         # Score: every role at once; the rule-based reward runs here meanwhile.
@@ -140,11 +151,9 @@ class PPOTrainer:
         actor_stats = update.run_sharded(actor, "update", experience, step)
         critic_stats = update.run_sharded(critic, "update", experience, step)
         stats = mean_stats(join(actor_stats)) | mean_stats(join(critic_stats))
-
-        self.sync_weights(self.policy_version + 1)
         return StepResult(
             step=step,
-            seconds=time.time() - started,
+            seconds=0.0,
             reward_mean=float(scores.mean()),
             kl=mean_kl(advantages.kl, batch["response_mask"]),
             response_tokens=int(batch["response_mask"].sum()),
@@ -152,7 +161,6 @@ class PPOTrainer:
                 experience["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
             ),
             stats=stats,
-            phase_seconds=self.record_spans(since=started),
         )
 
     def generate(self, prompts: Sequence[Prompt], step: int) -> list[Rollout]:
@@ -161,7 +169,7 @@ class PPOTrainer:
         return [r for shard in join(rollout.run_each("generate", shards, step)) for r in shard]
 
     def score(
-        self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout], batch: Batch, stage: Stage
+        self, prompts: Sequence[str], rollouts: Sequence[Rollout], batch: Batch, stage: Stage
     ) -> torch.Tensor:
         """(B,) one reward per response: from the reward model, or the rule here."""
         if self.reward is None:
@@ -172,8 +180,8 @@ class PPOTrainer:
         with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
             return torch.tensor(
                 [
-                    self.reward(p.text, self.decode(r.response_token_ids))
-                    for p, r in zip(prompts, rollouts, strict=True)
+                    self.reward(prompt, self.decode(r.response_token_ids))
+                    for prompt, r in zip(prompts, rollouts, strict=True)
                 ]
             )
 
