@@ -75,7 +75,8 @@ def test_limit_is_the_rounded_down_exact_product(b: int, k: int, s: float) -> No
         (4, 2, 0.0, 8),
         (3, 1, 0.1, 3),  # 3.3 rounds down
         (10, 1, 0.7, 17),
-        (100, 1, 0.14, 114),  # float arithmetic says 113.99999999999999
+        (25, 1, 0.16, 29),  # float arithmetic says 28.999999999999996
+        (5, 3, 7.2, 123),  # and 122.99999999999999
         (1, 1, 16, 17),
         (2, 3, 1, 12),
     ],
@@ -222,7 +223,7 @@ def test_batch_size_must_be_positive() -> None:
 def test_a_blocked_getter_takes_its_batch_once_it_fills() -> None:
     queue = SampleQueue()
     result: list[list[Sample] | None] = []
-    getter = threading.Thread(target=lambda: result.append(queue.get_batch(3)))
+    getter = threading.Thread(target=lambda: result.append(queue.get_batch(3)), daemon=True)
     getter.start()
     wait_until(lambda: queue.waiting_getters() == 1, "the getter to block")
     for uid in range(2):
@@ -249,7 +250,7 @@ def test_many_producers_one_consumer_exactly_once_in_producer_order() -> None:
             assert got is not None and len(got) == batch
             consumed.extend(got)
 
-    consumer = threading.Thread(target=consume)
+    consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
     threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
     for t in threads:
@@ -270,7 +271,7 @@ def test_close_wakes_a_blocked_getter_with_none() -> None:
     queue = SampleQueue()
     queue.put(sample(0))
     result: list[list[Sample] | None] = []
-    getter = threading.Thread(target=lambda: result.append(queue.get_batch(2)))
+    getter = threading.Thread(target=lambda: result.append(queue.get_batch(2)), daemon=True)
     getter.start()
     wait_until(lambda: queue.waiting_getters() == 1, "the getter to block")
     queue.close()
@@ -333,32 +334,6 @@ def produce_into(queue: Any, uids: list[int]) -> int:
     return len(uids)
 
 
-def test_ray_queue_blocked_getters_and_puts_from_another_process(ray_module: Any) -> None:
-    ray = ray_module
-    queue = spawn_queue(max_concurrency=4)
-    assert ray.get(queue.depth.remote()) == 0
-    batch = RAY_SAMPLES // RAY_GETTERS
-    gets = [queue.get_batch.remote(batch, WAIT_S) for _ in range(RAY_GETTERS)]
-    # Both getters block in the actor, and it still answers other calls.
-    wait_until(
-        lambda: ray.get(queue.waiting_getters.remote()) == RAY_GETTERS, "the getters to block"
-    )
-    ready, _ = ray.wait(gets, timeout=0)
-    assert not ready
-
-    producer = ray.remote(produce_into).options(num_cpus=1)
-    assert ray.get(producer.remote(queue, list(range(RAY_SAMPLES))), timeout=WAIT_S) == RAY_SAMPLES
-    batches = ray.get(gets, timeout=WAIT_S)
-
-    assert all(b is not None and len(b) == batch for b in batches)
-    uids = [[s.uid for s in b] for b in batches]
-    assert sorted(u for b in uids for u in b) == list(range(RAY_SAMPLES))
-    assert all(b == sorted(b) for b in uids)
-    assert sorted(uids) == [list(range(batch)), list(range(batch, RAY_SAMPLES))]
-    assert ray.get(queue.depth.remote()) == 0
-    ray.kill(queue)
-
-
 def actor_node(_actor: SampleQueue) -> str:
     import ray
 
@@ -366,11 +341,34 @@ def actor_node(_actor: SampleQueue) -> str:
     return node
 
 
-def test_ray_queue_runs_on_the_driver_node_and_close_wakes_getters(ray_module: Any) -> None:
+def test_ray_queue(ray_module: Any) -> None:
+    """One actor for the whole story: each new actor process imports torch (for
+    Rollout), which takes seconds on this machine."""
     ray = ray_module
-    queue = spawn_queue(max_concurrency=2)
-    here = ray.get_runtime_context().get_node_id()
-    assert ray.get(queue.__ray_call__.remote(actor_node)) == here
+    queue = spawn_queue(max_concurrency=4)
+    assert ray.get(queue.__ray_call__.remote(actor_node)) == (
+        ray.get_runtime_context().get_node_id()
+    )
+
+    # Getters block in the actor, and it still answers other calls.
+    batch = RAY_SAMPLES // RAY_GETTERS
+    gets = [queue.get_batch.remote(batch, WAIT_S) for _ in range(RAY_GETTERS)]
+    wait_until(
+        lambda: ray.get(queue.waiting_getters.remote()) == RAY_GETTERS, "the getters to block"
+    )
+    ready, _ = ray.wait(gets, timeout=0)
+    assert not ready
+
+    # Samples put from another process reach them, each exactly once, in order.
+    producer = ray.remote(produce_into).options(num_cpus=1)
+    assert ray.get(producer.remote(queue, list(range(RAY_SAMPLES))), timeout=WAIT_S) == RAY_SAMPLES
+    batches = ray.get(gets, timeout=WAIT_S)
+    assert all(b is not None and len(b) == batch for b in batches)
+    uids = sorted([s.uid for s in b] for b in batches)
+    assert uids == [list(range(batch)), list(range(batch, RAY_SAMPLES))]
+    assert ray.get(queue.depth.remote()) == 0
+
+    # Closing wakes a blocked getter with None and refuses further puts.
     get = queue.get_batch.remote(1, None)
     wait_until(lambda: ray.get(queue.waiting_getters.remote()) == 1, "the getter to block")
     ray.get(queue.close.remote())
