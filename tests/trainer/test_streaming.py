@@ -1,0 +1,383 @@
+"""Fully async streaming: prompt admission, the sample queue, and the queue as a Ray actor."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from fractions import Fraction
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlhf_trainer.rollout import Rollout
+from rlhf_trainer.streaming import (
+    AdmissionControl,
+    QueueClosed,
+    Sample,
+    SampleQueue,
+    spawn_queue,
+    staleness,
+)
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+WAIT_S = 60.0  # upper bound for things that should happen at once (shared, busy machine)
+
+batch_sizes = st.integers(min_value=1, max_value=64)
+sync_steps = st.integers(min_value=1, max_value=16)
+# Staleness as written in a config: up to 16 (the spec's bound), with a few decimals.
+stalenesses = st.one_of(
+    st.just(0.0),
+    st.decimals(min_value=0, max_value=16, places=3).map(float),
+    st.floats(min_value=0, max_value=16, allow_nan=False, allow_infinity=False),
+)
+
+
+def sample(uid: int, prompt_index: int = 0, version: int = 0, **kwargs: Any) -> Sample:
+    rollout = Rollout(
+        prompt_token_ids=[1, 2, uid % 7],
+        response_token_ids=[3, uid % 11, 4],
+        response_log_probs=[-0.5, -1.25 - uid / 1000, -0.1],
+        finished=uid % 2 == 0,
+        policy_version=version,
+    )
+    return Sample(uid=uid, prompt_index=prompt_index, rollout=rollout, **kwargs)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+# ---- admission -----------------------------------------------------------------------
+
+
+@SETTINGS
+@given(batch_sizes, sync_steps, stalenesses)
+def test_limit_is_the_rounded_down_exact_product(b: int, k: int, s: float) -> None:
+    control = AdmissionControl(b, k, s)
+    exact = b * k * (1 + Fraction(repr(s)))
+    assert control.limit == math.floor(exact)
+    assert b * k <= control.limit <= exact < control.limit + 1
+
+
+@pytest.mark.parametrize(
+    ("b", "k", "s", "limit"),
+    [
+        (4, 2, 0.5, 12),
+        (4, 2, 0.0, 8),
+        (3, 1, 0.1, 3),  # 3.3 rounds down
+        (10, 1, 0.7, 17),
+        (25, 1, 0.16, 29),  # float arithmetic says 28.999999999999996
+        (5, 3, 7.2, 123),  # and 122.99999999999999
+        (1, 1, 16, 17),
+        (2, 3, 1, 12),
+    ],
+)
+def test_limit_examples(b: int, k: int, s: float, limit: int) -> None:
+    assert AdmissionControl(b, k, s).limit == limit
+
+
+@SETTINGS
+@given(
+    batch_sizes,
+    sync_steps,
+    stalenesses,
+    st.lists(st.one_of(st.just("sync"), st.integers(min_value=1, max_value=300)), max_size=20),
+)
+def test_never_more_than_the_limit_between_syncs(
+    b: int, k: int, s: float, ops: list[str | int]
+) -> None:
+    control = AdmissionControl(b, k, s)
+    since_sync = total = 0
+    for op in ops:
+        if op == "sync":
+            control.on_weight_sync()
+            since_sync = 0
+            continue
+        assert isinstance(op, int)
+        for _ in range(op):
+            admitted = control.try_admit()
+            assert admitted == (since_sync < control.limit)
+            since_sync += admitted
+            total += admitted
+            assert control.admitted_since_sync == since_sync <= control.limit
+    assert control.admitted_total == total
+
+
+@SETTINGS
+@given(batch_sizes, sync_steps, stalenesses, st.integers(min_value=0, max_value=100))
+def test_exactly_the_limit_when_asked_for_more(b: int, k: int, s: float, extra: int) -> None:
+    control = AdmissionControl(b, k, s)
+    for _round in range(2):  # and again after a sync
+        admitted = sum(control.try_admit() for _ in range(control.limit + extra))
+        assert admitted == control.limit
+        control.on_weight_sync()
+
+
+@SETTINGS
+@given(batch_sizes, sync_steps)
+def test_no_staleness_admits_one_sync_interval_of_batches(b: int, k: int) -> None:
+    control = AdmissionControl(b, k, 0)
+    assert control.limit == b * k
+    assert sum(control.try_admit() for _ in range(3 * b * k)) == b * k
+
+
+@SETTINGS
+@given(batch_sizes, sync_steps, stalenesses, st.integers(0, 200), st.integers(0, 200))
+def test_admission_state_round_trip(b: int, k: int, s: float, before: int, after: int) -> None:
+    control = AdmissionControl(b, k, s)
+    for i in range(before):
+        control.try_admit()
+        if i % 97 == 96:
+            control.on_weight_sync()
+    resumed = AdmissionControl(b, k, s)
+    resumed.restore(json.loads(json.dumps(control.state())))
+    assert resumed.state() == control.state()
+    assert [resumed.try_admit() for _ in range(after)] == [
+        control.try_admit() for _ in range(after)
+    ]
+    assert resumed.state() == control.state()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0, 1, 0.5), "batch_size"),
+        ((1, 0, 0.5), "sync_every"),
+        ((1, 1, -0.1), "staleness"),
+        ((1, 1, float("nan")), "staleness"),
+    ],
+)
+def test_admission_rejects_bad_settings(args: tuple[int, int, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AdmissionControl(*args)
+
+
+def test_admission_restore_rejects_inconsistent_state() -> None:
+    with pytest.raises(ValueError, match="inconsistent"):
+        AdmissionControl(2, 1, 0).restore({"admitted_since_sync": 3, "admitted_total": 2})
+
+
+# ---- samples -------------------------------------------------------------------------
+
+
+def test_staleness_counts_from_the_oldest_generating_version() -> None:
+    assert staleness(sample(0, version=3), 3) == 0
+    assert staleness(sample(0, version=3), 5) == 2
+    partial = sample(0, version=4, policy_versions=(2, 3, 4))  # resumed across syncs
+    assert partial.oldest_version == 2
+    assert staleness(partial, 4) == 2
+    with pytest.raises(ValueError, match="newer than the trained version"):
+        staleness(sample(7, version=6), 5)
+
+
+def test_sample_defaults_to_its_rollouts_version() -> None:
+    assert sample(0, version=9).policy_versions == (9,)
+
+
+def test_sample_json_round_trip() -> None:
+    original = sample(12, prompt_index=34, version=5, policy_versions=(4, 5))
+    assert Sample.from_json(json.loads(json.dumps(original.to_json()))) == original
+
+
+# ---- the queue -----------------------------------------------------------------------
+
+
+def test_fifo_in_exact_batches() -> None:
+    queue = SampleQueue()
+    for uid in range(7):
+        assert queue.put(sample(uid)) == uid + 1
+    first = queue.get_batch(3, timeout_s=0)
+    second = queue.get_batch(3, timeout_s=0)
+    assert first is not None and second is not None
+    assert [s.uid for s in first] == [0, 1, 2]
+    assert [s.uid for s in second] == [3, 4, 5]
+    assert queue.depth() == 1
+
+
+def test_never_a_partial_batch() -> None:
+    queue = SampleQueue()
+    for uid in range(3):
+        queue.put(sample(uid))
+    assert queue.get_batch(4, timeout_s=0.05) is None  # timed out: nothing taken
+    assert queue.depth() == 3
+    queue.put(sample(3))
+    batch = queue.get_batch(4, timeout_s=0)
+    assert batch is not None and [s.uid for s in batch] == [0, 1, 2, 3]
+    assert queue.depth() == 0
+
+
+def test_batch_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least one sample"):
+        SampleQueue().get_batch(0, timeout_s=0)
+
+
+def test_a_blocked_getter_takes_its_batch_once_it_fills() -> None:
+    queue = SampleQueue()
+    result: list[list[Sample] | None] = []
+    getter = threading.Thread(target=lambda: result.append(queue.get_batch(3)), daemon=True)
+    getter.start()
+    wait_until(lambda: queue.waiting_getters() == 1, "the getter to block")
+    for uid in range(2):
+        queue.put(sample(uid))
+    assert queue.waiting_getters() == 1 and not result  # two samples are not a batch
+    queue.put(sample(2))
+    getter.join(WAIT_S)
+    assert not getter.is_alive()
+    assert result[0] is not None and [s.uid for s in result[0]] == [0, 1, 2]
+
+
+def test_many_producers_one_consumer_exactly_once_in_producer_order() -> None:
+    producers, per_producer, batch = 4, 150, 8  # 600 samples = 75 batches
+    queue = SampleQueue()
+    consumed: list[Sample] = []
+
+    def produce(p: int) -> None:
+        for i in range(per_producer):
+            queue.put(sample(p * per_producer + i, prompt_index=p))
+
+    def consume() -> None:
+        for _ in range(producers * per_producer // batch):
+            got = queue.get_batch(batch, timeout_s=WAIT_S)
+            assert got is not None and len(got) == batch
+            consumed.extend(got)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    consumer.join(WAIT_S)
+    assert not consumer.is_alive()
+    uids = [s.uid for s in consumed]
+    assert sorted(uids) == list(range(producers * per_producer))  # each exactly once
+    for p in range(producers):
+        mine = [s.uid for s in consumed if s.prompt_index == p]
+        assert mine == sorted(mine)
+    assert queue.depth() == 0
+
+
+def test_close_wakes_a_blocked_getter_with_none() -> None:
+    queue = SampleQueue()
+    queue.put(sample(0))
+    result: list[list[Sample] | None] = []
+    getter = threading.Thread(target=lambda: result.append(queue.get_batch(2)), daemon=True)
+    getter.start()
+    wait_until(lambda: queue.waiting_getters() == 1, "the getter to block")
+    queue.close()
+    getter.join(WAIT_S)
+    assert not getter.is_alive()
+    assert result == [None]
+    assert queue.get_batch(1, timeout_s=0) is None
+    assert [s.uid for s in queue.snapshot()] == [0]  # left queued, for a checkpoint
+    with pytest.raises(QueueClosed):
+        queue.put(sample(1))
+
+
+def test_snapshot_restore_round_trip_loses_and_replays_nothing() -> None:
+    queue = SampleQueue()
+    for uid in range(10):
+        queue.put(sample(uid, prompt_index=uid * 3, version=uid // 4))
+    trained = queue.get_batch(4, timeout_s=0)  # a step before the checkpoint
+    assert trained is not None
+    saved = json.loads(json.dumps(queue.snapshot_json()))  # between steps
+    assert queue.depth() == 6  # a snapshot takes nothing
+
+    resumed = SampleQueue()
+    resumed.restore_json(saved)
+    resumed.put(sample(10))  # the rollouter carries on after the restore
+    rest = resumed.get_batch(7, timeout_s=0)
+    assert rest is not None
+    assert rest == [*queue.snapshot(), sample(10)]
+    assert sorted(s.uid for s in trained + rest) == list(range(11))
+
+
+def test_restore_only_into_an_empty_queue_and_without_repeats() -> None:
+    queue = SampleQueue()
+    with pytest.raises(ValueError, match="repeat uids"):
+        queue.restore([sample(1), sample(1)])
+    queue.put(sample(5))
+    with pytest.raises(ValueError, match="already holds 1 samples"):
+        queue.restore([sample(1)])
+
+
+# ---- the queue as a Ray actor --------------------------------------------------------
+
+RAY_SAMPLES, RAY_GETTERS = 12, 2
+
+
+@pytest.fixture(scope="module")
+def ray_module() -> Iterator[Any]:
+    ray = pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def produce_into(queue: Any, uids: list[int]) -> int:
+    """Runs as a Ray task, in a worker process: put each sample, waiting for each put so
+    that they queue in order (a threaded actor does not keep submission order)."""
+    import ray
+
+    for uid in uids:
+        ray.get(queue.put.remote(sample(uid, prompt_index=uid)))
+    return len(uids)
+
+
+def actor_node(_actor: SampleQueue) -> str:
+    import ray
+
+    node: str = ray.get_runtime_context().get_node_id()
+    return node
+
+
+def test_ray_queue(ray_module: Any) -> None:
+    """One actor for the whole story: each new actor process imports torch (for
+    Rollout), which takes seconds on this machine."""
+    ray = ray_module
+    queue = spawn_queue(max_concurrency=4)
+    assert ray.get(queue.__ray_call__.remote(actor_node)) == (
+        ray.get_runtime_context().get_node_id()
+    )
+
+    # Getters block in the actor, and it still answers other calls.
+    batch = RAY_SAMPLES // RAY_GETTERS
+    gets = [queue.get_batch.remote(batch, WAIT_S) for _ in range(RAY_GETTERS)]
+    wait_until(
+        lambda: ray.get(queue.waiting_getters.remote()) == RAY_GETTERS, "the getters to block"
+    )
+    ready, _ = ray.wait(gets, timeout=0)
+    assert not ready
+
+    # Samples put from another process reach them, each exactly once, in order.
+    producer = ray.remote(produce_into).options(num_cpus=1)
+    assert ray.get(producer.remote(queue, list(range(RAY_SAMPLES))), timeout=WAIT_S) == RAY_SAMPLES
+    batches = ray.get(gets, timeout=WAIT_S)
+    assert all(b is not None and len(b) == batch for b in batches)
+    uids = sorted([s.uid for s in b] for b in batches)
+    assert uids == [list(range(batch)), list(range(batch, RAY_SAMPLES))]
+    assert ray.get(queue.depth.remote()) == 0
+
+    # Closing wakes a blocked getter with None and refuses further puts.
+    get = queue.get_batch.remote(1, None)
+    wait_until(lambda: ray.get(queue.waiting_getters.remote()) == 1, "the getter to block")
+    ray.get(queue.close.remote())
+    assert ray.get(get, timeout=WAIT_S) is None
+    with pytest.raises(QueueClosed):
+        ray.get(queue.put.remote(sample(0)))
+    ray.kill(queue)
+
+
+def test_spawn_queue_needs_room_for_a_getter_and_a_put() -> None:
+    with pytest.raises(ValueError, match="max_concurrency"):
+        spawn_queue(max_concurrency=1)

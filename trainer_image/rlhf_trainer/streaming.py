@@ -1,0 +1,303 @@
+"""Fully async PPO: prompt admission and the message queue between rollout and trainer.
+
+The rollouter (the rollout role on its own pool) admits prompts through an
+`AdmissionControl`, generates, and `put`s each finished `Sample` into a `SampleQueue`
+as soon as it is done, one at a time; the trainer takes mini-batches with `get_batch`
+as they fill. Both classes are plain Python and thread-safe where they need to be;
+Ray is only at the edge: `spawn_queue` runs a `SampleQueue` as a threaded actor.
+
+Checkpoint contract (a resumed run loses no sample and trains none twice):
+
+- Take the checkpoint between trainer steps: after the step that consumed the last
+  batch has been applied, and before the next `get_batch` is issued. Then every sample
+  is in exactly one of three places: already trained on (its effect is in the
+  weights), waiting in the queue (`SampleQueue.snapshot` captures exactly these), or
+  in flight in the rollouter (admitted, not yet `put`). A trainer that prefetches the
+  next batch (a `get_batch` issued before the checkpoint) must save that batch itself,
+  ahead of the snapshot, or it is lost.
+- In-flight samples are the rollouter's business: at the checkpoint it saves them (a
+  partial rollout) or the prompts to generate again; uids are handed out in admission
+  order (`AdmissionControl.admitted_total`), so the in-flight ones are the admitted
+  uids neither trained on nor in the snapshot.
+- On resume, `SampleQueue.restore` the snapshot into the new, still empty queue
+  before the rollouter puts anything, and `AdmissionControl.restore` the admission
+  state saved with it (admissions since the last sync still count against the limit).
+- `snapshot` and `restore` go through JSON (`Sample.to_json`), like the rest of the
+  driver's checkpoint state.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from rlhf_trainer.rollout import Rollout
+
+DEFAULT_QUEUE_CONCURRENCY = 16
+
+
+class AdmissionControl:
+    """Stops the rollouter from running too far ahead of the trainer.
+
+    With `batch_size` B samples per trainer step, a weight sync every `sync_every` K
+    steps and staleness threshold s, at most `limit` = floor(B·K·(1+s)) prompts are
+    admitted between two weight syncs. s is taken as the decimal it is written as
+    (s = 0.1 is 1/10 exactly, not the binary float just above it), so the product is
+    exact before rounding down; since s ≥ 0, `limit` ≥ B·K, and s = 0 gives exactly
+    B·K: synchronous, on-policy. Not thread-safe: the rollouter's admission loop owns it.
+    """
+
+    def __init__(self, batch_size: int, sync_every: int, staleness: float) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be at least 1, got {sync_every}")
+        if not math.isfinite(staleness) or staleness < 0:
+            raise ValueError(f"staleness must be a finite number >= 0, got {staleness}")
+        self.batch_size = batch_size
+        self.sync_every = sync_every
+        self.staleness = staleness
+        exact = Fraction(batch_size * sync_every) * (1 + Fraction(repr(float(staleness))))
+        self.limit = math.floor(exact)
+        self.admitted_since_sync = 0
+        self.admitted_total = 0  # over the whole run: the next sample's uid
+
+    def try_admit(self) -> bool:
+        """Admit one prompt if under the limit (and count it); False means wait for a sync."""
+        if self.admitted_since_sync >= self.limit:
+            return False
+        self.admitted_since_sync += 1
+        self.admitted_total += 1
+        return True
+
+    def on_weight_sync(self) -> None:
+        """New weights reached the rollouter: a fresh allowance of `limit` prompts."""
+        self.admitted_since_sync = 0
+
+    def state(self) -> dict[str, int]:
+        """JSON-able state for a checkpoint."""
+        return {
+            "admitted_since_sync": self.admitted_since_sync,
+            "admitted_total": self.admitted_total,
+        }
+
+    def restore(self, state: Mapping[str, int]) -> None:
+        """Continue from `state()`. The limit is this object's (the config may change on
+        resume); admissions since the sync above a smaller limit just wait for a sync."""
+        since, total = int(state["admitted_since_sync"]), int(state["admitted_total"])
+        if not 0 <= since <= total:
+            raise ValueError(
+                f"inconsistent admission state: {since} admitted since the sync, {total} in all"
+            )
+        self.admitted_since_sync, self.admitted_total = since, total
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A finished sample on its way from the rollouter to the trainer.
+
+    `uid`: unique over the run, in admission order. `prompt_index`: which prompt of the
+    data set it answers (what the caller needs to find the prompt's text or reference
+    answer again). `policy_versions`: every policy version that generated part of it
+    (several with partial rollouts that span a weight sync); empty means just
+    `rollout.policy_version`.
+    """
+
+    uid: int
+    prompt_index: int
+    rollout: Rollout
+    policy_versions: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.policy_versions:
+            object.__setattr__(self, "policy_versions", (self.rollout.policy_version,))
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.policy_versions)
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.rollout
+        return {
+            "uid": self.uid,
+            "prompt_index": self.prompt_index,
+            "policy_versions": list(self.policy_versions),
+            "rollout": {
+                "prompt_token_ids": list(r.prompt_token_ids),
+                "response_token_ids": list(r.response_token_ids),
+                "response_log_probs": list(r.response_log_probs),
+                "finished": r.finished,
+                "policy_version": r.policy_version,
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Sample:
+        r = data["rollout"]
+        return cls(
+            uid=int(data["uid"]),
+            prompt_index=int(data["prompt_index"]),
+            rollout=Rollout(
+                prompt_token_ids=[int(t) for t in r["prompt_token_ids"]],
+                response_token_ids=[int(t) for t in r["response_token_ids"]],
+                response_log_probs=[float(p) for p in r["response_log_probs"]],
+                finished=bool(r["finished"]),
+                policy_version=int(r["policy_version"]),
+            ),
+            policy_versions=tuple(int(v) for v in data["policy_versions"]),
+        )
+
+
+def staleness(sample: Sample, trained_version: int) -> int:
+    """Policy versions between the oldest that generated the sample and the one trained
+    on it (what `rlhf_sample_staleness` observes). Negative would mean training on a
+    sample from a future policy: a bug, so it raises."""
+    lag = trained_version - sample.oldest_version
+    if lag < 0:
+        raise ValueError(
+            f"sample {sample.uid} was generated by policy version {sample.oldest_version}, "
+            f"newer than the trained version {trained_version}"
+        )
+    return lag
+
+
+class QueueClosed(RuntimeError):
+    """A sample was put into a closed queue."""
+
+
+class SampleQueue:
+    """A thread-safe FIFO of finished samples, consumed in whole batches.
+
+    `get_batch` hands out exactly `size` samples in arrival order, or None (timeout or
+    closed queue), never fewer: a batch is taken in one step under the lock, so two
+    getters never interleave and a sample is delivered at most once. Unbounded:
+    `AdmissionControl` bounds what the rollouter can put. `depth` feeds
+    `rlhf_queue_depth`.
+    """
+
+    def __init__(self) -> None:
+        self._samples: deque[Sample] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self._waiting = 0  # getters blocked in get_batch
+
+    def put(self, sample: Sample) -> int:
+        """Append a sample; returns the depth after it. Raises QueueClosed once closed."""
+        with self._ready:
+            if self._closed:
+                raise QueueClosed(f"sample {sample.uid} put into a closed queue")
+            self._samples.append(sample)
+            self._ready.notify_all()  # getters wait for different sizes: let each check
+            return len(self._samples)
+
+    def get_batch(self, size: int, timeout_s: float | None = None) -> list[Sample] | None:
+        """Block until `size` samples are queued and take them, oldest first.
+
+        None if `timeout_s` passes first (None waits without limit) or the queue is or
+        gets closed; the samples then stay queued (see `snapshot`).
+        """
+        if size < 1:
+            raise ValueError(f"a batch needs at least one sample, got size {size}")
+        with self._ready:
+            self._waiting += 1
+            try:
+                ready = self._ready.wait_for(
+                    lambda: self._closed or len(self._samples) >= size, timeout=timeout_s
+                )
+            finally:
+                self._waiting -= 1
+            if not ready or self._closed:
+                return None
+            return [self._samples.popleft() for _ in range(size)]
+
+    def depth(self) -> int:
+        with self._ready:
+            return len(self._samples)
+
+    def waiting_getters(self) -> int:
+        """How many `get_batch` calls are blocked waiting for samples now."""
+        with self._ready:
+            return self._waiting
+
+    def close(self) -> None:
+        """Wake every waiting getter with None, and refuse further puts and batches."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        with self._ready:
+            return self._closed
+
+    def snapshot(self) -> list[Sample]:
+        """The queued samples, oldest first, without taking them (see the module's
+        checkpoint contract). Works after `close` too."""
+        with self._ready:
+            return list(self._samples)
+
+    def restore(self, samples: Iterable[Sample]) -> None:
+        """Put back a snapshot into a fresh queue, before any new sample arrives.
+
+        Raises if the queue already holds samples (the snapshot's are older and must come
+        out first) or the samples repeat a uid (a replayed sample would train twice).
+        """
+        restored = list(samples)
+        uids = [s.uid for s in restored]
+        if len(set(uids)) != len(uids):
+            raise ValueError(f"the samples to restore repeat uids: {sorted(uids)}")
+        with self._ready:
+            if self._closed:
+                raise QueueClosed("cannot restore samples into a closed queue")
+            if self._samples:
+                raise ValueError(
+                    f"restore into a queue that already holds {len(self._samples)} samples"
+                )
+            self._samples.extend(restored)
+            self._ready.notify_all()
+
+    def snapshot_json(self) -> list[dict[str, Any]]:
+        return [s.to_json() for s in self.snapshot()]
+
+    def restore_json(self, data: Iterable[Mapping[str, Any]]) -> None:
+        self.restore(Sample.from_json(d) for d in data)
+
+
+def spawn_queue(
+    *, max_concurrency: int = DEFAULT_QUEUE_CONCURRENCY, name: str | None = None
+) -> Any:
+    """Start a `SampleQueue` as a Ray actor on this (the driver's) node; returns its handle.
+
+    A threaded actor: each call runs on one of `max_concurrency` threads, so a
+    `get_batch` blocked waiting for samples holds one thread while puts, `depth`,
+    `snapshot` and `close` run on the others. It must exceed the number of getters that
+    may block at once. It asks for no CPU (it only moves references and waits) and is
+    pinned to the current node with a hard NodeAffinitySchedulingStrategy, so it lives
+    and dies with the driver on the head node, not on a pool's GPU node.
+
+    Ordering: a threaded actor does not run one caller's calls in submission order, so a
+    producer that needs its samples queued in order waits for each `put`'s result
+    before sending the next. The handle's methods are SampleQueue's, called as
+    `handle.put.remote(sample)`, `ray.get(handle.get_batch.remote(size, timeout_s))`.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if max_concurrency < 2:
+        raise ValueError(
+            f"max_concurrency must be at least 2 (a blocked getter and a put), got "
+            f"{max_concurrency}"
+        )
+    remote_queue: Any = ray.remote(SampleQueue)
+    here = ray.get_runtime_context().get_node_id()
+    return remote_queue.options(
+        num_cpus=0,
+        max_concurrency=max_concurrency,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        name=name,
+    ).remote()
