@@ -381,3 +381,13 @@ def test_ray_queue(ray_module: Any) -> None:
 def test_spawn_queue_needs_room_for_a_getter_and_a_put() -> None:
     with pytest.raises(ValueError, match="max_concurrency"):
         spawn_queue(max_concurrency=1)
+
+
+def test_samples_outstanding_at_a_sync_count_against_the_next_allowance() -> None:
+    admission = AdmissionControl(batch_size=4, sync_every=1, staleness=0.5)  # limit 6
+    admitted = sum(admission.try_admit() for _ in range(10))
+    assert admitted == 6
+    admission.on_weight_sync(outstanding=2)  # 4 trained, 2 still queued or in flight
+    assert sum(admission.try_admit() for _ in range(10)) == 4  # the backlog stays at 6
+    with pytest.raises(ValueError, match="outstanding"):
+        admission.on_weight_sync(outstanding=-1)

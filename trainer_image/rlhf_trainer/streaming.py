@@ -75,9 +75,14 @@ class AdmissionControl:
         self.admitted_total += 1
         return True
 
-    def on_weight_sync(self) -> None:
-        """New weights reached the rollouter: a fresh allowance of `limit` prompts."""
-        self.admitted_since_sync = 0
+    def on_weight_sync(self, outstanding: int = 0) -> None:
+        """New weights reached the rollouter: a fresh allowance of `limit` prompts, less
+        the `outstanding` ones admitted before and not trained yet (queued or still in
+        flight). They are stale now and count against the new allowance, or the backlog
+        (and the staleness) would grow by B·K·s at every sync."""
+        if outstanding < 0:
+            raise ValueError(f"outstanding must be >= 0, got {outstanding}")
+        self.admitted_since_sync = outstanding
 
     def state(self) -> dict[str, int]:
         """JSON-able state for a checkpoint."""
