@@ -9,14 +9,20 @@ default process group of either side (the actor ranks have one; an engine may to
 It runs gloo on CPU and NCCL on GPU.
 
 The weights travel in buckets (`plan_buckets`): the tensors of one dtype, in order,
-packed into flat buffers of at most `bucket_bytes`. Per bucket the sender copies its
-tensors into one buffer and broadcasts it; each receiver allocates one buffer,
-receives it and hands views of it to `load` (the engine's loader), then drops it.
+packed into flat runs of at most `bucket_bytes`. Each side allocates one byte buffer
+per transfer, as large as the largest bucket, and reuses it for every bucket (viewed
+as the bucket's dtype): the sender copies the bucket's tensors into it and broadcasts
+it; each receiver receives into it and hands (name, view) pairs to `load` (the
+engine's loader) before the next bucket overwrites it. The buffer is dropped when the
+transfer ends.
 
-Peak extra memory, on each side: one bucket buffer, that is at most
-`max(bucket_bytes, nbytes of the largest tensor)` (a tensor larger than a bucket is
-sent alone, in a buffer of its own size), plus on a receiver whatever `load` keeps;
-the sender also holds the weights it sends, which the caller already had.
+Peak extra memory, on each side: that one buffer, the largest bucket, which is at
+most `buffer_bound` = `max(bucket_bytes, nbytes of the largest tensor)` (a tensor
+larger than a bucket is sent alone), plus on a receiver whatever `load` keeps, plus
+a few bytes for the spec check. The sender also holds the weights it sends, which
+the caller already had. (One buffer is reused rather than one allocated per bucket
+because gloo may drop its reference to a broadcast tensor on its own thread a moment
+after `wait()` returns: a buffer per bucket could briefly have two alive.)
 
 The receivers must know the names, shapes and dtypes (`WeightSpec`s) in the sender's
 order. The caller passes them out of band (through Ray, say) or sends them in band
@@ -144,7 +150,7 @@ class SyncStats:
     tensors: int
     buckets: int
     bytes: int
-    largest_buffer_bytes: int  # the peak extra memory of the buffers
+    buffer_bytes: int  # the one bucket buffer: the extra memory of the transfer
 
 
 class SyncGroup:
@@ -284,25 +290,22 @@ def send_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> SyncStats:
     """Broadcast `weights` (on any device) to the receivers; the sender's side of
-    `receive_weights`, with the same `bucket_bytes`. Extra memory: one bucket buffer on
-    the group's device at a time, at most `buffer_bound(weight_specs(weights), ...)`."""
+    `receive_weights`, with the same `bucket_bytes`. Extra memory: one buffer on the
+    group's device, the largest bucket, at most `buffer_bound(weight_specs(weights), ...)`."""
     _require(group, sender=True)
     specs = weight_specs(weights)
     _check_same_specs(group, specs)
-    largest = 0
-    buckets = plan_buckets(specs, bucket_bytes)
-    for bucket in buckets:
-        buffer = _allocate(sum(spec.numel for spec in bucket), bucket[0].dtype, group.device)
-        largest = max(largest, buffer.nbytes)
+    plan = plan_buckets(specs, bucket_bytes)
+    buffer = _allocate(_largest_bucket(plan), group.device)
+    for bucket in plan:
+        flat = _bucket_view(buffer, bucket)
         offset = 0
         for spec in bucket:
             # copy_ through a view: a strided or CPU tensor goes in without a temporary.
-            buffer[offset : offset + spec.numel].view(spec.shape).copy_(weights[spec.name])
+            flat[offset : offset + spec.numel].view(spec.shape).copy_(weights[spec.name])
             offset += spec.numel
-        if buffer.numel():
-            group.broadcast(buffer)
-        del buffer  # before the next bucket's buffer is allocated
-    return SyncStats(len(specs), len(buckets), sum(s.nbytes for s in specs), largest)
+        _broadcast_bucket(group, buffer, bucket)
+    return _stats(specs, plan, buffer)
 
 
 def receive_weights(
@@ -314,29 +317,27 @@ def receive_weights(
     """Receive the weights the sender passes to `send_weights` (same `bucket_bytes`),
     described by `specs` in the sender's order.
 
-    For each bucket, `load` is called once with (name, view) pairs into that bucket's
-    buffer, on the group's device. The views are valid only during the call: `load`
-    must copy what it keeps (an engine's `load_weights` copies into its parameters),
-    or the buffer stays alive and adds to the bound. Extra memory: one bucket buffer,
-    at most `buffer_bound(specs, bucket_bytes)`, plus what `load` keeps.
+    For each bucket, in plan order, `load` is called once with (name, view) pairs into
+    the transfer's buffer, on the group's device. The views are valid only during the
+    call (the next bucket overwrites them): `load` must copy what it keeps, as an
+    engine's `load_weights` copies into its parameters. Extra memory: one buffer, the
+    largest bucket, at most `buffer_bound(specs, bucket_bytes)`, plus what `load` keeps.
     """
     _require(group, sender=False)
     _check_same_specs(group, specs)
-    largest = 0
-    buckets = plan_buckets(specs, bucket_bytes)
-    for bucket in buckets:
-        buffer = _allocate(sum(spec.numel for spec in bucket), bucket[0].dtype, group.device)
-        largest = max(largest, buffer.nbytes)
-        if buffer.numel():
-            group.broadcast(buffer)
+    plan = plan_buckets(specs, bucket_bytes)
+    buffer = _allocate(_largest_bucket(plan), group.device)
+    for bucket in plan:
+        _broadcast_bucket(group, buffer, bucket)
+        flat = _bucket_view(buffer, bucket)
         views: list[tuple[str, Tensor]] = []
         offset = 0
         for spec in bucket:
-            views.append((spec.name, buffer[offset : offset + spec.numel].view(spec.shape)))
+            views.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
             offset += spec.numel
         load(views)
-        del views, buffer  # before the next bucket's buffer is allocated
-    return SyncStats(len(specs), len(buckets), sum(s.nbytes for s in specs), largest)
+        del views
+    return _stats(specs, plan, buffer)
 
 
 def specs_digest(specs: Sequence[WeightSpec]) -> bytes:
@@ -364,9 +365,28 @@ def _require(group: SyncGroup, *, sender: bool) -> None:
         raise ValueError(f"only {role} may call this; this is rank {group.rank}")
 
 
-def _allocate(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A bucket buffer (one place, so a test can watch the allocations)."""
-    return torch.empty(numel, dtype=dtype, device=device)
+def _allocate(nbytes: int, device: torch.device) -> Tensor:
+    """The transfer's one buffer, in bytes (one place, so a test can watch it)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _largest_bucket(plan: Sequence[Sequence[WeightSpec]]) -> int:
+    return max((bucket_nbytes(bucket) for bucket in plan), default=0)
+
+
+def _bucket_view(buffer: Tensor, bucket: Sequence[WeightSpec]) -> Tensor:
+    """The start of the byte buffer as one flat tensor of the bucket's dtype."""
+    return buffer[: bucket_nbytes(bucket)].view(bucket[0].dtype)
+
+
+def _broadcast_bucket(group: SyncGroup, buffer: Tensor, bucket: Sequence[WeightSpec]) -> None:
+    nbytes = bucket_nbytes(bucket)
+    if nbytes:  # a bucket of empty tensors sends nothing, on every rank alike
+        group.broadcast(buffer[:nbytes])
+
+
+def _stats(specs: Sequence[WeightSpec], plan: Sequence[object], buffer: Tensor) -> SyncStats:
+    return SyncStats(len(specs), len(plan), sum(s.nbytes for s in specs), buffer.nbytes)
 
 
 def _on_device(device: torch.device) -> AbstractContextManager[object]:
