@@ -38,3 +38,30 @@ def local_job(
     spec["trainer"]["totalSteps"] = total_steps
     spec["trainer"]["checkpoint"] = {"path": str(checkpoint_dir), "everySteps": every_steps}
     return JobConfig.model_validate(spec)
+
+
+def local_async_job(
+    *,
+    staleness: float,
+    total_steps: int,
+    checkpoint_dir: Path,
+    every_steps: int,
+    sync_every: int = 1,
+    partial_rollout: bool = True,
+) -> JobConfig:
+    """The local example in fully-async mode: the rollout on a pool of its own, the
+    actor, ref and critic on the other (one simulated GPU each)."""
+    spec = local_job(
+        colocated=True,
+        total_steps=total_steps,
+        checkpoint_dir=checkpoint_dir,
+        every_steps=every_steps,
+    ).model_dump(by_alias=True, exclude_none=True)
+    spec["pools"].append({"name": "rollout", "replicas": 1, "gpusPerNode": 1})
+    spec["roles"]["rollout"] = "rollout"
+    spec["async"] = {
+        "stalenessThreshold": staleness,
+        "triggerParameterSyncStep": sync_every,
+        "partialRollout": partial_rollout,
+    }
+    return JobConfig.model_validate(spec)

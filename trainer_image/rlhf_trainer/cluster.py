@@ -8,9 +8,10 @@ the real nodes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from rlhf_trainer.config import JobConfig, Role
 from rlhf_trainer.placement import (
@@ -50,13 +51,20 @@ class RoleGroups:
         plan: PlacementPlan,
         config: JobConfig,
         job: str,
+        workers: Mapping[Role, tuple[type[Worker], tuple[Any, ...]]] | None = None,
         timeout_s: float = PLACEMENT_TIMEOUT_S,
     ) -> RoleGroups:
         """Place every pool, then start every role's ranks at once and wait for them
-        (model loading and engine start-up overlap across roles)."""
+        (model loading and engine start-up overlap across roles).
+
+        `workers` replaces a role's worker class, with extra constructor arguments after
+        the config (fully async mode's streaming rollout takes the queue)."""
         pools = wait_ready(create_pool_groups(plan, job), timeout_s)
+        chosen = {role: (cls, ()) for role, cls in WORKERS.items()} | dict(workers or {})
         groups = {
-            role: WorkerGroup.spawn(plan, role, pools[role_plan.pool], WORKERS[role], config)
+            role: WorkerGroup.spawn(
+                plan, role, pools[role_plan.pool], chosen[role][0], config, *chosen[role][1]
+            )
             for role, role_plan in plan.roles.items()
             if role_plan.pool != DRIVER
         }

@@ -73,15 +73,19 @@ class PromptStream:
 
     def next_batch(self, size: int) -> list[Prompt]:
         """The next `size` prompts, rolling into the next epoch when one runs out."""
-        batch: list[Prompt] = []
+        return [self.prompts[i] for i in self.next_indices(size)]
+
+    def next_indices(self, size: int) -> list[int]:
+        """The indices (into `prompts`) of the next `size` prompts."""
+        indices: list[int] = []
         order = self.order(self.epoch)
-        while len(batch) < size:
+        while len(indices) < size:
             if self.index == len(order):
                 self.epoch, self.index = self.epoch + 1, 0
                 order = self.order(self.epoch)
-            batch.append(self.prompts[order[self.index]])
+            indices.append(order[self.index])
             self.index += 1
-        return batch
+        return indices
 
     def position(self) -> tuple[int, int]:
         return self.epoch, self.index

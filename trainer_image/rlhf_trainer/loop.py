@@ -60,6 +60,10 @@ class StepResult:
     rollout_log_prob_diff: float
     stats: dict[str, float]  # the actor's and critic's update statistics
     phase_seconds: dict[str, float] = field(default_factory=dict)  # busy time per phase
+    # per sample: policy versions between the one that started generating it and the
+    # one trained on it (fully async; 0 in synchronous PPO)
+    staleness: list[int] = field(default_factory=list)
+    sample_uids: list[int] = field(default_factory=list)  # fully async: which samples
 
 
 def reward_function(source: RewardSource) -> RewardFunction | None:

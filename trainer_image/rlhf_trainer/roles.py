@@ -40,6 +40,7 @@ from rlhf_trainer.ppo import (
 )
 from rlhf_trainer.rollout import Rollout, RolloutEngine, engine_weights, serialize_weights
 from rlhf_trainer.sharding import clip_gradients, full_state_dict, shard_model
+from rlhf_trainer.weight_sync import SyncGroup, WeightSpec, send_weights, weight_specs
 from rlhf_trainer.workers import RankInfo, Worker
 
 Stats = dict[str, float]
@@ -175,6 +176,7 @@ class Actor(Trainable):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.trainer.actor_learning_rate
         )
+        self.sync_group: SyncGroup | None = None  # fully async: to the rollout engines
 
     @torch.no_grad()
     def log_probs(self, batch: Batch) -> Tensor:
@@ -210,6 +212,24 @@ class Actor(Trainable):
             "approx_kl_old": scalar(masked_mean(micro["old_log_probs"] - log_probs, mask)),
             "importance_clipped": scalar(weights.clipped_fraction),
         }
+
+    def open_weight_sync(self, host: str, port: int, world_size: int) -> list[WeightSpec] | None:
+        """Rank 0 hosts the weight-sync group of fully-async mode (rank 0 of it; the
+        engines join as the other ranks) and returns the specs of what it will send.
+        A collective of the actor's ranks."""
+        state = engine_weights(full_state_dict(self.model), self.tied)
+        if self.info.rank != 0:
+            return None
+        self.sync_group = SyncGroup.create(host, port, 0, world_size, self.info.device)
+        return weight_specs(state)
+
+    def send_weights(self, bucket_bytes: int) -> None:
+        """Broadcast the policy to the engines in buckets. A collective of the actor's
+        ranks (gathering the full weights) and of the sync group."""
+        state = full_state_dict(self.model)
+        if self.info.rank == 0:
+            assert self.sync_group is not None, "open_weight_sync first"
+            send_weights(self.sync_group, engine_weights(state, self.tied), bucket_bytes)
 
     def rollout_weights(self) -> bytes | None:
         """The policy for the rollout engines, as safetensors bytes on rank 0 (None on

@@ -9,9 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhf_trainer import checkpoint
+from rlhf_trainer.async_trainer import AsyncPPOTrainer, AsyncState
 from rlhf_trainer.checkpoint import TrainerState, capture_rng, restore_rng
 from rlhf_trainer.cluster import RoleGroups
 from rlhf_trainer.config import JobConfig, Role, TrainingProgress
@@ -21,12 +23,15 @@ from rlhf_trainer.metrics import TrainerMetrics
 from rlhf_trainer.models import build_tokenizer
 from rlhf_trainer.plan import plan_placement
 from rlhf_trainer.report import Reporter
+from rlhf_trainer.rollouter import StreamingRollout
+from rlhf_trainer.streaming import spawn_queue
 from rlhf_trainer.timeline import Timeline
 from rlhf_trainer.workers import join
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTED_ROLES = (Role.ACTOR, Role.CRITIC)
+ASYNC_STATE = "async_state.pt"  # fully async: the queue and the prompts in flight
 
 
 def load_tokenizer(config: JobConfig) -> PreTrainedTokenizerBase:
@@ -45,6 +50,7 @@ class Run:
     trainer: PPOTrainer
     metrics: TrainerMetrics
     reporter: Reporter
+    streaming: AsyncPPOTrainer | None = None  # fully-async mode
     step: int = 0
     last_checkpoint: str | None = None
 
@@ -52,40 +58,42 @@ class Run:
     def checkpoint_root(self) -> Path:
         return Path(self.config.trainer.checkpoint.path)
 
-    def resume(self) -> None:
-        """Continue from the latest committed checkpoint, if there is one."""
+    def start(self) -> None:
+        """Continue from the latest committed checkpoint, if there is one, and start
+        the rollouter in fully-async mode."""
         latest = checkpoint.latest(self.checkpoint_root)
-        if latest is None:
-            return
+        resumed = self.resume(latest) if latest is not None else None
+        if self.streaming is not None:
+            self.streaming.start(resumed)
+        elif latest is not None:
+            # The engines start from the initial weights.
+            self.trainer.sync_weights(self.trainer.policy_version)
+
+    def resume(self, latest: Path) -> AsyncState | None:
         state = checkpoint.load_trainer_state(latest)
         groups = self.trainer.groups
-        join(
-            [
-                ref
-                for role in CHECKPOINTED_ROLES
-                for ref in groups[role].run("load", str(latest / role))
-            ]
-        )
+        loads = [groups[role].run("load", str(latest / role)) for role in CHECKPOINTED_ROLES]
+        join([ref for refs in loads for ref in refs])
         self.trainer.prompts.seek(state.data_epoch, state.data_position)
         restore_rng(state.rng)
         self.step = state.step
-        self.trainer.sync_weights(
-            state.policy_version
-        )  # the engines start from the initial weights
+        self.trainer.policy_version = state.policy_version
         self.last_checkpoint = str(latest)
         log.info("resumed from %s at step %d", latest, self.step)
+        if self.streaming is None:
+            return None
+        resumed: AsyncState = torch.load(latest / ASYNC_STATE, weights_only=False)
+        return resumed
 
     def save(self) -> None:
         """Write a checkpoint of everything the run needs, atomically."""
         staging = checkpoint.staging_dir(self.checkpoint_root, self.step)
         groups = self.trainer.groups
-        join(
-            [
-                ref
-                for role in CHECKPOINTED_ROLES
-                for ref in groups[role].run("save", str(staging / role))
-            ]
-        )
+        saves = [groups[role].run("save", str(staging / role)) for role in CHECKPOINTED_ROLES]
+        join([ref for refs in saves for ref in refs])
+        if self.streaming is not None:
+            # The samples not trained yet: queued, and the prompts still generating.
+            torch.save(self.streaming.checkpoint_state(), staging / ASYNC_STATE)
         epoch, position = self.trainer.prompts.position()
         state = TrainerState(self.step, self.trainer.policy_version, epoch, position, capture_rng())
         checkpoint.save_trainer_state(staging, state)
@@ -120,7 +128,7 @@ class Run:
         result = None
         while self.step < total:
             self.step += 1
-            result = self.trainer.step(self.step)
+            result = (self.streaming or self.trainer).step(self.step)
             log.info(
                 "step %d/%d: reward %.6f, kl %.4f, %.2f s",
                 self.step,
@@ -154,7 +162,9 @@ def run_job(
         config.data, config.trainer.seed, lambda text: list(tokenizer(text)["input_ids"])
     )
     started = time.time()
-    groups = RoleGroups.start(plan, config, job)
+    queue = spawn_queue() if config.async_ else None
+    workers = {Role.ROLLOUT: (StreamingRollout, (queue,))} if queue else {}
+    groups = RoleGroups.start(plan, config, job, workers)
     log.info("roles started in %.1f s", time.time() - started)
     try:
         trainer = PPOTrainer(
@@ -165,8 +175,9 @@ def run_job(
             int(tokenizer.pad_token_id),
             timeline,
         )
-        run = Run(config, trainer, metrics, reporter)
-        run.resume()
+        streaming = AsyncPPOTrainer(trainer, queue, metrics) if queue else None
+        run = Run(config, trainer, metrics, reporter, streaming)
+        run.start()
         return run.train(on_step)
     finally:
         if trace is not None:

@@ -1,0 +1,155 @@
+"""Fully asynchronous PPO: the rollout pool generates all the time, the trainer pools
+train on whatever has finished.
+
+    rollouter (rollout pool) ──sample by sample──▶ queue ──B at a time──▶ train_on
+          ▲                                                                │
+          └──── every K steps: pause, broadcast weights, resume, admit ◀───┘
+
+Admission keeps generation at most `stalenessThreshold` ahead: after a weight sync the
+prompts still outstanding (in flight or queued, all of them now stale) count towards
+the limit B·K·(1+s), and only the rest of the limit is admitted. With s = 0 exactly
+the next K batches are admitted after each sync, so every sample is trained by the
+version that generated it (K = 1) or within K-1 versions of it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rlhf_trainer.config import JobConfig, Role
+from rlhf_trainer.data import PromptStream
+from rlhf_trainer.loop import PPOTrainer, StepResult, split_list
+from rlhf_trainer.metrics import TrainerMetrics
+from rlhf_trainer.streaming import AdmissionControl, Sample, staleness
+from rlhf_trainer.weight_sync import DEFAULT_BUCKET_BYTES
+from rlhf_trainer.workers import join
+
+QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
+
+
+@dataclass
+class AsyncState:
+    """What a checkpoint of the async mode adds: the samples not trained yet."""
+
+    admission: dict[str, int]  # AdmissionControl.state(): admitted_total is the next uid
+    queued: list[Sample]
+    in_flight: list[tuple[int, int, list[int]]]  # (uid, prompt index, token ids)
+
+
+class AsyncPPOTrainer:
+    """Drives the rollouter and trains the PPO core on its samples."""
+
+    def __init__(self, core: PPOTrainer, queue: Any, metrics: TrainerMetrics) -> None:
+        self.core = core
+        self.config: JobConfig = core.config
+        assert self.config.async_ is not None
+        self.sync_every = self.config.async_.trigger_parameter_sync_step
+        self.admission = AdmissionControl(
+            self.config.trainer.batch_size, self.sync_every, self.config.async_.staleness_threshold
+        )
+        self.queue = queue
+        self.metrics = metrics
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+
+    @property
+    def prompts(self) -> PromptStream:
+        return self.core.prompts
+
+    def start(self, resumed: AsyncState | None = None) -> None:
+        """Connect the weight sync and admit the first prompts (or what a checkpoint
+        had outstanding)."""
+        self.open_weight_sync()
+        if resumed is not None:
+            self.push_weights()  # the engines start from the initial weights
+            self.admission.restore(resumed.admission)
+            join([self.queue.restore.remote(resumed.queued)])
+            self.admit_again(resumed.in_flight)
+            self.admission.on_weight_sync(len(resumed.queued) + len(resumed.in_flight))
+        self.admit()
+
+    def step(self, step: int) -> StepResult:
+        started = time.time()
+        samples: list[Sample] | None = join(
+            [self.queue.get_batch.remote(self.config.trainer.batch_size, QUEUE_TIMEOUT_S)]
+        )[0]
+        if samples is None:
+            raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
+        version = self.core.policy_version
+        for sample in samples:
+            self.metrics.sample_staleness.observe(staleness(sample, version))
+        texts = [self.prompts.prompts[s.prompt_index].text for s in samples]
+        result = self.core.train_on(step, texts, [s.rollout for s in samples])
+        self.core.policy_version += 1
+        if step % self.sync_every == 0:
+            self.sync_weights()
+        self.metrics.queue_depth.set(join([self.queue.depth.remote()])[0])
+        return replace(
+            result,
+            seconds=time.time() - started,
+            phase_seconds=self.core.record_spans(since=started),
+            staleness=[staleness(s, version) for s in samples],
+            sample_uids=[s.uid for s in samples],
+        )
+
+    def admit(self) -> None:
+        """Admit prompts up to the staleness limit, spread over the engines."""
+        admitted = []
+        uid = self.admission.admitted_total  # uids in admission order
+        while self.admission.try_admit():
+            (prompt,) = self.prompts.next_indices(1)
+            admitted.append((uid, prompt, self.prompts.prompts[prompt].token_ids))
+            uid += 1
+        self.admit_again(admitted)
+
+    def admit_again(self, admitted: list[tuple[int, int, list[int]]]) -> None:
+        rollout = self.core.groups[Role.ROLLOUT]
+        if admitted:
+            join(rollout.run_each("admit", split_list(admitted, rollout.world_size)))
+
+    def open_weight_sync(self) -> None:
+        actor, rollout = self.core.groups[Role.ACTOR], self.core.groups[Role.ROLLOUT]
+        host, port = join([actor.hosts[0].rendezvous_address.remote()])[0]
+        world = 1 + rollout.world_size
+        # Together: creating the group waits for every member.
+        opened = actor.run("open_weight_sync", host, port, world)
+        joined = rollout.run("open_weight_sync", host, port, world)
+        self.specs = join(opened)[0]
+        join(joined)
+
+    def sync_weights(self) -> None:
+        """Hand the new policy to the engines; in-flight requests continue on it
+        (partial rollout), or finish on the old one first without partial rollout.
+        Then admit what the staleness limit allows."""
+        rollout = self.core.groups[Role.ROLLOUT]
+        started = time.time()
+        assert self.config.async_ is not None
+        if not self.config.async_.partial_rollout:
+            join(rollout.run("drain"))
+        self.push_weights()
+        self.metrics.weight_sync_seconds.observe(time.time() - started)
+        outstanding = join([self.queue.depth.remote()])[0] + sum(
+            join(rollout.run("in_flight_count"))
+        )
+        self.admission.on_weight_sync(outstanding)
+        self.admit()
+
+    def push_weights(self) -> None:
+        """Pause the engines, broadcast the actor's weights into them, resume."""
+        actor, rollout = self.core.groups[Role.ACTOR], self.core.groups[Role.ROLLOUT]
+        join(rollout.run("pause"))
+        version = self.core.policy_version
+        sends = actor.run("send_weights", self.bucket_bytes)
+        receives = rollout.run("receive_weights", self.specs, self.bucket_bytes, version)
+        join([*sends, *receives])
+        join(rollout.run("resume"))
+
+    def checkpoint_state(self) -> AsyncState:
+        """Pause, and take the queue and the prompts in flight (call between steps)."""
+        rollout = self.core.groups[Role.ROLLOUT]
+        join(rollout.run("pause"))
+        in_flight = [a for rank in join(rollout.run("snapshot")) for a in rank]
+        queued = join([self.queue.snapshot.remote()])[0]
+        join(rollout.run("resume"))
+        return AsyncState(self.admission.state(), queued, in_flight)

@@ -1,0 +1,131 @@
+"""The rollouter of fully-async mode: one rank of the rollout pool, generating
+continuously and streaming each finished sample into the queue on its own.
+
+The engine is vLLM's AsyncLLM, which lives on an asyncio loop; the worker runs that
+loop on a thread of its own, so the worker's methods (called one at a time by Ray)
+only hand work to it and return. Every admitted prompt becomes one request; when it
+finishes, its sample is put into the queue and it leaves `in_flight` in the same
+step of the loop, so a snapshot taken on the loop sees each sample in exactly one
+place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from rlhf_trainer.config import JobConfig
+from rlhf_trainer.roles import model_path
+from rlhf_trainer.rollout_async import AsyncRolloutEngine
+from rlhf_trainer.streaming import Sample
+from rlhf_trainer.weight_sync import SyncGroup, WeightSpec, receive_weights
+from rlhf_trainer.workers import RankInfo, Worker
+
+T = TypeVar("T")
+
+Admitted = tuple[int, int, list[int]]  # (uid, prompt index, prompt token ids)
+
+
+class StreamingRollout(Worker):
+    """A vLLM engine that takes prompts, and gives samples to the queue as they finish."""
+
+    needs_process_group = False  # vLLM makes its own; weights come over the sync group
+
+    def __init__(self, info: RankInfo, config: JobConfig, queue: Any) -> None:
+        super().__init__(info)
+        self.config = config
+        self.queue = queue  # the SampleQueue actor
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="rollouter", daemon=True).start()
+        generation = config.generation
+        self.engine: AsyncRolloutEngine = self._on_loop(
+            AsyncRolloutEngine.create(
+                model_path(config.models.actor, config.trainer.seed),
+                max_model_len=config.data.max_prompt_length + config.data.max_response_length,
+                gpu_memory_utilization=generation.gpu_memory_utilization,
+                seed=config.trainer.seed,
+            )
+        )
+        self.in_flight: dict[int, Admitted] = {}
+        self.delivering: list[Any] = []  # queue.put futures not yet confirmed
+        self.sync_group: SyncGroup | None = None
+
+    def _on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def admit(self, prompts: Sequence[Admitted]) -> None:
+        """Start generating each prompt; returns at once."""
+        for admitted in prompts:
+            asyncio.run_coroutine_threadsafe(self._generate(admitted), self.loop)
+
+    async def _generate(self, admitted: Admitted) -> None:
+        uid, index, token_ids = admitted
+        self.in_flight[uid] = admitted
+        generation = self.config.generation
+        rollout = await self.engine.generate(
+            str(uid),
+            token_ids,
+            max_tokens=self.config.data.max_response_length,
+            temperature=generation.temperature,
+            top_p=generation.top_p,
+            seed=(self.config.trainer.seed * 1_000_003 + uid) % 2**31,
+        )
+        # No await between these: a snapshot sees the sample in flight or delivering.
+        self.delivering.append(self.queue.put.remote(Sample(uid, index, rollout)))
+        del self.in_flight[uid]
+
+    def drain(self) -> None:
+        """Wait until every request in flight has finished and reached the queue."""
+        self._on_loop(self._drain())
+
+    async def _drain(self) -> None:
+        while self.in_flight:
+            await asyncio.sleep(0.01)
+        await self._snapshot()
+
+    def pause(self) -> None:
+        """Freeze the requests in flight where they are (partial rollout)."""
+        self._on_loop(self.engine.pause())
+
+    def resume(self) -> None:
+        self._on_loop(self.engine.resume())
+
+    def snapshot(self) -> list[Admitted]:
+        """The prompts still in flight, once every finished sample is in the queue."""
+        return self._on_loop(self._snapshot())
+
+    async def _snapshot(self) -> list[Admitted]:
+        delivering, self.delivering = self.delivering, []
+        await asyncio.gather(*delivering)
+        return sorted(self.in_flight.values())
+
+    def in_flight_count(self) -> int:
+        return len(self.in_flight)
+
+    def open_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        """Join the weight-sync group as rank 1 + this engine's rank (the actor's rank 0
+        is rank 0)."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.sync_group = SyncGroup.create(host, port, 1 + self.info.rank, world_size, device)
+
+    def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
+        """Take the new weights from the broadcast into the (paused) engine."""
+        assert self.sync_group is not None, "open_weight_sync first"
+        received: list[tuple[str, Any]] = []
+        receive_weights(
+            self.sync_group,
+            specs,
+            bucket_bytes,
+            lambda bucket: received.extend((name, t.clone()) for name, t in bucket),
+        )
+        self._on_loop(self.engine.update_weights(received, version))
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.sync_group is not None:
+            self.sync_group.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
