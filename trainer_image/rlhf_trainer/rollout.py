@@ -120,18 +120,17 @@ class Rollout:
 def tokens_per_version(spans: Sequence[tuple[int, int]], num_tokens: int) -> dict[int, int]:
     """How many of a response's `num_tokens` tokens each policy version generated.
 
-    `spans` is a Rollout's `version_spans`: (version, first token index) with strictly
-    increasing indexes, the first at 0 (or no spans for an empty response).
+    `spans` is a Rollout's `version_spans`: (version, first token index), the first at
+    0, each span non-empty (no spans for an empty response).
     """
-    counts: dict[int, int] = {}
+    if not spans and num_tokens == 0:
+        return {}
     starts = [start for _, start in spans]
-    if (spans or num_tokens) and (not starts or starts[0] != 0):
-        raise ValueError(f"version spans {tuple(spans)} do not start at token 0")
-    if any(a >= b for a, b in zip(starts, starts[1:], strict=False)) or (
-        starts and starts[-1] > num_tokens
-    ):
+    ends = [*starts[1:], num_tokens]
+    if not starts or starts[0] != 0 or any(s >= e for s, e in zip(starts, ends, strict=True)):
         raise ValueError(f"version spans {tuple(spans)} do not fit {num_tokens} tokens")
-    for (version, start), end in zip(spans, [*starts[1:], num_tokens], strict=True):
+    counts: dict[int, int] = {}
+    for (version, start), end in zip(spans, ends, strict=True):
         counts[version] = counts.get(version, 0) + end - start
     return counts
 

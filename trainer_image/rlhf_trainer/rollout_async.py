@@ -128,12 +128,12 @@ class AsyncRolloutEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
-        on_tokens: Callable[[int], None] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Rollout:
         """Generate one response to completion, across any pauses and weight updates.
 
         `request_id` must be unique among requests in flight. `on_tokens`, if given,
-        is called with the number of new tokens each time some arrive.
+        is called with the new token ids each time some arrive (to watch progress).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -164,14 +164,12 @@ class AsyncRolloutEngine:
             )
             tokens.extend(new_tokens)
             if on_tokens is not None and new_tokens:
-                on_tokens(len(new_tokens))
+                on_tokens(new_tokens)
             final = output
         if final is None:
             raise RuntimeError(f"request {request_id} produced no output")
         completion = final.outputs[0]
-        spans = tuple(
-            (int(span.version), span.start) for span in completion.weight_versions or ()
-        )
+        spans = tuple((int(span.version), span.start) for span in completion.weight_versions or ())
         if tokens and (not spans or len(log_probs) != len(tokens)):
             raise RuntimeError(f"request {request_id}: incomplete output {completion!r}")
         return Rollout(
@@ -212,4 +210,8 @@ class AsyncRolloutEngine:
 
     def shutdown(self) -> None:
         """Stop the engine's process now rather than at interpreter exit."""
-        self._llm.shutdown()
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            # Drop it here too: AsyncLLM.__del__ shuts down again, and at interpreter
+            # exit that fails ("'NoneType' object is not callable").
+            llm.shutdown()
