@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
@@ -14,6 +15,7 @@ from rlhf_trainer.rollout import (
     refresh_tied_lm_head,
     rollout_state_dict,
     serialize_weights,
+    tokens_per_version,
 )
 
 TINY = TinyModel(hidden_size=64, num_layers=1, num_heads=2, vocab_size=32)
@@ -60,3 +62,28 @@ def test_a_tied_lm_head_is_reprocessed_after_a_reload_and_an_untied_one_is_not()
     untied = FakeVllmModel(tied=False)
     assert not refresh_tied_lm_head(untied)
     assert untied.processed == []
+
+
+def test_tokens_per_version_counts_each_span() -> None:
+    assert tokens_per_version(((3, 0), (4, 5)), 9) == {3: 5, 4: 4}
+    assert tokens_per_version(((3, 0),), 7) == {3: 7}
+    assert tokens_per_version(((1, 0), (2, 1), (3, 2)), 3) == {1: 1, 2: 1, 3: 1}
+    assert tokens_per_version((), 0) == {}
+    # A version that comes back (weights reloaded) adds up.
+    assert tokens_per_version(((1, 0), (2, 2), (1, 5)), 6) == {1: 3, 2: 3}
+
+
+@pytest.mark.parametrize(
+    ("spans", "num_tokens"),
+    [
+        (((3, 1),), 4),  # does not start at token 0
+        ((), 2),  # tokens with no version
+        (((3, 0), (4, 3), (5, 3)), 6),  # an empty span
+        (((3, 0), (4, 5)), 4),  # a span past the end
+    ],
+)
+def test_tokens_per_version_rejects_spans_that_do_not_fit(
+    spans: tuple[tuple[int, int], ...], num_tokens: int
+) -> None:
+    with pytest.raises(ValueError, match="version spans"):
+        tokens_per_version(spans, num_tokens)

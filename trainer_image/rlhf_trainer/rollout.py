@@ -110,7 +110,29 @@ class Rollout:
     response_token_ids: list[int]  # ends with EOS when the model stopped by itself
     response_log_probs: list[float]  # log π_rollout(a_t | s_t), one per response token
     finished: bool  # stopped on EOS (False: cut at max_tokens)
-    policy_version: int  # the weights that generated it
+    policy_version: int  # the weights that started it (the oldest, when it spans several)
+    # ((version, index of the first response token it generated), ...), in order: with
+    # partial rollouts (fully-async mode) weights change while a response is generated,
+    # e.g. ((3, 0), (4, 5)): tokens 0-4 by version 3, tokens 5.. by version 4.
+    version_spans: tuple[tuple[int, int], ...] = ()
+
+
+def tokens_per_version(spans: Sequence[tuple[int, int]], num_tokens: int) -> dict[int, int]:
+    """How many of a response's `num_tokens` tokens each policy version generated.
+
+    `spans` is a Rollout's `version_spans`: (version, first token index), the first at
+    0, each span non-empty (no spans for an empty response).
+    """
+    if not spans and num_tokens == 0:
+        return {}
+    starts = [start for _, start in spans]
+    ends = [*starts[1:], num_tokens]
+    if not starts or starts[0] != 0 or any(s >= e for s, e in zip(starts, ends, strict=True)):
+        raise ValueError(f"version spans {tuple(spans)} do not fit {num_tokens} tokens")
+    counts: dict[int, int] = {}
+    for (version, start), end in zip(spans, ends, strict=True):
+        counts[version] = counts.get(version, 0) + end - start
+    return counts
 
 
 class RolloutEngine:
@@ -198,6 +220,7 @@ class RolloutEngine:
             response_log_probs=log_probs,
             finished=completion.finish_reason == "stop",
             policy_version=self.policy_version,
+            version_spans=((self.policy_version, 0),),
         )
 
     def update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
