@@ -51,9 +51,7 @@ def uids(steps: list[StepResult]) -> list[int]:
 def test_threshold_zero_trains_every_sample_with_the_policy_that_generated_it(
     tmp_path: Path,
 ) -> None:
-    config = local_async_job(
-        staleness=0, total_steps=6, checkpoint_dir=tmp_path, every_steps=100
-    )
+    config = local_async_job(staleness=0, total_steps=6, checkpoint_dir=tmp_path, every_steps=100)
     trained = train(config)
     assert [s.staleness for s in trained.steps] == [[0] * BATCH] * 6
     assert sorted(uids(trained.steps)) == list(range(6 * BATCH))  # admitted in order, all

@@ -75,7 +75,9 @@ class StreamingRollout(Worker):
             seed=(self.config.trainer.seed * 1_000_003 + uid) % 2**31,
         )
         # No await between these: a snapshot sees the sample in flight or delivering.
-        self.delivering.append(self.queue.put.remote(Sample(uid, index, rollout)))
+        versions = tuple(version for version, _ in rollout.version_spans)
+        sample = Sample(uid, index, rollout, versions)
+        self.delivering.append(self.queue.put.remote(sample))
         del self.in_flight[uid]
 
     def drain(self) -> None:
@@ -115,7 +117,9 @@ class StreamingRollout(Worker):
     def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
         """Take the new weights from the broadcast into the (paused) engine."""
         assert self.sync_group is not None, "open_weight_sync first"
-        received: list[tuple[str, Any]] = []
+        # The engine's model lives in its own process, so the weights are loaded in one
+        # go after the broadcast: this process holds one full copy meanwhile.
+        received: list[tuple[str, torch.Tensor]] = []
         receive_weights(
             self.sync_group,
             specs,
