@@ -76,16 +76,15 @@ def train(
     if local:
         with local_ray_cluster(config):
             run_job(config, job, reporter_from_env(), metrics, trace)
+    elif not os.environ.get("RAY_ADDRESS"):
+        print(
+            "no Ray cluster to join: RAY_ADDRESS is not set (a RayJob sets it for its "
+            "driver); run with --local to train on a simulated cluster on this machine",
+            file=sys.stderr,
+        )
+        return 2
     else:
-        try:
-            ray.init(address="auto")  # the cluster KubeRay started this driver in
-        except ConnectionError as error:
-            print(
-                f"no Ray cluster to join ({error}); run with --local to train on a "
-                "simulated cluster on this machine",
-                file=sys.stderr,
-            )
-            return 2
+        ray.init()  # RAY_ADDRESS: the cluster KubeRay started this driver in
         run_job(config, job, reporter_from_env(), metrics, trace)
     return 0
 
