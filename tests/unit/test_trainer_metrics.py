@@ -65,6 +65,8 @@ def test_colocated_roles_take_turns_so_pool_busy_is_their_union() -> None:
     assert value(metrics, "rlhf_pool_busy_ratio", pool="a") == 0.5  # 5 s of 10, not 6
     assert value(metrics, "rlhf_pool_busy_ratio", pool="b") == 0.2
     assert value(metrics, "rlhf_pool_busy_ratio", pool="idle") == 0.0
+    assert value(metrics, "rlhf_pool_idle_ratio", pool="a") == 0.5
+    assert value(metrics, "rlhf_pool_idle_ratio", pool="idle") == 1.0
     assert value(metrics, "rlhf_step_phase_seconds_count", phase="update_actor") == 1
     assert value(metrics, "rlhf_step_phase_seconds_sum", phase="ref_log_prob") == 2.0
 

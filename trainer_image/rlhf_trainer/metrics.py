@@ -161,22 +161,32 @@ class TrainerMetrics:
 
 
 class _PoolBusyRatio:
-    """rlhf_pool_busy_ratio, computed at scrape time so an idle pool's ratio falls."""
+    """rlhf_pool_busy_ratio and its complement rlhf_pool_idle_ratio (what a fully-async
+    run watches for its rollouter and trainer pools), computed at scrape time so an
+    idle pool's ratio falls."""
 
     NAME = "rlhf_pool_busy_ratio"
     HELP = "Fraction of wall time since the trainer started that any role of the pool was busy"
+    IDLE_NAME = "rlhf_pool_idle_ratio"
+    IDLE_HELP = "Fraction of wall time since the trainer started that the pool was idle"
 
     def __init__(self, metrics: TrainerMetrics) -> None:
         self._metrics = metrics
 
     def describe(self) -> Iterable[Metric]:
-        return [GaugeMetricFamily(self.NAME, self.HELP, labels=["pool"])]
+        return [
+            GaugeMetricFamily(self.NAME, self.HELP, labels=["pool"]),
+            GaugeMetricFamily(self.IDLE_NAME, self.IDLE_HELP, labels=["pool"]),
+        ]
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(self.NAME, self.HELP, labels=["pool"])
+        busy = GaugeMetricFamily(self.NAME, self.HELP, labels=["pool"])
+        idle = GaugeMetricFamily(self.IDLE_NAME, self.IDLE_HELP, labels=["pool"])
         for pool, ratio in sorted(self._metrics.pool_busy_ratios().items()):
-            family.add_metric([pool], ratio)
-        yield family
+            busy.add_metric([pool], ratio)
+            idle.add_metric([pool], 1.0 - ratio)
+        yield busy
+        yield idle
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> WSGIServer:

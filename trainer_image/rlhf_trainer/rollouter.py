@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -51,6 +52,9 @@ class StreamingRollout(Worker):
             )
         )
         self.in_flight: dict[int, Admitted] = {}
+        self.paused = False
+        self.busy_since: float | None = None  # generating since (requests in flight)
+        self.activity: list[tuple[str, float, float]] = []  # generating spans, for the timeline
         self.delivering: list[Any] = []  # queue.put futures not yet confirmed
         self.sync_group: SyncGroup | None = None
 
@@ -65,6 +69,7 @@ class StreamingRollout(Worker):
     async def _generate(self, admitted: Admitted) -> None:
         uid, index, token_ids = admitted
         self.in_flight[uid] = admitted
+        self._mark_activity()
         generation = self.config.generation
         rollout = await self.engine.generate(
             str(uid),
@@ -79,6 +84,29 @@ class StreamingRollout(Worker):
         sample = Sample(uid, index, rollout, versions)
         self.delivering.append(self.queue.put.remote(sample))
         del self.in_flight[uid]
+        self._mark_activity()
+
+    def _mark_activity(self, now: float | None = None) -> None:
+        """Open or close the current generating span (on the loop thread)."""
+        now = time.time() if now is None else now
+        busy = bool(self.in_flight) and not self.paused
+        if busy and self.busy_since is None:
+            self.busy_since = now
+        elif not busy and self.busy_since is not None:
+            self.activity.append(("generate", self.busy_since, now))
+            self.busy_since = None
+
+    def drain_activity(self) -> list[tuple[str, float, float]]:
+        """The generating spans since the last drain (an open one is cut at now)."""
+        return self._on_loop(self._drain_activity())
+
+    async def _drain_activity(self) -> list[tuple[str, float, float]]:
+        now = time.time()
+        if self.busy_since is not None:
+            self.activity.append(("generate", self.busy_since, now))
+            self.busy_since = now
+        activity, self.activity = self.activity, []
+        return activity
 
     def drain(self) -> None:
         """Wait until every request in flight has finished and reached the queue."""
@@ -91,10 +119,15 @@ class StreamingRollout(Worker):
 
     def pause(self) -> None:
         """Freeze the requests in flight where they are (partial rollout)."""
-        self._on_loop(self.engine.pause())
+        self._on_loop(self._pause(True))
 
     def resume(self) -> None:
-        self._on_loop(self.engine.resume())
+        self._on_loop(self._pause(False))
+
+    async def _pause(self, pause: bool) -> None:
+        await (self.engine.pause() if pause else self.engine.resume())
+        self.paused = pause
+        self._mark_activity()
 
     def snapshot(self) -> list[Admitted]:
         """The prompts still in flight, once every finished sample is in the queue."""

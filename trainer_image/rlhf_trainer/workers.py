@@ -198,9 +198,11 @@ class RankHost:
             self.calls.append((method, start, time.time()))
 
     def drain_calls(self) -> list[tuple[str, float, float]]:
-        """The calls timed since the last drain: what the timeline shows of this rank."""
+        """The calls timed since the last drain: what the timeline shows of this rank,
+        with what the worker did in the background, if it says (`drain_activity`)."""
         calls, self.calls = self.calls, []
-        return calls
+        background = getattr(self.worker, "drain_activity", None)
+        return calls + (background() if background is not None else [])
 
     def shutdown(self) -> None:
         close = getattr(self.worker, "close", None)
