@@ -92,3 +92,29 @@ def test_staleness_stays_within_the_bound_and_some_samples_are_stale(stale: Trai
     registry = stale.metrics.registry
     assert registry.get_sample_value("rlhf_sample_staleness_count") == STEPS * BATCH
     assert registry.get_sample_value("rlhf_weight_sync_seconds_count") == STEPS
+
+
+def test_a_resumed_run_trains_the_queued_and_in_flight_samples_once(tmp_path: Path) -> None:
+    """Run 1 stops after 6 steps with a checkpoint holding the samples not yet trained
+    (queued, and prompts in flight); run 2 resumes from it. Every one of those is
+    trained by run 2, and nothing run 1 trained is trained again."""
+    import torch
+
+    from rlhf_trainer import checkpoint
+    from rlhf_trainer.run import ASYNC_STATE
+
+    def job(total_steps: int) -> JobConfig:
+        return local_async_job(
+            staleness=0.5, total_steps=total_steps, checkpoint_dir=tmp_path, every_steps=3
+        )
+
+    first = uids(train(job(6)).steps)
+    saved = torch.load(checkpoint.latest(tmp_path) / ASYNC_STATE, weights_only=False)
+    outstanding = {s.uid for s in saved.queued} | {uid for uid, _, _ in saved.in_flight}
+    assert outstanding, "the checkpoint held no untrained sample: nothing to check"
+    second = uids(train(job(10)).steps)
+    assert len(second) == 4 * BATCH
+    assert not set(first) & set(second)  # replays none
+    assert outstanding <= set(second)  # loses none
+    everything = set(first) | outstanding  # all admitted by run 1, in uid order
+    assert everything == set(range(len(everything)))
