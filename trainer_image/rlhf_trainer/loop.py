@@ -45,6 +45,8 @@ PHASES: dict[tuple[Role, str], str] = {
     (Role.CRITIC, "update"): Phase.UPDATE_CRITIC,
     (Role.ACTOR, "rollout_weights"): Phase.SYNC_WEIGHTS,
     (Role.ROLLOUT, "load_weights"): Phase.SYNC_WEIGHTS,
+    (Role.ACTOR, "send_weights"): Phase.SYNC_WEIGHTS,  # fully async: the broadcast
+    (Role.ROLLOUT, "receive_weights"): Phase.SYNC_WEIGHTS,
 }
 
 
@@ -202,7 +204,7 @@ class PPOTrainer:
 
     def record_spans(self, since: float) -> dict[str, float]:
         """Put every rank's timed calls on the timeline; returns each phase's busy
-        seconds since `since` (the union of its spans over ranks)."""
+        seconds since `since` (the union of its spans over ranks, clipped to it)."""
         for role, group in self.groups.groups.items():
             for rank_calls in group.drain_calls():
                 for method, start, end in rank_calls:
@@ -210,8 +212,8 @@ class PPOTrainer:
                     self.timeline.record(group.slots[0].pool, role, phase, start, end)
         by_phase: dict[str, list[tuple[float, float]]] = {}
         for span in self.timeline.spans():
-            if span.start >= since:
-                by_phase.setdefault(span.phase, []).append((span.start, span.end))
+            if span.end > since:  # clipped: async generation runs across steps
+                by_phase.setdefault(span.phase, []).append((max(span.start, since), span.end))
         return {phase: union_seconds(intervals) for phase, intervals in by_phase.items()}
 
 
