@@ -127,23 +127,24 @@ class AsyncPPOTrainer:
         assert self.config.async_ is not None
         if not self.config.async_.partial_rollout:
             join(rollout.run("drain"))
-        self.push_weights()
+        outstanding = self.push_weights()
         self.metrics.weight_sync_seconds.observe(time.time() - started)
-        outstanding = join([self.queue.depth.remote()])[0] + sum(
-            join(rollout.run("in_flight_count"))
-        )
         self.admission.on_weight_sync(outstanding)
         self.admit()
 
-    def push_weights(self) -> None:
-        """Pause the engines, broadcast the actor's weights into them, resume."""
+    def push_weights(self) -> int:
+        """Pause the engines, broadcast the actor's weights into them, resume. Returns
+        the samples outstanding (queued or in flight), counted while paused."""
         actor, rollout = self.core.groups[Role.ACTOR], self.core.groups[Role.ROLLOUT]
         join(rollout.run("pause"))
+        in_flight = sum(join(rollout.run("in_flight_count")))  # all finished ones queued
+        outstanding: int = in_flight + join([self.queue.depth.remote()])[0]
         version = self.core.policy_version
         sends = actor.run("send_weights", self.bucket_bytes)
         receives = rollout.run("receive_weights", self.specs, self.bucket_bytes, version)
         join([*sends, *receives])
         join(rollout.run("resume"))
+        return outstanding
 
     def checkpoint_state(self) -> AsyncState:
         """Pause, and take the queue and the prompts in flight (call between steps)."""

@@ -139,7 +139,8 @@ class StreamingRollout(Worker):
         return sorted(self.in_flight.values())
 
     def in_flight_count(self) -> int:
-        return len(self.in_flight)
+        """Requests not finished, once every finished one has reached the queue."""
+        return len(self.snapshot())
 
     def open_weight_sync(self, host: str, port: int, world_size: int) -> None:
         """Join the weight-sync group as rank 1 + this engine's rank (the actor's rank 0

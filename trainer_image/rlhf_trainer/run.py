@@ -130,11 +130,12 @@ class Run:
             self.step += 1
             result = (self.streaming or self.trainer).step(self.step)
             log.info(
-                "step %d/%d: reward %.6f, kl %.4f, %.2f s",
+                "step %d/%d: reward %.6f, kl %.4f, importance weights capped %.4f, %.2f s",
                 self.step,
                 total,
                 result.reward_mean,
                 result.kl,
+                result.stats.get("importance_clipped", 0.0),  # off-policy correction
                 result.seconds,
             )
             if self.step % every == 0 or self.step == total:
