@@ -325,9 +325,6 @@ class RolloutWorker(Worker):
     def load_weights(self, payload: bytes, version: int) -> None:
         self.engine.load_serialized_weights(payload, version)
 
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
     def close(self) -> None:
         self.engine.shutdown()
 
