@@ -135,6 +135,38 @@ def tokens_per_version(spans: Sequence[tuple[int, int]], num_tokens: int) -> dic
     return counts
 
 
+def engine_settings(
+    model_dir: Path | str,
+    *,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int,
+    seed: int,
+    dtype: Literal["auto", "float32", "bfloat16", "float16"],
+    enforce_eager: bool,
+) -> dict[str, Any]:
+    """The vLLM engine arguments both engines use, and the environment they need.
+
+    With one device the "uni" executor runs the model in the engine's own process (the
+    CPU platform allows it only with VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    """
+    environment = CPU_ENVIRONMENT | (IN_PROCESS_ENVIRONMENT if tensor_parallel_size == 1 else {})
+    for key, value in environment.items():
+        os.environ.setdefault(key, value)
+    return {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "tensor_parallel_size": tensor_parallel_size,
+        "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else None,
+        "seed": seed,
+        "enforce_eager": enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": EXTENSION,
+    }
+
+
 class RolloutEngine:
     """A vLLM engine on a local model directory (see models.write_tiny_model).
 
@@ -154,26 +186,19 @@ class RolloutEngine:
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32",
         enforce_eager: bool = True,
     ) -> None:
-        environment = CPU_ENVIRONMENT | (
-            IN_PROCESS_ENVIRONMENT if tensor_parallel_size == 1 else {}
-        )
-        for key, value in environment.items():
-            os.environ.setdefault(key, value)
-        from vllm import LLM  # heavy; and the operator side never needs it
-
-        self.policy_version = 0
-        self._llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
+        settings = engine_settings(  # first: it sets the environment vLLM reads
+            model_dir,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="uni" if tensor_parallel_size == 1 else None,
             seed=seed,
-            enforce_eager=enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
         )
+        from vllm import LLM  # heavy; and the operator side never needs it
+
+        self.policy_version = 0
+        self._llm = LLM(**settings)
 
     def generate(
         self,

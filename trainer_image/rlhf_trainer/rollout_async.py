@@ -46,20 +46,13 @@ an `if __name__ == "__main__":` guard (pytest and Ray's worker entry point have 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 from torch import Tensor
 
-from rlhf_trainer.rollout import (
-    CPU_ENVIRONMENT,
-    EXTENSION,
-    IN_PROCESS_ENVIRONMENT,
-    Rollout,
-    serialize_weights,
-)
+from rlhf_trainer.rollout import Rollout, engine_settings, serialize_weights
 
 
 class AsyncRolloutEngine:
@@ -83,29 +76,20 @@ class AsyncRolloutEngine:
         initial_version: int = 0,
     ) -> None:
         # AsyncLLM's engine core is a child process either way; with one device the
-        # "uni" executor keeps the model in it rather than in a third process, and the
-        # CPU platform allows "uni" only with this variable at 0.
-        environment = CPU_ENVIRONMENT | (
-            IN_PROCESS_ENVIRONMENT if tensor_parallel_size == 1 else {}
-        )
-        for key, value in environment.items():
-            os.environ.setdefault(key, value)
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = AsyncEngineArgs(
-            model=str(model_dir),
-            dtype=dtype,
+        # "uni" executor keeps the model in it rather than in a third process.
+        settings = engine_settings(  # first: it sets the environment vLLM reads
+            model_dir,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="uni" if tensor_parallel_size == 1 else None,
             seed=seed,
+            dtype=dtype,
             enforce_eager=enforce_eager,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION,
-            disable_log_stats=True,
         )
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**settings, disable_log_stats=True)
         self._llm: Any = AsyncLLM.from_engine_args(args)
         self.policy_version = initial_version
         self._version_labelled = False  # the engine still reports vLLM's "default"
