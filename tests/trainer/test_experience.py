@@ -12,9 +12,11 @@ from rlhf_trainer.data import Prompt, PromptStream, load_prompt_texts
 from rlhf_trainer.experience import (
     compute_advantages,
     mean_kl,
+    micro_batch_rows,
     minibatches,
     pack_rollouts,
     state_values,
+    trimmed,
 )
 from rlhf_trainer.loop import max_abs_diff, reward_function, split_list
 from rlhf_trainer.ppo import gae, whiten
@@ -127,6 +129,30 @@ def test_minibatches_partition_the_rows() -> None:
     parts = minibatches(10, 4, torch.Generator().manual_seed(0))
     assert [len(p) for p in parts] == [4, 4, 2]
     assert sorted(torch.cat(parts).tolist()) == list(range(10))
+
+
+def test_micro_batches_hold_rows_of_similar_length_longest_first() -> None:
+    lengths = [3, 9, 1, 7, 5, 9]
+    mask = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
+    groups = micro_batch_rows({"attention_mask": mask}, 4)
+    assert [g.tolist() for g in groups] == [[1, 5, 3, 4], [0, 2]]
+    assert [g.tolist() for g in micro_batch_rows({"attention_mask": mask}, None)] == [
+        [1, 5, 3, 4, 0, 2]
+    ]
+
+
+def test_trimming_drops_the_columns_that_are_padding_in_every_row() -> None:
+    batch = pack_rollouts(
+        [rollout([1, 5], [7]), rollout([1, 5], [8, 9, 2, 3]), rollout([1], [4])], PAD
+    )
+    short, columns = trimmed({name: t[[0, 2]] for name, t in batch.items()})
+    assert columns == slice(0, 3)
+    assert short["input_ids"].tolist() == [[1, 5, 7], [0, 1, 4]]
+    assert short["response_mask"].tolist() == [[0, 0, 1], [0, 0, 1]]
+    assert short["policy_version"].tolist() == [0, 0]
+    only_the_short_prompt, columns = trimmed({name: t[[2]] for name, t in batch.items()})
+    assert columns == slice(1, 3)
+    assert only_the_short_prompt["input_ids"].tolist() == [[1, 4]]
 
 
 def test_the_prompt_stream_walks_epochs_in_a_seeded_order_and_resumes() -> None:

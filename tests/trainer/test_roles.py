@@ -34,14 +34,17 @@ def config(micro_batch_size: int | None, gpus: int, tmp: Path) -> JobConfig:
 
 def experience() -> Batch:
     """A batch whose rows have different response lengths (so ranks and micro-batches
-    hold different token counts) and left padding."""
+    hold different token counts), left padding and right padding."""
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(4, 30, (ROWS, LENGTH), generator=generator)
     attention_mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
     response_mask = torch.zeros(ROWS, LENGTH)
     for row in range(ROWS):
+        end = LENGTH - row % 2
         attention_mask[row, : row % 3] = 0
-        response_mask[row, LENGTH - 1 - row % 4 :] = 1
+        attention_mask[row, end:] = 0
+        response_mask[row, end - 1 - row % 4 : end] = 1
+    input_ids *= attention_mask
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -84,6 +87,39 @@ def test_micro_batches_and_ranks_add_up_to_one_pass_over_the_batch(tmp_path: Pat
         assert any(not torch.equal(whole[n], initial[n]) for n in whole), "no step was taken"
         assert_same_weights(micro, whole)
         assert_same_weights(sharded, whole)
+
+
+def outputs_batched_and_alone(rank: int, role: Role, job: JobConfig) -> list[torch.Tensor]:
+    """A fresh actor's log-probs or critic's values of the whole batch, and of each row
+    run alone without padding, put back in the row's columns."""
+    info = RankInfo(role, "policy", rank, 1)
+    worker = Actor(info, job) if role == Role.ACTOR else Critic(info, job)
+    if isinstance(worker, Critic):  # its head starts at zero, which would hide a misplacement
+        with torch.no_grad():
+            worker.model.value_head.weight.normal_()
+    outputs = worker.log_probs if isinstance(worker, Actor) else worker.values
+    batch = experience()
+    alone = torch.zeros_like(batch["response_mask"])
+    for row in range(ROWS):
+        columns = batch["attention_mask"][row].nonzero()[:, 0]
+        alone[row, columns] = outputs(
+            {name: t[row : row + 1, columns] for name, t in batch.items()}
+        )
+    return [outputs(batch), alone]
+
+
+def test_micro_batches_sorted_and_trimmed_give_each_row_what_it_gets_alone(
+    tmp_path: Path,
+) -> None:
+    """Micro-batches group rows by length and drop the columns that are padding in all
+    their rows; no row's log-probs or values may change for it."""
+    for role in (Role.ACTOR, Role.CRITIC):
+        for micro_batch_size in (None, 2):
+            ((batched, alone),) = run_ranks(
+                outputs_batched_and_alone, 1, role, config(micro_batch_size, 1, tmp_path)
+            )
+            assert batched.abs().sum() > 0
+            torch.testing.assert_close(batched, alone, rtol=0, atol=1e-5)
 
 
 def test_a_reward_model_scores_each_sequence_at_its_last_token(tmp_path: Path) -> None:

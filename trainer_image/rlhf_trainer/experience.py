@@ -111,3 +111,27 @@ def minibatches(rows: int, size: int, generator: torch.Generator) -> list[Tensor
     smaller), so every row is trained on once per epoch."""
     order = torch.randperm(rows, generator=generator)
     return list(torch.split(order, size))
+
+
+def micro_batch_rows(batch: Batch, size: int | None) -> list[Tensor]:
+    """The rows of each micro-batch: `size` at a time (all of them when None), the
+    longest sequences together, so that `trimmed` leaves little padding in each.
+
+    Response lengths are long-tailed, and a micro-batch is as wide as its longest row:
+    in the order they came, most micro-batches would hold one long row and pay its
+    width for every row.
+    """
+    lengths = batch["attention_mask"].sum(dim=1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    return list(torch.split(order, size or max(len(order), 1)))
+
+
+def trimmed(batch: Batch) -> tuple[Batch, slice]:
+    """`batch` without the columns that are padding in every row, and the columns kept.
+
+    The layout survives: prompts still end at one column and responses start at the
+    next; position ids come from the attention mask, so no row's outputs change.
+    """
+    filled = batch["attention_mask"].any(dim=0).nonzero()
+    columns = slice(int(filled[0]), int(filled[-1]) + 1) if len(filled) else slice(0, 0)
+    return {name: t[:, columns] if t.dim() == 2 else t for name, t in batch.items()}, columns

@@ -14,7 +14,7 @@ no files need to travel between nodes.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf_trainer.checkpoint import load_role_state, save_role_state
 from rlhf_trainer.config import JobConfig, ModelSource
-from rlhf_trainer.experience import Batch, minibatches, state_values
+from rlhf_trainer.experience import Batch, micro_batch_rows, minibatches, state_values, trimmed
 from rlhf_trainer.models import ValueModel, build_tiny_model, position_ids, write_tiny_model
 from rlhf_trainer.ppo import (
     aggregate,
@@ -73,12 +73,21 @@ def load_value_model(source: ModelSource, seed: int) -> ValueModel:
     return ValueModel.from_pretrained(source.path)
 
 
-def micro_batches(batch: Batch, size: int | None) -> Iterator[Batch]:
-    """`batch` in slices of `size` rows (all of it when None)."""
-    rows = len(batch["input_ids"])
-    step = size or max(rows, 1)
-    for start in range(0, rows, step):
-        yield {name: t[start : start + step] for name, t in batch.items()}
+def micro_batches(batch: Batch, size: int | None) -> Iterator[tuple[Tensor, slice, Batch]]:
+    """`batch` in micro-batches of `size` rows (all of it when None), rows of similar
+    length together and each cut to its own width: (rows, columns, micro-batch)."""
+    for rows in micro_batch_rows(batch, size):
+        micro, columns = trimmed({name: t[rows] for name, t in batch.items()})
+        yield rows, columns, micro
+
+
+def per_token(batch: Batch, size: int | None, outputs: Callable[[Batch], Tensor]) -> Tensor:
+    """(B, T) `outputs` of each micro-batch, put back in the batch's layout, on the
+    response tokens only (0 elsewhere)."""
+    result = torch.zeros_like(batch["response_mask"])
+    for rows, columns, micro in micro_batches(batch, size):
+        result[rows, columns] = outputs(micro)
+    return result * batch["response_mask"]
 
 
 def policy_outputs(
@@ -146,7 +155,7 @@ class Trainable(Worker):
                 # micro-batch losses add up to the mini-batch loss.
                 normalizer = all_ranks_sum(aggregation_normalizer(mini["response_mask"], mode))
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in micro_batches(mini, trainer.micro_batch_size):
+                for _, _, micro in micro_batches(mini, trainer.micro_batch_size):
                     loss, stats = self.loss(micro, normalizer)
                     # FSDP averages gradients over the ranks; the normalizer already
                     # divides by the global count, so undo the average.
@@ -242,11 +251,11 @@ class Actor(Trainable):
 
 def sequence_log_probs(model: nn.Module, batch: Batch, config: JobConfig) -> Tensor:
     temperature = config.generation.temperature
-    parts = [
-        policy_outputs(model, micro, temperature)[0]
-        for micro in micro_batches(batch, config.trainer.micro_batch_size)
-    ]
-    return torch.cat(parts) * batch["response_mask"]
+    return per_token(
+        batch,
+        config.trainer.micro_batch_size,
+        lambda micro: policy_outputs(model, micro, temperature)[0],
+    )
 
 
 class Ref(Worker):
@@ -279,8 +288,7 @@ class Critic(Trainable):
     @torch.no_grad()
     def values(self, batch: Batch) -> Tensor:
         """(B, T) V(s_t) for the response tokens (0 elsewhere)."""
-        micro_size = self.config.trainer.micro_batch_size
-        return torch.cat([self.predict(micro) for micro in micro_batches(batch, micro_size)])
+        return per_token(batch, self.config.trainer.micro_batch_size, self.predict)
 
     def loss(self, micro: Batch, normalizer: Tensor) -> tuple[Tensor, Stats]:
         algorithm = self.config.algorithm
@@ -344,7 +352,10 @@ class RewardModel(Worker):
     @torch.no_grad()
     def score(self, batch: Batch) -> Tensor:
         """(B,) the model's score of each whole sequence."""
-        return torch.cat([self._score(micro) for micro in micro_batches(batch, self.micro_size)])
+        scores = torch.zeros(len(batch["input_ids"]))
+        for rows, _, micro in micro_batches(batch, self.micro_size):
+            scores[rows] = self._score(micro)
+        return scores
 
     def _score(self, micro: Batch) -> Tensor:
         mask = micro["attention_mask"]
