@@ -227,6 +227,18 @@ def test_concurrent_requests_complete_once_across_several_weight_updates(vllm: E
             assert first_new >= count, (request_id, version, count, rollouts[request_id])
 
 
+def test_more_prompt_tokens_than_one_engine_step_takes_all_complete(vllm: Engine) -> None:
+    """Every request is seeded. With more prompt tokens waiting than one engine step
+    takes (2048 on CPU), at admission and again at the re-prefill after an update,
+    vLLM on CPU used to cut a prefill short and then die rewinding that request's
+    seeded sampler ("CPU Generator does not use offset")."""
+    prompts = [ids * 4 for ids in prompt_ids(160, seed=5)]  # 20 tokens each
+    assert sum(len(p) for p in prompts) > 2048
+    rollouts, _, _, _ = vllm.run(generate_through_updates(vllm, prompts, updates=1, tag="crowd"))
+    assert len(rollouts) == len(prompts)
+    assert all(r.response_token_ids for r in rollouts.values())
+
+
 def test_tokens_after_an_update_have_the_new_policys_log_probs_given_the_old_prefix(
     vllm: Engine,
 ) -> None:

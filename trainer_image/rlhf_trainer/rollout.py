@@ -44,6 +44,16 @@ IN_PROCESS_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 EXTENSION = f"{__name__}.WeightSyncExtension"
 
 
+def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
+    """No chunked prefill on CPU: vLLM rewinds the sampler of a request whose prefill
+    was cut short, and a seeded request's CPU generator cannot rewind, which kills the
+    engine ("CPU Generator does not use offset"). Every request is seeded, and prefills
+    get cut whenever more prompt tokens wait than one step takes: 100 prompts admitted
+    at once, or the re-prefill of every request after a weight update. So each prefill
+    runs whole, in a step budget that fits the longest sequence."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
 def rollout_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The weights to send to the engine, in checkpoint (Hugging Face) names."""
     config = getattr(model, "config", None)
@@ -150,10 +160,12 @@ def engine_settings(
     With one device the "uni" executor runs the model in the engine's own process (the
     CPU platform allows it only with VLLM_ENABLE_V1_MULTIPROCESSING=0).
     """
+    from vllm.platforms import current_platform
+
     environment = CPU_ENVIRONMENT | (IN_PROCESS_ENVIRONMENT if tensor_parallel_size == 1 else {})
     for key, value in environment.items():
         os.environ.setdefault(key, value)
-    return {
+    return (cpu_scheduling(max_model_len) if current_platform.is_cpu() else {}) | {
         "model": str(model_dir),
         "dtype": dtype,
         "max_model_len": max_model_len,
