@@ -124,6 +124,39 @@ def test_a_resumed_run_trains_the_queued_and_in_flight_samples_once(tmp_path: Pa
     assert everything == set(range(len(everything)))
 
 
+def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL the rollout pool's vLLM engine after the first step. The trainer,
+    waiting for its next batch, gets the rollouter's report of the failure, so the job
+    fails (and its restart resumes from the checkpoint, see test_resume.py) instead of
+    waiting for samples that will never come."""
+    import psutil
+
+    from rlhf_trainer import async_trainer
+    from rlhf_trainer.cluster import local_ray_cluster
+    from rlhf_trainer.run import run_job
+    from rlhf_trainer.streaming import RolloutFailed
+
+    # Without the report the run would hit this instead (an hour by default).
+    monkeypatch.setattr(async_trainer, "QUEUE_TIMEOUT_S", 300.0)
+    killed: list[int] = []
+
+    def kill_the_engine(step: StepResult) -> None:
+        if step.step == 1:
+            for process in psutil.Process().children(recursive=True):
+                if " ".join(process.cmdline()).startswith("VLLM::EngineCore"):
+                    process.kill()
+                    killed.append(process.pid)
+
+    config = local_async_job(
+        staleness=0.5, total_steps=30, checkpoint_dir=tmp_path, every_steps=100
+    )
+    with pytest.raises(RolloutFailed, match="rollout rank 0"), local_ray_cluster(config):
+        run_job(config, "async", ConsoleReporter(every=1e9), on_step=kill_the_engine)
+    assert len(killed) == 1
+
+
 def test_the_timeline_shows_generation_overlapping_training(stale: Trained) -> None:
     """The samples a batch did not need keep generating while the trainer scores it
     (with these short responses they are often done before scoring starts)."""

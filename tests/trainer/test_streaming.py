@@ -18,6 +18,7 @@ from rlhf_trainer.rollout import Rollout
 from rlhf_trainer.streaming import (
     AdmissionControl,
     QueueClosed,
+    RolloutFailed,
     Sample,
     SampleQueue,
     spawn_queue,
@@ -282,6 +283,28 @@ def test_close_wakes_a_blocked_getter_with_none() -> None:
     assert [s.uid for s in queue.snapshot()] == [0]  # left queued, for a checkpoint
     with pytest.raises(QueueClosed):
         queue.put(sample(1))
+
+
+def test_a_rollout_failure_wakes_a_blocked_getter_with_the_reason() -> None:
+    queue = SampleQueue()
+    errors: list[Exception] = []
+
+    def get() -> None:
+        try:
+            queue.get_batch(2)
+        except RolloutFailed as error:
+            errors.append(error)
+
+    getter = threading.Thread(target=get, daemon=True)
+    getter.start()
+    wait_until(lambda: queue.waiting_getters() == 1, "the getter to block")
+    queue.fail("rollout rank 0, sample 7: EngineDeadError()")
+    getter.join(WAIT_S)
+    assert not getter.is_alive()
+    assert [str(e) for e in errors] == ["rollout rank 0, sample 7: EngineDeadError()"]
+    queue.put(sample(0))
+    with pytest.raises(RolloutFailed, match="sample 7"):
+        queue.get_batch(1)  # a full batch too: the run cannot go on
 
 
 def test_snapshot_restore_round_trip_loses_and_replays_nothing() -> None:

@@ -12,6 +12,7 @@ place.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -27,6 +28,8 @@ from rlhf_trainer.weight_sync import SyncGroup, WeightSpec, receive_weights
 from rlhf_trainer.workers import RankInfo, Worker
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 Admitted = tuple[int, int, list[int]]  # (uid, prompt index, prompt token ids)
 
@@ -71,14 +74,21 @@ class StreamingRollout(Worker):
         self.in_flight[uid] = admitted
         self._mark_activity()
         generation = self.config.generation
-        rollout = await self.engine.generate(
-            str(uid),
-            token_ids,
-            max_tokens=self.config.data.max_response_length,
-            temperature=generation.temperature,
-            top_p=generation.top_p,
-            seed=(self.config.trainer.seed * 1_000_003 + uid) % 2**31,
-        )
+        try:
+            rollout = await self.engine.generate(
+                str(uid),
+                token_ids,
+                max_tokens=self.config.data.max_response_length,
+                temperature=generation.temperature,
+                top_p=generation.top_p,
+                seed=(self.config.trainer.seed * 1_000_003 + uid) % 2**31,
+            )
+        except Exception as error:
+            # Nobody awaits this request: without word, the trainer would wait for
+            # its batch until the queue timeout (an hour).
+            log.exception("rollout rank %d: sample %d failed", self.info.rank, uid)
+            self.queue.fail.remote(f"rollout rank {self.info.rank}, sample {uid}: {error!r}")
+            return
         # No await between these: a snapshot sees the sample in flight or delivering.
         versions = tuple(version for version, _ in rollout.version_spans)
         sample = Sample(uid, index, rollout, versions)

@@ -175,6 +175,10 @@ class QueueClosed(RuntimeError):
     """A sample was put into a closed queue."""
 
 
+class RolloutFailed(RuntimeError):
+    """The rollouter reported that it cannot deliver samples any more."""
+
+
 class SampleQueue:
     """A thread-safe FIFO of finished samples, consumed in whole batches.
 
@@ -189,6 +193,7 @@ class SampleQueue:
         self._samples: deque[Sample] = deque()
         self._ready = threading.Condition()
         self._closed = False
+        self._failure: str | None = None  # why the rollouter stopped, if it did
         self._waiting = 0  # getters blocked in get_batch
 
     def put(self, sample: Sample) -> int:
@@ -204,7 +209,8 @@ class SampleQueue:
         """Block until `size` samples are queued and take them, oldest first.
 
         None if `timeout_s` passes first (None waits without limit) or the queue is or
-        gets closed; the samples then stay queued (see `snapshot`).
+        gets closed; the samples then stay queued (see `snapshot`). Raises
+        RolloutFailed once the rollouter has reported a failure (`fail`).
         """
         if size < 1:
             raise ValueError(f"a batch needs at least one sample, got size {size}")
@@ -212,10 +218,13 @@ class SampleQueue:
             self._waiting += 1
             try:
                 ready = self._ready.wait_for(
-                    lambda: self._closed or len(self._samples) >= size, timeout=timeout_s
+                    lambda: self._closed or self._failure is not None or len(self._samples) >= size,
+                    timeout=timeout_s,
                 )
             finally:
                 self._waiting -= 1
+            if self._failure is not None:
+                raise RolloutFailed(self._failure)
             if not ready or self._closed:
                 return None
             return [self._samples.popleft() for _ in range(size)]
@@ -228,6 +237,13 @@ class SampleQueue:
         """How many `get_batch` calls are blocked waiting for samples now."""
         with self._ready:
             return self._waiting
+
+    def fail(self, reason: str) -> None:
+        """The rollouter cannot deliver samples any more (its engine died): every
+        waiting and later `get_batch` raises RolloutFailed(reason) rather than wait."""
+        with self._ready:
+            self._failure = reason
+            self._ready.notify_all()
 
     def close(self) -> None:
         """Wake every waiting getter with None, and refuse further puts and batches."""
