@@ -95,13 +95,14 @@ class AsyncPPOTrainer:
 
     def admit(self) -> None:
         """Admit prompts up to the staleness limit, spread over the engines."""
-        admitted = []
-        uid = self.admission.admitted_total  # uids in admission order
+        first_uid = self.admission.admitted_total  # uids in admission order
+        count = 0
         while self.admission.try_admit():
-            (prompt,) = self.prompts.next_indices(1)
-            admitted.append((uid, prompt, self.prompts.prompts[prompt].token_ids))
-            uid += 1
-        self.admit_again(admitted)
+            count += 1
+        prompts = self.prompts.next_indices(count)
+        self.admit_again(
+            [(first_uid + i, p, self.prompts.prompts[p].token_ids) for i, p in enumerate(prompts)]
+        )
 
     def admit_again(self, admitted: list[tuple[int, int, list[int]]]) -> None:
         rollout = self.core.groups[Role.ROLLOUT]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_trainer.config import DataConfig
@@ -57,6 +57,7 @@ class PromptStream:
     shuffle: bool = True
     epoch: int = 0
     index: int = 0  # next position in this epoch's order
+    _order: tuple[int, list[int]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def load(cls, data: DataConfig, seed: int, encode: Encode) -> PromptStream:
@@ -66,10 +67,13 @@ class PromptStream:
         return cls(prompts, seed, data.shuffle)
 
     def order(self, epoch: int) -> list[int]:
-        indices = list(range(len(self.prompts)))
-        if self.shuffle:
-            random.Random(f"{self.seed}/{epoch}").shuffle(indices)
-        return indices
+        if self._order is None or self._order[0] != epoch:
+            # Kept: shuffling every call made taking prompts one by one O(dataset) each.
+            indices = list(range(len(self.prompts)))
+            if self.shuffle:
+                random.Random(f"{self.seed}/{epoch}").shuffle(indices)
+            self._order = (epoch, indices)
+        return self._order[1]
 
     def next_batch(self, size: int) -> list[Prompt]:
         """The next `size` prompts, rolling into the next epoch when one runs out."""
