@@ -135,7 +135,9 @@ class AsyncRolloutEngine:
             seed=seed,
             logprobs=0,  # just the sampled token's log-prob
             detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
+            # Streaming wakes this request's coroutine at every engine step: a share
+            # of a core for the rollout worker, so only when someone watches.
+            output_kind=RequestOutputKind.DELTA if on_tokens else RequestOutputKind.FINAL_ONLY,
         )
         tokens: list[int] = []
         log_probs: list[float] = []
