@@ -1,19 +1,25 @@
 """Benchmark: synchronous and fully-async PPO on the same two simulated GPUs, in one run.
 
-Both runs: the rollout on pool "rollout" (1 GPU), actor, ref and critic on pool
-"train" (1 GPU). Synchronous: generate, then train, then sync, so each pool waits for
-the other. Fully async (stalenessThreshold 0.5, partial rollout, a sync every step):
-the rollout pool keeps generating while the train pool trains.
+Both runs: the rollout on pool "rollout" (1 GPU), actor and critic on pool "train"
+(1 GPU; no ref, klCoef 0). Synchronous: generate, then train, then sync, so each pool
+waits for the other. Fully async (stalenessThreshold 1, partial rollout, a weight sync
+every 2 steps): the rollout pool keeps generating while the train pool trains.
 
-Response lengths vary widely: the tiny policy stops at its end-of-sequence token
-rarely (about 1 token in 64), so lengths spread from 1 to the 64-token cap and a
+Response lengths are long-tailed: the tiny random policy rarely samples its
+end-of-sequence token, so lengths spread from 1 to the 192-token cap (mean ~53) and a
 synchronous batch waits for its longest response. The learning rates are tiny so the
 distribution does not drift while measuring.
+
+The model (hidden 96, 2 layers) is sized so that generating a batch and training on it
+take about the same time (0.74 s and 0.76 s): that is where overlapping them pays
+most, and the only place both pools can be busy; with unequal work the faster pool
+idles for the difference whatever the scheduling.
 
 ideal_ratio is the bound from the synchronous run's own rates: a synchronous step takes
 T_gen + T_train; overlapped perfectly, a step takes max(T_gen, T_train). Idle ratios
 are each pool's time without a span on the async run's timeline, over the measured
-steps. Prints a final JSON line. Run: make bench-async (a few minutes).
+steps. Prints a final JSON line. Run: make bench-async (a few minutes). Arguments, all
+optional: measured steps, response cap, staleness threshold, sync every K steps.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
 BATCH = 32
 RESPONSE_CAP = int(sys.argv[2]) if len(sys.argv) > 2 else 192
 STALENESS = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
+SYNC_EVERY = int(sys.argv[4]) if len(sys.argv) > 4 else 2
 
 
 def job(fully_async: bool, checkpoints: Path) -> JobConfig:
@@ -45,10 +52,10 @@ def job(fully_async: bool, checkpoints: Path) -> JobConfig:
             {"name": "train", "replicas": 1, "gpusPerNode": 1},
             {"name": "rollout", "replicas": 1, "gpusPerNode": 1},
         ],
-        # No ref (klCoef 0): it keeps the train pool's work near the rollout pool's.
+        # No ref (klCoef 0): the train pool's work stays near the rollout pool's.
         "roles": {"actor": "train", "critic": "train", "rollout": "rollout"},
         "models": {
-            "actor": {"tiny": {"hiddenSize": 128, "numLayers": 2, "numHeads": 4, "vocabSize": 64}},
+            "actor": {"tiny": {"hiddenSize": 96, "numLayers": 2, "numHeads": 3, "vocabSize": 64}},
             "reward": {"function": "toy_copy"},
         },
         "data": {"train": "toy:copy", "maxPromptLength": 16, "maxResponseLength": RESPONSE_CAP},
@@ -58,13 +65,14 @@ def job(fully_async: bool, checkpoints: Path) -> JobConfig:
             "totalSteps": WARMUP_STEPS + MEASURED_STEPS,
             "batchSize": BATCH,
             "miniBatchSize": 16,
+            "microBatchSize": 8,
             "actorLearningRate": 1e-7,
             "criticLearningRate": 1e-7,
             "checkpoint": {"path": str(checkpoints), "everySteps": 1_000_000},
         },
     }
     if fully_async:
-        spec["async"] = {"stalenessThreshold": STALENESS, "triggerParameterSyncStep": 1}
+        spec["async"] = {"stalenessThreshold": STALENESS, "triggerParameterSyncStep": SYNC_EVERY}
     return JobConfig.model_validate(spec)
 
 

@@ -52,6 +52,9 @@ class AsyncPPOTrainer:
         self.queue = queue
         self.metrics = metrics
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        # The rollout side of the last sync (load, resume, admit): the trainer goes on
+        # without waiting for it, and waits before it next pauses the engines.
+        self.rollout_pending: list[Any] = []
 
     @property
     def prompts(self) -> PromptStream:
@@ -107,7 +110,16 @@ class AsyncPPOTrainer:
     def admit_again(self, admitted: list[tuple[int, int, list[int]]]) -> None:
         rollout = self.core.groups[Role.ROLLOUT]
         if admitted:
-            join(rollout.run_each("admit", split_list(admitted, rollout.world_size)))
+            self.rollout_pending = rollout.run_each(
+                "admit",
+                split_list(admitted, rollout.world_size),
+                after=self.rollout_pending or None,
+            )
+
+    def wait_for_rollout(self) -> None:
+        """Wait for the rollout side of the last sync (raising what it raised)."""
+        pending, self.rollout_pending = self.rollout_pending, []
+        join(pending)
 
     def open_weight_sync(self) -> None:
         actor, rollout = self.core.groups[Role.ACTOR], self.core.groups[Role.ROLLOUT]
@@ -127,6 +139,7 @@ class AsyncPPOTrainer:
         started = time.time()
         assert self.config.async_ is not None
         if not self.config.async_.partial_rollout:
+            self.wait_for_rollout()
             join(rollout.run("drain"))
         outstanding = self.push_weights()
         self.metrics.weight_sync_seconds.observe(time.time() - started)
@@ -135,21 +148,27 @@ class AsyncPPOTrainer:
 
     def push_weights(self) -> int:
         """Pause the engines, broadcast the actor's weights into them, resume. Returns
-        the samples outstanding (queued or in flight), counted while paused."""
+        the samples outstanding (queued or in flight), counted while paused.
+
+        Waits only until the actor has sent: the engines load and resume while the
+        trainer starts on its next batch, which the sync does not change.
+        """
         actor, rollout = self.core.groups[Role.ACTOR], self.core.groups[Role.ROLLOUT]
+        self.wait_for_rollout()
         join(rollout.run("pause"))
         in_flight = sum(join(rollout.run("in_flight_count")))  # all finished ones queued
         outstanding: int = in_flight + join([self.queue.depth.remote()])[0]
         version = self.core.policy_version
         sends = actor.run("send_weights", self.bucket_bytes)
         receives = rollout.run("receive_weights", self.specs, self.bucket_bytes, version)
-        join([*sends, *receives])
-        join(rollout.run("resume"))
+        join(sends)
+        self.rollout_pending = rollout.run("resume", after=receives)
         return outstanding
 
     def checkpoint_state(self) -> AsyncState:
         """Pause, and take the queue and the prompts in flight (call between steps)."""
         rollout = self.core.groups[Role.ROLLOUT]
+        self.wait_for_rollout()
         join(rollout.run("pause"))
         in_flight = [a for rank in join(rollout.run("snapshot")) for a in rank]
         queued = join([self.queue.snapshot.remote()])[0]
