@@ -124,7 +124,7 @@ class TrainerMetrics:
         )
         self.weight_sync_seconds = Histogram(
             "rlhf_weight_sync_seconds",
-            "Duration of a weight sync from the actor to the rollout engines",
+            "Seconds the trainer spends on a weight sync to the rollout engines",
             buckets=WEIGHT_SYNC_BUCKETS,
             registry=r,
         )
