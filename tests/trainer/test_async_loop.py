@@ -1,10 +1,10 @@
 """Fully-async PPO on a simulated Ray cluster with real vLLM: the rollout pool streams
 samples to the trainer pool.
 
-Three runs, about a minute each to start: with stalenessThreshold 0 (synchronous and
-on-policy), with 0.5 and partial rollout (learning, version spans, no sample lost or
-duplicated), and a run resumed from the checkpoint of another (its queue and its
-prompts in flight carry over).
+Runs of about a minute each: with stalenessThreshold 0 (synchronous and on-policy),
+with 0.5 and partial rollout (learning, version spans, no sample lost or duplicated),
+a run resumed from the checkpoint of another (its queue and its prompts in flight
+carry over), and a run whose vLLM engine is killed (the run fails rather than hangs).
 """
 
 from __future__ import annotations
