@@ -160,11 +160,11 @@ def engine_settings(
     With one device the "uni" executor runs the model in the engine's own process (the
     CPU platform allows it only with VLLM_ENABLE_V1_MULTIPROCESSING=0).
     """
-    from vllm.platforms import current_platform
-
     environment = CPU_ENVIRONMENT | (IN_PROCESS_ENVIRONMENT if tensor_parallel_size == 1 else {})
     for key, value in environment.items():
         os.environ.setdefault(key, value)
+    from vllm.platforms import current_platform  # after: vLLM may read the environment
+
     return (cpu_scheduling(max_model_len) if current_platform.is_cpu() else {}) | {
         "model": str(model_dir),
         "dtype": dtype,
