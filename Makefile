@@ -56,10 +56,11 @@ crds: install  ## regenerate crds/ from the API models
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml
 	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
 
-lint: install  ## ruff and mypy
+lint: install  ## ruff, mypy, the import contracts (the layering) and hadolint
 	$(VENV)/bin/ruff check operator trainer_image tests bench
 	$(VENV)/bin/ruff format --check operator trainer_image tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint trainer_image/Dockerfile
 
 constraints: install  ## re-pin constraints.txt to what .venv holds (less the trainer lock)

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from rlhf_trainer.config import JobConfig
+from rlhf_trainer.api.config import JobConfig
 
 
 def job_config(pools: list[dict[str, Any]], roles: dict[str, str], **extra: Any) -> JobConfig:

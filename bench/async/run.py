@@ -30,13 +30,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rlhf_trainer.cluster import local_ray_cluster
-from rlhf_trainer.config import JobConfig
-from rlhf_trainer.loop import StepResult
-from rlhf_trainer.metrics import union_seconds
-from rlhf_trainer.plan import Phase
-from rlhf_trainer.report import ConsoleReporter
-from rlhf_trainer.run import run_job
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.plan import Phase
+from rlhf_trainer.cluster.local import local_ray_cluster
+from rlhf_trainer.loop.run import run_job
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.metrics import union_seconds
+from rlhf_trainer.telemetry.report import ConsoleReporter
 
 WARMUP_STEPS = 3
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15

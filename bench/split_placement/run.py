@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf_trainer.cluster import local_ray_cluster
-from rlhf_trainer.config import JobConfig
-from rlhf_trainer.loop import StepResult
-from rlhf_trainer.plan import Phase, plan_placement
-from rlhf_trainer.report import ConsoleReporter
-from rlhf_trainer.run import run_job
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.plan import Phase, plan_placement
+from rlhf_trainer.cluster.local import local_ray_cluster
+from rlhf_trainer.loop.run import run_job
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.report import ConsoleReporter
 
 WARMUP_STEPS = 3  # vLLM's first generations and the allocators warm up
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15

@@ -24,17 +24,17 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from rlhf_trainer.config import GROUP as GROUP  # the API's names, re-exported
-from rlhf_trainer.config import PLURAL as PLURAL
-from rlhf_trainer.config import (
+from rlhf_trainer.api.config import (
     POOLS_DESCRIPTION,
     POOLS_LIST_MAP,
     JobConfig,
     PoolConfig,
     TrainingProgress,
 )
-from rlhf_trainer.config import VERSION as VERSION
-from rlhf_trainer.rules import Rule, SpecModel
+from rlhf_trainer.api.names import GROUP as GROUP  # the API's names, re-exported
+from rlhf_trainer.api.names import PLURAL as PLURAL
+from rlhf_trainer.api.names import VERSION as VERSION
+from rlhf_trainer.api.rules import Rule, SpecModel
 
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "RLHFJob"

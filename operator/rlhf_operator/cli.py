@@ -10,7 +10,9 @@ rlhfjob crd                print the CustomResourceDefinition (what `make crds` 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -19,7 +21,7 @@ from rlhf_operator.api import RLHFJob
 from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
 from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job
-from rlhf_trainer.plan import describe, plan_placement
+from rlhf_trainer.api.plan import describe, plan_placement
 
 
 def read_jobs(path: Path) -> tuple[list[RLHFJob], list[str]]:
@@ -76,16 +78,23 @@ def print_children(path: Path, namespace: str) -> int:
 
 
 def train_locally(path: Path, trace: Path | None) -> int:
-    """Run a one-job file on this machine; needs the trainer stack (make install)."""
+    """Run a one-job file on this machine; needs the trainer stack (make install).
+
+    The trainer runs as its own process, `python -m rlhf_trainer --local`, on the spec the
+    operator would hand over: the operator package imports only the trainer's API.
+    """
     jobs, problems = read_jobs(path)
     if problems or len(jobs) != 1:
         print("\n".join(problems) or f"{path}: expected one RLHFJob, found {len(jobs)}")
         return 1
-    from rlhf_trainer.__main__ import train
-
     job = jobs[0]
-    print(describe(plan_placement(job.spec.job_config())), flush=True)
-    return train(job.spec.job_config(), job.metadata.name, local=True, trace=trace)
+    with tempfile.TemporaryDirectory(prefix="rlhfjob-") as directory:
+        spec = Path(directory) / f"{job.metadata.name}.json"  # the driver names the job by it
+        spec.write_text(job.spec.job_config().model_dump_json(by_alias=True, exclude_none=True))
+        command = [sys.executable, "-m", "rlhf_trainer", "--spec", str(spec), "--local"]
+        if trace is not None:
+            command += ["--trace", str(trace)]
+        return subprocess.run(command, check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from rlhf_operator.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.render import JOB_LABEL, JobRef, render_children
 from rlhf_operator.status import Observed, compute_status, finished, invalid_status
 from rlhf_operator.validation import InvalidJob, parse_spec
-from rlhf_trainer.placement import POOL_LABEL
+from rlhf_trainer.api.names import POOL_LABEL
 
 log = logging.getLogger(__name__)
 

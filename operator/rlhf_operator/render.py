@@ -21,7 +21,7 @@ from rlhf_operator.api import (
     Separation,
     Toleration,
 )
-from rlhf_trainer.placement import POOL_LABEL, pool_resource
+from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 
 Obj = dict[str, Any]
 

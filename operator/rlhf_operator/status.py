@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from rlhf_operator.api import Condition, Phase, PoolStatus, RLHFJobSpec, RLHFJobStatus
-from rlhf_trainer.placement import POOL_LABEL
+from rlhf_trainer.api.names import POOL_LABEL
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
 

@@ -9,7 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlhf_operator.api import RLHFJob, RLHFJobSpec
-from rlhf_trainer.rules import FieldError, field_errors
+from rlhf_trainer.api.rules import FieldError, field_errors
 
 
 class InvalidJob(ValueError):

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from rlhf_operator.render import JobRef, render_reporter_rbac
-from rlhf_trainer.config import TrainingProgress
-from rlhf_trainer.report import ApiServer, StatusReporter
+from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.telemetry.report import ApiServer, StatusReporter
 
 from .harness import REPO_ROOT, ControlPlane
 from .util import get_json

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlhf_trainer.config import Role
-from rlhf_trainer.workers import RankInfo, free_port, init_distributed
+from rlhf_trainer.api.config import Role
+from rlhf_trainer.worker import RankInfo, free_port, init_distributed
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from rlhf_trainer import weight_sync
-from rlhf_trainer.weight_sync import (
+from rlhf_trainer.rollout import weight_sync
+from rlhf_trainer.rollout.weight_sync import (
     SyncGroup,
     WeightSpec,
     receive_specs,
@@ -27,7 +27,7 @@ from rlhf_trainer.weight_sync import (
     send_specs,
     send_weights,
 )
-from rlhf_trainer.workers import free_port
+from rlhf_trainer.worker import free_port
 
 WORLD_SIZE = 3  # one sender, two receivers
 TIMEOUT = timedelta(seconds=60)  # a hung collective fails the test instead of hanging it

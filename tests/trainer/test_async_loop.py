@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from rlhf_trainer.config import JobConfig
-from rlhf_trainer.loop import StepResult
-from rlhf_trainer.metrics import TrainerMetrics
-from rlhf_trainer.report import ConsoleReporter
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
+from rlhf_trainer.telemetry.report import ConsoleReporter
 from tests.specs import local_async_job
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
@@ -37,8 +37,8 @@ class Trained:
 
 
 def train(config: JobConfig) -> Trained:
-    from rlhf_trainer.cluster import local_ray_cluster
-    from rlhf_trainer.run import run_job
+    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.loop.run import run_job
 
     steps: list[StepResult] = []
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
@@ -104,8 +104,8 @@ def test_a_resumed_run_trains_the_queued_and_in_flight_samples_once(tmp_path: Pa
     trained by run 2, and nothing run 1 trained is trained again."""
     import torch
 
-    from rlhf_trainer import checkpoint
-    from rlhf_trainer.run import ASYNC_STATE
+    from rlhf_trainer.loop.run import ASYNC_STATE
+    from rlhf_trainer.roles import checkpoint
 
     def job(total_steps: int) -> JobConfig:
         return local_async_job(
@@ -133,10 +133,10 @@ def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
     waiting for samples that will never come."""
     import psutil
 
-    from rlhf_trainer import async_trainer
-    from rlhf_trainer.cluster import local_ray_cluster
-    from rlhf_trainer.run import run_job
-    from rlhf_trainer.streaming import RolloutFailed
+    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.loop import fully_async as async_trainer
+    from rlhf_trainer.loop.run import run_job
+    from rlhf_trainer.rollout.queue import RolloutFailed
 
     # Without the report the run would hit this instead (an hour by default).
     monkeypatch.setattr(async_trainer, "QUEUE_TIMEOUT_S", 300.0)

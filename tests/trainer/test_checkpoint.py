@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from rlhf_trainer.checkpoint import (
+from rlhf_trainer.roles.checkpoint import (
     TrainerState,
     capture_rng,
     commit,
@@ -26,7 +26,7 @@ from rlhf_trainer.checkpoint import (
     staging_path,
     step_of,
 )
-from rlhf_trainer.sharding import full_state_dict, shard_model
+from rlhf_trainer.roles.sharding import full_state_dict, shard_model
 from tests.trainer.distributed import run_ranks
 from tests.trainer.tiny_training import (
     assert_state_dicts_close,

@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_trainer.config import AlgorithmConfig, DataConfig, RewardSource
-from rlhf_trainer.data import Prompt, PromptStream, load_prompt_texts
-from rlhf_trainer.experience import (
+from rlhf_trainer.algo.experience import (
+    Rollout,
     compute_advantages,
     mean_kl,
     micro_batch_rows,
@@ -18,10 +17,11 @@ from rlhf_trainer.experience import (
     state_values,
     trimmed,
 )
-from rlhf_trainer.loop import max_abs_diff, reward_function, split_list
-from rlhf_trainer.ppo import gae, whiten
-from rlhf_trainer.rollout import Rollout
-from rlhf_trainer.tasks import toy_copy
+from rlhf_trainer.algo.ppo import gae, whiten
+from rlhf_trainer.api.config import AlgorithmConfig, DataConfig, RewardSource
+from rlhf_trainer.data.prompts import Prompt, PromptStream, load_prompt_texts
+from rlhf_trainer.data.tasks import reward_function, toy_copy
+from rlhf_trainer.loop.sync import max_abs_diff, split_list
 
 PAD = 0
 
@@ -199,7 +199,7 @@ def test_toy_prompts_and_unknown_sources() -> None:
 
 def test_reward_functions_resolve_by_name_or_module_path() -> None:
     assert reward_function(RewardSource(function="toy_copy")) is toy_copy
-    assert reward_function(RewardSource(function="rlhf_trainer.tasks:toy_copy")) is toy_copy
+    assert reward_function(RewardSource(function="rlhf_trainer.data.tasks:toy_copy")) is toy_copy
     assert reward_function(RewardSource(path="/models/rm")) is None
     with pytest.raises(ValueError, match="not built in"):
         reward_function(RewardSource(function="nope"))

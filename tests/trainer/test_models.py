@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf_trainer.config import TinyModel
+from rlhf_trainer.api.config import TinyModel
+from rlhf_trainer.data.tasks import copy_prompts, toy_copy
 from rlhf_trainer.models import (
     EOS,
     ValueModel,
@@ -18,7 +19,6 @@ from rlhf_trainer.models import (
     vocabulary,
     write_tiny_model,
 )
-from rlhf_trainer.tasks import copy_prompts, toy_copy
 
 TINY = TinyModel(hidden_size=64, num_layers=1, num_heads=2, vocab_size=64)
 

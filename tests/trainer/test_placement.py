@@ -10,25 +10,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlhf_trainer.config import Role
-from rlhf_trainer.placement import (
+from rlhf_trainer.api.config import Role
+from rlhf_trainer.api.names import pool_resource
+from rlhf_trainer.api.plan import plan_placement
+from rlhf_trainer.cluster.placement import (
     PlacementTimeout,
     _not_ready_message,
     gpu_bundle,
     gpu_share,
     pool_bundles,
-    pool_resource,
     rank_order,
     role_slots,
 )
-from rlhf_trainer.plan import plan_placement
-from rlhf_trainer.workers import (
-    RankInfo,
-    concat_batches,
-    free_port,
-    init_distributed,
-    split_batch,
-)
+from rlhf_trainer.worker import RankInfo, concat_batches, free_port, init_distributed, split_batch
 from tests.specs import job_config as config
 from tests.trainer.toy_workers import PartialSums
 
@@ -135,7 +129,7 @@ def test_a_plain_worker_runs_without_ray() -> None:
 def test_the_operator_uses_the_placement_names_without_ray_or_torch() -> None:
     # The operator image has neither: importing its renderer must not pull them in.
     code = (
-        "import sys, rlhf_operator.render, rlhf_trainer.placement; "
+        "import sys, rlhf_operator.main, rlhf_trainer.api.plan, rlhf_trainer.api.names; "
         "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -20,18 +20,17 @@ import torch
 
 from rlhf_operator.render import JobRef, render_rayjob
 from rlhf_operator.validation import parse_job
-from rlhf_trainer.config import Role
-from rlhf_trainer.placement import (
-    POOL_LABEL,
+from rlhf_trainer.api.config import Role
+from rlhf_trainer.api.names import POOL_LABEL, pool_resource
+from rlhf_trainer.api.plan import PlacementPlan, plan_placement
+from rlhf_trainer.cluster.groups import WorkerGroup, gather, join
+from rlhf_trainer.cluster.placement import (
     PlacementTimeout,
     PoolGroup,
     create_pool_groups,
-    pool_resource,
     remove_pool_groups,
     wait_ready,
 )
-from rlhf_trainer.plan import PlacementPlan, plan_placement
-from rlhf_trainer.workers import WorkerGroup, gather, join
 from tests.trainer.toy_workers import PartialSums
 from tests.unit.conftest import EXAMPLES, load
 

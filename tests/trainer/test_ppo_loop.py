@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from rlhf_trainer.config import JobConfig, TrainingProgress
-from rlhf_trainer.loop import StepResult
-from rlhf_trainer.metrics import TrainerMetrics
-from rlhf_trainer.plan import Phase
+from rlhf_trainer.api.config import JobConfig, TrainingProgress
+from rlhf_trainer.api.plan import Phase
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.specs import local_job
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
@@ -52,8 +52,8 @@ class Progress:
 
 
 def train(config: JobConfig, tmp: Path) -> Trained:
-    from rlhf_trainer.cluster import local_ray_cluster
-    from rlhf_trainer.run import run_job
+    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.loop.run import run_job
 
     steps: list[StepResult] = []
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])

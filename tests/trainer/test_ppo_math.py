@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from rlhf_trainer import ppo
+from rlhf_trainer.algo import ppo
 
 Rows = list[list[float]]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_trainer import checkpoint
+from rlhf_trainer.roles import checkpoint
 from tests.specs import local_job
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")

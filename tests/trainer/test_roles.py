@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-from rlhf_trainer.config import JobConfig, Role
-from rlhf_trainer.experience import Batch
-from rlhf_trainer.roles import Actor, Critic, RewardModel
-from rlhf_trainer.sharding import full_state_dict
-from rlhf_trainer.workers import RankInfo, split_batch
+from rlhf_trainer.algo.experience import Batch
+from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.roles.critic import Critic
+from rlhf_trainer.roles.policy import Actor
+from rlhf_trainer.roles.reward import RewardModel
+from rlhf_trainer.roles.sharding import full_state_dict
+from rlhf_trainer.worker import RankInfo, split_batch
 from tests.specs import local_job
 from tests.trainer.distributed import run_ranks
 

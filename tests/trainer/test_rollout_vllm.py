@@ -15,10 +15,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rlhf_trainer.config import TinyModel
+from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.api.config import TinyModel
+from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_model
-from rlhf_trainer.rollout import Rollout, RolloutEngine, rollout_state_dict
-from rlhf_trainer.tasks import copy_prompts
+from rlhf_trainer.rollout.engine import RolloutEngine, rollout_state_dict
 
 pytest.importorskip("vllm", reason="the trainer stack (make install-trainer) is not installed")
 

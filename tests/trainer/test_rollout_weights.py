@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf_trainer.config import TinyModel
+from rlhf_trainer.algo.experience import tokens_per_version
+from rlhf_trainer.api.config import TinyModel
 from rlhf_trainer.models import build_tiny_model
-from rlhf_trainer.rollout import (
+from rlhf_trainer.rollout.engine import (
     deserialize_weights,
     refresh_tied_lm_head,
     rollout_state_dict,
     serialize_weights,
-    tokens_per_version,
 )
 
 TINY = TinyModel(hidden_size=64, num_layers=1, num_heads=2, vocab_size=32)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from rlhf_trainer.models import build_tiny_model
-from rlhf_trainer.sharding import decoder_layers, full_state_dict, shard_model
+from rlhf_trainer.roles.sharding import decoder_layers, full_state_dict, shard_model
 from tests.trainer.distributed import run_ranks
 from tests.trainer.tiny_training import (
     MAX_GRAD_NORM,

@@ -14,14 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlhf_trainer.rollout import Rollout
-from rlhf_trainer.streaming import (
+from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.cluster.queue import spawn_queue
+from rlhf_trainer.rollout.queue import (
     AdmissionControl,
     QueueClosed,
     RolloutFailed,
     Sample,
     SampleQueue,
-    spawn_queue,
     staleness,
 )
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_trainer.tasks import REWARD_FUNCTIONS, copy_prompts, prompt_letters, toy_copy, toy_prompts
+from rlhf_trainer.data.tasks import (
+    REWARD_FUNCTIONS,
+    copy_prompts,
+    prompt_letters,
+    toy_copy,
+    toy_prompts,
+)
 
 
 def test_prompts_are_seeded_and_well_formed() -> None:

@@ -14,11 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
-from rlhf_trainer import weight_sync
-from rlhf_trainer.config import TinyModel
+from rlhf_trainer.api.config import TinyModel
 from rlhf_trainer.models import build_tiny_model
-from rlhf_trainer.rollout import rollout_state_dict
-from rlhf_trainer.weight_sync import (
+from rlhf_trainer.rollout import weight_sync
+from rlhf_trainer.rollout.engine import rollout_state_dict
+from rlhf_trainer.rollout.weight_sync import (
     SyncGroup,
     WeightSpec,
     buffer_bound,
@@ -27,7 +27,7 @@ from rlhf_trainer.weight_sync import (
     send_weights,
     weight_specs,
 )
-from rlhf_trainer.workers import free_port
+from rlhf_trainer.worker import free_port
 from tests.trainer.sync_ranks import (
     TIMEOUT,
     WORLD_SIZE,

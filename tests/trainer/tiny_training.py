@@ -13,10 +13,10 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from rlhf_trainer.config import TinyModel
+from rlhf_trainer.api.config import TinyModel
 from rlhf_trainer.models import ValueModel, build_tiny_model, token_log_probs
-from rlhf_trainer.sharding import clip_gradients
-from rlhf_trainer.workers import split_batch
+from rlhf_trainer.roles.sharding import clip_gradients
+from rlhf_trainer.worker import split_batch
 
 TINY = TinyModel(hidden_size=64, num_layers=2, num_heads=2, vocab_size=32)
 Kind = Literal["actor", "critic"]

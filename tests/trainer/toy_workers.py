@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf_trainer.workers import RankInfo, Worker
+from rlhf_trainer.worker import RankInfo, Worker
 
 
 class PartialSums(Worker):

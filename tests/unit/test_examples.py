@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rlhf_operator.validation import parse_job
-from rlhf_trainer.config import JobConfig
-from rlhf_trainer.plan import Mode, plan_placement
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.plan import Mode, plan_placement
 from tests.unit.celcheck import cel_errors
 from tests.unit.conftest import EXAMPLES, load
 

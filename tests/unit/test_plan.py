@@ -1,4 +1,4 @@
-"""The placement planner on the layouts of DESIGN.md."""
+"""The placement planner on the layouts of the examples (8-GPU split, two nodes, 6/2, 3/5, async)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from rlhf_trainer.config import Role
-from rlhf_trainer.plan import DRIVER, Mode, Phase, plan_placement
+from rlhf_trainer.api.config import Role
+from rlhf_trainer.api.plan import DRIVER, Mode, Phase, plan_placement
 from tests.specs import job_config as config
 
 SPLIT_ROLES = {"actor": "a", "rollout": "a", "ref": "a", "critic": "b", "reward": "b"}

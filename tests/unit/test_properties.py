@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from rlhf_operator.api import RLHFJob
 from rlhf_operator.validation import InvalidJob, parse_job
-from rlhf_trainer.rules import RuleViolations, dotted
+from rlhf_trainer.api.rules import RuleViolations, dotted
 from tests.unit.celcheck import cel_errors
 from tests.unit.strategies import damaged_jobs, rule_damaged_jobs, valid_jobs
 

@@ -14,8 +14,8 @@ import yaml
 
 from rlhf_operator.render import JobRef, render_children, render_rayjob
 from rlhf_operator.validation import parse_job
-from rlhf_trainer.config import JobConfig
-from rlhf_trainer.placement import POOL_LABEL, pool_resource
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from tests.unit.conftest import EXAMPLES, load
 
 DATA = Path(__file__).parent / "data"

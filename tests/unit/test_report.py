@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from rlhf_operator import crd
-from rlhf_trainer import report
-from rlhf_trainer.config import TrainingProgress
-from rlhf_trainer.report import (
+from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.telemetry import report
+from rlhf_trainer.telemetry.report import (
     ApiServer,
     ConsoleReporter,
     RateLimit,

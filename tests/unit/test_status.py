@@ -10,7 +10,7 @@ import pytest
 from rlhf_operator.api import Phase, RLHFJobStatus
 from rlhf_operator.status import Observed, compute_status, finished, invalid_status
 from rlhf_operator.validation import parse_job
-from rlhf_trainer.config import TrainingProgress
+from rlhf_trainer.api.config import TrainingProgress
 from tests.unit.conftest import EXAMPLES, load
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

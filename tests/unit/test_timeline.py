@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_trainer.timeline import Span, Timeline
+from rlhf_trainer.telemetry.timeline import Span, Timeline
 
 
 def ticking_clock(step: float = 1.0) -> Any:

@@ -8,9 +8,14 @@ import urllib.request
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlhf_trainer.config import TrainingProgress
-from rlhf_trainer.metrics import IntervalUnion, TrainerMetrics, serve_metrics, union_seconds
-from rlhf_trainer.timeline import Timeline
+from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.telemetry.metrics import (
+    IntervalUnion,
+    TrainerMetrics,
+    serve_metrics,
+    union_seconds,
+)
+from rlhf_trainer.telemetry.timeline import Timeline
 
 intervals = st.lists(
     st.tuples(st.integers(0, 50), st.integers(0, 20)).map(lambda p: (p[0], p[0] + p[1])),

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from rlhf_trainer.config import JobConfig
-from rlhf_trainer.plan import describe, plan_placement
-from rlhf_trainer.rules import field_errors
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.plan import describe, plan_placement
+from rlhf_trainer.api.rules import field_errors
 
 JOB_NAME_ENV = "RLHF_JOB_NAME"
 
@@ -61,12 +61,10 @@ def train(
     metrics_port: int | None = None,
 ) -> int:
     """Run the job to its last step (resuming from a checkpoint); the exit status."""
-    import ray
-
-    from rlhf_trainer.cluster import local_ray_cluster
-    from rlhf_trainer.metrics import TrainerMetrics, serve_metrics
-    from rlhf_trainer.report import reporter_from_env
-    from rlhf_trainer.run import run_job
+    from rlhf_trainer.cluster.local import connect_to_cluster, local_ray_cluster
+    from rlhf_trainer.loop.run import run_job
+    from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
+    from rlhf_trainer.telemetry.report import reporter_from_env
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
@@ -84,7 +82,7 @@ def train(
         )
         return 2
     else:
-        ray.init()  # RAY_ADDRESS: the cluster KubeRay started this driver in
+        connect_to_cluster()  # the cluster KubeRay started this driver in
         run_job(config, job, reporter_from_env(), metrics, trace)
     return 0
 

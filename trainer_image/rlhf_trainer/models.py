@@ -12,6 +12,7 @@ filler tokens), so every id the model can sample decodes to something.
 from __future__ import annotations
 
 import string
+import tempfile
 from pathlib import Path
 
 import torch
@@ -27,8 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rlhf_trainer.config import TinyModel
-from rlhf_trainer.ppo import log_probs_from_logits
+from rlhf_trainer.algo.ppo import log_probs_from_logits
+from rlhf_trainer.api.config import ModelSource, TinyModel
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
@@ -156,3 +157,13 @@ class ValueModel(nn.Module):
         # backward hook.
         values: Tensor = self.value_head(hidden).squeeze(-1).clone()  # (B, T)
         return values
+
+
+def model_path(source: ModelSource, seed: int) -> str:
+    """A directory (or hub id) for vLLM to load the model from; a tiny model is written
+    to a fresh local directory, the same weights on every node for the same seed."""
+    if source.tiny is None:
+        assert source.path is not None  # the spec's rules: exactly one of path or tiny
+        return source.path
+    directory = Path(tempfile.mkdtemp(prefix="rlhf-tiny-model-"))
+    return str(write_tiny_model(source.tiny, directory, seed))

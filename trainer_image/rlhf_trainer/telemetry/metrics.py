@@ -25,8 +25,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from rlhf_trainer.config import TrainingProgress
-from rlhf_trainer.timeline import Span
+from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.telemetry.timeline import Span
 
 Interval = tuple[float, float]  # (start, end) in seconds
 

@@ -18,13 +18,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rlhf_trainer.config import JobConfig, Role
-from rlhf_trainer.data import PromptStream
-from rlhf_trainer.loop import PPOTrainer, StepResult, split_list
-from rlhf_trainer.metrics import TrainerMetrics
-from rlhf_trainer.streaming import AdmissionControl, Sample, staleness
-from rlhf_trainer.weight_sync import DEFAULT_BUCKET_BYTES
-from rlhf_trainer.workers import join
+from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.cluster.groups import join
+from rlhf_trainer.data.prompts import PromptStream
+from rlhf_trainer.loop.sync import PPOTrainer, StepResult, split_list
+from rlhf_trainer.rollout.queue import AdmissionControl, Sample, staleness
+from rlhf_trainer.rollout.weight_sync import DEFAULT_BUCKET_BYTES
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
 QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
 

@@ -1,30 +1,29 @@
 """The job's roles on Ray: placement groups per pool, a worker group per role.
 
-The same code serves a KubeRay cluster (the operator's RayJob) and a laptop: there
-`local_ray_cluster` starts a simulated Ray cluster with one node per pool replica,
-each with the logical GPUs, the pool resource and the pool label the operator gives
-the real nodes.
+The same code serves a KubeRay cluster (the operator's RayJob) and a laptop
+(`cluster.local`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_trainer.config import JobConfig, Role
-from rlhf_trainer.placement import (
-    POOL_LABEL,
+from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.api.plan import DRIVER, PlacementPlan
+from rlhf_trainer.cluster.groups import WorkerGroup, join
+from rlhf_trainer.cluster.placement import (
     PoolGroup,
     create_pool_groups,
-    pool_resource,
     remove_pool_groups,
     wait_ready,
 )
-from rlhf_trainer.plan import DRIVER, PlacementPlan
-from rlhf_trainer.roles import Actor, Critic, Ref, RewardModel, RolloutWorker
-from rlhf_trainer.workers import Worker, WorkerGroup, join
+from rlhf_trainer.roles.critic import Critic
+from rlhf_trainer.roles.policy import Actor, Ref
+from rlhf_trainer.roles.reward import RewardModel
+from rlhf_trainer.rollout.worker import RolloutWorker
+from rlhf_trainer.worker import Worker
 
 WORKERS: dict[Role, type[Worker]] = {
     Role.ACTOR: Actor,
@@ -86,27 +85,3 @@ class RoleGroups:
         for group in self.groups.values():
             group.shutdown()
         remove_pool_groups(self.pools)
-
-
-@contextmanager
-def local_ray_cluster(config: JobConfig) -> Iterator[str]:
-    """A simulated Ray cluster on this machine shaped like the job's pools; yields its
-    address after connecting to it."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    try:
-        for pool in config.pools:
-            for _ in range(pool.replicas):
-                cluster.add_node(
-                    num_cpus=1,
-                    num_gpus=pool.gpus_per_node,
-                    resources={pool_resource(pool.name): pool.gpus_per_node},
-                    labels={POOL_LABEL: pool.name},
-                )
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-        yield str(cluster.address)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()  # type: ignore[no-untyped-call]

@@ -10,7 +10,6 @@ roles sharing a pool queue up on its GPUs (colocated): only the placement differ
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -18,19 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlhf_trainer.cluster import RoleGroups
-from rlhf_trainer.config import JobConfig, RewardSource, Role
-from rlhf_trainer.data import Prompt, PromptStream
-from rlhf_trainer.experience import Batch, compute_advantages, mean_kl, pack_rollouts
-from rlhf_trainer.metrics import union_seconds
-from rlhf_trainer.plan import DRIVER, Phase
-from rlhf_trainer.rollout import Rollout
-from rlhf_trainer.tasks import REWARD_FUNCTIONS, RewardFunction
-from rlhf_trainer.timeline import Timeline
-from rlhf_trainer.workers import WorkerGroup, gather, join
+from rlhf_trainer.algo.experience import Batch, Rollout, compute_advantages, mean_kl, pack_rollouts
+from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.api.plan import DRIVER, Phase
+from rlhf_trainer.cluster.groups import WorkerGroup, gather, join
+from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.data.prompts import Prompt, PromptStream
+from rlhf_trainer.data.tasks import reward_function
+from rlhf_trainer.telemetry.metrics import union_seconds
+from rlhf_trainer.telemetry.timeline import Timeline
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
+    from rlhf_trainer.cluster.groups import ObjectRef
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -66,23 +64,6 @@ class StepResult:
     # one trained on it (fully async; 0 in synchronous PPO)
     staleness: list[int] = field(default_factory=list)
     sample_uids: list[int] = field(default_factory=list)  # fully async: which samples
-
-
-def reward_function(source: RewardSource) -> RewardFunction | None:
-    """The rule-based reward the spec names (built-in or `module:function`); None when
-    the reward is a model."""
-    if source.function is None:
-        return None
-    if source.function in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[source.function]
-    module, _, name = source.function.partition(":")
-    if not name:
-        raise ValueError(
-            f"models.reward.function: {source.function!r} is not built in "
-            f"({', '.join(REWARD_FUNCTIONS)}); name one as 'module:function'"
-        )
-    function: RewardFunction = getattr(importlib.import_module(module), name)
-    return function
 
 
 class PPOTrainer:

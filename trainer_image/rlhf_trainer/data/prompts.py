@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_trainer.config import DataConfig
+from rlhf_trainer.api.config import DataConfig
 
 Encode = Callable[[str], list[int]]
 
@@ -23,7 +23,7 @@ def load_prompt_texts(data: DataConfig, seed: int) -> list[str]:
     """The prompts of `data.train`: a built-in `toy:<task>`, or a JSONL file whose
     records hold the prompt under `data.promptKey`."""
     if data.train.startswith("toy:"):
-        from rlhf_trainer.tasks import toy_prompts
+        from rlhf_trainer.data.tasks import toy_prompts
 
         return [p.text for p in toy_prompts(data.train, TOY_PROMPTS, seed)]
     path = Path(data.train)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from rlhf_trainer.config import JobConfig, Role
+from rlhf_trainer.api.config import JobConfig, Role
 
 
 class Phase(StrEnum):

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlhf_trainer.config import AlgorithmConfig
-from rlhf_trainer.ppo import gae, kl_penalty, masked_mean, token_rewards, whiten
-from rlhf_trainer.rollout import Rollout
+from rlhf_trainer.algo.ppo import gae, kl_penalty, masked_mean, token_rewards, whiten
+from rlhf_trainer.api.config import AlgorithmConfig
 
 Batch = dict[str, Tensor]
 
@@ -135,3 +134,36 @@ def trimmed(batch: Batch) -> tuple[Batch, slice]:
     filled = batch["attention_mask"].any(dim=0).nonzero()
     columns = slice(int(filled[0]), int(filled[-1]) + 1) if len(filled) else slice(0, 0)
     return {name: t[:, columns] if t.dim() == 2 else t for name, t in batch.items()}, columns
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One generated response, as the trainer needs it."""
+
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]  # ends with EOS when the model stopped by itself
+    response_log_probs: list[float]  # log π_rollout(a_t | s_t), one per response token
+    finished: bool  # stopped on EOS (False: cut at max_tokens)
+    policy_version: int  # the weights that started it (the oldest, when it spans several)
+    # ((version, index of the first response token it generated), ...), in order: with
+    # partial rollouts (fully-async mode) weights change while a response is generated,
+    # e.g. ((3, 0), (4, 5)): tokens 0-4 by version 3, tokens 5.. by version 4.
+    version_spans: tuple[tuple[int, int], ...] = ()
+
+
+def tokens_per_version(spans: Sequence[tuple[int, int]], num_tokens: int) -> dict[int, int]:
+    """How many of a response's `num_tokens` tokens each policy version generated.
+
+    `spans` is a Rollout's `version_spans`: (version, first token index), the first at
+    0, each span non-empty (no spans for an empty response).
+    """
+    if not spans and num_tokens == 0:
+        return {}
+    starts = [start for _, start in spans]
+    ends = [*starts[1:], num_tokens]
+    if not starts or starts[0] != 0 or any(s >= e for s, e in zip(starts, ends, strict=True)):
+        raise ValueError(f"version spans {tuple(spans)} do not fit {num_tokens} tokens")
+    counts: dict[int, int] = {}
+    for (version, start), end in zip(spans, ends, strict=True):
+        counts[version] = counts.get(version, 0) + end - start
+    return counts

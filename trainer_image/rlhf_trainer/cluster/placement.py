@@ -23,8 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rlhf_trainer.config import Role
-from rlhf_trainer.plan import DRIVER, PlacementPlan, PoolPlan
+from rlhf_trainer.api.config import Role
+from rlhf_trainer.api.names import POOL_LABEL, pool_resource
+from rlhf_trainer.api.plan import DRIVER, PlacementPlan, PoolPlan
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -32,17 +33,10 @@ if TYPE_CHECKING:
 
 Bundle = dict[str, float]
 
-# The Ray node label (and pod label) the operator puts on every node of a pool.
-POOL_LABEL = "rlhf.dev/pool"
 
 # Each pool's placement group packs its bundles onto as few of the pool's nodes as
 # possible; STRICT_PACK would forbid a pool of several nodes.
 POOL_STRATEGY = "PACK"
-
-
-def pool_resource(pool: str) -> str:
-    """The Ray logical resource a pool's nodes carry, for placing roles onto the pool."""
-    return f"rlhf-pool-{pool}"
 
 
 def placement_group_name(job: str, pool: str) -> str:

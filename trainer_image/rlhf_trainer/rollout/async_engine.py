@@ -52,7 +52,8 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from rlhf_trainer.rollout import Rollout, engine_settings, serialize_weights
+from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.rollout.engine import engine_settings, serialize_weights
 
 
 class AsyncRolloutEngine:

@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlhf_trainer.config import JobConfig
-from rlhf_trainer.roles import model_path
-from rlhf_trainer.rollout_async import AsyncRolloutEngine
-from rlhf_trainer.streaming import Sample
-from rlhf_trainer.weight_sync import SyncGroup, WeightSpec, receive_weights
-from rlhf_trainer.workers import RankInfo, Worker
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.models import model_path
+from rlhf_trainer.rollout.async_engine import AsyncRolloutEngine
+from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, receive_weights
+from rlhf_trainer.worker import RankInfo, Worker
 
 T = TypeVar("T")
 

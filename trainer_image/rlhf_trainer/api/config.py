@@ -13,12 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints
 from pydantic.config import JsonDict
 
-from rlhf_trainer.rules import Rule, SpecModel
-
-# The RLHFJob API both sides speak: the operator serves it, the driver reports into it.
-GROUP = "rlhf.dev"
-VERSION = "v1alpha1"
-PLURAL = "rlhfjobs"
+from rlhf_trainer.api.rules import Rule, SpecModel
 
 # Pool names become KubeRay worker-group names, Ray resource names and label values.
 PoolName = Annotated[
@@ -197,7 +192,8 @@ class DataConfig(SpecModel):
     train: str = Field(
         min_length=1,
         description=(
-            "Training prompts: a JSONL or Parquet file path, or 'toy:<task>' for a "
+            "Training prompts: a JSONL file path (one object per line, the prompt under "
+            "promptKey), or 'toy:<task>' for a "
             "built-in generated task (e.g. 'toy:copy')."
         ),
     )

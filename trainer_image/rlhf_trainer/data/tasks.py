@@ -27,11 +27,13 @@ With actor lr 1e-4 the rise over 30 steps is small (0.01 -> 0.03).
 
 from __future__ import annotations
 
+import importlib
 import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlhf_trainer.api.config import RewardSource
 from rlhf_trainer.models import BOS, EOS, SEPARATOR
 
 LETTERS = string.ascii_lowercase  # every letter earns the "a letter" credit
@@ -98,3 +100,20 @@ def toy_prompts(train: str, count: int, seed: int) -> list[TaskPrompt]:
     if kind != "toy" or task not in TASKS:
         raise ValueError(f"not a built-in task: {train!r} (known: toy:{', toy:'.join(TASKS)})")
     return TASKS[task](count, seed)
+
+
+def reward_function(source: RewardSource) -> RewardFunction | None:
+    """The rule-based reward the spec names (built-in or `module:function`); None when
+    the reward is a model."""
+    if source.function is None:
+        return None
+    if source.function in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[source.function]
+    module, _, name = source.function.partition(":")
+    if not name:
+        raise ValueError(
+            f"models.reward.function: {source.function!r} is not built in "
+            f"({', '.join(REWARD_FUNCTIONS)}); name one as 'module:function'"
+        )
+    function: RewardFunction = getattr(importlib.import_module(module), name)
+    return function

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import Tensor, nn
+
+from rlhf_trainer.algo.experience import Rollout
 
 # Defaults that make vLLM work on a small CPU machine; an explicit environment wins.
 CPU_ENVIRONMENT = {
@@ -110,39 +111,6 @@ def refresh_tied_lm_head(model: nn.Module) -> bool:
         return False
     lm_head.quant_method.process_weights_after_loading(lm_head)
     return True
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """One generated response, as the trainer needs it."""
-
-    prompt_token_ids: list[int]
-    response_token_ids: list[int]  # ends with EOS when the model stopped by itself
-    response_log_probs: list[float]  # log π_rollout(a_t | s_t), one per response token
-    finished: bool  # stopped on EOS (False: cut at max_tokens)
-    policy_version: int  # the weights that started it (the oldest, when it spans several)
-    # ((version, index of the first response token it generated), ...), in order: with
-    # partial rollouts (fully-async mode) weights change while a response is generated,
-    # e.g. ((3, 0), (4, 5)): tokens 0-4 by version 3, tokens 5.. by version 4.
-    version_spans: tuple[tuple[int, int], ...] = ()
-
-
-def tokens_per_version(spans: Sequence[tuple[int, int]], num_tokens: int) -> dict[int, int]:
-    """How many of a response's `num_tokens` tokens each policy version generated.
-
-    `spans` is a Rollout's `version_spans`: (version, first token index), the first at
-    0, each span non-empty (no spans for an empty response).
-    """
-    if not spans and num_tokens == 0:
-        return {}
-    starts = [start for _, start in spans]
-    ends = [*starts[1:], num_tokens]
-    if not starts or starts[0] != 0 or any(s >= e for s, e in zip(starts, ends, strict=True)):
-        raise ValueError(f"version spans {tuple(spans)} do not fit {num_tokens} tokens")
-    counts: dict[int, int] = {}
-    for (version, start), end in zip(spans, ends, strict=True):
-        counts[version] = counts.get(version, 0) + end - start
-    return counts
 
 
 def engine_settings(

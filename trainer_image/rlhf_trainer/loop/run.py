@@ -12,21 +12,21 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from rlhf_trainer import checkpoint
-from rlhf_trainer.async_trainer import AsyncPPOTrainer, AsyncState
-from rlhf_trainer.checkpoint import TrainerState, capture_rng, restore_rng
-from rlhf_trainer.cluster import RoleGroups
-from rlhf_trainer.config import JobConfig, Role, TrainingProgress
-from rlhf_trainer.data import PromptStream
-from rlhf_trainer.loop import PPOTrainer, StepResult
-from rlhf_trainer.metrics import TrainerMetrics
+from rlhf_trainer.api.config import JobConfig, Role, TrainingProgress
+from rlhf_trainer.api.plan import plan_placement
+from rlhf_trainer.cluster.groups import join
+from rlhf_trainer.cluster.queue import spawn_queue
+from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.data.prompts import PromptStream
+from rlhf_trainer.loop.fully_async import AsyncPPOTrainer, AsyncState
+from rlhf_trainer.loop.sync import PPOTrainer, StepResult
 from rlhf_trainer.models import build_tokenizer
-from rlhf_trainer.plan import plan_placement
-from rlhf_trainer.report import Reporter
-from rlhf_trainer.rollouter import StreamingRollout
-from rlhf_trainer.streaming import spawn_queue
-from rlhf_trainer.timeline import Timeline
-from rlhf_trainer.workers import join
+from rlhf_trainer.roles import checkpoint
+from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
+from rlhf_trainer.rollout.streaming import StreamingRollout
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
+from rlhf_trainer.telemetry.report import Reporter
+from rlhf_trainer.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from rlhf_trainer.config import GROUP, PLURAL, VERSION, TrainingProgress
+from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.names import GROUP, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 

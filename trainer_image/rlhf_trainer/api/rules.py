@@ -3,7 +3,7 @@
 A model lists its `rules`. pydantic checks the Python side whenever the model is
 validated (the CLI, the operator, the trainer reading its spec); the CRD generator
 emits the CEL side as `x-kubernetes-validations`, so the API server rejects the same
-specs at admission. tests/unit/test_cel_parity.py holds the two sides to agreement.
+specs at admission. tests/unit/test_properties.py holds the two sides to agreement.
 """
 
 from __future__ import annotations

@@ -1,0 +1,43 @@
+"""The critic: the value model, trained with the clipped value loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlhf_trainer.algo.experience import Batch, state_values
+from rlhf_trainer.algo.ppo import aggregate, clipped_value_loss, masked_mean
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.roles.sharding import shard_model
+from rlhf_trainer.roles.trainable import Stats, Trainable, load_value_model, per_token, scalar
+from rlhf_trainer.worker import RankInfo
+
+
+class Critic(Trainable):
+    def __init__(self, info: RankInfo, config: JobConfig) -> None:
+        super().__init__(info, config)
+        source = config.models.critic or config.models.actor
+        model = load_value_model(source, config.trainer.seed)
+        self.model = shard_model(model.to(info.device))
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.trainer.critic_learning_rate
+        )
+
+    def predict(self, batch: Batch) -> Tensor:
+        token_values = self.model(batch["input_ids"], batch["attention_mask"])
+        return state_values(token_values) * batch["response_mask"]
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> Tensor:
+        """(B, T) V(s_t) for the response tokens (0 elsewhere)."""
+        return per_token(batch, self.config.trainer.micro_batch_size, self.predict)
+
+    def loss(self, micro: Batch, normalizer: Tensor) -> tuple[Tensor, Stats]:
+        algorithm = self.config.algorithm
+        mask = micro["response_mask"]
+        values = self.predict(micro)
+        per_token = clipped_value_loss(
+            values, micro["values"], micro["returns"], algorithm.value_clip
+        )
+        loss = aggregate(per_token, mask, algorithm.loss_aggregation, normalizer)
+        return loss, {"value_loss": scalar(masked_mean(per_token, mask))}

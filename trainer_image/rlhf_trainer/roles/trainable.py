@@ -1,0 +1,121 @@
+"""What every role worker that runs a model shares: loading, micro-batching, and the
+PPO update loop of the trainable roles (epochs, mini-batches, gradient accumulation)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rlhf_trainer.algo.experience import Batch, micro_batch_rows, minibatches, trimmed
+from rlhf_trainer.algo.ppo import aggregation_normalizer
+from rlhf_trainer.api.config import JobConfig, ModelSource
+from rlhf_trainer.models import ValueModel, build_tiny_model
+from rlhf_trainer.roles.checkpoint import load_role_state, save_role_state
+from rlhf_trainer.roles.sharding import clip_gradients
+from rlhf_trainer.worker import RankInfo, Worker
+
+Stats = dict[str, float]
+
+
+def load_policy(source: ModelSource, seed: int) -> PreTrainedModel:
+    """The causal LM, built in memory when tiny (saving it to load it back would not do:
+    transformers writes only on rank 0 once torch.distributed is up)."""
+    if source.tiny is not None:
+        return build_tiny_model(source.tiny, seed)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    return model
+
+
+def load_value_model(source: ModelSource, seed: int) -> ValueModel:
+    """The critic: the source's transformer backbone with a fresh value head."""
+    if source.tiny is not None:
+        return ValueModel(build_tiny_model(source.tiny, seed).model)
+    assert source.path is not None
+    return ValueModel.from_pretrained(source.path)
+
+
+def micro_batches(batch: Batch, size: int | None) -> Iterator[tuple[Tensor, slice, Batch]]:
+    """`batch` in micro-batches of `size` rows (all of it when None), rows of similar
+    length together and each cut to its own width: (rows, columns, micro-batch)."""
+    for rows in micro_batch_rows(batch, size):
+        micro, columns = trimmed({name: t[rows] for name, t in batch.items()})
+        yield rows, columns, micro
+
+
+def per_token(batch: Batch, size: int | None, outputs: Callable[[Batch], Tensor]) -> Tensor:
+    """(B, T) `outputs` of each micro-batch, put back in the batch's layout, on the
+    response tokens only (0 elsewhere)."""
+    result = torch.zeros_like(batch["response_mask"])
+    for rows, columns, micro in micro_batches(batch, size):
+        result[rows, columns] = outputs(micro)
+    return result * batch["response_mask"]
+
+
+def scalar(value: Tensor) -> float:
+    return float(value.detach())
+
+
+def all_ranks_sum(value: Tensor) -> Tensor:
+    total = value.detach().clone().float()
+    dist.all_reduce(total)
+    return total
+
+
+class Trainable(Worker):
+    """What the actor and the critic share: PPO epochs over mini-batches, gradient
+    accumulation over micro-batches, clipping, and checkpoints of model + optimizer."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, info: RankInfo, config: JobConfig) -> None:
+        super().__init__(info)
+        self.config = config
+
+    def loss(self, micro: Batch, normalizer: Tensor) -> tuple[Tensor, Stats]:
+        raise NotImplementedError
+
+    def update(self, batch: Batch, step: int) -> Stats:
+        """PPO epochs over this rank's shard; returns the mean of each statistic."""
+        trainer = self.config.trainer
+        world = self.info.world_size
+        # The same order on a resumed run: it depends on the step, not on history.
+        generator = torch.Generator().manual_seed(
+            trainer.seed * 1_000_003 + step * 101 + self.info.rank
+        )
+        rows = len(batch["input_ids"])
+        micro_stats: list[Stats] = []
+        grad_norms: list[float] = []
+        self.model.train()
+        for _ in range(trainer.epochs):
+            for indices in minibatches(rows, trainer.mini_batch_size // world, generator):
+                mini = {name: t[indices] for name, t in batch.items()}
+                mode = self.config.algorithm.loss_aggregation
+                # The whole mini-batch's token (or sequence) count over all ranks, so
+                # micro-batch losses add up to the mini-batch loss.
+                normalizer = all_ranks_sum(aggregation_normalizer(mini["response_mask"], mode))
+                self.optimizer.zero_grad(set_to_none=True)
+                for _, _, micro in micro_batches(mini, trainer.micro_batch_size):
+                    loss, stats = self.loss(micro, normalizer)
+                    # FSDP averages gradients over the ranks; the normalizer already
+                    # divides by the global count, so undo the average.
+                    (loss * world).backward()  # type: ignore[no-untyped-call]
+                    micro_stats.append(stats)
+                grad_norms.append(clip_gradients(self.model, trainer.max_grad_norm))
+                self.optimizer.step()
+        self.model.eval()
+        means = {
+            name: sum(s[name] for s in micro_stats) / len(micro_stats) for name in micro_stats[0]
+        }
+        return {**means, "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+    def save(self, directory: str) -> None:
+        save_role_state(Path(directory), self.model, self.optimizer)
+
+    def load(self, directory: str) -> None:
+        load_role_state(Path(directory), self.model, self.optimizer)
