@@ -102,8 +102,7 @@ def test_a_resumed_run_trains_the_queued_and_in_flight_samples_once(tmp_path: Pa
     """Run 1 stops after 6 steps with a checkpoint holding the samples not yet trained
     (queued, and prompts in flight); run 2 resumes from it. Every one of those is
     trained by run 2, and nothing run 1 trained is trained again."""
-    import torch
-
+    from rlhf_trainer.loop.fully_async import AsyncState
     from rlhf_trainer.loop.run import ASYNC_STATE
     from rlhf_trainer.roles import checkpoint
 
@@ -113,7 +112,9 @@ def test_a_resumed_run_trains_the_queued_and_in_flight_samples_once(tmp_path: Pa
         )
 
     first = uids(train(job(6)).steps)
-    saved = torch.load(checkpoint.latest(tmp_path) / ASYNC_STATE, weights_only=False)
+    latest = checkpoint.latest(tmp_path)
+    assert latest is not None
+    saved = AsyncState.from_json(checkpoint.load_json(latest, ASYNC_STATE))
     outstanding = {s.uid for s in saved.queued} | {uid for uid, _, _ in saved.in_flight}
     assert outstanding, "the checkpoint held no untrained sample: nothing to check"
     second = uids(train(job(10)).steps)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.cluster.queue import spawn_queue
+from rlhf_trainer.loop.fully_async import AsyncState
 from rlhf_trainer.rollout.queue import (
     AdmissionControl,
     QueueClosed,
@@ -45,6 +46,7 @@ def sample(uid: int, prompt_index: int = 0, version: int = 0, **kwargs: Any) -> 
         response_log_probs=[-0.5, -1.25 - uid / 1000, -0.1],
         finished=uid % 2 == 0,
         policy_version=version,
+        version_spans=((version, 0), (version + 1, 2)),  # a partial rollout over a sync
     )
     return Sample(uid=uid, prompt_index=prompt_index, rollout=rollout, **kwargs)
 
@@ -187,6 +189,15 @@ def test_sample_defaults_to_its_rollouts_version() -> None:
 def test_sample_json_round_trip() -> None:
     original = sample(12, prompt_index=34, version=5, policy_versions=(4, 5))
     assert Sample.from_json(json.loads(json.dumps(original.to_json()))) == original
+
+
+def test_async_checkpoint_state_json_round_trip() -> None:
+    state = AsyncState(
+        admission={"admitted_since_sync": 3, "admitted_total": 17},
+        queued=[sample(14, version=2), sample(15, prompt_index=8, version=3)],
+        in_flight=[(16, 9, [1, 5, 6])],
+    )
+    assert AsyncState.from_json(json.loads(json.dumps(state.to_json()))) == state
 
 
 # ---- the queue -----------------------------------------------------------------------
@@ -342,7 +353,8 @@ RAY_SAMPLES, RAY_GETTERS = 12, 2
 @pytest.fixture(scope="module")
 def ray_module() -> Iterator[Any]:
     ray = pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a Ray of its own, never a cluster another process runs on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

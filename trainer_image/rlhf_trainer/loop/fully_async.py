@@ -15,6 +15,7 @@ version that generated it (K = 1) or within K-1 versions of it.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +37,24 @@ class AsyncState:
     admission: dict[str, int]  # AdmissionControl.state(): admitted_total is the next uid
     queued: list[Sample]
     in_flight: list[tuple[int, int, list[int]]]  # (uid, prompt index, token ids)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "admission": self.admission,
+            "queued": [s.to_json() for s in self.queued],
+            "in_flight": [list(admitted) for admitted in self.in_flight],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AsyncState:
+        return cls(
+            admission={key: int(value) for key, value in data["admission"].items()},
+            queued=[Sample.from_json(s) for s in data["queued"]],
+            in_flight=[
+                (int(uid), int(index), [int(t) for t in tokens])
+                for uid, index, tokens in data["in_flight"]
+            ],
+        )
 
 
 class AsyncPPOTrainer:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhf_trainer.api.config import JobConfig, Role, TrainingProgress
@@ -31,7 +30,7 @@ from rlhf_trainer.telemetry.timeline import Timeline
 log = logging.getLogger(__name__)
 
 CHECKPOINTED_ROLES = (Role.ACTOR, Role.CRITIC)
-ASYNC_STATE = "async_state.pt"  # fully async: the queue and the prompts in flight
+ASYNC_STATE = "async_state.json"  # fully async: the queue and the prompts in flight
 
 
 def load_tokenizer(config: JobConfig) -> PreTrainedTokenizerBase:
@@ -82,8 +81,7 @@ class Run:
         log.info("resumed from %s at step %d", latest, self.step)
         if self.streaming is None:
             return None
-        resumed: AsyncState = torch.load(latest / ASYNC_STATE, weights_only=False)
-        return resumed
+        return AsyncState.from_json(checkpoint.load_json(latest, ASYNC_STATE))
 
     def save(self) -> None:
         """Write a checkpoint of everything the run needs, atomically."""
@@ -93,7 +91,7 @@ class Run:
         join([ref for refs in saves for ref in refs])
         if self.streaming is not None:
             # The samples not trained yet: queued, and the prompts still generating.
-            torch.save(self.streaming.checkpoint_state(), staging / ASYNC_STATE)
+            checkpoint.save_json(staging, ASYNC_STATE, self.streaming.checkpoint_state().to_json())
         epoch, position = self.trainer.prompts.position()
         state = TrainerState(self.step, self.trainer.policy_version, epoch, position, capture_rng())
         checkpoint.save_trainer_state(staging, state)

@@ -22,8 +22,8 @@ Checkpoint contract (a resumed run loses no sample and trains none twice):
 - On resume, `SampleQueue.restore` the snapshot into the new, still empty queue
   before the rollouter puts anything, and `AdmissionControl.restore` the admission
   state saved with it (admissions since the last sync still count against the limit).
-- `snapshot` and `restore` go through JSON (`Sample.to_json`), like the rest of the
-  driver's checkpoint state.
+- Checkpoints hold them as JSON (`Sample.to_json`), like the rest of the driver's
+  state: nothing in a checkpoint is unpickled.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class Sample:
                 "response_log_probs": list(r.response_log_probs),
                 "finished": r.finished,
                 "policy_version": r.policy_version,
+                "version_spans": [list(span) for span in r.version_spans],
             },
         }
 
@@ -153,6 +154,9 @@ class Sample:
                 response_log_probs=[float(p) for p in r["response_log_probs"]],
                 finished=bool(r["finished"]),
                 policy_version=int(r["policy_version"]),
+                version_spans=tuple(
+                    (int(version), int(start)) for version, start in r["version_spans"]
+                ),
             ),
             policy_versions=tuple(int(v) for v in data["policy_versions"]),
         )
