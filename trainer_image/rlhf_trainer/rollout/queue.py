@@ -23,7 +23,7 @@ Checkpoint contract (a resumed run loses no sample and trains none twice):
   before the rollouter puts anything, and `AdmissionControl.restore` the admission
   state saved with it (admissions since the last sync still count against the limit).
 - Checkpoints hold them as JSON (`Sample.to_json`), like the rest of the driver's
-  state: nothing in a checkpoint is unpickled.
+  state, not pickled.
 """
 
 from __future__ import annotations
