@@ -121,3 +121,15 @@ def test_rule_based_reward_runs_on_the_driver_and_ref_is_optional() -> None:
     assert Role.REF not in plan.roles
     assert Phase.REF_LOG_PROB not in plan.phases()
     assert plan.concurrent(Phase.REWARD, Phase.VALUES)  # CPU reward overlaps GPU scoring
+
+
+def test_a_stage_is_found_by_name_and_a_misspelt_one_is_refused() -> None:
+    plan = plan_placement(
+        config([{"name": "a", "gpusPerNode": 4}, {"name": "b", "gpusPerNode": 4}], SPLIT_ROLES)
+    )
+    assert [lane.phases for lane in plan.stage("update").lanes] == [
+        (Phase.UPDATE_ACTOR,),
+        (Phase.UPDATE_CRITIC,),
+    ]
+    with pytest.raises(KeyError, match="no stage 'scroe'"):
+        plan.stage("scroe")

@@ -108,6 +108,13 @@ class PlacementPlan:
     def total_gpus(self) -> int:
         return sum(p.total_gpus for p in self.pools)
 
+    def stage(self, name: str) -> Stage:
+        """The step's stage `name`, with no lanes when none of its roles runs on a pool
+        (or, for "generate" in fully async mode, when it runs in the background)."""
+        if name not in dict(STEP_STAGES):
+            raise KeyError(f"no stage {name!r} in a step: {', '.join(dict(STEP_STAGES))}")
+        return next((s for s in self.stages if s.name == name), Stage(name, ()))
+
     def phases(self) -> tuple[Phase, ...]:
         lanes = self.background + tuple(lane for s in self.stages for lane in s.lanes)
         return tuple(phase for lane in lanes for phase in lane.phases)

@@ -94,9 +94,12 @@ class RankHost:
             init_distributed(self.info, master_addr, master_port)
         self.worker = worker_cls(self.info, *args, **kwargs)
 
-    def call(self, method: str, *args: Any, after: Any = None, **kwargs: Any) -> Any:
+    def call(
+        self, method: str, *args: Any, after: Any = None, phase: str | None = None, **kwargs: Any
+    ) -> Any:
         """Run the worker's `method`. `after` is only there to be waited for: Ray runs
-        the call once that future (another role's call on this GPU) is done."""
+        the call once that future (another role's call on this GPU) is done. `phase`
+        names the call on the timeline (the method's name if not given)."""
         if self.worker is None:
             raise RuntimeError(
                 f"{self.info.role} rank {self.info.rank} has no worker: its setup failed "
@@ -106,7 +109,7 @@ class RankHost:
         try:
             return getattr(self.worker, method)(*args, **kwargs)
         finally:
-            self.calls.append((method, start, time.time()))
+            self.calls.append((phase or method, start, time.time()))
 
     def drain_calls(self) -> list[tuple[str, float, float]]:
         """The calls timed since the last drain: what the timeline shows of this rank,
@@ -188,10 +191,15 @@ class WorkerGroup:
         return cls(role, slots, hosts, ready)
 
     def run(
-        self, method: str, *args: Any, after: Sequence[ObjectRef[Any]] | None = None, **kwargs: Any
+        self,
+        method: str,
+        *args: Any,
+        after: Sequence[ObjectRef[Any]] | None = None,
+        phase: str | None = None,
+        **kwargs: Any,
     ) -> list[ObjectRef[Any]]:
         """Call `method` with the same arguments on every rank."""
-        return self._issue(method, [args] * self.world_size, kwargs, after)
+        return self._issue(method, [args] * self.world_size, kwargs, after, phase)
 
     def run_sharded(
         self,
@@ -199,15 +207,17 @@ class WorkerGroup:
         batch: BatchT,
         *args: Any,
         after: Sequence[ObjectRef[Any]] | None = None,
+        phase: str | None = None,
         **kwargs: Any,
     ) -> list[ObjectRef[Any]]:
         """Call `method` on every rank with its shard of `batch` as first argument.
 
         `after`: one future per rank that the rank's call waits for (a call of another
         role on the same GPUs, so colocated roles take turns instead of overlapping).
+        `phase`: the step phase the call is, for the timeline.
         """
         shards = split_batch(batch, self.world_size)
-        return self.run_each(method, shards, *args, after=after, **kwargs)
+        return self.run_each(method, shards, *args, after=after, phase=phase, **kwargs)
 
     def run_each(
         self,
@@ -215,10 +225,11 @@ class WorkerGroup:
         firsts: Sequence[Any],
         *args: Any,
         after: Sequence[ObjectRef[Any]] | None = None,
+        phase: str | None = None,
         **kwargs: Any,
     ) -> list[ObjectRef[Any]]:
         """Call `method` on every rank, rank i with firsts[i] as first argument."""
-        return self._issue(method, [(first, *args) for first in firsts], kwargs, after)
+        return self._issue(method, [(first, *args) for first in firsts], kwargs, after, phase)
 
     def _issue(
         self,
@@ -226,6 +237,7 @@ class WorkerGroup:
         rank_args: Sequence[tuple[Any, ...]],
         kwargs: dict[str, Any],
         after: Sequence[ObjectRef[Any]] | None,
+        phase: str | None,
     ) -> list[ObjectRef[Any]]:
         waits: Sequence[ObjectRef[Any] | None] = (
             after if after is not None else [None] * self.world_size
@@ -236,7 +248,7 @@ class WorkerGroup:
                 f"lists and {len(waits)} calls to wait for"
             )
         return [
-            h.call.remote(method, *a, after=wait, **kwargs)
+            h.call.remote(method, *a, after=wait, phase=phase, **kwargs)
             for h, a, wait in zip(self.hosts, rank_args, waits, strict=True)
         ]
 

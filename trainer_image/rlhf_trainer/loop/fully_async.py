@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.groups import join
 from rlhf_trainer.data.prompts import PromptStream
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult, split_list
@@ -178,8 +179,10 @@ class AsyncPPOTrainer:
         in_flight = sum(join(rollout.run("in_flight_count")))  # all finished ones queued
         outstanding: int = in_flight + join([self.queue.depth.remote()])[0]
         version = self.core.policy_version
-        sends = actor.run("send_weights", self.bucket_bytes)
-        receives = rollout.run("receive_weights", self.specs, self.bucket_bytes, version)
+        sends = actor.run("send_weights", self.bucket_bytes, phase=Phase.SYNC_WEIGHTS)
+        receives = rollout.run(
+            "receive_weights", self.specs, self.bucket_bytes, version, phase=Phase.SYNC_WEIGHTS
+        )
         join(sends)
         self.rollout_pending = rollout.run("resume", after=receives)
         return outstanding

@@ -3,9 +3,11 @@
     generate → (actor log-probs ∥ ref log-probs ∥ values ∥ reward) → advantages
              → (update actor ∥ update critic) → sync weights → log
 
-Each role's calls return futures. The calls of one stage are all issued before any is
-joined, so roles on different pools run at the same time (split placement) while
-roles sharing a pool queue up on its GPUs (colocated): only the placement differs.
+The placement plan (api/plan.py) is the schedule: which phases make up each stage, and
+in what order each pool's lane runs them. Each role's calls return futures. The calls of
+one stage are all issued before any is joined, so roles on different pools run at the
+same time (split placement) while roles sharing a pool queue up on its GPUs (colocated):
+only the placement differs. Every call carries its phase's name to the timeline.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 
 from rlhf_trainer.algo.experience import Batch, Rollout, compute_advantages, mean_kl, pack_rollouts
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import DRIVER, Phase
-from rlhf_trainer.cluster.groups import WorkerGroup, gather, join
+from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
+from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import reward_function
@@ -32,20 +34,19 @@ if TYPE_CHECKING:
 
 Decode = Callable[[Sequence[int]], str]
 
-# What each worker method is, as a phase of the step (for the timeline and metrics).
-PHASES: dict[tuple[Role, str], str] = {
-    (Role.ROLLOUT, "generate"): Phase.GENERATE,
-    (Role.ACTOR, "log_probs"): Phase.ACTOR_LOG_PROB,
-    (Role.REF, "log_probs"): Phase.REF_LOG_PROB,
-    (Role.CRITIC, "values"): Phase.VALUES,
-    (Role.REWARD, "score"): Phase.REWARD,
-    (Role.ACTOR, "update"): Phase.UPDATE_ACTOR,
-    (Role.CRITIC, "update"): Phase.UPDATE_CRITIC,
-    (Role.ACTOR, "rollout_weights"): Phase.SYNC_WEIGHTS,
-    (Role.ROLLOUT, "load_weights"): Phase.SYNC_WEIGHTS,
-    (Role.ACTOR, "send_weights"): Phase.SYNC_WEIGHTS,  # fully async: the broadcast
-    (Role.ROLLOUT, "receive_weights"): Phase.SYNC_WEIGHTS,
+# The worker method that runs each phase on the workers of its role (PHASE_ROLE). Which
+# phases run together, and in what order on a pool, is the placement plan's business.
+PHASE_METHOD: dict[Phase, str] = {
+    Phase.GENERATE: "generate",
+    Phase.ACTOR_LOG_PROB: "log_probs",
+    Phase.REF_LOG_PROB: "log_probs",
+    Phase.VALUES: "values",
+    Phase.REWARD: "score",
+    Phase.UPDATE_ACTOR: "update",
+    Phase.UPDATE_CRITIC: "update",
 }
+
+Calls = dict[Phase, list["ObjectRef[Any]"]]  # one future per rank, for each phase issued
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class PPOTrainer:
         self.decode = decode
         self.pad_id = pad_id
         self.timeline = timeline
+        self.plan = plan_placement(config)
         self.reward = reward_function(config.models.reward)
         self.policy_version = 0  # the actor's weights: bumped by every update
 
@@ -103,26 +105,18 @@ class PPOTrainer:
     ) -> StepResult:
         """Score the rollouts, compute advantages and update the actor and the critic
         (the policy version is bumped by the caller's weight sync). Without timings."""
-        actor, critic, ref = (
-            self.groups[Role.ACTOR],
-            self.groups[Role.CRITIC],
-            self.groups.get(Role.REF),
-        )
         batch = pack_rollouts(rollouts, self.pad_id)
 
-        # Score: every role at once; the rule-based reward runs here meanwhile.
-        score = Stage()
-        old_log_probs = score.run_sharded(actor, "log_probs", batch)
-        ref_log_probs = score.run_sharded(ref, "log_probs", batch) if ref else None
-        values = score.run_sharded(critic, "values", batch)
-        scores = self.score(prompts, rollouts, batch, score)
+        # Score: every pool at once; the rule-based reward runs here meanwhile.
+        scoring = self.run_stage("score", batch)
+        scores = self.score(prompts, rollouts, scoring)
         experience = {
             **batch,
-            "old_log_probs": gather(old_log_probs),
-            "values": gather(values),
+            "old_log_probs": gather(scoring[Phase.ACTOR_LOG_PROB]),
+            "values": gather(scoring[Phase.VALUES]),
         }
-        if ref_log_probs is not None:
-            experience["ref_log_probs"] = gather(ref_log_probs)
+        if Phase.REF_LOG_PROB in scoring:
+            experience["ref_log_probs"] = gather(scoring[Phase.REF_LOG_PROB])
         advantages = compute_advantages(
             scores,
             experience["old_log_probs"],
@@ -134,10 +128,10 @@ class PPOTrainer:
         experience |= {"advantages": advantages.advantages, "returns": advantages.returns}
 
         # Update: actor and critic at once.
-        update = Stage()
-        actor_stats = update.run_sharded(actor, "update", experience, step)
-        critic_stats = update.run_sharded(critic, "update", experience, step)
-        stats = mean_stats(join(actor_stats)) | mean_stats(join(critic_stats))
+        updates = self.run_stage("update", experience, step)
+        stats = mean_stats(join(updates[Phase.UPDATE_ACTOR])) | mean_stats(
+            join(updates[Phase.UPDATE_CRITIC])
+        )
         return StepResult(
             step=step,
             seconds=0.0,
@@ -153,16 +147,33 @@ class PPOTrainer:
     def generate(self, prompts: Sequence[Prompt], step: int) -> list[Rollout]:
         rollout = self.groups[Role.ROLLOUT]
         shards = split_list([p.token_ids for p in prompts], rollout.world_size)
-        return [r for shard in join(rollout.run_each("generate", shards, step)) for r in shard]
+        calls = rollout.run_each(PHASE_METHOD[Phase.GENERATE], shards, step, phase=Phase.GENERATE)
+        return [r for shard in join(calls) for r in shard]
+
+    def run_stage(self, name: str, batch: Batch, *args: Any) -> Calls:
+        """Issue the plan's stage `name` on `batch` (and `args`): each lane's phases one
+        after another on its pool (colocated roles take turns on its GPUs), the lanes of
+        different pools at once. A phase on the driver (a rule-based reward) is left to
+        the caller."""
+        calls: Calls = {}
+        for lane in self.plan.stage(name).lanes:
+            if lane.pool == DRIVER:
+                continue
+            after = None
+            for phase in lane.phases:
+                group = self.groups[PHASE_ROLE[phase]]
+                method = PHASE_METHOD[phase]
+                after = calls[phase] = group.run_sharded(
+                    method, batch, *args, after=after, phase=phase
+                )
+        return calls
 
     def score(
-        self, prompts: Sequence[str], rollouts: Sequence[Rollout], batch: Batch, stage: Stage
+        self, prompts: Sequence[str], rollouts: Sequence[Rollout], scoring: Calls
     ) -> torch.Tensor:
         """(B,) one reward per response: from the reward model, or the rule here."""
         if self.reward is None:
-            scores: torch.Tensor = gather(
-                stage.run_sharded(self.groups[Role.REWARD], "score", batch)
-            )
+            scores: torch.Tensor = gather(scoring[Phase.REWARD])
             return scores
         with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
             return torch.tensor(
@@ -178,8 +189,10 @@ class PPOTrainer:
         Rank 0's bytes go from its object store to the engines' directly (the future
         is passed on, not fetched here): a broadcast through Ray's object store.
         """
-        payloads = self.groups[Role.ACTOR].run("rollout_weights")  # a collective
-        loads = self.groups[Role.ROLLOUT].run("load_weights", payloads[0], version)
+        payloads = self.groups[Role.ACTOR].run("rollout_weights", phase=Phase.SYNC_WEIGHTS)
+        loads = self.groups[Role.ROLLOUT].run(
+            "load_weights", payloads[0], version, phase=Phase.SYNC_WEIGHTS
+        )
         join([*payloads, *loads])
         self.policy_version = version
 
@@ -188,30 +201,13 @@ class PPOTrainer:
         seconds since `since` (the union of its spans over ranks, clipped to it)."""
         for role, group in self.groups.groups.items():
             for rank_calls in group.drain_calls():
-                for method, start, end in rank_calls:
-                    phase = PHASES.get((role, method), method)
-                    self.timeline.record(group.slots[0].pool, role, phase, start, end)
+                for phase, start, end in rank_calls:  # named by the phase, else the method
+                    self.timeline.record(group.pool, role, phase, start, end)
         by_phase: dict[str, list[tuple[float, float]]] = {}
         for span in self.timeline.spans():
             if span.end > since:  # clipped: async generation runs across steps
                 by_phase.setdefault(span.phase, []).append((max(span.start, since), span.end))
         return {phase: union_seconds(intervals) for phase, intervals in by_phase.items()}
-
-
-class Stage:
-    """The calls of one stage of the step. Calls on different pools run at once; calls
-    on the same pool run one after another, in the order issued (colocated roles take
-    turns on the pool's GPUs, as the placement plan's lanes say)."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, list[ObjectRef[Any]]] = {}  # pool -> its latest calls
-
-    def run_sharded(
-        self, group: WorkerGroup, method: str, batch: Batch, *args: Any
-    ) -> list[ObjectRef[Any]]:
-        refs = group.run_sharded(method, batch, *args, after=self._last.get(group.pool))
-        self._last[group.pool] = refs
-        return refs
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.async_engine import AsyncRolloutEngine
 from rlhf_trainer.rollout.queue import Sample
@@ -103,7 +104,7 @@ class StreamingRollout(Worker):
         if busy and self.busy_since is None:
             self.busy_since = now
         elif not busy and self.busy_since is not None:
-            self.activity.append(("generate", self.busy_since, now))
+            self.activity.append((Phase.GENERATE, self.busy_since, now))
             self.busy_since = None
 
     def drain_activity(self) -> list[tuple[str, float, float]]:
@@ -113,7 +114,7 @@ class StreamingRollout(Worker):
     async def _drain_activity(self) -> list[tuple[str, float, float]]:
         now = time.time()
         if self.busy_since is not None:
-            self.activity.append(("generate", self.busy_since, now))
+            self.activity.append((Phase.GENERATE, self.busy_since, now))
             self.busy_since = now
         activity, self.activity = self.activity, []
         return activity
