@@ -18,7 +18,7 @@ from rlhf_trainer.algo.experience import (
     trimmed,
 )
 from rlhf_trainer.algo.ppo import gae, whiten
-from rlhf_trainer.api.config import AlgorithmConfig, DataConfig, RewardSource
+from rlhf_trainer.api.sections import AlgorithmConfig, DataConfig, RewardSource
 from rlhf_trainer.data.prompts import Prompt, PromptStream, load_prompt_texts
 from rlhf_trainer.data.tasks import reward_function, toy_copy
 from rlhf_trainer.loop.sync import max_abs_diff, split_list

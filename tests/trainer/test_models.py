@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf_trainer.api.config import TinyModel
+from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.data.tasks import copy_prompts, toy_copy
 from rlhf_trainer.models import (
     EOS,

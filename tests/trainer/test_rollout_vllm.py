@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf_trainer.algo.experience import Rollout
-from rlhf_trainer.api.config import TinyModel
+from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine, rollout_state_dict

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rlhf_trainer.algo.experience import tokens_per_version
-from rlhf_trainer.api.config import TinyModel
+from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model
 from rlhf_trainer.rollout.engine import (
     deserialize_weights,

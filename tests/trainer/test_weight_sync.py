@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
-from rlhf_trainer.api.config import TinyModel
+from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model
 from rlhf_trainer.rollout import weight_sync
 from rlhf_trainer.rollout.engine import rollout_state_dict

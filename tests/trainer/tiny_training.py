@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from rlhf_trainer.api.config import TinyModel
+from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import ValueModel, build_tiny_model, token_log_probs
 from rlhf_trainer.roles.sharding import clip_gradients
 from rlhf_trainer.worker import split_batch

@@ -29,7 +29,7 @@ from transformers import (
 )
 
 from rlhf_trainer.algo.ppo import log_probs_from_logits
-from rlhf_trainer.api.config import ModelSource, TinyModel
+from rlhf_trainer.api.sections import ModelSource, TinyModel
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order

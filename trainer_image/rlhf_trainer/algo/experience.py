@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rlhf_trainer.algo.ppo import gae, kl_penalty, masked_mean, token_rewards, whiten
-from rlhf_trainer.api.config import AlgorithmConfig
+from rlhf_trainer.api.sections import AlgorithmConfig
 
 Batch = dict[str, Tensor]
 

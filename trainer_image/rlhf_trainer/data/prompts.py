@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf_trainer.api.config import DataConfig
+from rlhf_trainer.api.sections import DataConfig
 
 Encode = Callable[[str], list[int]]
 

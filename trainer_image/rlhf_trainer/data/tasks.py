@@ -33,7 +33,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rlhf_trainer.api.config import RewardSource
+from rlhf_trainer.api.sections import RewardSource
 from rlhf_trainer.models import BOS, EOS, SEPARATOR
 
 LETTERS = string.ascii_lowercase  # every letter earns the "a letter" credit

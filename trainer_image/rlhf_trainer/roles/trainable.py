@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf_trainer.algo.experience import Batch, micro_batch_rows, minibatches, trimmed
 from rlhf_trainer.algo.ppo import aggregation_normalizer
-from rlhf_trainer.api.config import JobConfig, ModelSource
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.sections import ModelSource
 from rlhf_trainer.models import ValueModel, build_tiny_model
 from rlhf_trainer.roles.checkpoint import load_role_state, save_role_state
 from rlhf_trainer.roles.sharding import clip_gradients

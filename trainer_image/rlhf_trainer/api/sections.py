@@ -1,0 +1,214 @@
+"""The sections of a job spec that say what to train and how: the models, the data, the
+algorithm, generation and the trainer. `config.JobConfig` puts them together with the
+pools and roles."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_trainer.api.rules import Rule, SpecModel
+
+TINY_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels need head_dim >= 32
+
+
+class TinyModel(SpecModel):
+    """A small causal LM built from this config at run time (tests, demos); no download."""
+
+    architecture: Literal["qwen2", "llama"] = Field("qwen2", description="Model family.")
+    hidden_size: int = Field(128, ge=32, le=8192, description="Hidden size.")
+    num_layers: int = Field(2, ge=1, le=64, description="Transformer layers.")
+    num_heads: int = Field(4, ge=1, le=128, description="Attention heads.")
+    vocab_size: int = Field(
+        512, ge=16, le=262144, description="Vocabulary size (the built-in tokenizer's)."
+    )
+
+    rules = (
+        Rule(
+            "hiddenSize",
+            f"hiddenSize / numHeads (the head dim) must be a whole number >= {TINY_MIN_HEAD_DIM}",
+            f"self.hiddenSize % self.numHeads == 0 && "
+            f"self.hiddenSize / self.numHeads >= {TINY_MIN_HEAD_DIM}",
+            lambda m: (
+                m.hidden_size % m.num_heads == 0
+                and m.hidden_size // m.num_heads >= TINY_MIN_HEAD_DIM
+            ),
+        ),
+    )
+
+
+class ModelSource(SpecModel):
+    """Where a model comes from: a checkpoint path, or a tiny model built from a config."""
+
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description="A Hugging Face-format checkpoint: a local directory or a hub model id.",
+    )
+    tiny: TinyModel | None = Field(None, description="Build a tiny model from this config.")
+
+    rules = (
+        Rule(
+            "",
+            "set exactly one of path or tiny",
+            "has(self.path) != has(self.tiny)",
+            lambda m: (m.path is None) != (m.tiny is None),
+        ),
+    )
+
+
+REWARD_FUNCTION_PATTERN = r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$"
+
+
+class RewardSource(SpecModel):
+    """The reward: a reward model, or a rule-based function of the prompt and response."""
+
+    path: str | None = Field(
+        None, min_length=1, description="A reward model checkpoint (local directory or hub id)."
+    )
+    function: str | None = Field(
+        None,
+        pattern=REWARD_FUNCTION_PATTERN,
+        description=(
+            "A rule-based reward: a built-in name (e.g. 'toy_copy') or 'module:function' "
+            "importable in the trainer image."
+        ),
+    )
+
+    rules = (
+        Rule(
+            "",
+            "set exactly one of path or function",
+            "has(self.path) != has(self.function)",
+            lambda m: (m.path is None) != (m.function is None),
+        ),
+    )
+
+
+class ModelsConfig(SpecModel):
+    """The models of the job. ref and critic start from the actor's model unless set."""
+
+    actor: ModelSource = Field(description="The initial policy.")
+    ref: ModelSource | None = Field(
+        None, description="The reference policy; defaults to the actor's initial model."
+    )
+    critic: ModelSource | None = Field(
+        None, description="The value model's backbone; defaults to the actor's initial model."
+    )
+    reward: RewardSource = Field(description="The reward model or rule-based reward function.")
+
+
+class DataConfig(SpecModel):
+    """The prompts to train on."""
+
+    train: str = Field(
+        min_length=1,
+        description=(
+            "Training prompts: a JSONL file path (one object per line, the prompt under "
+            "promptKey), or 'toy:<task>' for a "
+            "built-in generated task (e.g. 'toy:copy')."
+        ),
+    )
+    prompt_key: str = Field("prompt", min_length=1, description="Column holding the prompt.")
+    max_prompt_length: int = Field(512, ge=1, le=131072, description="Prompt tokens, at most.")
+    max_response_length: int = Field(
+        512, ge=1, le=131072, description="Generated tokens per response, at most."
+    )
+    shuffle: bool = Field(True, description="Shuffle prompts every epoch (seeded).")
+
+
+class AlgorithmConfig(SpecModel):
+    """PPO hyper-parameters."""
+
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    clip_ratio: float = Field(0.2, gt=0, le=1, description="PPO policy clip range epsilon.")
+    dual_clip: float | None = Field(
+        None,
+        gt=1,
+        le=100,
+        description="Dual-clip constant c (> 1) bounding the loss of negative advantages.",
+    )
+    value_clip: float | None = Field(
+        0.2, gt=0, le=100, description="Value-loss clip range; unset disables value clipping."
+    )
+    kl_coef: float = Field(0.05, ge=0, le=10, description="KL penalty coefficient; 0 = no ref.")
+    kl_mode: Literal["reward", "loss"] = Field(
+        "reward", description="Apply KL as a per-token reward penalty, or as a loss term."
+    )
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k1", description="KL estimator: k1 = log-ratio, k3 = unbiased low-variance."
+    )
+    entropy_coef: float = Field(0.0, ge=0, le=1, description="Entropy bonus coefficient.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages per batch.")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="How per-token losses are averaged into one number."
+    )
+    importance_cap: float = Field(
+        2.0,
+        ge=1,
+        le=100,
+        description=(
+            "Cap of the truncated importance weight between the trainer's and the "
+            "rollout's log-probs (off-policy correction of stale samples)."
+        ),
+    )
+
+
+class GenerationConfig(SpecModel):
+    """Sampling and engine settings of the rollout role."""
+
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=16, description="GPUs per vLLM engine; must divide the pool's gpusPerNode."
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of GPU memory vLLM may take."
+    )
+
+
+class CheckpointConfig(SpecModel):
+    """Where and how often to checkpoint; a restarted job resumes from the latest."""
+
+    path: str = Field(
+        "/checkpoints", min_length=1, description="Directory for checkpoints (a shared volume)."
+    )
+    every_steps: int = Field(50, ge=1, description="Checkpoint every this many steps.")
+    keep: int = Field(2, ge=1, le=1000, description="How many recent checkpoints to keep.")
+
+
+class TrainerConfig(SpecModel):
+    """The training schedule."""
+
+    total_steps: int = Field(100, ge=1, le=10_000_000, description="PPO steps to run.")
+    batch_size: int = Field(
+        64, ge=1, le=1_000_000, description="Prompts generated and trained on per PPO step."
+    )
+    mini_batch_size: int = Field(
+        16,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Samples per optimizer step; must divide batchSize and be a multiple of the "
+            "actor's and the critic's data-parallel size (their pool's GPUs)."
+        ),
+    )
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Samples per forward/backward on one GPU (gradient accumulation); "
+            "unset = the whole per-GPU mini-batch at once."
+        ),
+    )
+    epochs: int = Field(1, ge=1, le=100, description="PPO epochs over each batch.")
+    actor_learning_rate: float = Field(1e-6, gt=0, le=1, description="Actor learning rate.")
+    critic_learning_rate: float = Field(1e-5, gt=0, le=1, description="Critic learning rate.")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data order and sampling.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpointing."
+    )
