@@ -7,6 +7,7 @@ A worker runs and is tested without Ray; `cluster.groups` hosts it in a Ray acto
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -96,6 +97,18 @@ def init_distributed(info: RankInfo, master_addr: str, master_port: int) -> None
         world_size=info.world_size,
         timeout=RENDEZVOUS_TIMEOUT,
     )
+
+
+def derive_seed(job_seed: int, purpose: str, index: int, rank: int = 0) -> int:
+    """The seed of one stream of randomness of a run: `purpose` names the stream (e.g.
+    "generate", "sample", "minibatches"), `index` the step or sample, `rank` the rank.
+
+    A function of its arguments only (no `hash()`, which varies between processes), so a
+    resumed run draws what the first one would have; streams of different purposes,
+    steps or ranks do not share seeds. 31 bits: what every consumer (vLLM, torch) takes.
+    """
+    key = f"{job_seed}/{purpose}/{index}/{rank}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % 2**31
 
 
 def free_port() -> int:

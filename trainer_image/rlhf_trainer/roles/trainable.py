@@ -18,7 +18,7 @@ from rlhf_trainer.api.sections import ModelSource
 from rlhf_trainer.models import ValueModel, build_tiny_model
 from rlhf_trainer.roles.checkpoint import load_role_state, save_role_state
 from rlhf_trainer.roles.sharding import clip_gradients
-from rlhf_trainer.worker import RankInfo, Worker
+from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 Stats = dict[str, float]
 
@@ -87,7 +87,7 @@ class Trainable(Worker):
         world = self.info.world_size
         # The same order on a resumed run: it depends on the step, not on history.
         generator = torch.Generator().manual_seed(
-            trainer.seed * 1_000_003 + step * 101 + self.info.rank
+            derive_seed(trainer.seed, "minibatches", step, self.info.rank)
         )
         rows = len(batch["input_ids"])
         micro_stats: list[Stats] = []

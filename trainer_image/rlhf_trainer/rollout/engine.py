@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,7 @@ from safetensors.torch import save as save_safetensors
 from torch import Tensor, nn
 
 from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.api.config import JobConfig
 
 # Defaults that make vLLM work on a small CPU machine; an explicit environment wins.
 CPU_ENVIRONMENT = {
@@ -111,6 +113,26 @@ def refresh_tied_lm_head(model: nn.Module) -> bool:
         return False
     lm_head.quant_method.process_weights_after_loading(lm_head)
     return True
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a job's spec says about its rollout engines, read in one place so that every
+    rollout worker, synchronous or streaming, builds the same engine."""
+
+    max_model_len: int
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    seed: int
+
+    @classmethod
+    def of(cls, config: JobConfig) -> EngineOptions:
+        return cls(
+            max_model_len=config.data.max_prompt_length + config.data.max_response_length,
+            gpu_memory_utilization=config.generation.gpu_memory_utilization,
+            tensor_parallel_size=config.generation.tensor_parallel_size,
+            seed=config.trainer.seed,
+        )
 
 
 def engine_settings(

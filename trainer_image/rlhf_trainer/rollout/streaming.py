@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine, Sequence
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import torch
@@ -24,9 +25,10 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.async_engine import AsyncRolloutEngine
+from rlhf_trainer.rollout.engine import EngineOptions
 from rlhf_trainer.rollout.queue import Sample
 from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, receive_weights
-from rlhf_trainer.worker import RankInfo, Worker
+from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 T = TypeVar("T")
 
@@ -46,13 +48,10 @@ class StreamingRollout(Worker):
         self.queue = queue  # the SampleQueue actor
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="rollouter", daemon=True).start()
-        generation = config.generation
         self.engine: AsyncRolloutEngine = self._on_loop(
             AsyncRolloutEngine.create(
                 model_path(config.models.actor, config.trainer.seed),
-                max_model_len=config.data.max_prompt_length + config.data.max_response_length,
-                gpu_memory_utilization=generation.gpu_memory_utilization,
-                seed=config.trainer.seed,
+                **asdict(EngineOptions.of(config)),
             )
         )
         self.in_flight: dict[int, Admitted] = {}
@@ -82,7 +81,7 @@ class StreamingRollout(Worker):
                 max_tokens=self.config.data.max_response_length,
                 temperature=generation.temperature,
                 top_p=generation.top_p,
-                seed=(self.config.trainer.seed * 1_000_003 + uid) % 2**31,
+                seed=derive_seed(self.config.trainer.seed, "sample", uid),
             )
         except Exception as error:
             # Nobody awaits this request: without word, the trainer would wait for

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import model_path
-from rlhf_trainer.rollout.engine import RolloutEngine
-from rlhf_trainer.worker import RankInfo, Worker
+from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
+from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 
 class RolloutWorker(Worker):
@@ -17,25 +19,20 @@ class RolloutWorker(Worker):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info)
         self.config = config
-        generation = config.generation
         self.engine = RolloutEngine(
             model_path(config.models.actor, config.trainer.seed),
-            max_model_len=config.data.max_prompt_length + config.data.max_response_length,
-            gpu_memory_utilization=generation.gpu_memory_utilization,
-            tensor_parallel_size=generation.tensor_parallel_size,
-            seed=config.trainer.seed,
+            **asdict(EngineOptions.of(config)),
         )
 
     def generate(self, prompts: list[list[int]], step: int) -> list[Rollout]:
         generation = self.config.generation
-        # A seed per step and rank: a resumed run samples what the first one would have.
-        seed = (self.config.trainer.seed * 1_000_003 + step) * 1_009 + self.info.rank * 100_003
         return self.engine.generate(
             prompts,
             max_tokens=self.config.data.max_response_length,
             temperature=generation.temperature,
             top_p=generation.top_p,
-            seed=seed % 2**31,
+            # Per step and rank: a resumed run samples what the first one would have.
+            seed=derive_seed(self.config.trainer.seed, "generate", step, self.info.rank),
         )
 
     def load_weights(self, payload: bytes, version: int) -> None:
