@@ -102,11 +102,30 @@ def ref_policy_loss(lp: float, old: float, a: float, eps: float, c: float | None
     return loss
 
 
-def ref_value_loss(v: float, old: float, ret: float, clip: float | None) -> float:
+def ref_value_loss(v: float, old: float, ret: float, clip: float | None) -> tuple[float, bool]:
+    """The loss, and whether the clipped value set it."""
     if clip is None:
-        return 0.5 * (v - ret) ** 2
+        return 0.5 * (v - ret) ** 2, False
     v_clipped = old + min(max(v - old, -clip), clip)
-    return 0.5 * max((v - ret) ** 2, (v_clipped - ret) ** 2)
+    return 0.5 * max((v - ret) ** 2, (v_clipped - ret) ** 2), (v_clipped - ret) ** 2 > (
+        v - ret
+    ) ** 2
+
+
+def ref_explained_variance(values: Rows, returns: Rows, mask: Rows) -> float:
+    counted_tokens = [
+        (v, r)
+        for vs, rs, ms in zip(values, returns, mask, strict=True)
+        for v, r, m in zip(vs, rs, ms, strict=True)
+        if m
+    ]
+
+    def variance(xs: list[float]) -> float:
+        mean = sum(xs) / len(xs)
+        return sum((x - mean) ** 2 for x in xs) / len(xs)
+
+    residuals = variance([r - v for v, r in counted_tokens])
+    return 1 - residuals / variance([r for _, r in counted_tokens])
 
 
 def ref_kl(lp: float, ref: float, estimator: str) -> float:
@@ -200,14 +219,36 @@ def test_clipped_policy_loss_matches_reference(
 @pytest.mark.parametrize("value_clip", [None, 0.2, 1.0])
 def test_clipped_value_loss_matches_reference(seed: int, value_clip: float | None) -> None:
     case = random_case(seed)
-    loss = ppo.clipped_value_loss(case["values"], case["old_values"], case["returns"], value_clip)
+    value = ppo.clipped_value_loss(case["values"], case["old_values"], case["returns"], value_clip)
     expected = [
         [ref_value_loss(v, old, ret, value_clip) for v, old, ret in zip(*r, strict=True)]
         for r in zip(
             rows(case["values"]), rows(case["old_values"]), rows(case["returns"]), strict=True
         )
     ]
-    assert_rows_close(loss, expected)
+    assert_rows_close(value.loss, [[loss for loss, _ in row] for row in expected])
+    assert value.clipped.tolist() == [[clipped for _, clipped in row] for row in expected]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_explained_variance_matches_reference(seed: int) -> None:
+    case = random_case(seed)
+    mask = case["mask"]
+    if mask.sum() < 2:
+        mask = torch.ones_like(mask)  # a variance needs two tokens
+    values, returns = case["values"], case["returns"]
+    expected = ref_explained_variance(rows(values), rows(returns), rows(mask))
+    assert ppo.explained_variance(values, returns, mask) == pytest.approx(expected, abs=1e-9)
+    assert ppo.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+
+
+def test_approx_kl_is_k3_of_the_old_policy_against_the_new() -> None:
+    log_probs, old = torch.tensor([[-1.0, -0.5]]), torch.tensor([[-1.2, -0.5]])
+    expected = [
+        [ref_kl(o, lp, "k3") for lp, o in zip(log_probs[0].tolist(), old[0].tolist(), strict=True)]
+    ]
+    assert_rows_close(ppo.approx_kl(log_probs, old), expected)
+    assert float(ppo.approx_kl(log_probs, old)[0, 1]) == 0.0  # no change, no KL
 
 
 @pytest.mark.parametrize("seed", SEEDS)

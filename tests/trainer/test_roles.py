@@ -11,11 +11,12 @@ from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
 from rlhf_trainer.algo.experience import Batch
 from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.roles import trainable
 from rlhf_trainer.roles.critic import Critic
 from rlhf_trainer.roles.policy import Actor
 from rlhf_trainer.roles.reward import RewardModel
-from rlhf_trainer.roles.sharding import full_state_dict
-from rlhf_trainer.worker import RankInfo, split_batch
+from rlhf_trainer.roles.sharding import clip_gradients, full_state_dict
+from rlhf_trainer.worker import RankInfo, free_port, init_distributed, split_batch
 from tests.specs import local_job
 from tests.trainer.distributed import run_ranks
 
@@ -154,3 +155,39 @@ def test_a_reward_model_scores_each_sequence_at_its_last_token(tmp_path: Path) -
         for ids in ([5, 6, 7], [5, 6, 7, 8, 9])
     ]
     torch.testing.assert_close(scores, torch.stack(alone).detach(), rtol=0, atol=1e-5)
+
+
+def test_the_actor_and_the_critic_each_report_their_own_grad_norm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each update reports the gradient norm its own clipping measured (once, the
+    critic's grad norm overwrote the actor's in the step's statistics)."""
+    measured: list[float] = []
+
+    def measuring(model: torch.nn.Module, max_norm: float) -> float:
+        norm = clip_gradients(model, max_norm)
+        measured.append(norm)
+        return norm
+
+    monkeypatch.setattr(trainable, "clip_gradients", measuring)
+    job = config(None, 1, tmp_path)
+    init_distributed(RankInfo(Role.ACTOR, "policy", 0, 1), "127.0.0.1", free_port())
+    try:
+        reported = {}
+        for role in (Role.ACTOR, Role.CRITIC):
+            measured.clear()
+            info = RankInfo(role, "policy", 0, 1)
+            worker: Any = Actor(info, job) if role == Role.ACTOR else Critic(info, job)
+            batch = experience()
+            if role == Role.ACTOR:
+                batch["old_log_probs"] = batch["rollout_log_probs"] = worker.log_probs(batch)
+            else:
+                batch["values"] = worker.values(batch)
+            stats = worker.update(batch, step=1)
+            assert len(measured) == job.trainer.epochs  # one optimizer step per epoch
+            assert stats["grad_norm"] == pytest.approx(sum(measured) / len(measured))
+            reported[role] = stats["grad_norm"]
+    finally:
+        torch.distributed.destroy_process_group()
+    assert reported[Role.ACTOR] != pytest.approx(reported[Role.CRITIC])
+    assert all(norm > 0 for norm in reported.values())

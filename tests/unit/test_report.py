@@ -26,7 +26,16 @@ from rlhf_trainer.telemetry.report import (
 )
 
 TOKEN = "s3cret-token-value"
-PROGRESS = TrainingProgress(step=3, total_steps=500, policy_version=3, reward_mean=0.25)
+PROGRESS = TrainingProgress(
+    step=3,
+    total_steps=500,
+    policy_version=3,
+    reward_mean=0.25,
+    kl=0.01,
+    actor_grad_norm=1.5,
+    critic_grad_norm=4.0,
+    truncated_ratio=0.125,
+)
 
 
 class Clock:
@@ -100,7 +109,10 @@ def test_reporter_sends_a_rate_limited_merge_patch_of_status_training(
     assert first["headers"]["Content-Type"] == "application/merge-patch+json"
     assert first["headers"]["Authorization"] == f"Bearer {TOKEN}"
     assert first["body"] == {"status": {"training": PROGRESS.to_dict()}}
-    assert "rewardMean" in first["body"]["status"]["training"]  # camelCase on the wire
+    training = first["body"]["status"]["training"]
+    assert training["rewardMean"] == 0.25  # camelCase on the wire
+    assert (training["actorGradNorm"], training["criticGradNorm"]) == (1.5, 4.0)
+    assert training["truncatedRatio"] == 0.125
 
 
 def test_an_unreachable_api_server_logs_a_warning_without_the_token(

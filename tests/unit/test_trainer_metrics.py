@@ -8,6 +8,7 @@ import urllib.request
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
 from rlhf_trainer.api.config import TrainingProgress
 from rlhf_trainer.telemetry.metrics import (
     IntervalUnion,
@@ -96,6 +97,20 @@ def test_every_series_is_exported_and_served() -> None:
     metrics.weight_sync_seconds.observe(0.4)
     metrics.kl.set(0.02)
     metrics.observe_progress(TrainingProgress(step=3, policy_version=3, reward_mean=0.5))
+    metrics.observe_diagnostics(
+        ActorStats(
+            policy_loss=-0.25,
+            clip_fraction=0.125,
+            approx_kl=0.01,
+            entropy=2.5,
+            importance_capped=0.0,
+            grad_norm=1.5,
+        ),
+        CriticStats(
+            value_loss=0.75, value_clip_fraction=0.5, grad_norm=4.0, explained_variance=0.25
+        ),
+        ResponseStats(length_mean=12.5, length_max=32, truncated_ratio=0.125),
+    )
     server = serve_metrics(metrics.registry, port=0, addr="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"
@@ -114,6 +129,19 @@ def test_every_series_is_exported_and_served() -> None:
         "rlhf_reward_mean 0.5",
         "rlhf_kl 0.02",
         'rlhf_pool_busy_ratio{pool="a"} 0.0',
+        "rlhf_actor_policy_loss -0.25",
+        "rlhf_actor_clip_fraction 0.125",
+        "rlhf_actor_approx_kl 0.01",
+        "rlhf_actor_entropy 2.5",
+        "rlhf_actor_importance_capped 0.0",
+        "rlhf_actor_grad_norm 1.5",  # the actor's and the critic's are separate series
+        "rlhf_critic_grad_norm 4.0",
+        "rlhf_critic_value_loss 0.75",
+        "rlhf_critic_value_clip_fraction 0.5",
+        "rlhf_critic_explained_variance 0.25",
+        "rlhf_response_length_mean 12.5",
+        "rlhf_response_length_max 32.0",
+        "rlhf_response_truncated_ratio 0.125",
     ]:
         assert line in text.splitlines(), line
 

@@ -150,9 +150,15 @@ def clipped_policy_loss(
     return PolicyLoss(loss=loss, clipped=clip_active, ratio=ratio)
 
 
+@dataclass(frozen=True)
+class ValueLoss:
+    loss: Tensor  # (B, T) per-token value loss (to minimise)
+    clipped: Tensor  # (B, T) bool: the clipped value set the loss (no gradient there)
+
+
 def clipped_value_loss(
     values: Tensor, old_values: Tensor, returns: Tensor, value_clip: float | None
-) -> Tensor:
+) -> ValueLoss:
     """Per-token value loss ½·max((V - R)², (V_clip - R)²), (B, T).
 
     V_clip = V_old + clip(V - V_old, -δ, δ) keeps the critic near the values the
@@ -160,9 +166,29 @@ def clipped_value_loss(
     """
     unclipped = (values - returns) ** 2
     if value_clip is None:
-        return 0.5 * unclipped
+        return ValueLoss(loss=0.5 * unclipped, clipped=torch.zeros_like(values, dtype=torch.bool))
     values_clipped = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
-    return 0.5 * torch.maximum(unclipped, (values_clipped - returns) ** 2)
+    clipped = (values_clipped - returns) ** 2
+    return ValueLoss(loss=0.5 * torch.maximum(unclipped, clipped), clipped=clipped > unclipped)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the masked tokens: 1 when the values predict the
+    returns, 0 when they do no better than their mean, negative when worse. NaN when the
+    returns do not vary (there is nothing to explain)."""
+    returns_var = masked_var(returns, mask)
+    return float(1.0 - masked_var(returns - values, mask) / returns_var)
+
+
+def masked_var(x: Tensor, mask: Tensor) -> Tensor:
+    """The (population) variance of x over the masked entries."""
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+
+
+def approx_kl(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(π_old ‖ π) from samples of π_old, (B, T): how far an
+    update moved the policy (r - 1 - log r with r = π/π_old; ≥ 0)."""
+    return kl_penalty(old_log_probs, log_probs, "k3")
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -270,4 +270,21 @@ class TrainingProgress(SpecModel):
     samples_per_second: float | None = Field(None, ge=0, description="Recent throughput.")
     policy_version: int = Field(0, ge=0, description="Version of the policy being trained.")
     reward_mean: float | None = Field(None, description="Mean reward of the last step.")
+    kl: float | None = Field(None, description="KL to the reference policy, last step.")
+    entropy: float | None = Field(None, description="The policy's entropy, last step.")
+    actor_grad_norm: float | None = Field(
+        None, description="The actor's gradient norm before clipping, last step."
+    )
+    critic_grad_norm: float | None = Field(
+        None, description="The critic's gradient norm before clipping, last step."
+    )
+    explained_variance: float | None = Field(
+        None, description="How much of the returns' variance the critic's values explain."
+    )
+    response_length_mean: float | None = Field(
+        None, ge=0, description="Mean response length in tokens, last step."
+    )
+    truncated_ratio: float | None = Field(
+        None, ge=0, le=1, description="Share of responses cut at maxResponseLength, last step."
+    )
     last_checkpoint: str | None = Field(None, description="Path of the newest checkpoint.")

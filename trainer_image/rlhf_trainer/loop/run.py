@@ -4,6 +4,7 @@ steps, checkpoint, and report progress (status, metrics, timeline)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,15 +101,27 @@ class Run:
         self.last_checkpoint = str(final)
 
     def progress(self, result: StepResult | None) -> TrainingProgress:
-        return TrainingProgress(
+        progress = TrainingProgress(
             step=self.step,
             total_steps=self.config.trainer.total_steps,
-            samples_per_second=(
-                self.config.trainer.batch_size / result.seconds if result else None
-            ),
             policy_version=self.trainer.policy_version,
-            reward_mean=result.reward_mean if result else None,
             last_checkpoint=self.last_checkpoint,
+        )
+        if result is None:
+            return progress
+        return progress.model_copy(
+            update={
+                "samples_per_second": self.config.trainer.batch_size / result.seconds,
+                "reward_mean": result.reward_mean,
+                "kl": result.kl,
+                "entropy": result.actor.entropy,
+                "actor_grad_norm": result.actor.grad_norm,
+                "critic_grad_norm": result.critic.grad_norm,
+                # NaN (flat returns) is no JSON number: the status leaves it out
+                "explained_variance": finite_or_none(result.critic.explained_variance),
+                "response_length_mean": result.responses.length_mean,
+                "truncated_ratio": result.responses.truncated_ratio,
+            }
         )
 
     def observe(self, result: StepResult) -> None:
@@ -116,6 +129,7 @@ class Run:
         m.tokens_generated.inc(result.response_tokens)
         m.samples_trained.inc(self.config.trainer.batch_size)
         m.kl.set(result.kl)
+        m.observe_diagnostics(result.actor, result.critic, result.responses)
         progress = self.progress(result)
         m.observe_progress(progress)
         self.reporter.report(progress, final=self.step == self.config.trainer.total_steps)
@@ -127,21 +141,41 @@ class Run:
         while self.step < total:
             self.step += 1
             result = (self.streaming or self.trainer).step(self.step)
-            log.info(
-                "step %d/%d: reward %.6f, kl %.4f, importance weights capped %.4f, %.2f s",
-                self.step,
-                total,
-                result.reward_mean,
-                result.kl,
-                result.stats.get("importance_clipped", 0.0),  # off-policy correction
-                result.seconds,
-            )
+            log_step(result, total)
             if self.step % every == 0 or self.step == total:
                 self.save()
             self.observe(result)
             if on_step is not None:
                 on_step(result)
         return self.progress(result)
+
+
+def log_step(result: StepResult, total: int) -> None:
+    log.info(
+        "step %d/%d: reward %.6f, kl %.4f, policy loss %.4f, clipped %.3f, "
+        "entropy %.3f, grad norm actor %.3f critic %.3f, value loss %.4f, "
+        "explained variance %.3f, response length %.1f (cut %.2f), "
+        "importance weights capped %.4f, %.2f s",
+        result.step,
+        total,
+        result.reward_mean,
+        result.kl,
+        result.actor.policy_loss,
+        result.actor.clip_fraction,
+        result.actor.entropy,
+        result.actor.grad_norm,
+        result.critic.grad_norm,
+        result.critic.value_loss,
+        result.critic.explained_variance,
+        result.responses.length_mean,
+        result.responses.truncated_ratio,
+        result.actor.importance_capped,  # off-policy correction
+        result.seconds,
+    )
+
+
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def run_job(

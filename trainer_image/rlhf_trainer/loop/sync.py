@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
 from rlhf_trainer.algo.experience import Batch, Rollout, compute_advantages, mean_kl, pack_rollouts
+from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
 from rlhf_trainer.cluster.groups import gather, join
@@ -59,7 +61,9 @@ class StepResult:
     # max |log π_actor - log π_rollout| over the batch's tokens: the engine samples with
     # the weights the actor has (before its update), up to numerics
     rollout_log_prob_diff: float
-    stats: dict[str, float]  # the actor's and critic's update statistics
+    actor: ActorStats
+    critic: CriticStats
+    responses: ResponseStats
     phase_seconds: dict[str, float] = field(default_factory=dict)  # busy time per phase
     # per sample: policy versions between the one that started generating it and the
     # one trained on it (fully async; 0 in synchronous PPO)
@@ -129,19 +133,25 @@ class PPOTrainer:
 
         # Update: actor and critic at once.
         updates = self.run_stage("update", experience, step)
-        stats = mean_stats(join(updates[Phase.UPDATE_ACTOR])) | mean_stats(
-            join(updates[Phase.UPDATE_CRITIC])
-        )
+        mask = batch["response_mask"]
+        critic_stats = mean_stats(join(updates[Phase.UPDATE_CRITIC]))
         return StepResult(
             step=step,
             seconds=0.0,
             reward_mean=float(scores.mean()),
-            kl=mean_kl(advantages.kl, batch["response_mask"]),
-            response_tokens=int(batch["response_mask"].sum()),
+            kl=mean_kl(advantages.kl, mask),
+            response_tokens=int(mask.sum()),
             rollout_log_prob_diff=max_abs_diff(
-                experience["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+                experience["old_log_probs"], batch["rollout_log_probs"], mask
             ),
-            stats=stats,
+            actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),
+            critic=CriticStats(
+                **critic_stats,
+                explained_variance=explained_variance(
+                    experience["values"], experience["returns"], mask
+                ),
+            ),
+            responses=ResponseStats.of(rollouts),
         )
 
     def generate(self, prompts: Sequence[Prompt], step: int) -> list[Rollout]:

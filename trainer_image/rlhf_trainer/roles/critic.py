@@ -36,8 +36,9 @@ class Critic(Trainable):
         algorithm = self.config.algorithm
         mask = micro["response_mask"]
         values = self.predict(micro)
-        per_token = clipped_value_loss(
-            values, micro["values"], micro["returns"], algorithm.value_clip
-        )
-        loss = aggregate(per_token, mask, algorithm.loss_aggregation, normalizer)
-        return loss, {"value_loss": scalar(masked_mean(per_token, mask))}
+        value = clipped_value_loss(values, micro["values"], micro["returns"], algorithm.value_clip)
+        loss = aggregate(value.loss, mask, algorithm.loss_aggregation, normalizer)
+        return loss, {
+            "value_loss": scalar(masked_mean(value.loss, mask)),
+            "value_clip_fraction": scalar(masked_mean(value.clipped.float(), mask)),
+        }

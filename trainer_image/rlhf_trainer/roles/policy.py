@@ -21,6 +21,7 @@ from rlhf_trainer.algo.experience import (
 )
 from rlhf_trainer.algo.ppo import (
     aggregate,
+    approx_kl,
     clipped_policy_loss,
     entropy_from_logits,
     kl_penalty,
@@ -38,9 +39,14 @@ from rlhf_trainer.worker import RankInfo, Worker
 
 
 def policy_outputs(
-    model: nn.Module, batch: Batch, temperature: float, with_entropy: bool = False
+    model: nn.Module,
+    batch: Batch,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(B, T) log π(x_t | x_<t) and (B, T) entropy of that distribution (0 unless asked).
+    """(B, T) log π(x_t | x_<t) and (B, T) entropy of that distribution (0 unless asked;
+    with a gradient only if `entropy_grad`, for an entropy bonus).
 
     π is the distribution the rollout samples from: logits divided by the sampling
     temperature. Position 0 (and padding) gets 0: nothing before it predicts it.
@@ -55,7 +61,8 @@ def policy_outputs(
     log_probs = nn.functional.pad(log_probs_from_logits(logits, batch["input_ids"][:, 1:]), (1, 0))
     if not with_entropy:
         return log_probs, torch.zeros_like(log_probs)
-    return log_probs, nn.functional.pad(entropy_from_logits(logits.float()), (1, 0))
+    entropy_logits = logits.float() if entropy_grad else logits.detach().float()
+    return log_probs, nn.functional.pad(entropy_from_logits(entropy_logits), (1, 0))
 
 
 class Actor(Trainable):
@@ -78,7 +85,11 @@ class Actor(Trainable):
         algorithm = self.config.algorithm
         mask = micro["response_mask"]
         log_probs, entropy = policy_outputs(
-            self.model, micro, self.config.generation.temperature, algorithm.entropy_coef > 0
+            self.model,
+            micro,
+            self.config.generation.temperature,
+            with_entropy=True,  # reported either way
+            entropy_grad=algorithm.entropy_coef > 0,
         )
         policy = clipped_policy_loss(
             log_probs,
@@ -100,8 +111,8 @@ class Actor(Trainable):
             "policy_loss": scalar(masked_mean(policy.loss, mask)),
             "clip_fraction": scalar(masked_mean(policy.clipped.float(), mask)),
             "entropy": scalar(masked_mean(entropy, mask)),
-            "approx_kl_old": scalar(masked_mean(micro["old_log_probs"] - log_probs, mask)),
-            "importance_clipped": scalar(weights.clipped_fraction),
+            "approx_kl": scalar(masked_mean(approx_kl(log_probs, micro["old_log_probs"]), mask)),
+            "importance_capped": scalar(weights.clipped_fraction),
         }
 
     def open_weight_sync(self, host: str, port: int, world_size: int) -> list[WeightSpec] | None:

@@ -20,11 +20,14 @@ import threading
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, fields
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
 from rlhf_trainer.api.config import TrainingProgress
 from rlhf_trainer.telemetry.timeline import Span
 
@@ -77,6 +80,13 @@ class IntervalUnion:
 
     def intervals(self) -> list[Interval]:
         return list(zip(self._starts, self._ends, strict=True))
+
+
+DIAGNOSTICS: tuple[tuple[str, type[Any], str], ...] = (
+    ("actor", ActorStats, "The actor's update"),
+    ("critic", CriticStats, "The critic's update"),
+    ("response", ResponseStats, "The batch's responses"),
+)
 
 
 class TrainerMetrics:
@@ -133,6 +143,14 @@ class TrainerMetrics:
         )
         self.reward_mean = Gauge("rlhf_reward_mean", "Mean reward of the last step", registry=r)
         self.kl = Gauge("rlhf_kl", "Mean KL to the reference policy in the last step", registry=r)
+        # rlhf_actor_*, rlhf_critic_*, rlhf_response_*: one gauge per field of the step's stats.
+        self.diagnostics = {
+            prefix: {
+                f.name: Gauge(f"rlhf_{prefix}_{f.name}", f"{doc}: {f.name} (last step)", registry=r)
+                for f in fields(stats)
+            }
+            for prefix, stats, doc in DIAGNOSTICS
+        }
         r.register(_PoolBusyRatio(self))
 
     def observe_span(self, span: Span) -> None:
@@ -148,6 +166,13 @@ class TrainerMetrics:
         self.policy_version.set(progress.policy_version)
         if progress.reward_mean is not None:
             self.reward_mean.set(progress.reward_mean)
+
+    def observe_diagnostics(
+        self, actor: ActorStats, critic: CriticStats, responses: ResponseStats
+    ) -> None:
+        for prefix, stats in (("actor", actor), ("critic", critic), ("response", responses)):
+            for name, value in asdict(stats).items():
+                self.diagnostics[prefix][name].set(value)
 
     def pool_busy_ratios(self) -> dict[str, float]:
         """Per pool: busy time over wall time since the trainer started, in [0, 1]."""
