@@ -9,13 +9,13 @@ import torch
 
 from rlhf_trainer.algo.experience import (
     Rollout,
+    Sequences,
     compute_advantages,
     mean_kl,
     micro_batch_rows,
     minibatches,
     pack_rollouts,
     state_values,
-    trimmed,
 )
 from rlhf_trainer.algo.ppo import gae, whiten
 from rlhf_trainer.api.sections import AlgorithmConfig, DataConfig, RewardSource
@@ -38,20 +38,20 @@ def rollout(prompt: list[int], response: list[int], version: int = 0) -> Rollout
 
 def test_rollouts_pack_with_prompts_left_and_responses_right() -> None:
     batch = pack_rollouts([rollout([1, 5, 6], [7, 2]), rollout([1, 5], [8, 9, 2], 3)], PAD)
-    assert batch["input_ids"].tolist() == [[1, 5, 6, 7, 2, 0], [0, 1, 5, 8, 9, 2]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
-    assert batch["response_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
-    assert batch["rollout_log_probs"].tolist() == [
+    assert batch.input_ids.tolist() == [[1, 5, 6, 7, 2, 0], [0, 1, 5, 8, 9, 2]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]]
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    assert batch.rollout_log_probs.tolist() == [
         [0, 0, 0, -0.5, -1.5, 0],
         [0, 0, 0, -0.5, -1.5, -2.5],
     ]
-    assert batch["policy_version"].tolist() == [0, 3]
+    assert batch.policy_version.tolist() == [0, 3]
 
 
 def test_an_empty_response_packs_to_a_row_with_nothing_to_train() -> None:
     batch = pack_rollouts([rollout([1, 5], [])], PAD)
-    assert batch["response_mask"].sum() == 0
-    assert batch["input_ids"].shape == (1, 3)
+    assert batch.response_mask.sum() == 0
+    assert batch.input_ids.shape == (1, 3)
 
 
 def test_state_values_are_the_model_outputs_one_position_earlier() -> None:
@@ -134,25 +134,30 @@ def test_minibatches_partition_the_rows() -> None:
 def test_micro_batches_hold_rows_of_similar_length_longest_first() -> None:
     lengths = [3, 9, 1, 7, 5, 9]
     mask = torch.tensor([[1] * n + [0] * (9 - n) for n in lengths])
-    groups = micro_batch_rows({"attention_mask": mask}, 4)
+    batch = Sequences(
+        input_ids=torch.zeros_like(mask),
+        attention_mask=mask,
+        response_mask=torch.zeros(mask.shape),
+        rollout_log_probs=torch.zeros(mask.shape),
+        policy_version=torch.zeros(len(mask), dtype=torch.long),
+    )
+    groups = micro_batch_rows(batch, 4)
     assert [g.tolist() for g in groups] == [[1, 5, 3, 4], [0, 2]]
-    assert [g.tolist() for g in micro_batch_rows({"attention_mask": mask}, None)] == [
-        [1, 5, 3, 4, 0, 2]
-    ]
+    assert [g.tolist() for g in micro_batch_rows(batch, None)] == [[1, 5, 3, 4, 0, 2]]
 
 
 def test_trimming_drops_the_columns_that_are_padding_in_every_row() -> None:
     batch = pack_rollouts(
         [rollout([1, 5], [7]), rollout([1, 5], [8, 9, 2, 3]), rollout([1], [4])], PAD
     )
-    short, columns = trimmed({name: t[[0, 2]] for name, t in batch.items()})
+    short, columns = batch.select(torch.tensor([0, 2])).trimmed()
     assert columns == slice(0, 3)
-    assert short["input_ids"].tolist() == [[1, 5, 7], [0, 1, 4]]
-    assert short["response_mask"].tolist() == [[0, 0, 1], [0, 0, 1]]
-    assert short["policy_version"].tolist() == [0, 0]
-    only_the_short_prompt, columns = trimmed({name: t[[2]] for name, t in batch.items()})
+    assert short.input_ids.tolist() == [[1, 5, 7], [0, 1, 4]]
+    assert short.response_mask.tolist() == [[0, 0, 1], [0, 0, 1]]
+    assert short.policy_version.tolist() == [0, 0]
+    only_the_short_prompt, columns = batch.select(torch.tensor([2])).trimmed()
     assert columns == slice(1, 3)
-    assert only_the_short_prompt["input_ids"].tolist() == [[1, 4]]
+    assert only_the_short_prompt.input_ids.tolist() == [[1, 4]]
 
 
 def test_the_prompt_stream_walks_epochs_in_a_seeded_order_and_resumes() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rlhf_trainer.algo.experience import Sequences
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.names import pool_resource
 from rlhf_trainer.api.plan import plan_placement
@@ -102,18 +103,31 @@ def test_timeout_message_names_the_pool_and_what_it_asked_for() -> None:
     ("rows", "parts", "sizes"), [(6, 3, [2, 2, 2]), (5, 2, [3, 2]), (2, 3, [1, 1, 0])]
 )
 def test_split_along_the_batch_and_rejoin(rows: int, parts: int, sizes: list[int]) -> None:
-    batch = {"ids": torch.arange(rows * 4).reshape(rows, 4), "reward": torch.arange(rows) * 1.0}
+    ids = torch.arange(rows * 4).reshape(rows, 4)
+    batch = Sequences(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=torch.ones(rows, 4),
+        rollout_log_probs=-torch.arange(rows * 4.0).reshape(rows, 4),
+        policy_version=torch.arange(rows),
+    )
     shards = split_batch(batch, parts)
-    assert [len(s["ids"]) for s in shards] == [len(s["reward"]) for s in shards] == sizes
+    assert [len(s) for s in shards] == [len(s.policy_version) for s in shards] == sizes
     rejoined = concat_batches(shards)
-    assert torch.equal(rejoined["ids"], batch["ids"])
-    assert torch.equal(rejoined["reward"], batch["reward"])
-    assert torch.equal(concat_batches(split_batch(batch["ids"], parts)), batch["ids"])
+    for name, tensor in batch.tensors().items():
+        assert torch.equal(rejoined.tensors()[name], tensor), name
+    assert torch.equal(concat_batches(split_batch(ids, parts)), ids)
 
 
-def test_split_rejects_tensors_of_different_batch_sizes() -> None:
+def test_a_batch_refuses_tensors_of_different_batch_sizes() -> None:
     with pytest.raises(ValueError, match="disagree on the batch dimension"):
-        split_batch({"a": torch.zeros(3), "b": torch.zeros(4)}, 2)
+        Sequences(
+            input_ids=torch.zeros(3, 2),
+            attention_mask=torch.zeros(3, 2),
+            response_mask=torch.zeros(3, 2),
+            rollout_log_probs=torch.zeros(3, 2),
+            policy_version=torch.zeros(4),
+        )
 
 
 def test_a_plain_worker_runs_without_ray() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-from rlhf_trainer.algo.experience import Batch
+from rlhf_trainer.algo.experience import Experience, Sequences
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.roles import trainable
 from rlhf_trainer.roles.critic import Critic
@@ -36,7 +37,7 @@ def config(micro_batch_size: int | None, gpus: int, tmp: Path) -> JobConfig:
     return JobConfig.model_validate(spec)
 
 
-def experience() -> Batch:
+def experience() -> Experience:
     """A batch whose rows have different response lengths (so ranks and micro-batches
     hold different token counts), left padding and right padding."""
     generator = torch.Generator().manual_seed(0)
@@ -49,13 +50,18 @@ def experience() -> Batch:
         attention_mask[row, end:] = 0
         response_mask[row, end - 1 - row % 4 : end] = 1
     input_ids *= attention_mask
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-        "advantages": torch.randn(ROWS, LENGTH, generator=generator) * response_mask,
-        "returns": torch.randn(ROWS, LENGTH, generator=generator) * response_mask,
-    }
+    zeros = torch.zeros(ROWS, LENGTH)  # filled in by the test that needs them
+    return Experience(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        rollout_log_probs=zeros,
+        policy_version=torch.zeros(ROWS, dtype=torch.long),
+        old_log_probs=zeros,
+        values=zeros,
+        advantages=torch.randn(ROWS, LENGTH, generator=generator) * response_mask,
+        returns=torch.randn(ROWS, LENGTH, generator=generator) * response_mask,
+    )
 
 
 def train_once(rank: int, role: Role, job: JobConfig) -> list[dict[str, torch.Tensor]]:
@@ -66,9 +72,10 @@ def train_once(rank: int, role: Role, job: JobConfig) -> list[dict[str, torch.Te
     worker: Any = Actor(info, job) if role == Role.ACTOR else Critic(info, job)
     batch = split_batch(experience(), world)[rank]
     if role == Role.ACTOR:
-        batch["old_log_probs"] = batch["rollout_log_probs"] = worker.log_probs(batch).detach()
+        log_probs = worker.log_probs(batch).detach()
+        batch = replace(batch, old_log_probs=log_probs, rollout_log_probs=log_probs)
     else:
-        batch["values"] = worker.values(batch)
+        batch = replace(batch, values=worker.values(batch))
     before = full_state_dict(worker.model)
     worker.update(batch, step=1)
     return [before, full_state_dict(worker.model)]
@@ -104,11 +111,12 @@ def outputs_batched_and_alone(rank: int, role: Role, job: JobConfig) -> list[tor
             worker.model.value_head.weight.normal_()
     outputs = worker.log_probs if isinstance(worker, Actor) else worker.values
     batch = experience()
-    alone = torch.zeros_like(batch["response_mask"])
+    alone = torch.zeros_like(batch.response_mask)
     for row in range(ROWS):
-        columns = batch["attention_mask"][row].nonzero()[:, 0]
+        columns = batch.attention_mask[row].nonzero()[:, 0]
+        one = batch.select(slice(row, row + 1))
         alone[row, columns] = outputs(
-            {name: t[row : row + 1, columns] for name, t in batch.items()}
+            replace(one, **{n: t[:, columns] for n, t in one.tensors().items() if t.dim() == 2})
         )
     return [outputs(batch), alone]
 
@@ -145,10 +153,14 @@ def test_a_reward_model_scores_each_sequence_at_its_last_token(tmp_path: Path) -
     spec["models"]["reward"] = {"path": str(tmp_path / "rm")}
     spec["roles"]["reward"] = "policy"
     scorer = RewardModel(RankInfo(Role.REWARD, "policy", 0, 1), JobConfig.model_validate(spec))
-    batch = {  # left-padded prompts, right-padded responses, as experience.py packs them
-        "input_ids": torch.tensor([[0, 5, 6, 7, 0], [5, 6, 7, 8, 9]]),
-        "attention_mask": torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
-    }
+    attention_mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    batch = Sequences(  # left-padded prompts, right-padded responses, as experience.py packs them
+        input_ids=torch.tensor([[0, 5, 6, 7, 0], [5, 6, 7, 8, 9]]),
+        attention_mask=attention_mask,
+        response_mask=torch.zeros(attention_mask.shape),
+        rollout_log_probs=torch.zeros(attention_mask.shape),
+        policy_version=torch.zeros(2, dtype=torch.long),
+    )
     scores = scorer.score(batch)
     alone = [
         scorer.model(input_ids=torch.tensor([ids])).logits[0, 0]
@@ -180,9 +192,10 @@ def test_the_actor_and_the_critic_each_report_their_own_grad_norm(
             worker: Any = Actor(info, job) if role == Role.ACTOR else Critic(info, job)
             batch = experience()
             if role == Role.ACTOR:
-                batch["old_log_probs"] = batch["rollout_log_probs"] = worker.log_probs(batch)
+                log_probs = worker.log_probs(batch)
+                batch = replace(batch, old_log_probs=log_probs, rollout_log_probs=log_probs)
             else:
-                batch["values"] = worker.values(batch)
+                batch = replace(batch, values=worker.values(batch))
             stats = worker.update(batch, step=1)
             assert len(measured) == job.trainer.epochs  # one optimizer step per epoch
             assert stats["grad_norm"] == pytest.approx(sum(measured) / len(measured))

@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import ValueModel, build_tiny_model, token_log_probs
 from rlhf_trainer.roles.sharding import clip_gradients
-from rlhf_trainer.worker import split_batch
 
 TINY = TinyModel(hidden_size=64, num_layers=2, num_heads=2, vocab_size=32)
 Kind = Literal["actor", "critic"]
@@ -50,7 +49,7 @@ def global_batch(step: int) -> dict[str, Tensor]:
 
 
 def rank_batch(step: int, rank: int, world_size: int) -> dict[str, Tensor]:
-    return split_batch(global_batch(step), world_size)[rank]
+    return {name: torch.tensor_split(t, world_size)[rank] for name, t in global_batch(step).items()}
 
 
 def loss(kind: Kind, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -19,12 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf_trainer.algo.experience import Sequences
 from rlhf_trainer.api.config import Role
 
-# A batch is split along its first (batch) dimension: one tensor, or named tensors
-# that share that dimension, e.g. {"input_ids": (B, T), "rewards": (B,)}.
-BatchT = TypeVar("BatchT", Tensor, dict[str, Tensor])
-
+# A batch is split along its first (batch) dimension: one tensor, or a batch of sequences.
+BatchT = TypeVar("BatchT", Tensor, Sequences)
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank must join before this
 CPU_THREADS_PER_RANK = 1
@@ -38,9 +37,7 @@ def split_batch(batch: BatchT, parts: int) -> list[BatchT]:
         raise ValueError(f"cannot split a batch into {parts} parts")
     if isinstance(batch, Tensor):
         return list(torch.tensor_split(batch, parts, dim=0))
-    _batch_size(batch)  # checks the tensors agree
-    pieces = {name: torch.tensor_split(t, parts, dim=0) for name, t in batch.items()}
-    return [{name: pieces[name][i] for name in batch} for i in range(parts)]
+    return batch.split(parts)
 
 
 def concat_batches(shards: Sequence[BatchT]) -> BatchT:
@@ -50,14 +47,7 @@ def concat_batches(shards: Sequence[BatchT]) -> BatchT:
     first = shards[0]
     if isinstance(first, Tensor):
         return torch.cat(list(shards), dim=0)
-    return {name: torch.cat([s[name] for s in shards], dim=0) for name in first}
-
-
-def _batch_size(batch: Mapping[str, Tensor]) -> int:
-    sizes = {name: t.shape[0] for name, t in batch.items()}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"batch tensors disagree on the batch dimension: {sizes}")
-    return next(iter(sizes.values()), 0)
+    return first.concat(shards)
 
 
 @dataclass(frozen=True)

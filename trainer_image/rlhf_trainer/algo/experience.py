@@ -1,7 +1,7 @@
 """From generated rollouts to a scored, advantaged training batch: pure tensor code.
 
-A batch is a dict of (B, T) tensors over whole sequences, prompt and response side by
-side, so every role reads the same layout:
+A batch holds (B, T) tensors over whole sequences, prompt and response side by side, so
+every role reads the same layout:
 
     input_ids       <pad> <pad> <s> c a f = | c a f </s> <pad>
     attention_mask    0     0    1  1 1 1 1 | 1 1 1  1     0
@@ -16,7 +16,8 @@ tokens the policy chose, the only ones PPO counts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -24,10 +25,91 @@ from torch import Tensor
 from rlhf_trainer.algo.ppo import gae, kl_penalty, masked_mean, token_rewards, whiten
 from rlhf_trainer.api.sections import AlgorithmConfig
 
-Batch = dict[str, Tensor]
+
+@dataclass(frozen=True)
+class Sequences:
+    """A batch of generated sequences, as every role scores them (layout: module doc).
+
+    Every field is a tensor with the batch along dim 0 (or None where a subclass allows
+    it), which is what `select`, `trimmed`, `split` and `concat` rely on.
+    """
+
+    input_ids: Tensor  # (B, T) long: prompt left-padded, then response right-padded
+    attention_mask: Tensor  # (B, T) long: 1 on the prompt's and the response's tokens
+    response_mask: Tensor  # (B, T) float: 1 on the response's tokens, the ones PPO counts
+    rollout_log_probs: Tensor  # (B, T) log π_rollout(x_t) of the response tokens, 0 elsewhere
+    policy_version: Tensor  # (B,) long: the weights that started generating each row
+
+    def __post_init__(self) -> None:
+        sizes = {name: t.shape[0] for name, t in self.tensors().items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"batch tensors disagree on the batch dimension: {sizes}")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: t for f in fields(self) if (t := getattr(self, f.name)) is not None}
+
+    def select(self, rows: Tensor | slice) -> Self:
+        """The batch of the given rows."""
+        return replace(self, **{name: t[rows] for name, t in self.tensors().items()})
+
+    def trimmed(self) -> tuple[Self, slice]:
+        """The batch without the columns that are padding in every row, and the columns
+        kept. The layout survives: prompts still end at one column and responses start at
+        the next; position ids come from the attention mask, so no row's outputs change."""
+        filled = self.attention_mask.any(dim=0).nonzero()
+        columns = slice(int(filled[0]), int(filled[-1]) + 1) if len(filled) else slice(0, 0)
+        per_token = {name: t[:, columns] for name, t in self.tensors().items() if t.dim() == 2}
+        return replace(self, **per_token), columns
+
+    def split(self, parts: int) -> list[Self]:
+        """`parts` batches of consecutive rows, in order; sizes differ by at most one row,
+        the first larger (with fewer rows than parts the last are empty)."""
+        pieces = {name: torch.tensor_split(t, parts) for name, t in self.tensors().items()}
+        return [replace(self, **{n: p[i] for n, p in pieces.items()}) for i in range(parts)]
+
+    @classmethod
+    def concat(cls, shards: Sequence[Self]) -> Self:
+        """The inverse of `split`: the shards' rows, in order."""
+        names = shards[0].tensors()
+        return replace(shards[0], **{n: torch.cat([s.tensors()[n] for s in shards]) for n in names})
 
 
-def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Batch:
+@dataclass(frozen=True)
+class Experience(Sequences):
+    """Scored sequences with their advantages: what the actor and the critic train on."""
+
+    old_log_probs: Tensor  # (B, T) log π_old(x_t): the actor's, when the batch was scored
+    values: Tensor  # (B, T) V(s_t): the critic's, when the batch was scored
+    advantages: Tensor  # (B, T) for the policy loss (whitened if configured)
+    returns: Tensor  # (B, T) the critic's regression targets
+    ref_log_probs: Tensor | None = None  # (B, T) log π_ref(x_t); None without a ref role
+
+    @classmethod
+    def of(
+        cls,
+        sequences: Sequences,
+        *,
+        old_log_probs: Tensor,
+        values: Tensor,
+        advantages: Tensor,
+        returns: Tensor,
+        ref_log_probs: Tensor | None = None,
+    ) -> Experience:
+        base = {f.name: getattr(sequences, f.name) for f in fields(Sequences)}
+        return cls(
+            **base,
+            old_log_probs=old_log_probs,
+            values=values,
+            advantages=advantages,
+            returns=returns,
+            ref_log_probs=ref_log_probs,
+        )
+
+
+def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Sequences:
     """The (B, T) tensors of a batch of rollouts (see the module doc for the layout).
 
     `rollout_log_probs` are the engine's log-probs of the response tokens, the
@@ -49,13 +131,13 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Batch:
         attention_mask[row, start:end] = 1
         response_mask[row, prompt_len:end] = 1
         rollout_log_probs[row, prompt_len:end] = torch.tensor(r.response_log_probs)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-        "rollout_log_probs": rollout_log_probs,
-        "policy_version": torch.tensor([r.policy_version for r in rollouts]),
-    }
+    return Sequences(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        rollout_log_probs=rollout_log_probs,
+        policy_version=torch.tensor([r.policy_version for r in rollouts]),
+    )
 
 
 @dataclass(frozen=True)
@@ -112,7 +194,7 @@ def minibatches(rows: int, size: int, generator: torch.Generator) -> list[Tensor
     return list(torch.split(order, size))
 
 
-def micro_batch_rows(batch: Batch, size: int | None) -> list[Tensor]:
+def micro_batch_rows(batch: Sequences, size: int | None) -> list[Tensor]:
     """The rows of each micro-batch: `size` at a time (all of them when None), the
     longest sequences together, so that `trimmed` leaves little padding in each.
 
@@ -120,20 +202,9 @@ def micro_batch_rows(batch: Batch, size: int | None) -> list[Tensor]:
     in the order they came, most micro-batches would hold one long row and pay its
     width for every row.
     """
-    lengths = batch["attention_mask"].sum(dim=1)
+    lengths = batch.attention_mask.sum(dim=1)
     order = torch.argsort(lengths, descending=True, stable=True)
     return list(torch.split(order, size or max(len(order), 1)))
-
-
-def trimmed(batch: Batch) -> tuple[Batch, slice]:
-    """`batch` without the columns that are padding in every row, and the columns kept.
-
-    The layout survives: prompts still end at one column and responses start at the
-    next; position ids come from the attention mask, so no row's outputs change.
-    """
-    filled = batch["attention_mask"].any(dim=0).nonzero()
-    columns = slice(int(filled[0]), int(filled[-1]) + 1) if len(filled) else slice(0, 0)
-    return {name: t[:, columns] if t.dim() == 2 else t for name, t in batch.items()}, columns
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
-from rlhf_trainer.algo.experience import Batch, Rollout, compute_advantages, mean_kl, pack_rollouts
+from rlhf_trainer.algo.experience import (
+    Experience,
+    Rollout,
+    Sequences,
+    compute_advantages,
+    mean_kl,
+    pack_rollouts,
+)
 from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
@@ -114,26 +121,25 @@ class PPOTrainer:
         # Score: every pool at once; the rule-based reward runs here meanwhile.
         scoring = self.run_stage("score", batch)
         scores = self.score(prompts, rollouts, scoring)
-        experience = {
-            **batch,
-            "old_log_probs": gather(scoring[Phase.ACTOR_LOG_PROB]),
-            "values": gather(scoring[Phase.VALUES]),
-        }
-        if Phase.REF_LOG_PROB in scoring:
-            experience["ref_log_probs"] = gather(scoring[Phase.REF_LOG_PROB])
+        old_log_probs = gather(scoring[Phase.ACTOR_LOG_PROB])
+        values = gather(scoring[Phase.VALUES])
+        ref_calls = scoring.get(Phase.REF_LOG_PROB)
+        ref_log_probs = gather(ref_calls) if ref_calls is not None else None
+        mask = batch.response_mask
         advantages = compute_advantages(
-            scores,
-            experience["old_log_probs"],
-            experience.get("ref_log_probs"),
-            experience["values"],
-            batch["response_mask"],
-            self.config.algorithm,
+            scores, old_log_probs, ref_log_probs, values, mask, self.config.algorithm
         )
-        experience |= {"advantages": advantages.advantages, "returns": advantages.returns}
+        experience = Experience.of(
+            batch,
+            old_log_probs=old_log_probs,
+            values=values,
+            advantages=advantages.advantages,
+            returns=advantages.returns,
+            ref_log_probs=ref_log_probs,
+        )
 
         # Update: actor and critic at once.
         updates = self.run_stage("update", experience, step)
-        mask = batch["response_mask"]
         critic_stats = mean_stats(join(updates[Phase.UPDATE_CRITIC]))
         return StepResult(
             step=step,
@@ -141,15 +147,11 @@ class PPOTrainer:
             reward_mean=float(scores.mean()),
             kl=mean_kl(advantages.kl, mask),
             response_tokens=int(mask.sum()),
-            rollout_log_prob_diff=max_abs_diff(
-                experience["old_log_probs"], batch["rollout_log_probs"], mask
-            ),
+            rollout_log_prob_diff=max_abs_diff(old_log_probs, batch.rollout_log_probs, mask),
             actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),
             critic=CriticStats(
                 **critic_stats,
-                explained_variance=explained_variance(
-                    experience["values"], experience["returns"], mask
-                ),
+                explained_variance=explained_variance(values, advantages.returns, mask),
             ),
             responses=ResponseStats.of(rollouts),
         )
@@ -160,7 +162,7 @@ class PPOTrainer:
         calls = rollout.run_each(PHASE_METHOD[Phase.GENERATE], shards, step, phase=Phase.GENERATE)
         return [r for shard in join(calls) for r in shard]
 
-    def run_stage(self, name: str, batch: Batch, *args: Any) -> Calls:
+    def run_stage(self, name: str, batch: Sequences, *args: Any) -> Calls:
         """Issue the plan's stage `name` on `batch` (and `args`): each lane's phases one
         after another on its pool (colocated roles take turns on its GPUs), the lanes of
         different pools at once. A phase on the driver (a rule-based reward) is left to

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlhf_trainer.algo.experience import Batch, state_values
+from rlhf_trainer.algo.experience import Experience, Sequences, state_values
 from rlhf_trainer.algo.ppo import aggregate, clipped_value_loss, masked_mean
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.roles.sharding import shard_model
@@ -23,20 +23,20 @@ class Critic(Trainable):
             self.model.parameters(), lr=config.trainer.critic_learning_rate
         )
 
-    def predict(self, batch: Batch) -> Tensor:
-        token_values = self.model(batch["input_ids"], batch["attention_mask"])
-        return state_values(token_values) * batch["response_mask"]
+    def predict(self, batch: Sequences) -> Tensor:
+        token_values = self.model(batch.input_ids, batch.attention_mask)
+        return state_values(token_values) * batch.response_mask
 
     @torch.no_grad()
-    def values(self, batch: Batch) -> Tensor:
+    def values(self, batch: Sequences) -> Tensor:
         """(B, T) V(s_t) for the response tokens (0 elsewhere)."""
         return per_token(batch, self.config.trainer.micro_batch_size, self.predict)
 
-    def loss(self, micro: Batch, normalizer: Tensor) -> tuple[Tensor, Stats]:
+    def loss(self, micro: Experience, normalizer: Tensor) -> tuple[Tensor, Stats]:
         algorithm = self.config.algorithm
-        mask = micro["response_mask"]
+        mask = micro.response_mask
         values = self.predict(micro)
-        value = clipped_value_loss(values, micro["values"], micro["returns"], algorithm.value_clip)
+        value = clipped_value_loss(values, micro.values, micro.returns, algorithm.value_clip)
         loss = aggregate(value.loss, mask, algorithm.loss_aggregation, normalizer)
         return loss, {
             "value_loss": scalar(masked_mean(value.loss, mask)),

@@ -6,7 +6,7 @@
     Rollout  a vLLM engine: generates, and loads the actor's weights after each update
     Reward   a reward model, when the spec names one instead of a reward function
 
-Batches are the (B, T) dicts of experience.py, this rank's shard. Each worker builds
+Batches are the types of algo/experience.py, this rank's shard. Each worker builds
 its model itself from the spec (a tiny model from its config and seed, or a path), so
 no files need to travel between nodes.
 """
@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_trainer.algo.experience import (
-    Batch,
+    Experience,
+    Sequences,
 )
 from rlhf_trainer.algo.ppo import (
     aggregate,
@@ -40,7 +41,7 @@ from rlhf_trainer.worker import RankInfo, Worker
 
 def policy_outputs(
     model: nn.Module,
-    batch: Batch,
+    batch: Sequences,
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
@@ -51,14 +52,14 @@ def policy_outputs(
     π is the distribution the rollout samples from: logits divided by the sampling
     temperature. Position 0 (and padding) gets 0: nothing before it predicts it.
     """
-    mask = batch["attention_mask"]
+    mask = batch.attention_mask
     logits = (
         model(
-            input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask)
+            input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids(mask)
         ).logits[:, :-1]
         / temperature
     )  # (B, T-1, V): position t predicts token t+1
-    log_probs = nn.functional.pad(log_probs_from_logits(logits, batch["input_ids"][:, 1:]), (1, 0))
+    log_probs = nn.functional.pad(log_probs_from_logits(logits, batch.input_ids[:, 1:]), (1, 0))
     if not with_entropy:
         return log_probs, torch.zeros_like(log_probs)
     entropy_logits = logits.float() if entropy_grad else logits.detach().float()
@@ -77,13 +78,13 @@ class Actor(Trainable):
         self.sync_group: SyncGroup | None = None  # fully async: to the rollout engines
 
     @torch.no_grad()
-    def log_probs(self, batch: Batch) -> Tensor:
+    def log_probs(self, batch: Sequences) -> Tensor:
         """(B, T) log π_old of the response tokens (0 elsewhere)."""
         return sequence_log_probs(self.model, batch, self.config)
 
-    def loss(self, micro: Batch, normalizer: Tensor) -> tuple[Tensor, Stats]:
+    def loss(self, micro: Experience, normalizer: Tensor) -> tuple[Tensor, Stats]:
         algorithm = self.config.algorithm
-        mask = micro["response_mask"]
+        mask = micro.response_mask
         log_probs, entropy = policy_outputs(
             self.model,
             micro,
@@ -93,25 +94,25 @@ class Actor(Trainable):
         )
         policy = clipped_policy_loss(
             log_probs,
-            micro["old_log_probs"],
-            micro["advantages"],
+            micro.old_log_probs,
+            micro.advantages,
             algorithm.clip_ratio,
             algorithm.dual_clip,
         )
         # Off-policy correction between the engine that sampled and the trainer.
         weights = truncated_importance_weights(
-            micro["old_log_probs"], micro["rollout_log_probs"], mask, algorithm.importance_cap
+            micro.old_log_probs, micro.rollout_log_probs, mask, algorithm.importance_cap
         )
         per_token = policy.loss * weights.weights - algorithm.entropy_coef * entropy
-        if algorithm.kl_mode == "loss" and "ref_log_probs" in micro:
-            kl = kl_penalty(log_probs, micro["ref_log_probs"], algorithm.kl_estimator)
+        if algorithm.kl_mode == "loss" and micro.ref_log_probs is not None:
+            kl = kl_penalty(log_probs, micro.ref_log_probs, algorithm.kl_estimator)
             per_token = per_token + algorithm.kl_coef * kl
         loss = aggregate(per_token, mask, algorithm.loss_aggregation, normalizer)
         return loss, {
             "policy_loss": scalar(masked_mean(policy.loss, mask)),
             "clip_fraction": scalar(masked_mean(policy.clipped.float(), mask)),
             "entropy": scalar(masked_mean(entropy, mask)),
-            "approx_kl": scalar(masked_mean(approx_kl(log_probs, micro["old_log_probs"]), mask)),
+            "approx_kl": scalar(masked_mean(approx_kl(log_probs, micro.old_log_probs), mask)),
             "importance_capped": scalar(weights.clipped_fraction),
         }
 
@@ -142,7 +143,7 @@ class Actor(Trainable):
         return serialize_weights(engine_weights(state, self.tied))
 
 
-def sequence_log_probs(model: nn.Module, batch: Batch, config: JobConfig) -> Tensor:
+def sequence_log_probs(model: nn.Module, batch: Sequences, config: JobConfig) -> Tensor:
     temperature = config.generation.temperature
     return per_token(
         batch,
@@ -159,6 +160,6 @@ class Ref(Worker):
         self.config = config
 
     @torch.no_grad()
-    def log_probs(self, batch: Batch) -> Tensor:
+    def log_probs(self, batch: Sequences) -> Tensor:
         """(B, T) log π_ref of the response tokens (0 elsewhere)."""
         return sequence_log_probs(self.model, batch, self.config)

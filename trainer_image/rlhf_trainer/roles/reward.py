@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForSequenceClassification
 
-from rlhf_trainer.algo.experience import Batch
+from rlhf_trainer.algo.experience import Sequences
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import position_ids
 from rlhf_trainer.roles.trainable import micro_batches
@@ -28,17 +28,17 @@ class RewardModel(Worker):
         self.micro_size = config.trainer.micro_batch_size
 
     @torch.no_grad()
-    def score(self, batch: Batch) -> Tensor:
+    def score(self, batch: Sequences) -> Tensor:
         """(B,) the model's score of each whole sequence."""
-        scores = torch.zeros(len(batch["input_ids"]))
+        scores = torch.zeros(len(batch))
         for rows, _, micro in micro_batches(batch, self.micro_size):
             scores[rows] = self._score(micro)
         return scores
 
-    def _score(self, micro: Batch) -> Tensor:
-        mask = micro["attention_mask"]
+    def _score(self, micro: Sequences) -> Tensor:
+        mask = micro.attention_mask
         logits = self.model(
-            input_ids=micro["input_ids"], attention_mask=mask, position_ids=position_ids(mask)
+            input_ids=micro.input_ids, attention_mask=mask, position_ids=position_ids(mask)
         ).logits  # (B, 1): read at the last non-padding token
         scores: Tensor = logits[:, 0].float()
         return scores

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rlhf_trainer.algo.experience import Batch, micro_batch_rows, minibatches, trimmed
+from rlhf_trainer.algo.experience import Experience, Sequences, micro_batch_rows, minibatches
 from rlhf_trainer.algo.ppo import aggregation_normalizer
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import ModelSource
@@ -40,21 +41,24 @@ def load_value_model(source: ModelSource, seed: int) -> ValueModel:
     return ValueModel.from_pretrained(source.path)
 
 
-def micro_batches(batch: Batch, size: int | None) -> Iterator[tuple[Tensor, slice, Batch]]:
+BatchT = TypeVar("BatchT", bound=Sequences)
+
+
+def micro_batches(batch: BatchT, size: int | None) -> Iterator[tuple[Tensor, slice, BatchT]]:
     """`batch` in micro-batches of `size` rows (all of it when None), rows of similar
     length together and each cut to its own width: (rows, columns, micro-batch)."""
     for rows in micro_batch_rows(batch, size):
-        micro, columns = trimmed({name: t[rows] for name, t in batch.items()})
+        micro, columns = batch.select(rows).trimmed()
         yield rows, columns, micro
 
 
-def per_token(batch: Batch, size: int | None, outputs: Callable[[Batch], Tensor]) -> Tensor:
+def per_token(batch: Sequences, size: int | None, outputs: Callable[[Sequences], Tensor]) -> Tensor:
     """(B, T) `outputs` of each micro-batch, put back in the batch's layout, on the
     response tokens only (0 elsewhere)."""
-    result = torch.zeros_like(batch["response_mask"])
+    result = torch.zeros_like(batch.response_mask)
     for rows, columns, micro in micro_batches(batch, size):
         result[rows, columns] = outputs(micro)
-    return result * batch["response_mask"]
+    return result * batch.response_mask
 
 
 def scalar(value: Tensor) -> float:
@@ -78,10 +82,10 @@ class Trainable(Worker):
         super().__init__(info)
         self.config = config
 
-    def loss(self, micro: Batch, normalizer: Tensor) -> tuple[Tensor, Stats]:
+    def loss(self, micro: Experience, normalizer: Tensor) -> tuple[Tensor, Stats]:
         raise NotImplementedError
 
-    def update(self, batch: Batch, step: int) -> Stats:
+    def update(self, batch: Experience, step: int) -> Stats:
         """PPO epochs over this rank's shard; returns the mean of each statistic."""
         trainer = self.config.trainer
         world = self.info.world_size
@@ -89,17 +93,17 @@ class Trainable(Worker):
         generator = torch.Generator().manual_seed(
             derive_seed(trainer.seed, "minibatches", step, self.info.rank)
         )
-        rows = len(batch["input_ids"])
+        rows = len(batch)
         micro_stats: list[Stats] = []
         grad_norms: list[float] = []
         self.model.train()
         for _ in range(trainer.epochs):
             for indices in minibatches(rows, trainer.mini_batch_size // world, generator):
-                mini = {name: t[indices] for name, t in batch.items()}
+                mini = batch.select(indices)
                 mode = self.config.algorithm.loss_aggregation
                 # The whole mini-batch's token (or sequence) count over all ranks, so
                 # micro-batch losses add up to the mini-batch loss.
-                normalizer = all_ranks_sum(aggregation_normalizer(mini["response_mask"], mode))
+                normalizer = all_ranks_sum(aggregation_normalizer(mini.response_mask, mode))
                 self.optimizer.zero_grad(set_to_none=True)
                 for _, _, micro in micro_batches(mini, trainer.micro_batch_size):
                     loss, stats = self.loss(micro, normalizer)
