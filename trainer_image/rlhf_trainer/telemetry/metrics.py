@@ -89,6 +89,19 @@ DIAGNOSTICS: tuple[tuple[str, type[Any], str], ...] = (
 )
 
 
+def diagnostic_gauges(registry: CollectorRegistry) -> dict[str, dict[str, Gauge]]:
+    """rlhf_actor_*, rlhf_critic_*, rlhf_response_*: a gauge per field of a step's stats."""
+    return {
+        prefix: {
+            f.name: Gauge(
+                f"rlhf_{prefix}_{f.name}", f"{doc}: {f.name} (last step)", registry=registry
+            )
+            for f in fields(stats)
+        }
+        for prefix, stats, doc in DIAGNOSTICS
+    }
+
+
 class TrainerMetrics:
     """Every `rlhf_` series the trainer exports, in a registry of its own.
 
@@ -143,14 +156,7 @@ class TrainerMetrics:
         )
         self.reward_mean = Gauge("rlhf_reward_mean", "Mean reward of the last step", registry=r)
         self.kl = Gauge("rlhf_kl", "Mean KL to the reference policy in the last step", registry=r)
-        # rlhf_actor_*, rlhf_critic_*, rlhf_response_*: one gauge per field of the step's stats.
-        self.diagnostics = {
-            prefix: {
-                f.name: Gauge(f"rlhf_{prefix}_{f.name}", f"{doc}: {f.name} (last step)", registry=r)
-                for f in fields(stats)
-            }
-            for prefix, stats, doc in DIAGNOSTICS
-        }
+        self.diagnostics = diagnostic_gauges(r)
         r.register(_PoolBusyRatio(self))
 
     def observe_span(self, span: Span) -> None:
