@@ -140,7 +140,6 @@ class PPOTrainer:
 
         # Update: actor and critic at once.
         updates = self.run_stage("update", experience, step)
-        critic_stats = mean_stats(join(updates[Phase.UPDATE_CRITIC]))
         return StepResult(
             step=step,
             seconds=0.0,
@@ -150,7 +149,7 @@ class PPOTrainer:
             rollout_log_prob_diff=max_abs_diff(old_log_probs, batch.rollout_log_probs, mask),
             actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),
             critic=CriticStats(
-                **critic_stats,
+                **mean_stats(join(updates[Phase.UPDATE_CRITIC])),
                 explained_variance=explained_variance(values, advantages.returns, mask),
             ),
             responses=ResponseStats.of(rollouts),
