@@ -26,9 +26,9 @@ class PartialSums(Worker):
         dist.all_reduce(partial)
         return float(partial.item())
 
-    def doubled(self, shard: dict[str, Tensor]) -> dict[str, Tensor]:
-        """A per-row result, for gather to put back in rank order."""
-        return {"x": shard["x"] * 2, "rank": torch.full_like(shard["x"], self.info.rank)}
+    def doubled(self, shard: Tensor) -> Tensor:
+        """(N, 2) per row: twice the value and this rank, for gather to put in rank order."""
+        return torch.stack([shard * 2, torch.full_like(shard, self.info.rank)], dim=1)
 
     def sleep(self, seconds: float) -> tuple[float, float]:
         """Start and end, wall clock, for the test to check two pools overlapped."""
