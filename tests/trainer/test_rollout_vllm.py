@@ -35,10 +35,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[RolloutEngine]:
+def module_engine(model_dir: Path) -> Iterator[RolloutEngine]:
     engine = RolloutEngine(model_dir, max_model_len=64, gpu_memory_utilization=0.3, seed=0)
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture
+def engine(module_engine: RolloutEngine, model_dir: Path) -> RolloutEngine:
+    """The module's engine (started once) with the original weights at version 0, whatever
+    weights an earlier test loaded into it: no test depends on another's order."""
+    original = AutoModelForCausalLM.from_pretrained(model_dir)
+    module_engine.update_weights(rollout_state_dict(original).items(), version=0)
+    return module_engine
 
 
 def prompt_ids(count: int) -> list[list[int]]:
