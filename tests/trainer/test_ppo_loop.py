@@ -20,14 +20,14 @@ from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.specs import local_job
+from tests.trainer.learning import assert_reward_rises
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 STEPS = 60
-WINDOW = 10  # steps averaged at the start and at the end
-MIN_RISE = 0.06  # measured: +0.11
+MIN_RISE = 0.06  # measured: a fitted rise of +0.112 (t = 13.5)
 LOG_PROB_TOLERANCE = 1e-4  # measured: at most 1e-6 (float32 kernels of vLLM and torch)
 
 
@@ -93,13 +93,8 @@ def trained(request: pytest.FixtureRequest) -> Trained:
     return result
 
 
-def mean_reward(steps: list[StepResult]) -> float:
-    return sum(s.reward_mean for s in steps) / len(steps)
-
-
 def test_the_reward_rises(trained: Trained) -> None:
-    start, end = mean_reward(trained.steps[:WINDOW]), mean_reward(trained.steps[-WINDOW:])
-    assert end > start + MIN_RISE, f"reward {start:.3f} -> {end:.3f}"
+    assert_reward_rises([s.reward_mean for s in trained.steps], MIN_RISE)
 
 
 def test_the_engine_samples_with_the_actors_latest_weights(trained: Trained) -> None:
