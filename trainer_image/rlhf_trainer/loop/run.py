@@ -61,6 +61,7 @@ class Run:
     def start(self) -> None:
         """Continue from the latest committed checkpoint, if there is one, and start
         the rollouter in fully-async mode."""
+        self.trainer.weight_sync.open()
         latest = checkpoint.latest(self.checkpoint_root)
         resumed = self.resume(latest) if latest is not None else None
         if self.streaming is not None:

@@ -35,6 +35,7 @@ from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import reward_function
+from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.telemetry.metrics import union_seconds
 from rlhf_trainer.telemetry.timeline import Timeline
 
@@ -99,6 +100,7 @@ class PPOTrainer:
         self.plan = plan_placement(config)
         self.reward = reward_function(config.models.reward)
         self.policy_version = 0  # the actor's weights: bumped by every update
+        self.weight_sync = WeightSync(groups)  # opened by the run
 
     def step(self, step: int) -> StepResult:
         """One synchronous PPO step: generate, train on it, hand the weights over."""
@@ -195,16 +197,8 @@ class PPOTrainer:
             )
 
     def sync_weights(self, version: int) -> None:
-        """Hand the actor's weights to every rollout engine.
-
-        Rank 0's bytes go from its object store to the engines' directly (the future
-        is passed on, not fetched here): a broadcast through Ray's object store.
-        """
-        payloads = self.groups[Role.ACTOR].run("rollout_weights", phase=Phase.SYNC_WEIGHTS)
-        loads = self.groups[Role.ROLLOUT].run(
-            "load_weights", payloads[0], version, phase=Phase.SYNC_WEIGHTS
-        )
-        join([*payloads, *loads])
+        """Hand the actor's weights to every rollout engine, and wait until they have them."""
+        join(self.weight_sync.push(version))
         self.policy_version = version
 
     def record_spans(self, since: float) -> dict[str, float]:

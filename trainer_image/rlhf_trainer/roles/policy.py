@@ -34,8 +34,14 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import position_ids
 from rlhf_trainer.roles.sharding import full_state_dict, shard_model
 from rlhf_trainer.roles.trainable import Stats, Trainable, load_policy, per_token, scalar
-from rlhf_trainer.rollout.engine import engine_weights, serialize_weights
-from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, send_weights, weight_specs
+from rlhf_trainer.rollout.engine_weights import engine_weights
+from rlhf_trainer.rollout.weight_sync import (
+    SyncGroup,
+    WeightSpec,
+    send_weights,
+    sync_device,
+    weight_specs,
+)
 from rlhf_trainer.worker import RankInfo, Worker
 
 
@@ -75,7 +81,7 @@ class Actor(Trainable):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.trainer.actor_learning_rate
         )
-        self.sync_group: SyncGroup | None = None  # fully async: to the rollout engines
+        self.sync_group: SyncGroup | None = None  # to the rollout engines (rank 0)
 
     @torch.no_grad()
     def log_probs(self, batch: Sequences) -> Tensor:
@@ -116,14 +122,16 @@ class Actor(Trainable):
             "importance_capped": scalar(weights.clipped_fraction),
         }
 
-    def open_weight_sync(self, host: str, port: int, world_size: int) -> list[WeightSpec] | None:
-        """Rank 0 hosts the weight-sync group of fully-async mode (rank 0 of it; the
-        engines join as the other ranks) and returns the specs of what it will send.
-        A collective of the actor's ranks."""
+    def open_weight_sync(
+        self, host: str, port: int, world_size: int, device: str
+    ) -> list[WeightSpec] | None:
+        """Rank 0 hosts the weight-sync group (rank 0 of it; the engines join as the
+        other ranks) and returns the specs of what it will send. `device`: see
+        `weight_sync.sync_device`. A collective of the actor's ranks."""
         state = engine_weights(full_state_dict(self.model), self.tied)
         if self.info.rank != 0:
             return None
-        self.sync_group = SyncGroup.create(host, port, 0, world_size, self.info.device)
+        self.sync_group = SyncGroup.create(host, port, 0, world_size, sync_device(device))
         return weight_specs(state)
 
     def send_weights(self, bucket_bytes: int) -> None:
@@ -133,14 +141,6 @@ class Actor(Trainable):
         if self.info.rank == 0:
             assert self.sync_group is not None, "open_weight_sync first"
             send_weights(self.sync_group, engine_weights(state, self.tied), bucket_bytes)
-
-    def rollout_weights(self) -> bytes | None:
-        """The policy for the rollout engines, as safetensors bytes on rank 0 (None on
-        the others). A collective: every rank must call it."""
-        state = full_state_dict(self.model)
-        if self.info.rank != 0:
-            return None
-        return serialize_weights(engine_weights(state, self.tied))
 
 
 def sequence_log_probs(model: nn.Module, batch: Sequences, config: JobConfig) -> Tensor:

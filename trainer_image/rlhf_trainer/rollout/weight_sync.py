@@ -265,6 +265,17 @@ class SyncGroup:
         self.close()
 
 
+def sync_device(transport: str) -> torch.device:
+    """The device a rank's side of the group runs on: "host" is memory (gloo), for an
+    engine that shares the sender's GPU, where NCCL refuses two ranks on one device;
+    "accelerator" is this process's GPU (NCCL) when it has one, else memory (gloo)."""
+    if transport not in ("host", "accelerator"):
+        raise ValueError(f"weight-sync transport is 'host' or 'accelerator', not {transport!r}")
+    if transport == "host" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def send_specs(group: SyncGroup, specs: Sequence[WeightSpec]) -> None:
     """Send the specs in band (sender side of `receive_specs`): a length, then JSON."""
     _require(group, sender=True)

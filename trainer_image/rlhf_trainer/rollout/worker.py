@@ -1,18 +1,25 @@
-"""The rollout role of synchronous PPO: a vLLM engine that generates a batch at a time."""
+"""The rollout role's workers: one vLLM engine per rank, which takes the actor's
+weights over the sync group (`weight_sync`). `RolloutWorker` generates a batch at a
+time (synchronous PPO); `streaming.StreamingRollout` streams (fully async)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
+
+import torch
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
+from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, receive_weights, sync_device
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 
-class RolloutWorker(Worker):
-    """A vLLM engine. It needs no process group of its own (vLLM makes its own)."""
+class EngineWorker(Worker):
+    """A vLLM engine built from the spec, and the receiving end of the weight sync.
+    It needs no process group of its own (vLLM makes its own)."""
 
     needs_process_group = False
 
@@ -23,10 +30,41 @@ class RolloutWorker(Worker):
             model_path(config.models.actor, config.trainer.seed),
             **asdict(EngineOptions.of(config)),
         )
+        self.sync_group: SyncGroup | None = None
+
+    def open_weight_sync(self, host: str, port: int, world_size: int, device: str) -> None:
+        """Join the weight-sync group as rank 1 + this engine's rank (the actor's rank 0
+        is rank 0). `device`: see `weight_sync.sync_device`."""
+        rank = 1 + self.info.rank
+        self.sync_group = SyncGroup.create(host, port, rank, world_size, sync_device(device))
+
+    def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
+        """Take the new weights from the broadcast into the engine. A paused engine
+        stays paused (fully async resumes it later); a running one pauses meanwhile."""
+        assert self.sync_group is not None, "open_weight_sync first"
+        # The engine's model lives in its own process, so the weights are loaded in one
+        # go after the broadcast: this process holds one full copy meanwhile.
+        received: list[tuple[str, torch.Tensor]] = []
+        receive_weights(
+            self.sync_group,
+            specs,
+            bucket_bytes,
+            lambda bucket: received.extend((name, t.clone()) for name, t in bucket),
+        )
+        self.engine.load_weights(received, version)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.sync_group is not None:
+            self.sync_group.close()
+
+
+class RolloutWorker(EngineWorker):
+    """Synchronous PPO's rollout rank: generates the batch it is given."""
 
     def generate(self, prompts: list[list[int]], step: int) -> list[Rollout]:
         generation = self.config.generation
-        return self.engine.generate(
+        return self.engine.generate_batch(
             prompts,
             max_tokens=self.config.data.max_response_length,
             temperature=generation.temperature,
@@ -34,9 +72,3 @@ class RolloutWorker(Worker):
             # Per step and rank: a resumed run samples what the first one would have.
             seed=derive_seed(self.config.trainer.seed, "generate", step, self.info.rank),
         )
-
-    def load_weights(self, payload: bytes, version: int) -> None:
-        self.engine.load_serialized_weights(payload, version)
-
-    def close(self) -> None:
-        self.engine.shutdown()

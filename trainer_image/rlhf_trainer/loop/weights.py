@@ -1,0 +1,56 @@
+"""How new policy weights reach the rollout engines, in both modes: the actor's rank 0
+broadcasts them in buckets over a sync group of its own (`rollout.weight_sync`), and
+every engine loads them as they arrive.
+
+    actor rank 0 ──broadcast, bucket by bucket──▶ engine 1 … engine N
+
+The group is opened once, at the start of a run. The actor's other ranks take part
+only in gathering the full weights on rank 0 (an FSDP collective).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_trainer.api.config import Role
+from rlhf_trainer.api.plan import Phase
+from rlhf_trainer.cluster.groups import join
+from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSpec
+
+
+class WeightSync:
+    """The driver's side of the weight sync between the actor and the rollout pool."""
+
+    def __init__(self, groups: RoleGroups, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.actor = groups[Role.ACTOR]
+        self.rollout = groups[Role.ROLLOUT]
+        self.bucket_bytes = bucket_bytes
+        self.specs: list[WeightSpec] | None = None  # what the actor sends, in order
+        # An engine beside the actor on its pool shares the actor's GPUs: NCCL will not
+        # join two ranks on one device, so such a group goes through host memory.
+        # (CUDA IPC would skip the copies; see the README's weight-sync notes.)
+        self.transport = "host" if self.actor.pool == self.rollout.pool else "accelerator"
+
+    def open(self) -> None:
+        """Form the sync group: the actor's rank 0 and every engine."""
+        host, port = join([self.actor.hosts[0].rendezvous_address.remote()])[0]
+        world = 1 + self.rollout.world_size
+        # Together: creating the group waits for every member.
+        opened = self.actor.run("open_weight_sync", host, port, world, self.transport)
+        joined = self.rollout.run("open_weight_sync", host, port, world, self.transport)
+        self.specs = join(opened)[0]
+        join(joined)
+
+    def push(self, version: int) -> list[Any]:
+        """Broadcast the actor's weights into the engines as `version`. Waits until the
+        actor has sent them; returns the engines' loads (futures), which end once each
+        engine has its new weights. A paused engine stays paused."""
+        if self.specs is None:
+            raise RuntimeError("the weight sync is not open (call open first)")
+        sends = self.actor.run("send_weights", self.bucket_bytes, phase=Phase.SYNC_WEIGHTS)
+        loads = self.rollout.run(
+            "receive_weights", self.specs, self.bucket_bytes, version, phase=Phase.SYNC_WEIGHTS
+        )
+        join(sends)
+        return loads
