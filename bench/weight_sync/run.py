@@ -1,12 +1,12 @@
 """Weight sync: how long handing a policy of a few hundred MB to a rollout engine takes,
 by each transport the trainer has, against this machine's memcpy bandwidth.
 
-    object_store  synchronous mode today: actor rank 0 serialises the state dict to
-                  safetensors bytes, Ray's object store carries them, the engine side
-                  deserialises them (what `RolloutWorker.load_weights` receives)
-    broadcast     fully-async mode: the bucketed broadcast over a process group of its own
+    broadcast     both modes: the bucketed broadcast over a process group of its own
                   (`rollout.weight_sync`, gloo on CPU), the receiver copying every bucket
-                  out, as the streaming rollout does before loading
+                  out, as every rollout worker does before loading (`EngineWorker`)
+    object_store  what synchronous mode did before, kept for comparison: actor rank 0
+                  serialises the state dict to safetensors bytes, Ray's object store
+                  carries them, the engine side deserialises them
     memcpy        one torch copy of as many bytes, in one process: the bound
 
 The receiving side is a Ray actor in another process, as an engine is. The engine's own
@@ -108,8 +108,8 @@ def main() -> dict[str, Any]:
             assert ray.get(received) == nbytes
 
         variants = {
-            "object_store": object_store,
             "broadcast": broadcast,
+            "object_store": object_store,
             "memcpy": lambda: flat.copy_(source),
         }
         for run in variants.values():

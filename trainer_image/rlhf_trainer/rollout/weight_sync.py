@@ -1,12 +1,13 @@
 """Broadcast new policy weights from the trainer to the rollout engines, bucket by bucket.
 
-In fully-async PPO the actor's rank 0 holds the full weights (`sharding.full_state_dict`)
-and N rollout engines, each in its own process on another pool, need them. They meet
+After an update the actor's rank 0 holds the full weights (`sharding.full_state_dict`)
+and N rollout engines, each in its own process, need them (in both modes). They meet
 in a *sync group*: rank 0 is the sender (the actor's rank 0), ranks 1..N the engines.
 The group is standalone: it is built from its own `TCPStore`, hosted by the sender,
 and is never registered with torch.distributed, so it neither needs nor touches the
 default process group of either side (the actor ranks have one; an engine may too).
-It runs gloo on CPU and NCCL on GPU.
+It runs gloo on CPU and NCCL on GPU, and gloo through host memory for engines that
+share the sender's GPU (`sync_device`).
 
 The weights travel in buckets (`plan_buckets`): the tensors of one dtype, in order,
 packed into flat runs of at most `bucket_bytes`. Each side allocates one byte buffer
