@@ -27,7 +27,7 @@ pytest.importorskip("ray", reason="the trainer stack (make install) is not insta
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
-TOTAL_STEPS = 12
+TOTAL_STEPS = 6
 EVERY = 3
 RUN_TIMEOUT_S = 600  # generous: starting the roles takes about a minute on 2 cores
 STEP_LINE = re.compile(r"step (\d+)/\d+: reward ([-\d.]+)")

@@ -64,21 +64,25 @@ def experience() -> Experience:
     )
 
 
-def train_once(rank: int, role: Role, job: JobConfig) -> list[dict[str, torch.Tensor]]:
-    """One update of a fresh actor or critic on its rank's shard; the weights before
-    and after."""
+def train_once(rank: int, job: JobConfig) -> list[dict[str, torch.Tensor]]:
+    """One update of a fresh actor and of a fresh critic on this rank's shard; the
+    weights of each, before and after (actor before, actor after, critic before, ...)."""
     world = torch.distributed.get_world_size()
-    info = RankInfo(role, "policy", rank, world)
-    worker: Any = Actor(info, job) if role == Role.ACTOR else Critic(info, job)
     batch = split_batch(experience(), world)[rank]
-    if role == Role.ACTOR:
-        log_probs = worker.log_probs(batch).detach()
-        batch = replace(batch, old_log_probs=log_probs, rollout_log_probs=log_probs)
-    else:
-        batch = replace(batch, values=worker.values(batch))
-    before = full_state_dict(worker.model)
-    worker.update(batch, step=1)
-    return [before, full_state_dict(worker.model)]
+    weights = []
+    for worker in (
+        Actor(RankInfo(Role.ACTOR, "policy", rank, world), job),
+        Critic(RankInfo(Role.CRITIC, "policy", rank, world), job),
+    ):
+        if isinstance(worker, Actor):
+            log_probs = worker.log_probs(batch).detach()
+            shard = replace(batch, old_log_probs=log_probs, rollout_log_probs=log_probs)
+        else:
+            shard = replace(batch, values=worker.values(batch))
+        before = full_state_dict(worker.model)
+        worker.update(shard, step=1)
+        weights += [before, full_state_dict(worker.model)]
+    return weights
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -92,13 +96,14 @@ def test_micro_batches_and_ranks_add_up_to_one_pass_over_the_batch(tmp_path: Pat
     """The loss is normalised by the whole mini-batch's token count over all ranks, so
     splitting it into micro-batches, or over ranks with unequal token counts, takes the
     same optimizer step as one pass over everything (for the actor and the critic)."""
-    for role in (Role.ACTOR, Role.CRITIC):
-        ((initial, whole),) = run_ranks(train_once, 1, role, config(None, 1, tmp_path))
-        ((_, micro),) = run_ranks(train_once, 1, role, config(2, 1, tmp_path))
-        (_, sharded), _ = run_ranks(train_once, 2, role, config(2, 2, tmp_path))
-        assert any(not torch.equal(whole[n], initial[n]) for n in whole), "no step was taken"
-        assert_same_weights(micro, whole)
-        assert_same_weights(sharded, whole)
+    (whole,) = run_ranks(train_once, 1, config(None, 1, tmp_path))
+    (micro,) = run_ranks(train_once, 1, config(2, 1, tmp_path))
+    sharded, _ = run_ranks(train_once, 2, config(2, 2, tmp_path))
+    for role, after in ((Role.ACTOR, 1), (Role.CRITIC, 3)):  # [before, after] per role
+        initial = whole[after - 1]
+        assert any(not torch.equal(whole[after][n], initial[n]) for n in initial), role
+        assert_same_weights(micro[after], whole[after])
+        assert_same_weights(sharded[after], whole[after])
 
 
 def outputs_batched_and_alone(rank: int, role: Role, job: JobConfig) -> list[torch.Tensor]:
@@ -121,19 +126,24 @@ def outputs_batched_and_alone(rank: int, role: Role, job: JobConfig) -> list[tor
     return [outputs(batch), alone]
 
 
+def each_batched_and_alone(
+    rank: int, jobs: list[tuple[Role, JobConfig]]
+) -> list[list[torch.Tensor]]:
+    return [outputs_batched_and_alone(rank, role, job) for role, job in jobs]
+
+
 @pytest.mark.slow
 def test_micro_batches_sorted_and_trimmed_give_each_row_what_it_gets_alone(
     tmp_path: Path,
 ) -> None:
     """Micro-batches group rows by length and drop the columns that are padding in all
     their rows; no row's log-probs or values may change for it."""
-    for role in (Role.ACTOR, Role.CRITIC):
-        for micro_batch_size in (None, 2):
-            ((batched, alone),) = run_ranks(
-                outputs_batched_and_alone, 1, role, config(micro_batch_size, 1, tmp_path)
-            )
-            assert batched.abs().sum() > 0
-            torch.testing.assert_close(batched, alone, rtol=0, atol=1e-5)
+    cases = [(role, size) for role in (Role.ACTOR, Role.CRITIC) for size in (None, 2)]
+    jobs = [(role, config(size, 1, tmp_path)) for role, size in cases]
+    (outputs,) = run_ranks(each_batched_and_alone, 1, jobs)  # one process for all
+    for case, (batched, alone) in zip(cases, outputs, strict=True):
+        assert batched.abs().sum() > 0, case
+        torch.testing.assert_close(batched, alone, rtol=0, atol=1e-5, msg=str(case))
 
 
 def test_a_reward_model_scores_each_sequence_at_its_last_token(tmp_path: Path) -> None:
