@@ -3,7 +3,7 @@ by each transport the trainer has, against this machine's memcpy bandwidth.
 
     broadcast     both modes: the bucketed broadcast over a process group of its own
                   (`rollout.weight_sync`, gloo on CPU), the receiver copying every bucket
-                  out, as every rollout worker does before loading (`EngineWorker`)
+                  out, as every rollout worker does before loading (`receive_copies`)
     object_store  what synchronous mode did before, kept for comparison: actor rank 0
                   serialises the state dict to safetensors bytes, Ray's object store
                   carries them, the engine side deserialises them
@@ -32,7 +32,7 @@ from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     SyncGroup,
     WeightSpec,
-    receive_weights,
+    receive_copies,
     send_weights,
     weight_specs,
 )
@@ -65,13 +65,7 @@ class Receiver:
         self.group = SyncGroup.create(host, port, rank=1, world_size=2)
 
     def receive(self, specs: list[WeightSpec]) -> int:
-        kept: list[tuple[str, torch.Tensor]] = []
-        receive_weights(
-            self.group,
-            specs,
-            DEFAULT_BUCKET_BYTES,
-            lambda bucket: kept.extend((n, t.clone()) for n, t in bucket),
-        )
+        kept = receive_copies(self.group, specs, DEFAULT_BUCKET_BYTES)
         return sum(t.nbytes for _, t in kept)
 
     def load(self, payload: bytes) -> int:

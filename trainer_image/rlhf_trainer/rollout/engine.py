@@ -340,14 +340,14 @@ class RolloutEngine:
     async def _load_weights(
         self, weights: Iterable[tuple[str, Tensor]] | bytes, version: int
     ) -> None:
-        if await self._llm.is_paused():
-            await self.update_weights(weights, version)
-            return
-        await self.pause()
+        was_paused = await self._llm.is_paused()
+        if not was_paused:
+            await self.pause()
         try:
             await self.update_weights(weights, version)
         finally:
-            await self.resume()
+            if not was_paused:
+                await self.resume()
 
     def shutdown(self) -> None:
         """Stop the engine's processes and its loop now rather than at interpreter exit."""

@@ -352,6 +352,21 @@ def receive_weights(
     return _stats(specs, plan, buffer)
 
 
+def receive_copies(
+    group: SyncGroup, specs: Sequence[WeightSpec], bucket_bytes: int
+) -> list[tuple[str, Tensor]]:
+    """`receive_weights` into a copy of every tensor, for a receiver that loads them in
+    one go afterwards (it holds one full copy meanwhile)."""
+    received: list[tuple[str, Tensor]] = []
+    receive_weights(
+        group,
+        specs,
+        bucket_bytes,
+        lambda bucket: received.extend((n, t.clone()) for n, t in bucket),
+    )
+    return received
+
+
 def specs_digest(specs: Sequence[WeightSpec]) -> bytes:
     """A fingerprint of the specs, order included (32 bytes)."""
     payload = json.dumps([spec.to_json() for spec in specs]).encode()

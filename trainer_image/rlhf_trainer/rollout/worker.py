@@ -7,13 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
-import torch
-
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
-from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, receive_weights, sync_device
+from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, receive_copies, sync_device
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 
@@ -43,15 +41,8 @@ class EngineWorker(Worker):
         stays paused (fully async resumes it later); a running one pauses meanwhile."""
         assert self.sync_group is not None, "open_weight_sync first"
         # The engine's model lives in its own process, so the weights are loaded in one
-        # go after the broadcast: this process holds one full copy meanwhile.
-        received: list[tuple[str, torch.Tensor]] = []
-        receive_weights(
-            self.sync_group,
-            specs,
-            bucket_bytes,
-            lambda bucket: received.extend((name, t.clone()) for name, t in bucket),
-        )
-        self.engine.load_weights(received, version)
+        # go after the broadcast.
+        self.engine.load_weights(receive_copies(self.sync_group, specs, bucket_bytes), version)
 
     def close(self) -> None:
         self.engine.shutdown()
