@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_trainer.algo.estimators import compute_advantages
 from rlhf_trainer.algo.experience import (
     Rollout,
     Sequences,
-    compute_advantages,
     mean_kl,
     micro_batch_rows,
     minibatches,

@@ -94,9 +94,11 @@ def ref_whiten(x: Rows, mask: Rows) -> Rows:
     ]
 
 
-def ref_policy_loss(lp: float, old: float, a: float, eps: float, c: float | None) -> float:
+def ref_policy_loss(
+    lp: float, old: float, a: float, low: float, high: float, c: float | None
+) -> float:
     ratio = math.exp(lp - old)
-    loss = max(-a * ratio, -a * min(max(ratio, 1 - eps), 1 + eps))
+    loss = max(-a * ratio, -a * min(max(ratio, 1 - low), 1 + high))
     if c is not None and a < 0:
         loss = min(loss, -c * a)
     return loss
@@ -186,16 +188,19 @@ def test_whiten_matches_reference(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize(("clip_ratio", "dual_clip"), [(0.2, None), (0.2, 3.0), (0.1, 1.5)])
+@pytest.mark.parametrize(
+    ("low", "high", "dual_clip"),
+    [(0.2, 0.2, None), (0.2, 0.2, 3.0), (0.1, 0.1, 1.5), (0.2, 0.28, None), (0.1, 0.5, 2.0)],
+)
 def test_clipped_policy_loss_matches_reference(
-    seed: int, clip_ratio: float, dual_clip: float | None
+    seed: int, low: float, high: float, dual_clip: float | None
 ) -> None:
     case = random_case(seed)
     result = ppo.clipped_policy_loss(
-        case["log_probs"], case["old_log_probs"], case["advantages"], clip_ratio, dual_clip
+        case["log_probs"], case["old_log_probs"], case["advantages"], low, high, dual_clip
     )
     expected = [
-        [ref_policy_loss(lp, old, a, clip_ratio, dual_clip) for lp, old, a in zip(*r, strict=True)]
+        [ref_policy_loss(lp, old, a, low, high, dual_clip) for lp, old, a in zip(*r, strict=True)]
         for r in zip(
             rows(case["log_probs"]),
             rows(case["old_log_probs"]),
@@ -207,7 +212,7 @@ def test_clipped_policy_loss_matches_reference(
     # Where the clipped branch sets the loss, the gradient w.r.t. log π is zero.
     log_probs = case["log_probs"].clone().requires_grad_()
     again = ppo.clipped_policy_loss(
-        log_probs, case["old_log_probs"], case["advantages"], clip_ratio, dual_clip
+        log_probs, case["old_log_probs"], case["advantages"], low, high, dual_clip
     )
     again.loss.sum().backward()
     assert log_probs.grad is not None
@@ -398,8 +403,8 @@ def test_dual_clip_bounds_the_loss_of_a_negative_advantage() -> None:
     old = torch.zeros(1, 3)
     log_probs = torch.log(torch.tensor([[10.0, 1.1, 0.5]]))  # ratios 10, 1.1, 0.5
     advantages = torch.tensor([[-1.0, -1.0, 1.0]])
-    plain = ppo.clipped_policy_loss(log_probs, old, advantages, clip_ratio=0.2)
-    dual = ppo.clipped_policy_loss(log_probs, old, advantages, clip_ratio=0.2, dual_clip=3.0)
+    plain = ppo.clipped_policy_loss(log_probs, old, advantages, clip_low=0.2)
+    dual = ppo.clipped_policy_loss(log_probs, old, advantages, clip_low=0.2, dual_clip=3.0)
     torch.testing.assert_close(plain.loss, torch.tensor([[10.0, 1.1, -0.5]]))
     torch.testing.assert_close(dual.loss, torch.tensor([[3.0, 1.1, -0.5]]))
     # A > 0 with ρ below 1 - ε keeps the (lower) unclipped objective: PPO is pessimistic.
@@ -411,7 +416,7 @@ def test_dual_clip_bounds_the_loss_of_a_negative_advantage() -> None:
 def test_ratio_one_gives_the_plain_policy_gradient() -> None:
     advantages = torch.tensor([[0.5, -2.0]])
     log_probs = torch.tensor([[-1.0, -3.0]], requires_grad=True)
-    result = ppo.clipped_policy_loss(log_probs, log_probs.detach(), advantages, clip_ratio=0.2)
+    result = ppo.clipped_policy_loss(log_probs, log_probs.detach(), advantages, clip_low=0.2)
     result.loss.sum().backward()
     assert log_probs.grad is not None
     torch.testing.assert_close(log_probs.grad, -advantages)  # ∇ -A·π/π_old = -A at ρ = 1

@@ -23,6 +23,7 @@ from rlhf_trainer.rollout.queue import (
     RolloutFailed,
     Sample,
     SampleQueue,
+    group_staleness,
     staleness,
 )
 
@@ -227,9 +228,51 @@ def test_never_a_partial_batch() -> None:
     assert queue.depth() == 0
 
 
-def test_batch_size_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="at least one sample"):
+def test_batch_size_must_be_positive_and_whole_groups() -> None:
+    with pytest.raises(ValueError, match="whole groups of 1 samples, got size 0"):
         SampleQueue().get_batch(0, timeout_s=0)
+    with pytest.raises(ValueError, match="whole groups of 3 samples, got size 4"):
+        SampleQueue(group_size=3).get_batch(4, timeout_s=0)
+
+
+def test_groups_are_held_back_until_whole_and_handed_out_whole_in_completion_order() -> None:
+    queue = SampleQueue(group_size=3)  # group g holds the uids 3g, 3g+1, 3g+2
+    for uid in (0, 4, 1, 5, 3):  # group 1 completes first; group 0 still misses uid 2
+        queue.put(sample(uid))
+    assert queue.depth() == 5  # partial groups count: they are outstanding
+    assert queue.get_batch(6, timeout_s=0.05) is None  # one whole group is not two
+    batch = queue.get_batch(3, timeout_s=0)
+    assert batch is not None and [s.uid for s in batch] == [3, 4, 5]
+    queue.put(sample(2))
+    batch = queue.get_batch(3, timeout_s=0)
+    assert batch is not None and [s.uid for s in batch] == [0, 1, 2]  # sorted within
+    assert queue.depth() == 0
+
+
+def test_a_snapshot_keeps_partial_groups_and_a_restore_makes_them_whole_again() -> None:
+    queue = SampleQueue(group_size=2)
+    for uid in (0, 1, 3):  # group 0 whole, group 1 half
+        queue.put(sample(uid))
+    snapshot = queue.snapshot()
+    assert [s.uid for s in snapshot] == [0, 1, 3]
+    resumed = SampleQueue(group_size=2)
+    resumed.restore(snapshot)
+    assert resumed.depth() == 3
+    assert resumed.get_batch(4, timeout_s=0.05) is None  # group 1 is still half
+    resumed.put(sample(2))
+    batch = resumed.get_batch(4, timeout_s=0)
+    assert batch is not None and [s.uid for s in batch] == [0, 1, 2, 3]
+
+
+def test_a_group_is_as_stale_as_its_oldest_sample() -> None:
+    samples = [
+        sample(0, version=3),
+        sample(1, version=1),
+        sample(2, version=3),
+        sample(3, version=3),
+    ]
+    assert group_staleness(samples, 4, group_size=2) == [3, 3, 1, 1]
+    assert group_staleness(samples, 4, group_size=1) == [1, 3, 1, 1]
 
 
 def test_a_blocked_getter_takes_its_batch_once_it_fills() -> None:

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 POOL_NAMES = ["a", "b", "policy", "value", "rollout", "gen-2"]
 ROLES = ["actor", "rollout", "critic", "ref", "reward"]
+ESTIMATORS = ["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"]
+GROUP_ESTIMATORS = ["grpo", "rloo", "reinforce++-baseline"]
 
 
 @st.composite
@@ -16,7 +18,8 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
     """A manifest that satisfies every rule, built so each rule holds by construction."""
     kl_coef = draw(st.sampled_from([0.0, 0.05]))
     reward_is_model = draw(st.booleans())
-    present = ["actor", "rollout", "critic"]
+    estimator = draw(st.sampled_from(ESTIMATORS))
+    present = ["actor", "rollout"] + (["critic"] if estimator == "gae" else [])
     present += ["ref"] if kl_coef > 0 or draw(st.booleans()) else []
     present += ["reward"] if reward_is_model or draw(st.booleans()) else []
     # A random surjection of roles onto pools: every pool hosts at least one role.
@@ -36,7 +39,8 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
     ]
     gpus = {p["name"]: p["replicas"] * p["gpusPerNode"] for p in pools}
     per_rank = draw(st.integers(1, 4))
-    mini = math.lcm(gpus[roles["actor"]], gpus[roles["critic"]]) * per_rank
+    mini = math.lcm(gpus[roles["actor"]], gpus.get(roles.get("critic", ""), 1)) * per_rank
+    samples = draw(st.integers(2 if estimator in GROUP_ESTIMATORS else 1, 8))
     rollout_pool = next(p for p in pools if p["name"] == roles["rollout"])
     tp = draw(st.sampled_from([d for d in range(1, 9) if rollout_pool["gpusPerNode"] % d == 0]))
     spec: dict[str, Any] = {
@@ -55,8 +59,15 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
             "klCoef": kl_coef,
             "gamma": draw(st.floats(0, 1)),
             "klMode": draw(st.sampled_from(["reward", "loss"])),
+            "advantageEstimator": estimator,
+            "clipRatioLow": draw(st.floats(0.05, 0.3)),
+            "clipRatioHigh": draw(st.floats(0.3, 1.0)),
         },
-        "generation": {"tensorParallelSize": tp, "temperature": draw(st.floats(0.1, 2.0))},
+        "generation": {
+            "tensorParallelSize": tp,
+            "temperature": draw(st.floats(0.1, 2.0)),
+            "samplesPerPrompt": samples,
+        },
         "trainer": {
             "batchSize": mini * draw(st.integers(1, 4)),
             "miniBatchSize": mini,
@@ -67,6 +78,8 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
         },
         "separation": draw(st.sampled_from(["node", "gpu"])),
     }
+    if samples > 1 and draw(st.booleans()):
+        spec["algorithm"]["dynamicSampling"] = {"maxAttempts": draw(st.integers(1, 10))}
     if asynchronous:
         spec["async"] = {
             "stalenessThreshold": draw(st.floats(0, 4)),
@@ -142,7 +155,7 @@ def rule_damaged_jobs(draw: st.DrawFn) -> dict[str, Any]:
     small = st.integers(1, 12)
     edits = {
         "role": lambda: spec["roles"].__setitem__(draw(st.sampled_from(ROLES)), draw(pool_names)),
-        "drop-role": lambda: spec["roles"].pop(draw(st.sampled_from(["ref", "reward"])), None),
+        "drop-role": lambda: spec["roles"].pop(draw(st.sampled_from(["ref", "reward", "critic"])), None),
         "pool-name": lambda: draw(st.sampled_from(spec["pools"])).__setitem__("name", draw(pool_names)),
         "gpus": lambda: draw(st.sampled_from(spec["pools"])).__setitem__("gpusPerNode", draw(small)),
         "mini": lambda: spec["trainer"].__setitem__("miniBatchSize", draw(small)),
@@ -155,6 +168,11 @@ def rule_damaged_jobs(draw: st.DrawFn) -> dict[str, Any]:
             [{"path": "/rm"}, {"function": "f"}, {}, {"path": "/rm", "function": "f"}]))),
         "model": lambda: spec["models"].__setitem__("actor", draw(st.sampled_from(
             [{"path": "m", "tiny": {}}, {"tiny": {"hiddenSize": 64, "numHeads": 4}}, {}]))),
+        "estimator": lambda: spec["algorithm"].__setitem__("advantageEstimator", draw(st.sampled_from(ESTIMATORS))),
+        "samples": lambda: spec["generation"].__setitem__("samplesPerPrompt", draw(st.integers(1, 3))),
+        "clip": lambda: spec["algorithm"].__setitem__(draw(st.sampled_from(["clipRatioLow", "clipRatioHigh", "clipRatio"])), draw(st.sampled_from([0.1, 0.2, 0.3]))),
+        "dynamic": lambda: spec["algorithm"].__setitem__("dynamicSampling", {}),
+        "critic-model": lambda: spec["models"].__setitem__("critic", {"path": "/models/critic"}),
         "separation": lambda: (spec.__setitem__("separation", "gpu"),
                                spec["pools"][0].__setitem__("nodeSelector", {"pool": draw(st.sampled_from("ab"))}),
                                spec["pools"][-1].__setitem__("nodeSelector", {"pool": draw(st.sampled_from("ab"))})),

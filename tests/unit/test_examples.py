@@ -17,6 +17,7 @@ EXPECTED = {
     "asymmetric-6-2.yaml": (Mode.SPLIT, {"policy": 6, "value": 2}),
     "colocated.yaml": (Mode.COLOCATED, {"all": 8}),
     "fully-async.yaml": (Mode.ASYNC, {"rollout": 8, "trainer": 8}),
+    "grpo-split.yaml": (Mode.SPLIT, {"train": 8, "generate": 8}),
     "local-cpu.yaml": (Mode.SPLIT, {"policy": 1, "value": 1}),
     "split-8gpu-4-4.yaml": (Mode.SPLIT, {"actor-rollout-ref": 4, "critic": 4}),
     "two-nodes-by-node-8-8.yaml": (Mode.SPLIT, {"policy": 8, "value": 8}),

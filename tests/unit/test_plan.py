@@ -133,3 +133,22 @@ def test_a_stage_is_found_by_name_and_a_misspelt_one_is_refused() -> None:
     ]
     with pytest.raises(KeyError, match="no stage 'scroe'"):
         plan.stage("scroe")
+
+
+def test_a_critic_free_split_job_places_rollout_and_actor_apart_with_no_critic() -> None:
+    plan = plan_placement(
+        config(
+            [{"name": "a", "gpusPerNode": 4}, {"name": "b", "gpusPerNode": 4}],
+            {"actor": "a", "ref": "a", "rollout": "b", "reward": "a"},
+            algorithm={"advantageEstimator": "grpo"},
+            generation={"samplesPerPrompt": 4},
+        )
+    )
+    assert plan.mode is Mode.SPLIT
+    assert pools_of(plan) == {
+        "a": (1, 4, 4, (Role.ACTOR, Role.REF, Role.REWARD)),
+        "b": (1, 4, 4, (Role.ROLLOUT,)),
+    }
+    assert Role.CRITIC not in plan.roles
+    assert Phase.VALUES not in plan.phases() and Phase.UPDATE_CRITIC not in plan.phases()
+    assert [lane.phases for lane in plan.stage("update").lanes] == [(Phase.UPDATE_ACTOR,)]

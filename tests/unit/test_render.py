@@ -250,3 +250,13 @@ def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_on_every_pod() -> 
         assert {"name": "checkpoints", "mountPath": "/mnt/ckpt"} in mounts
     without = render("two-nodes-by-node-8-8.yaml")["RayJob"]["spec"]["rayClusterSpec"]
     assert "checkpoints" not in str(without)
+
+
+def test_a_critic_free_job_renders_no_critic_and_one_worker_group_per_pool() -> None:
+    objects = render("grpo-split.yaml")
+    cluster = objects["RayJob"]["spec"]["rayClusterSpec"]
+    assert {g["groupName"] for g in cluster["workerGroupSpecs"]} == {"train", "generate"}
+    handed_over = JobConfig.model_validate_json(objects["ConfigMap"]["data"]["spec.json"])
+    assert handed_over.roles.critic is None and handed_over.models.critic is None
+    assert handed_over.algorithm.advantage_estimator == "grpo"
+    assert handed_over.samples_per_step == 64 * 8

@@ -22,8 +22,7 @@ from typing import Self
 import torch
 from torch import Tensor
 
-from rlhf_trainer.algo.ppo import gae, kl_penalty, masked_mean, token_rewards, whiten
-from rlhf_trainer.api.sections import AlgorithmConfig
+from rlhf_trainer.algo.ppo import masked_mean
 
 
 @dataclass(frozen=True)
@@ -82,9 +81,9 @@ class Experience(Sequences):
     """Scored sequences with their advantages: what the actor and the critic train on."""
 
     old_log_probs: Tensor  # (B, T) log π_old(x_t): the actor's, when the batch was scored
-    values: Tensor  # (B, T) V(s_t): the critic's, when the batch was scored
-    advantages: Tensor  # (B, T) for the policy loss (whitened if configured)
-    returns: Tensor  # (B, T) the critic's regression targets
+    advantages: Tensor  # (B, T) for the policy loss
+    values: Tensor | None = None  # (B, T) V(s_t): the critic's when scored; None without one
+    returns: Tensor | None = None  # (B, T) the critic's regression targets; None without one
     ref_log_probs: Tensor | None = None  # (B, T) log π_ref(x_t); None without a ref role
 
     @classmethod
@@ -93,9 +92,9 @@ class Experience(Sequences):
         sequences: Sequences,
         *,
         old_log_probs: Tensor,
-        values: Tensor,
         advantages: Tensor,
-        returns: Tensor,
+        values: Tensor | None = None,
+        returns: Tensor | None = None,
         ref_log_probs: Tensor | None = None,
     ) -> Experience:
         base = {f.name: getattr(sequences, f.name) for f in fields(Sequences)}
@@ -138,39 +137,6 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Sequences:
         rollout_log_probs=rollout_log_probs,
         policy_version=torch.tensor([r.policy_version for r in rollouts]),
     )
-
-
-@dataclass(frozen=True)
-class Advantages:
-    advantages: Tensor  # (B, T) for the policy loss, whitened if configured
-    returns: Tensor  # (B, T) the critic's regression targets
-    kl: Tensor  # (B, T) per-token KL(π_old ‖ π_ref) estimate (0 without a ref)
-
-
-def compute_advantages(
-    scores: Tensor,
-    old_log_probs: Tensor,
-    ref_log_probs: Tensor | None,
-    values: Tensor,
-    mask: Tensor,
-    algorithm: AlgorithmConfig,
-) -> Advantages:
-    """Scores (B,) and the scoring phase's per-token tensors -> GAE advantages.
-
-    With `klMode: reward` the KL to the reference is a per-token reward penalty here;
-    with `klMode: loss` it is left to the actor's loss and only reported.
-    """
-    kl = (
-        kl_penalty(old_log_probs, ref_log_probs, algorithm.kl_estimator) * mask
-        if ref_log_probs is not None
-        else torch.zeros_like(mask)
-    )
-    in_reward = algorithm.kl_mode == "reward" and ref_log_probs is not None
-    rewards = token_rewards(scores, mask, kl if in_reward else None, algorithm.kl_coef)
-    advantages, returns = gae(rewards, values, mask, algorithm.gamma, algorithm.lam)
-    if algorithm.whiten_advantages:
-        advantages = whiten(advantages, mask)
-    return Advantages(advantages=advantages, returns=returns, kl=kl)
 
 
 def mean_kl(kl: Tensor, mask: Tensor) -> float:

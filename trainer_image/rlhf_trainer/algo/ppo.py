@@ -125,19 +125,24 @@ def clipped_policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
     advantages: Tensor,
-    clip_ratio: float,
+    clip_low: float,
+    clip_high: float | None = None,
     dual_clip: float | None = None,
 ) -> PolicyLoss:
-    """PPO's clipped surrogate, per token: max(-A·ρ, -A·clip(ρ, 1-ε, 1+ε)).
+    """PPO's clipped surrogate, per token: max(-A·ρ, -A·clip(ρ, 1-ε_low, 1+ε_high)).
 
     log_probs: (B, T) log π(a|s) of the policy being updated (with gradient);
     old_log_probs: (B, T) log π_old(a|s) when the batch was scored.
+    clip_high: None is the symmetric clip (ε_high = ε_low). A larger ε_high (DAPO's
+    clip-higher) lets unlikely tokens with positive advantage grow further, which keeps
+    the policy's entropy from collapsing.
     Dual clip (Ye et al. 2020, c > 1): for A < 0 the loss is also capped at -c·A, so a
     huge ratio on a bad action (a stale or unlucky sample) cannot blow the step up.
     """
+    clip_high = clip_low if clip_high is None else clip_high
     ratio = torch.exp(log_probs - old_log_probs)  # (B, T) ρ = π/π_old
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
     clip_active = clipped > unclipped
     if dual_clip is not None:

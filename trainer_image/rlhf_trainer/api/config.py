@@ -15,6 +15,7 @@ from pydantic.config import JsonDict
 
 from rlhf_trainer.api.rules import Rule, SpecModel
 from rlhf_trainer.api.sections import (
+    GROUP_ESTIMATORS,
     AlgorithmConfig,
     DataConfig,
     GenerationConfig,
@@ -61,7 +62,13 @@ class RoleMapping(SpecModel):
     rollout: PoolName = Field(
         description="Pool of the rollout engines (vLLM). Give it its own pool for fully async."
     )
-    critic: PoolName = Field(description="Pool of the critic (value model).")
+    critic: PoolName | None = Field(
+        None,
+        description=(
+            "Pool of the critic (value model). Required exactly when "
+            "algorithm.advantageEstimator is gae; the critic-free estimators have none."
+        ),
+    )
     ref: PoolName | None = Field(
         None,
         description="Pool of the frozen reference policy. Required when algorithm.klCoef > 0.",
@@ -113,6 +120,48 @@ def _pool_has_role(config: JobConfig, pool: str) -> bool:
     return pool in config.roles.pools_in_use().values()
 
 
+def _group_rules() -> tuple[Rule, ...]:
+    """The critic exactly when the estimator needs one; groups where they are compared."""
+    group_estimators = ", ".join(f"'{e}'" for e in GROUP_ESTIMATORS)
+    return (
+        Rule(
+            "roles.critic",
+            "is required when algorithm.advantageEstimator is gae, and must be unset "
+            "otherwise (the critic-free estimators have no critic)",
+            "has(self.roles.critic) == (self.algorithm.advantageEstimator == 'gae')",
+            lambda c: (c.roles.critic is not None) == c.algorithm.uses_critic,
+            lambda c: f"advantageEstimator {c.algorithm.advantage_estimator}",
+        ),
+        Rule(
+            "models.critic",
+            "must be unset unless algorithm.advantageEstimator is gae (no critic runs)",
+            "!has(self.models.critic) || self.algorithm.advantageEstimator == 'gae'",
+            lambda c: c.models.critic is None or c.algorithm.uses_critic,
+        ),
+        Rule(
+            "generation.samplesPerPrompt",
+            f"must be at least 2 for the estimators {group_estimators} "
+            "(they compare the responses to one prompt)",
+            f"self.algorithm.advantageEstimator in [{group_estimators}] "
+            "? self.generation.samplesPerPrompt >= 2 : true",
+            lambda c: (
+                c.algorithm.advantage_estimator not in GROUP_ESTIMATORS
+                or c.generation.samples_per_prompt >= 2
+            ),
+            lambda c: (
+                f"got {c.generation.samples_per_prompt} with {c.algorithm.advantage_estimator}"
+            ),
+        ),
+        Rule(
+            "algorithm.dynamicSampling",
+            "needs generation.samplesPerPrompt >= 2 (it drops groups whose rewards are all "
+            "equal, and one response is always such a group)",
+            "!has(self.algorithm.dynamicSampling) || self.generation.samplesPerPrompt >= 2",
+            lambda c: c.algorithm.dynamic_sampling is None or c.generation.samples_per_prompt >= 2,
+        ),
+    )
+
+
 def _divides_dp(config: JobConfig, role: Role) -> bool:
     """mini-batch (and micro-batch) split evenly over the role's data-parallel ranks."""
     trainer = config.trainer
@@ -140,7 +189,8 @@ def _dp_rule(role: Role) -> Rule:
         "trainer.miniBatchSize",
         f"must be a multiple of the {r} pool's GPUs (the {r}'s data-parallel size), "
         f"and miniBatchSize / those GPUs a multiple of microBatchSize",
-        f"self.pools.filter(p, p.name == self.roles.{r}).all(p, "
+        # has() inside the filter: the pool of an optional role (critic) may be unset
+        f"self.pools.filter(p, has(self.roles.{r}) && p.name == self.roles.{r}).all(p, "
         f"self.trainer.miniBatchSize % (p.replicas * p.gpusPerNode) == 0 && "
         f"(!has(self.trainer.microBatchSize) || "
         f"(self.trainer.miniBatchSize / (p.replicas * p.gpusPerNode)) "
@@ -170,7 +220,8 @@ POOLS_LIST_MAP: JsonDict = {
 }
 
 _ROLES_IN_USE_CEL = (
-    "[self.roles.actor, self.roles.rollout, self.roles.critic]"
+    "[self.roles.actor, self.roles.rollout]"
+    " + (has(self.roles.critic) ? [self.roles.critic] : [])"
     " + (has(self.roles.ref) ? [self.roles.ref] : [])"
     " + (has(self.roles.reward) ? [self.roles.reward] : [])"
 )
@@ -208,8 +259,8 @@ class JobConfig(SpecModel):
             "self.pools.all(p, self.pools.exists_one(q, q.name == p.name))",
             lambda c: len({p.name for p in c.pools}) == len(c.pools),
         ),
-        *(_declared_pool_rule(r, optional=False) for r in (Role.ACTOR, Role.ROLLOUT, Role.CRITIC)),
-        *(_declared_pool_rule(r, optional=True) for r in (Role.REF, Role.REWARD)),
+        *(_declared_pool_rule(r, optional=False) for r in (Role.ACTOR, Role.ROLLOUT)),
+        *(_declared_pool_rule(r, optional=True) for r in (Role.CRITIC, Role.REF, Role.REWARD)),
         Rule(
             "pools",
             "every pool must host at least one role (an unused pool wastes its GPUs)",
@@ -237,11 +288,14 @@ class JobConfig(SpecModel):
             "!has(self.async) || self.roles.rollout != self.roles.actor",
             lambda c: c.async_ is None or c.roles.rollout != c.roles.actor,
         ),
+        *_group_rules(),
         Rule(
             "trainer.miniBatchSize",
-            "must divide trainer.batchSize",
-            "self.trainer.batchSize % self.trainer.miniBatchSize == 0",
-            lambda c: c.trainer.batch_size % c.trainer.mini_batch_size == 0,
+            "must divide trainer.batchSize x generation.samplesPerPrompt (the samples of a step)",
+            "(self.trainer.batchSize * self.generation.samplesPerPrompt) "
+            "% self.trainer.miniBatchSize == 0",
+            lambda c: c.samples_per_step % c.trainer.mini_batch_size == 0,
+            lambda c: f"miniBatchSize {c.trainer.mini_batch_size}, {c.samples_per_step} samples",
         ),
         _dp_rule(Role.ACTOR),
         _dp_rule(Role.CRITIC),
@@ -260,6 +314,11 @@ class JobConfig(SpecModel):
 
     def pool(self, name: str) -> PoolConfig:
         return next(p for p in self.pools if p.name == name)
+
+    @property
+    def samples_per_step(self) -> int:
+        """The samples a step trains on: batchSize prompts x samplesPerPrompt responses."""
+        return self.trainer.batch_size * self.generation.samples_per_prompt
 
 
 class TrainingProgress(SpecModel):

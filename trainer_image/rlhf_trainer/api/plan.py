@@ -175,10 +175,10 @@ def plan_placement(config: JobConfig) -> PlacementPlan:
 
 
 def _active_roles(config: JobConfig) -> list[Role]:
-    active = [Role.ACTOR, Role.ROLLOUT, Role.CRITIC, Role.REWARD]
-    if config.roles.ref is not None:
-        active.insert(2, Role.REF)
-    return active
+    """Every role but a ref without a pool (no KL) and a critic without one (critic-free
+    estimators); the reward always runs, on a pool or on the driver."""
+    optional = {Role.REF: config.roles.ref, Role.CRITIC: config.roles.critic}
+    return [r for r in Role if r not in optional or optional[r] is not None]
 
 
 def _role_plan(config: JobConfig, role: Role, pool: str | None) -> RolePlan:

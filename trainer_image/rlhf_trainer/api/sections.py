@@ -94,7 +94,10 @@ class ModelsConfig(SpecModel):
         None, description="The reference policy; defaults to the actor's initial model."
     )
     critic: ModelSource | None = Field(
-        None, description="The value model's backbone; defaults to the actor's initial model."
+        None,
+        description=(
+            "The value model's backbone (gae only); defaults to the actor's initial model."
+        ),
     )
     reward: RewardSource = Field(description="The reward model or rule-based reward function.")
 
@@ -118,12 +121,53 @@ class DataConfig(SpecModel):
     shuffle: bool = Field(True, description="Shuffle prompts every epoch (seeded).")
 
 
-class AlgorithmConfig(SpecModel):
-    """PPO hyper-parameters."""
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"]
+# The estimators that compare the samples of one prompt with each other: n >= 2.
+GROUP_ESTIMATORS: tuple[AdvantageEstimator, ...] = ("grpo", "rloo", "reinforce++-baseline")
 
+
+class DynamicSampling(SpecModel):
+    """DAPO's dynamic sampling: groups whose rewards are all equal teach nothing (zero
+    advantage); drop them and generate more until the batch is full."""
+
+    max_attempts: int = Field(
+        8,
+        ge=1,
+        le=1000,
+        description=(
+            "Generation rounds per step at most; the step fails, naming the counts, if the "
+            "batch is still not full."
+        ),
+    )
+
+
+class AlgorithmConfig(SpecModel):
+    """The RL algorithm: the advantage estimator and the policy-gradient loss."""
+
+    advantage_estimator: AdvantageEstimator = Field(
+        "gae",
+        description=(
+            "gae: PPO with a critic. Critic-free: grpo (group-normalised outcome), rloo "
+            "(leave-one-out baseline), reinforce++ (globally normalised returns), "
+            "reinforce++-baseline (group mean subtracted, then global normalisation)."
+        ),
+    )
+    normalize_group_std: bool = Field(
+        True,
+        description="grpo: divide by the group's reward std (false = Dr. GRPO, mean only).",
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     clip_ratio: float = Field(0.2, gt=0, le=1, description="PPO policy clip range epsilon.")
+    clip_ratio_low: float | None = Field(
+        None, gt=0, le=1, description="Lower clip range (ratio >= 1 - low); unset = clipRatio."
+    )
+    clip_ratio_high: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="Upper clip range (ratio <= 1 + high; clip-higher); unset = clipRatio.",
+    )
     dual_clip: float | None = Field(
         None,
         gt=1,
@@ -141,7 +185,13 @@ class AlgorithmConfig(SpecModel):
         "k1", description="KL estimator: k1 = log-ratio, k3 = unbiased low-variance."
     )
     entropy_coef: float = Field(0.0, ge=0, le=1, description="Entropy bonus coefficient.")
-    whiten_advantages: bool = Field(True, description="Normalise advantages per batch.")
+    whiten_advantages: bool = Field(
+        True,
+        description=(
+            "gae: normalise advantages per batch (the reinforce++ estimators always do; "
+            "grpo and rloo are normalised per group)."
+        ),
+    )
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="How per-token losses are averaged into one number."
     )
@@ -154,6 +204,34 @@ class AlgorithmConfig(SpecModel):
             "rollout's log-probs (off-policy correction of stale samples)."
         ),
     )
+    dynamic_sampling: DynamicSampling | None = Field(
+        None,
+        description=(
+            "Set to drop groups whose rewards are all equal and generate more "
+            "(needs generation.samplesPerPrompt >= 2); unset = train on every group."
+        ),
+    )
+
+    rules = (
+        Rule(
+            "clipRatioHigh",
+            "must be at least clipRatioLow (each defaults to clipRatio)",
+            "(has(self.clipRatioHigh) ? self.clipRatioHigh : self.clipRatio) >= "
+            "(has(self.clipRatioLow) ? self.clipRatioLow : self.clipRatio)",
+            lambda a: a.clip_range()[1] >= a.clip_range()[0],
+            lambda a: f"low {a.clip_range()[0]}, high {a.clip_range()[1]}",
+        ),
+    )
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    def clip_range(self) -> tuple[float, float]:
+        """(low, high): the ratio is clipped to [1 - low, 1 + high]."""
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        return low, high
 
 
 class GenerationConfig(SpecModel):
@@ -166,6 +244,15 @@ class GenerationConfig(SpecModel):
     )
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="Fraction of GPU memory vLLM may take."
+    )
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Responses generated per prompt (n, the group size); a step trains on "
+            "batchSize x n samples."
+        ),
     )
 
 
@@ -184,15 +271,18 @@ class TrainerConfig(SpecModel):
 
     total_steps: int = Field(100, ge=1, le=10_000_000, description="PPO steps to run.")
     batch_size: int = Field(
-        64, ge=1, le=1_000_000, description="Prompts generated and trained on per PPO step."
+        64,
+        ge=1,
+        le=1_000_000,
+        description="Prompts per PPO step (each answered generation.samplesPerPrompt times).",
     )
     mini_batch_size: int = Field(
         16,
         ge=1,
         le=1_000_000,
         description=(
-            "Samples per optimizer step; must divide batchSize and be a multiple of the "
-            "actor's and the critic's data-parallel size (their pool's GPUs)."
+            "Samples per optimizer step; must divide batchSize x samplesPerPrompt and be a "
+            "multiple of the actor's and the critic's data-parallel size (their pool's GPUs)."
         ),
     )
     micro_batch_size: int | None = Field(

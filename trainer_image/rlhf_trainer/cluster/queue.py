@@ -8,7 +8,10 @@ from rlhf_trainer.rollout.queue import DEFAULT_QUEUE_CONCURRENCY, SampleQueue
 
 
 def spawn_queue(
-    *, max_concurrency: int = DEFAULT_QUEUE_CONCURRENCY, name: str | None = None
+    group_size: int = 1,
+    *,
+    max_concurrency: int = DEFAULT_QUEUE_CONCURRENCY,
+    name: str | None = None,
 ) -> Any:
     """Start a `SampleQueue` as a Ray actor on this (the driver's) node; returns its handle.
 
@@ -39,4 +42,4 @@ def spawn_queue(
         max_concurrency=max_concurrency,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         name=name,
-    ).remote()
+    ).remote(group_size)

@@ -10,6 +10,9 @@ prompts still outstanding (in flight or queued, all of them now stale) count tow
 the limit B·K·(1+s), and only the rest of the limit is admitted. With s = 0 exactly
 the next K batches are admitted after each sync, so every sample is trained by the
 version that generated it (K = 1) or within K-1 versions of it.
+
+With samplesPerPrompt n > 1 admission counts prompts, each admitted as a group of n
+samples; the queue hands out whole groups, and a group is as stale as its oldest sample.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from typing import Any
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.cluster.groups import join
 from rlhf_trainer.data.prompts import PromptStream
-from rlhf_trainer.loop.sync import PPOTrainer, StepResult, split_list
-from rlhf_trainer.rollout.queue import AdmissionControl, Sample, staleness
+from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
+from rlhf_trainer.rollout.queue import AdmissionControl, Sample, group_staleness
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
 QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
@@ -33,7 +36,7 @@ QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a
 class AsyncState:
     """What a checkpoint of the async mode adds: the samples not trained yet."""
 
-    admission: dict[str, int]  # AdmissionControl.state(): admitted_total is the next uid
+    admission: dict[str, int]  # AdmissionControl.state(), in prompts (groups)
     queued: list[Sample]
     in_flight: list[tuple[int, int, list[int]]]  # (uid, prompt index, token ids)
 
@@ -69,6 +72,7 @@ class AsyncPPOTrainer:
         )
         self.queue = queue
         self.metrics = metrics
+        self.group_size = core.group_size
         # The rollout side of the last sync (load, resume, admit): the trainer goes on
         # without waiting for it, and waits before it next pauses the engines.
         self.rollout_pending: list[Any] = []
@@ -84,21 +88,23 @@ class AsyncPPOTrainer:
             self.admission.restore(resumed.admission)
             join([self.queue.restore.remote(resumed.queued)])
             self.admit_again(resumed.in_flight)
-            self.admission.on_weight_sync(len(resumed.queued) + len(resumed.in_flight))
+            outstanding = len(resumed.queued) + len(resumed.in_flight)
+            self.admission.on_weight_sync(outstanding // self.group_size)
         self.admit()
 
     def step(self, step: int) -> StepResult:
         started = time.time()
         samples: list[Sample] | None = join(
-            [self.queue.get_batch.remote(self.config.trainer.batch_size, QUEUE_TIMEOUT_S)]
+            [self.queue.get_batch.remote(self.config.samples_per_step, QUEUE_TIMEOUT_S)]
         )[0]
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         version = self.core.policy_version
-        for sample in samples:
-            self.metrics.sample_staleness.observe(staleness(sample, version))
+        lags = group_staleness(samples, version, self.group_size)
+        for lag in lags:
+            self.metrics.sample_staleness.observe(lag)
         texts = [self.prompts.prompts[s.prompt_index].text for s in samples]
-        result = self.core.train_on(step, texts, [s.rollout for s in samples])
+        result = self.core.train_on(step, Batch(texts, [s.rollout for s in samples]))
         self.core.policy_version += 1
         if step % self.sync_every == 0:
             self.sync_weights()
@@ -107,19 +113,24 @@ class AsyncPPOTrainer:
             result,
             seconds=time.time() - started,
             phase_seconds=self.core.record_spans(since=started),
-            staleness=[staleness(s, version) for s in samples],
+            staleness=lags,
             sample_uids=[s.uid for s in samples],
         )
 
     def admit(self) -> None:
-        """Admit prompts up to the staleness limit, spread over the engines."""
-        first_uid = self.admission.admitted_total  # uids in admission order
+        """Admit prompts up to the staleness limit, n samples each, spread over the
+        engines. Prompt number g's samples get the uids g·n … g·n + n - 1."""
+        first = self.admission.admitted_total  # prompts are numbered in admission order
         count = 0
         while self.admission.try_admit():
             count += 1
-        prompts = self.prompts.next_indices(count)
+        n = self.group_size
         self.admit_again(
-            [(first_uid + i, p, self.prompts.prompts[p].token_ids) for i, p in enumerate(prompts)]
+            [
+                ((first + i) * n + j, p, self.prompts.prompts[p].token_ids)
+                for i, p in enumerate(self.prompts.next_indices(count))
+                for j in range(n)
+            ]
         )
 
     def admit_again(self, admitted: list[tuple[int, int, list[int]]]) -> None:
@@ -148,12 +159,12 @@ class AsyncPPOTrainer:
             join(rollout.run("drain"))
         outstanding = self.push_weights()
         self.metrics.weight_sync_seconds.observe(time.time() - started)
-        self.admission.on_weight_sync(outstanding)
+        self.admission.on_weight_sync(outstanding // self.group_size)
         self.admit()
 
     def push_weights(self) -> int:
         """Pause the engines, broadcast the actor's weights into them, resume. Returns
-        the samples outstanding (queued or in flight), counted while paused.
+        the samples outstanding (queued or in flight; whole groups), counted while paused.
 
         Waits only until the actor has sent: the engines load and resume while the
         trainer starts on its next batch, which the sync does not change.

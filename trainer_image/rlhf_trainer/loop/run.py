@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhf_trainer.api.config import JobConfig, Role, TrainingProgress
 from rlhf_trainer.api.plan import plan_placement
-from rlhf_trainer.cluster.groups import join
+from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import PromptStream
@@ -30,7 +30,7 @@ from rlhf_trainer.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTED_ROLES = (Role.ACTOR, Role.CRITIC)
+TRAINED_ROLES = (Role.ACTOR, Role.CRITIC)
 ASYNC_STATE = "async_state.json"  # fully async: the queue and the prompts in flight
 
 
@@ -70,10 +70,14 @@ class Run:
             # The engines start from the initial weights.
             self.trainer.sync_weights(self.trainer.policy_version)
 
+    def checkpointed(self) -> list[tuple[Role, WorkerGroup]]:
+        """The trained roles of this job (no critic with a critic-free estimator)."""
+        groups = self.trainer.groups
+        return [(role, group) for role in TRAINED_ROLES if (group := groups.get(role))]
+
     def resume(self, latest: Path) -> AsyncState | None:
         state = checkpoint.load_trainer_state(latest)
-        groups = self.trainer.groups
-        loads = [groups[role].run("load", str(latest / role)) for role in CHECKPOINTED_ROLES]
+        loads = [group.run("load", str(latest / role)) for role, group in self.checkpointed()]
         join([ref for refs in loads for ref in refs])
         self.trainer.prompts.seek(state.data_epoch, state.data_position)
         restore_rng(state.rng)
@@ -88,8 +92,7 @@ class Run:
     def save(self) -> None:
         """Write a checkpoint of everything the run needs, atomically."""
         staging = checkpoint.staging_dir(self.checkpoint_root, self.step)
-        groups = self.trainer.groups
-        saves = [groups[role].run("save", str(staging / role)) for role in CHECKPOINTED_ROLES]
+        saves = [group.run("save", str(staging / role)) for role, group in self.checkpointed()]
         join([ref for refs in saves for ref in refs])
         if self.streaming is not None:
             # The samples not trained yet: queued, and the prompts still generating.
@@ -110,16 +113,17 @@ class Run:
         )
         if result is None:
             return progress
+        critic = result.critic
         return progress.model_copy(
             update={
-                "samples_per_second": self.config.trainer.batch_size / result.seconds,
+                "samples_per_second": self.config.samples_per_step / result.seconds,
                 "reward_mean": result.reward_mean,
                 "kl": result.kl,
                 "entropy": result.actor.entropy,
                 "actor_grad_norm": result.actor.grad_norm,
-                "critic_grad_norm": result.critic.grad_norm,
+                "critic_grad_norm": critic.grad_norm if critic else None,
                 # NaN (flat returns) is no JSON number: the status leaves it out
-                "explained_variance": finite_or_none(result.critic.explained_variance),
+                "explained_variance": finite_or_none(critic.explained_variance) if critic else None,
                 "response_length_mean": result.responses.length_mean,
                 "truncated_ratio": result.responses.truncated_ratio,
             }
@@ -128,7 +132,8 @@ class Run:
     def observe(self, result: StepResult) -> None:
         m = self.metrics
         m.tokens_generated.inc(result.response_tokens)
-        m.samples_trained.inc(self.config.trainer.batch_size)
+        m.samples_trained.inc(self.config.samples_per_step)
+        m.dropped_groups.inc(result.dropped_groups)
         m.kl.set(result.kl)
         m.observe_diagnostics(result.actor, result.critic, result.responses)
         progress = self.progress(result)
@@ -152,27 +157,28 @@ class Run:
 
 
 def log_step(result: StepResult, total: int) -> None:
-    log.info(
-        "step %d/%d: reward %.6f, kl %.4f, policy loss %.4f, clipped %.3f, "
-        "entropy %.3f, grad norm actor %.3f critic %.3f, value loss %.4f, "
-        "explained variance %.3f, response length %.1f (cut %.2f), "
-        "importance weights capped %.4f, %.2f s",
-        result.step,
-        total,
-        result.reward_mean,
-        result.kl,
-        result.actor.policy_loss,
-        result.actor.clip_fraction,
-        result.actor.entropy,
-        result.actor.grad_norm,
-        result.critic.grad_norm,
-        result.critic.value_loss,
-        result.critic.explained_variance,
-        result.responses.length_mean,
-        result.responses.truncated_ratio,
-        result.actor.importance_capped,  # off-policy correction
-        result.seconds,
-    )
+    actor, critic, responses = result.actor, result.critic, result.responses
+    parts = [
+        f"step {result.step}/{total}: reward {result.reward_mean:.6f}",
+        f"kl {result.kl:.4f}",
+        f"policy loss {actor.policy_loss:.4f}",
+        f"clipped {actor.clip_fraction:.3f}",
+        f"entropy {actor.entropy:.3f}",
+        f"grad norm actor {actor.grad_norm:.3f}",
+    ]
+    if critic is not None:
+        parts += [
+            f"critic {critic.grad_norm:.3f}",
+            f"value loss {critic.value_loss:.4f}",
+            f"explained variance {critic.explained_variance:.3f}",
+        ]
+    parts += [
+        f"response length {responses.length_mean:.1f} (cut {responses.truncated_ratio:.2f})",
+        f"importance weights capped {actor.importance_capped:.4f}",  # off-policy correction
+        *([f"groups dropped {result.dropped_groups}"] if result.dropped_groups else []),
+        f"{result.seconds:.2f} s",
+    ]
+    log.info(", ".join(parts))
 
 
 def finite_or_none(value: float) -> float | None:
@@ -196,7 +202,7 @@ def run_job(
         config.data, config.trainer.seed, lambda text: list(tokenizer(text)["input_ids"])
     )
     started = time.time()
-    queue = spawn_queue() if config.async_ else None
+    queue = spawn_queue(config.generation.samples_per_prompt) if config.async_ else None
     workers = {Role.ROLLOUT: (StreamingRollout, (queue,))} if queue else {}
     groups = RoleGroups.start(plan, config, job, workers)
     log.info("roles started in %.1f s", time.time() - started)

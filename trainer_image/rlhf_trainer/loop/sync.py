@@ -20,17 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
-from rlhf_trainer.algo.experience import (
-    Experience,
-    Rollout,
-    Sequences,
-    compute_advantages,
-    mean_kl,
-    pack_rollouts,
-)
+from rlhf_trainer.algo.estimators import compute_advantages, informative_groups
+from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
 from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
+from rlhf_trainer.api.sections import DynamicSampling
 from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
@@ -70,13 +65,28 @@ class StepResult:
     # the weights the actor has (before its update), up to numerics
     rollout_log_prob_diff: float
     actor: ActorStats
-    critic: CriticStats
+    critic: CriticStats | None  # None for the critic-free estimators
     responses: ResponseStats
     phase_seconds: dict[str, float] = field(default_factory=dict)  # busy time per phase
     # per sample: policy versions between the one that started generating it and the
     # one trained on it (fully async; 0 in synchronous PPO)
     staleness: list[int] = field(default_factory=list)
     sample_uids: list[int] = field(default_factory=list)  # fully async: which samples
+    dropped_groups: int = 0  # dynamic sampling: groups with all rewards equal, regenerated
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """Dynamic sampling ran out of rounds before the batch was full."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What a step trains on: the samples of whole groups, a group's rows together."""
+
+    prompts: list[str]  # (B·n,) each sample's prompt text
+    rollouts: list[Rollout]  # (B·n,)
+    scores: torch.Tensor | None = None  # (B·n,) when already scored (dynamic sampling)
+    dropped_groups: int = 0
 
 
 class PPOTrainer:
@@ -99,49 +109,103 @@ class PPOTrainer:
         self.timeline = timeline
         self.plan = plan_placement(config)
         self.reward = reward_function(config.models.reward)
+        self.group_size = config.generation.samples_per_prompt
         self.policy_version = 0  # the actor's weights: bumped by every update
         self.weight_sync = WeightSync(groups)  # opened by the run
 
     def step(self, step: int) -> StepResult:
         """One synchronous PPO step: generate, train on it, hand the weights over."""
         started = time.time()
-        prompts = self.prompts.next_batch(self.config.trainer.batch_size)
-        rollouts = self.generate(prompts, step)
-        result = self.train_on(step, [p.text for p in prompts], rollouts)
+        batch = self.sample(step)
+        result = self.train_on(step, batch)
         self.sync_weights(self.policy_version + 1)
         return replace(
             result, seconds=time.time() - started, phase_seconds=self.record_spans(since=started)
         )
 
-    def train_on(
-        self, step: int, prompts: Sequence[str], rollouts: Sequence[Rollout]
-    ) -> StepResult:
-        """Score the rollouts, compute advantages and update the actor and the critic
+    def sample(self, step: int) -> Batch:
+        """batchSize prompts, samplesPerPrompt responses each."""
+        if self.config.algorithm.dynamic_sampling is not None:
+            return self.sample_dynamically(step, self.config.algorithm.dynamic_sampling)
+        prompts = self.prompts.next_batch(self.config.trainer.batch_size)
+        return Batch(self.group_texts(prompts), self.generate(prompts, step))
+
+    def sample_dynamically(self, step: int, dynamic: DynamicSampling) -> Batch:
+        """Like `sample`, but groups whose rewards are all equal are dropped and more
+        prompts generated, round after round, until the batch is full (DAPO)."""
+        wanted, n = self.config.trainer.batch_size, self.group_size
+        texts: list[str] = []
+        rollouts: list[Rollout] = []
+        scores: list[torch.Tensor] = []
+        dropped = 0
+        for attempt in range(dynamic.max_attempts):
+            missing = wanted - len(rollouts) // n
+            prompts = self.prompts.next_batch(missing)
+            round_texts, round_rollouts = (
+                self.group_texts(prompts),
+                self.generate(prompts, step, attempt),
+            )
+            round_scores = self.score_alone(round_texts, round_rollouts)
+            keep = informative_groups(round_scores, n).repeat_interleave(n).tolist()
+            dropped += missing - sum(keep) // n
+            texts += [t for t, k in zip(round_texts, keep, strict=True) if k]
+            rollouts += [r for r, k in zip(round_rollouts, keep, strict=True) if k]
+            scores.append(round_scores[torch.tensor(keep, dtype=torch.bool)])
+            if len(rollouts) == wanted * n:
+                return Batch(texts, rollouts, torch.cat(scores), dropped)
+        raise DynamicSamplingExhausted(
+            f"step {step}: after {dynamic.max_attempts} rounds (algorithm.dynamicSampling."
+            f"maxAttempts) only {len(rollouts) // n} of {wanted} groups had rewards that "
+            f"differ ({dropped} dropped): the task is too easy or too hard for the policy, "
+            "or the reward does not vary"
+        )
+
+    def group_texts(self, prompts: Sequence[Prompt]) -> list[str]:
+        return [p.text for p in prompts for _ in range(self.group_size)]
+
+    def train_on(self, step: int, sampled: Batch) -> StepResult:
+        """Score the batch, compute advantages and update the actor and the critic
         (the policy version is bumped by the caller's weight sync). Without timings."""
-        batch = pack_rollouts(rollouts, self.pad_id)
+        batch = pack_rollouts(sampled.rollouts, self.pad_id)
 
         # Score: every pool at once; the rule-based reward runs here meanwhile.
-        scoring = self.run_stage("score", batch)
-        scores = self.score(prompts, rollouts, scoring)
+        skip = () if sampled.scores is None else (Phase.REWARD,)
+        scoring = self.run_stage("score", batch, skip=skip)
+        scores = (
+            self.score(sampled.prompts, sampled.rollouts, scoring)
+            if sampled.scores is None
+            else sampled.scores
+        )
         old_log_probs = gather(scoring[Phase.ACTOR_LOG_PROB])
-        values = gather(scoring[Phase.VALUES])
-        ref_calls = scoring.get(Phase.REF_LOG_PROB)
-        ref_log_probs = gather(ref_calls) if ref_calls is not None else None
+        values = gather_if(scoring, Phase.VALUES)
+        ref_log_probs = gather_if(scoring, Phase.REF_LOG_PROB)
         mask = batch.response_mask
         advantages = compute_advantages(
-            scores, old_log_probs, ref_log_probs, values, mask, self.config.algorithm
+            scores,
+            old_log_probs,
+            ref_log_probs,
+            values,
+            mask,
+            self.config.algorithm,
+            self.group_size,
         )
         experience = Experience.of(
             batch,
             old_log_probs=old_log_probs,
-            values=values,
             advantages=advantages.advantages,
+            values=values,
             returns=advantages.returns,
             ref_log_probs=ref_log_probs,
         )
 
         # Update: actor and critic at once.
         updates = self.run_stage("update", experience, step)
+        critic = None
+        if values is not None and advantages.returns is not None:
+            critic = CriticStats(
+                **mean_stats(join(updates[Phase.UPDATE_CRITIC])),
+                explained_variance=explained_variance(values, advantages.returns, mask),
+            )
         return StepResult(
             step=step,
             seconds=0.0,
@@ -150,30 +214,34 @@ class PPOTrainer:
             response_tokens=int(mask.sum()),
             rollout_log_prob_diff=max_abs_diff(old_log_probs, batch.rollout_log_probs, mask),
             actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),
-            critic=CriticStats(
-                **mean_stats(join(updates[Phase.UPDATE_CRITIC])),
-                explained_variance=explained_variance(values, advantages.returns, mask),
-            ),
-            responses=ResponseStats.of(rollouts),
+            critic=critic,
+            responses=ResponseStats.of(sampled.rollouts),
+            dropped_groups=sampled.dropped_groups,
         )
 
-    def generate(self, prompts: Sequence[Prompt], step: int) -> list[Rollout]:
+    def generate(self, prompts: Sequence[Prompt], step: int, attempt: int = 0) -> list[Rollout]:
+        """samplesPerPrompt responses to each prompt, a group's next to each other."""
         rollout = self.groups[Role.ROLLOUT]
-        shards = split_list([p.token_ids for p in prompts], rollout.world_size)
-        calls = rollout.run_each(PHASE_METHOD[Phase.GENERATE], shards, step, phase=Phase.GENERATE)
+        token_ids = [p.token_ids for p in prompts for _ in range(self.group_size)]
+        shards = split_list(token_ids, rollout.world_size)
+        calls = rollout.run_each(
+            PHASE_METHOD[Phase.GENERATE], shards, step, attempt, phase=Phase.GENERATE
+        )
         return [r for shard in join(calls) for r in shard]
 
-    def run_stage(self, name: str, batch: Sequences, *args: Any) -> Calls:
+    def run_stage(
+        self, name: str, batch: Sequences, *args: Any, skip: Sequence[Phase] = ()
+    ) -> Calls:
         """Issue the plan's stage `name` on `batch` (and `args`): each lane's phases one
         after another on its pool (colocated roles take turns on its GPUs), the lanes of
         different pools at once. A phase on the driver (a rule-based reward) is left to
-        the caller."""
+        the caller, and so are the phases in `skip`."""
         calls: Calls = {}
         for lane in self.plan.stage(name).lanes:
             if lane.pool == DRIVER:
                 continue
             after = None
-            for phase in lane.phases:
+            for phase in (p for p in lane.phases if p not in skip):
                 group = self.groups[PHASE_ROLE[phase]]
                 method = PHASE_METHOD[phase]
                 after = calls[phase] = group.run_sharded(
@@ -196,6 +264,16 @@ class PPOTrainer:
                 ]
             )
 
+    def score_alone(self, prompts: Sequence[str], rollouts: Sequence[Rollout]) -> torch.Tensor:
+        """(B,) rewards ahead of the scoring stage (dynamic sampling filters on them)."""
+        calls: Calls = {}
+        if self.reward is None:
+            batch = pack_rollouts(rollouts, self.pad_id)
+            calls[Phase.REWARD] = self.groups[Role.REWARD].run_sharded(
+                PHASE_METHOD[Phase.REWARD], batch, phase=Phase.REWARD
+            )
+        return self.score(prompts, rollouts, calls)
+
     def sync_weights(self, version: int) -> None:
         """Hand the actor's weights to every rollout engine, and wait until they have them."""
         join(self.weight_sync.push(version))
@@ -213,6 +291,11 @@ class PPOTrainer:
             if span.end > since:  # clipped: async generation runs across steps
                 by_phase.setdefault(span.phase, []).append((max(span.start, since), span.end))
         return {phase: union_seconds(intervals) for phase, intervals in by_phase.items()}
+
+
+def gather_if(calls: Calls, phase: Phase) -> torch.Tensor | None:
+    """The phase's per-rank results joined, or None when its role does not run."""
+    return gather(calls[phase]) if phase in calls else None
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:

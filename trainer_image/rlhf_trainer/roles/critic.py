@@ -36,6 +36,7 @@ class Critic(Trainable):
         algorithm = self.config.algorithm
         mask = micro.response_mask
         values = self.predict(micro)
+        assert micro.values is not None and micro.returns is not None, "scored without a critic"
         value = clipped_value_loss(values, micro.values, micro.returns, algorithm.value_clip)
         loss = aggregate(value.loss, mask, algorithm.loss_aggregation, normalizer)
         return loss, {

@@ -102,7 +102,7 @@ class Actor(Trainable):
             log_probs,
             micro.old_log_probs,
             micro.advantages,
-            algorithm.clip_ratio,
+            *algorithm.clip_range(),
             algorithm.dual_clip,
         )
         # Off-policy correction between the engine that sampled and the trainer.

@@ -24,6 +24,12 @@ Checkpoint contract (a resumed run loses no sample and trains none twice):
   state saved with it (admissions since the last sync still count against the limit).
 - Checkpoints hold them as JSON (`Sample.to_json`), like the rest of the driver's
   state, not pickled.
+
+Groups (samplesPerPrompt n > 1, for the critic-free estimators): admission counts
+prompts, and prompt number g of the run becomes the samples with uids g·n … g·n + n - 1,
+so a sample's group is `uid // n`. The queue holds a group back until all n of its
+samples have arrived and hands out whole groups only; snapshots and restores keep the
+partial ones, so a resumed run still trains each group once, whole.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ class AdmissionControl:
         exact = Fraction(batch_size * sync_every) * (1 + Fraction(repr(float(staleness))))
         self.limit = math.floor(exact)
         self.admitted_since_sync = 0
-        self.admitted_total = 0  # over the whole run: the next sample's uid
+        self.admitted_total = 0  # over the whole run: the next prompt's (group's) number
 
     def try_admit(self) -> bool:
         """Admit one prompt if under the limit (and count it); False means wait for a sync."""
@@ -183,18 +189,33 @@ class RolloutFailed(RuntimeError):
     """The rollouter reported that it cannot deliver samples any more."""
 
 
-class SampleQueue:
-    """A thread-safe FIFO of finished samples, consumed in whole batches.
+def group_staleness(samples: list[Sample], trained_version: int, group_size: int) -> list[int]:
+    """Each sample's staleness as its group's: that of the group's oldest sample.
+    `samples` are whole groups, a group's samples together (what `get_batch` gives)."""
+    lags = [staleness(sample, trained_version) for sample in samples]
+    return [
+        max(lags[start : start + group_size])
+        for start in range(0, len(lags), group_size)
+        for _ in range(group_size)
+    ]
 
-    `get_batch` hands out exactly `size` samples in arrival order, or None (timeout or
-    closed queue), never fewer: a batch is taken in one step under the lock, so two
-    getters never interleave and a sample is delivered at most once. Unbounded:
-    `AdmissionControl` bounds what the rollouter can put. `depth` feeds
-    `rlhf_queue_depth`.
+
+class SampleQueue:
+    """A thread-safe FIFO of finished samples, consumed in whole batches of whole groups.
+
+    `get_batch` hands out exactly `size` samples, whole groups in the order they were
+    completed, or None (timeout or closed queue), never fewer: a batch is taken in one
+    step under the lock, so two getters never interleave and a sample is delivered at
+    most once. Unbounded: `AdmissionControl` bounds what the rollouter can put. `depth`
+    (every sample held, partial groups too) feeds `rlhf_queue_depth`.
     """
 
-    def __init__(self) -> None:
-        self._samples: deque[Sample] = deque()
+    def __init__(self, group_size: int = 1) -> None:
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {group_size}")
+        self.group_size = group_size
+        self._samples: deque[Sample] = deque()  # whole groups, a group's samples together
+        self._partial: dict[int, list[Sample]] = {}  # group -> the samples that arrived
         self._ready = threading.Condition()
         self._closed = False
         self._failure: str | None = None  # why the rollouter stopped, if it did
@@ -205,9 +226,20 @@ class SampleQueue:
         with self._ready:
             if self._closed:
                 raise QueueClosed(f"sample {sample.uid} put into a closed queue")
-            self._samples.append(sample)
+            self._add(sample)
             self._ready.notify_all()  # getters wait for different sizes: let each check
-            return len(self._samples)
+            return self._depth()
+
+    def _add(self, sample: Sample) -> None:
+        """Queue the sample, or hold it until its group is whole (under the lock)."""
+        group = self._partial.setdefault(sample.uid // self.group_size, [])
+        group.append(sample)
+        if len(group) == self.group_size:
+            self._samples.extend(sorted(group, key=lambda s: s.uid))
+            del self._partial[sample.uid // self.group_size]
+
+    def _depth(self) -> int:
+        return len(self._samples) + sum(map(len, self._partial.values()))
 
     def get_batch(self, size: int, timeout_s: float | None = None) -> list[Sample] | None:
         """Block until `size` samples are queued and take them, oldest first.
@@ -216,8 +248,10 @@ class SampleQueue:
         gets closed; the samples then stay queued (see `snapshot`). Raises
         RolloutFailed once the rollouter has reported a failure (`fail`).
         """
-        if size < 1:
-            raise ValueError(f"a batch needs at least one sample, got size {size}")
+        if size < 1 or size % self.group_size:
+            raise ValueError(
+                f"a batch is whole groups of {self.group_size} samples, got size {size}"
+            )
         with self._ready:
             self._waiting += 1
             try:
@@ -235,7 +269,7 @@ class SampleQueue:
 
     def depth(self) -> int:
         with self._ready:
-            return len(self._samples)
+            return self._depth()
 
     def waiting_getters(self) -> int:
         """How many `get_batch` calls are blocked waiting for samples now."""
@@ -261,10 +295,11 @@ class SampleQueue:
             return self._closed
 
     def snapshot(self) -> list[Sample]:
-        """The queued samples, oldest first, without taking them (see the module's
-        checkpoint contract). Works after `close` too."""
+        """The queued samples, whole groups first and then the partial ones, without
+        taking them (see the module's checkpoint contract). Works after `close` too."""
         with self._ready:
-            return list(self._samples)
+            partial = sorted((s for g in self._partial.values() for s in g), key=lambda s: s.uid)
+            return list(self._samples) + partial
 
     def restore(self, samples: Iterable[Sample]) -> None:
         """Put back a snapshot into a fresh queue, before any new sample arrives.
@@ -279,11 +314,10 @@ class SampleQueue:
         with self._ready:
             if self._closed:
                 raise QueueClosed("cannot restore samples into a closed queue")
-            if self._samples:
-                raise ValueError(
-                    f"restore into a queue that already holds {len(self._samples)} samples"
-                )
-            self._samples.extend(restored)
+            if self._depth():
+                raise ValueError(f"restore into a queue that already holds {self._depth()} samples")
+            for sample in restored:
+                self._add(sample)
             self._ready.notify_all()
 
     def snapshot_json(self) -> list[dict[str, Any]]:

@@ -53,13 +53,16 @@ class EngineWorker(Worker):
 class RolloutWorker(EngineWorker):
     """Synchronous PPO's rollout rank: generates the batch it is given."""
 
-    def generate(self, prompts: list[list[int]], step: int) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], step: int, attempt: int = 0) -> list[Rollout]:
+        """One response per prompt. `attempt` > 0: dynamic sampling's further rounds
+        of the step, seeded apart from the first."""
         generation = self.config.generation
+        purpose = "generate" if attempt == 0 else f"generate-round-{attempt}"
         return self.engine.generate_batch(
             prompts,
             max_tokens=self.config.data.max_response_length,
             temperature=generation.temperature,
             top_p=generation.top_p,
             # Per step and rank: a resumed run samples what the first one would have.
-            seed=derive_seed(self.config.trainer.seed, "generate", step, self.info.rank),
+            seed=derive_seed(self.config.trainer.seed, purpose, step, self.info.rank),
         )

@@ -136,6 +136,11 @@ class TrainerMetrics:
         self.samples_trained = Counter(
             "rlhf_samples_trained", "Samples the actor was updated on", registry=r
         )
+        self.dropped_groups = Counter(
+            "rlhf_dropped_groups",
+            "Groups dynamic sampling dropped (all rewards equal) and generated again",
+            registry=r,
+        )
         self.sample_staleness = Histogram(
             "rlhf_sample_staleness",
             "Policy versions between generating a sample and training on it",
@@ -174,9 +179,12 @@ class TrainerMetrics:
             self.reward_mean.set(progress.reward_mean)
 
     def observe_diagnostics(
-        self, actor: ActorStats, critic: CriticStats, responses: ResponseStats
+        self, actor: ActorStats, critic: CriticStats | None, responses: ResponseStats
     ) -> None:
+        """Set each role's gauges (a critic-free job's rlhf_critic_* stay unset)."""
         for prefix, stats in (("actor", actor), ("critic", critic), ("response", responses)):
+            if stats is None:
+                continue
             for name, value in asdict(stats).items():
                 self.diagnostics[prefix][name].set(value)
 

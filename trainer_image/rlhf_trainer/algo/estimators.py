@@ -1,0 +1,125 @@
+"""Advantage estimators: from one score per response to per-token advantages.
+
+    scores (B,) ─ outcome baseline ─▶ (B,) ─ token_rewards (+ KL per token) ─▶ (B, T)
+          ─ GAE with the critic's values (gae) | returns-to-go (critic-free) ─▶ advantages
+          ─ normalised: over the batch (gae if configured, reinforce++ always) ─▶
+
+The critic-free estimators replace the critic's value baseline with one made from the
+other responses to the same prompt (a group of n = samplesPerPrompt). A batch keeps a
+group's rows together: rows g·n … g·n + n - 1 answer prompt g.
+
+- grpo: (r - mean_g) / std_g (Shao et al. 2024); without the division, Dr. GRPO.
+- rloo: r - mean of the other n - 1 responses (Ahmadian et al. 2024).
+- reinforce++: raw scores, returns normalised over the whole batch (Hu 2025).
+- reinforce++-baseline: r - mean_g, then normalised over the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhf_trainer.algo.ppo import gae, kl_penalty, token_rewards, whiten
+from rlhf_trainer.api.sections import AdvantageEstimator, AlgorithmConfig
+
+GROUP_STD_EPS = 1e-6  # a group whose rewards are all equal gets 0 / eps = 0, not NaN
+
+
+def grouped(scores: Tensor, group_size: int) -> Tensor:
+    """(B,) -> (G, n): one row per prompt. B must be a multiple of n."""
+    if group_size < 1 or len(scores) % group_size:
+        raise ValueError(f"{len(scores)} scores do not make groups of {group_size}")
+    return scores.view(-1, group_size)
+
+
+def group_normalized(scores: Tensor, group_size: int, divide_by_std: bool = True) -> Tensor:
+    """GRPO's outcome advantage, (B,): each score less its group's mean, divided by the
+    group's standard deviation (Bessel-corrected, as in GRPO) unless `divide_by_std` is
+    False (Dr. GRPO, which found the division biases towards easy and hard prompts)."""
+    groups = grouped(scores, group_size)  # (G, n)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if divide_by_std:
+        std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred)
+        centred = centred / (std + GROUP_STD_EPS)
+    return centred.reshape(-1)
+
+
+def leave_one_out(scores: Tensor, group_size: int) -> Tensor:
+    """RLOO's outcome advantage, (B,): each score less the mean of the other n - 1
+    scores of its group. Needs n >= 2."""
+    if group_size < 2:
+        raise ValueError(f"a leave-one-out baseline needs groups of 2 or more, got {group_size}")
+    groups = grouped(scores, group_size)  # (G, n)
+    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others).reshape(-1)
+
+
+def informative_groups(scores: Tensor, group_size: int) -> Tensor:
+    """(G,) bool: groups whose scores are not all equal. The others have zero advantage
+    under every group baseline, so they teach nothing (DAPO's dynamic sampling drops them)."""
+    groups = grouped(scores, group_size)
+    return groups.amax(dim=1) > groups.amin(dim=1)
+
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + γ G_{t+1} over the counted tokens, (B, T), 0 where mask is 0: GAE
+    with no critic (V = 0) and λ = 1, so masked positions are skipped the same way."""
+    returns, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, lam=1.0)
+    return returns
+
+
+def outcome_scores(
+    scores: Tensor, estimator: AdvantageEstimator, group_size: int, divide_by_std: bool
+) -> Tensor:
+    """(B,) the scores after the estimator's baseline (unchanged for gae and reinforce++)."""
+    if estimator == "grpo":
+        return group_normalized(scores, group_size, divide_by_std)
+    if estimator == "rloo":
+        return leave_one_out(scores, group_size)
+    if estimator == "reinforce++-baseline":
+        return group_normalized(scores, group_size, divide_by_std=False)
+    return scores
+
+
+@dataclass(frozen=True)
+class Advantages:
+    advantages: Tensor  # (B, T) for the policy loss
+    returns: Tensor | None  # (B, T) the critic's regression targets; None without a critic
+    kl: Tensor  # (B, T) per-token KL(π_old ‖ π_ref) estimate (0 without a ref)
+
+
+def compute_advantages(
+    scores: Tensor,
+    old_log_probs: Tensor,
+    ref_log_probs: Tensor | None,
+    values: Tensor | None,
+    mask: Tensor,
+    algorithm: AlgorithmConfig,
+    group_size: int = 1,
+) -> Advantages:
+    """Scores (B,) and the scoring phase's per-token tensors (B, T) -> advantages, as
+    `algorithm.advantageEstimator` says (module doc). `values` are the critic's (gae
+    only). With `klMode: reward` the KL to the reference is a per-token reward penalty
+    here; with `klMode: loss` it is left to the actor's loss and only reported."""
+    estimator = algorithm.advantage_estimator
+    if (values is None) == algorithm.uses_critic:
+        raise ValueError(f"{estimator} {'needs' if algorithm.uses_critic else 'takes no'} values")
+    kl = (
+        kl_penalty(old_log_probs, ref_log_probs, algorithm.kl_estimator) * mask
+        if ref_log_probs is not None
+        else torch.zeros_like(mask)
+    )
+    in_reward = algorithm.kl_mode == "reward" and ref_log_probs is not None
+    shaped = outcome_scores(scores, estimator, group_size, algorithm.normalize_group_std)
+    rewards = token_rewards(shaped, mask, kl if in_reward else None, algorithm.kl_coef)
+    if values is not None:
+        advantages, returns = gae(rewards, values, mask, algorithm.gamma, algorithm.lam)
+        if algorithm.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        return Advantages(advantages=advantages, returns=returns, kl=kl)
+    advantages = discounted_returns(rewards, mask, algorithm.gamma)
+    if estimator.startswith("reinforce++"):
+        advantages = whiten(advantages, mask)
+    return Advantages(advantages=advantages, returns=None, kl=kl)
