@@ -65,3 +65,32 @@ def local_async_job(
         "partialRollout": partial_rollout,
     }
     return JobConfig.model_validate(spec)
+
+
+def critic_free_job(
+    estimator: str,
+    placement: str,
+    *,
+    total_steps: int,
+    checkpoint_dir: Path,
+    samples_per_prompt: int = 4,
+    algorithm: dict[str, Any] | None = None,
+    reward: str = "toy_copy",
+) -> JobConfig:
+    """The local example without a critic: 8 prompts a step, `samples_per_prompt`
+    responses each. placement: "colocated" (one pool), "split" (the rollout on a pool
+    of its own, actor and ref on the other) or "async" (split, fully asynchronous)."""
+    spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    spec["roles"] = {"actor": "policy", "ref": "policy", "rollout": "policy"}
+    if placement == "colocated":
+        spec["pools"] = spec["pools"][:1]
+    else:
+        spec["pools"][1]["name"] = spec["roles"]["rollout"] = "rollout"
+    if placement == "async":
+        spec["async"] = {"stalenessThreshold": 0.5}
+    spec["models"]["reward"] = {"function": reward}
+    spec["algorithm"] = {"klCoef": 0.01, "advantageEstimator": estimator, **(algorithm or {})}
+    spec["generation"]["samplesPerPrompt"] = samples_per_prompt
+    spec["trainer"].update(totalSteps=total_steps, batchSize=8, miniBatchSize=16)
+    spec["trainer"]["checkpoint"] = {"path": str(checkpoint_dir), "everySteps": total_steps}
+    return JobConfig.model_validate(spec)

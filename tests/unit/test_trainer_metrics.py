@@ -150,3 +150,19 @@ def test_each_trainer_has_its_own_registry() -> None:
     first, second = TrainerMetrics(), TrainerMetrics()  # no duplicate-series error
     first.tokens_generated.inc(5)
     assert value(second, "rlhf_tokens_generated_total") == 0.0
+
+
+def test_a_critic_free_job_exports_no_critic_series() -> None:
+    metrics = TrainerMetrics(pools=["policy"])
+    actor = ActorStats(
+        policy_loss=0.0,
+        clip_fraction=0.0,
+        approx_kl=0.0,
+        entropy=1.0,
+        importance_capped=0.0,
+        grad_norm=2.0,
+    )
+    metrics.observe_diagnostics(actor, None, ResponseStats(4.0, 8, 0.0))
+    names = {m.name for m in metrics.registry.collect()}
+    assert "rlhf_actor_grad_norm" in names
+    assert not any(name.startswith("rlhf_critic_") for name in names), names

@@ -159,6 +159,12 @@ def _group_rules() -> tuple[Rule, ...]:
             "!has(self.algorithm.dynamicSampling) || self.generation.samplesPerPrompt >= 2",
             lambda c: c.algorithm.dynamic_sampling is None or c.generation.samples_per_prompt >= 2,
         ),
+        Rule(
+            "algorithm.dynamicSampling",
+            "is not supported in fully async mode yet (unset async, or dynamicSampling)",
+            "!has(self.algorithm.dynamicSampling) || !has(self.async)",
+            lambda c: c.algorithm.dynamic_sampling is None or c.async_ is None,
+        ),
     )
 
 

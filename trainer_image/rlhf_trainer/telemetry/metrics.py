@@ -89,16 +89,12 @@ DIAGNOSTICS: tuple[tuple[str, type[Any], str], ...] = (
 )
 
 
-def diagnostic_gauges(registry: CollectorRegistry) -> dict[str, dict[str, Gauge]]:
-    """rlhf_actor_*, rlhf_critic_*, rlhf_response_*: a gauge per field of a step's stats."""
+def diagnostic_gauges(registry: CollectorRegistry, prefix: str) -> dict[str, Gauge]:
+    """rlhf_<prefix>_*: a gauge per field of the role's step stats (DIAGNOSTICS)."""
+    stats, doc = next((t, d) for p, t, d in DIAGNOSTICS if p == prefix)
     return {
-        prefix: {
-            f.name: Gauge(
-                f"rlhf_{prefix}_{f.name}", f"{doc}: {f.name} (last step)", registry=registry
-            )
-            for f in fields(stats)
-        }
-        for prefix, stats, doc in DIAGNOSTICS
+        f.name: Gauge(f"rlhf_{prefix}_{f.name}", f"{doc}: {f.name} (last step)", registry=registry)
+        for f in fields(stats)
     }
 
 
@@ -161,7 +157,9 @@ class TrainerMetrics:
         )
         self.reward_mean = Gauge("rlhf_reward_mean", "Mean reward of the last step", registry=r)
         self.kl = Gauge("rlhf_kl", "Mean KL to the reference policy in the last step", registry=r)
-        self.diagnostics = diagnostic_gauges(r)
+        # Registered at the first step that reports them: a critic-free job exports no
+        # rlhf_critic_* at all (a gauge stuck at 0 would read as a real value).
+        self.diagnostics: dict[str, dict[str, Gauge]] = {}
         r.register(_PoolBusyRatio(self))
 
     def observe_span(self, span: Span) -> None:
@@ -181,10 +179,12 @@ class TrainerMetrics:
     def observe_diagnostics(
         self, actor: ActorStats, critic: CriticStats | None, responses: ResponseStats
     ) -> None:
-        """Set each role's gauges (a critic-free job's rlhf_critic_* stay unset)."""
+        """Set each role's gauges (a critic-free job never registers rlhf_critic_*)."""
         for prefix, stats in (("actor", actor), ("critic", critic), ("response", responses)):
             if stats is None:
                 continue
+            if prefix not in self.diagnostics:
+                self.diagnostics[prefix] = diagnostic_gauges(self.registry, prefix)
             for name, value in asdict(stats).items():
                 self.diagnostics[prefix][name].set(value)
 
