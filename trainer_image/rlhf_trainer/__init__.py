@@ -4,7 +4,7 @@ The packages, from the contract up (each imports only those below it; `make lint
 holds them to it):
 
     api        the operator<->trainer contract: spec models, rules, placement plan, names
-    algo       the algorithm: PPO maths and the experience batch
+    algo       the algorithm: PPO maths, advantage estimators, the experience batch
     models     tiny models and their tokenizer, the value model
     data       prompts from datasets, toy tasks and rule-based rewards
     telemetry  metrics, the timeline of the pools, status reporting
