@@ -48,9 +48,11 @@ def local_async_job(
     every_steps: int,
     sync_every: int = 1,
     partial_rollout: bool = True,
+    samples_per_prompt: int = 1,
 ) -> JobConfig:
     """The local example in fully-async mode: the rollout on a pool of its own, the
-    actor, ref and critic on the other (one simulated GPU each)."""
+    actor, ref and critic on the other (one simulated GPU each). With samples_per_prompt
+    n, a step trains the same number of samples: batchSize / n prompts, n each."""
     spec = local_job(
         colocated=True,
         total_steps=total_steps,
@@ -64,6 +66,8 @@ def local_async_job(
         "triggerParameterSyncStep": sync_every,
         "partialRollout": partial_rollout,
     }
+    spec["generation"]["samplesPerPrompt"] = samples_per_prompt
+    spec["trainer"]["batchSize"] //= samples_per_prompt
     return JobConfig.model_validate(spec)
 
 

@@ -322,12 +322,15 @@ RLHFJOB_CRD = REPO_ROOT / "crds" / "rlhfjobs.yaml"
 EXAMPLES = REPO_ROOT / "examples"
 
 
-def cel_message(crd: dict, field_path: str) -> str:
-    """The message of the spec-level CEL rule that reports at `field_path`."""
+def cel_message(crd: dict, field_path: str, starting: str) -> str:
+    """The message of the spec-level CEL rule that reports at `field_path` and starts
+    with `starting`."""
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
     spec_schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     (rule,) = [
-        r for r in spec_schema["x-kubernetes-validations"] if r.get("fieldPath") == field_path
+        r
+        for r in spec_schema["x-kubernetes-validations"]
+        if r.get("fieldPath") == field_path and r["message"].startswith(starting)
     ]
     return " ".join(rule["message"].split())
 
@@ -359,7 +362,34 @@ def test_rlhfjob_crd_accepts_valid_and_rejects_invalid_jobs_with_cel_message(
     assert rejected.returncode != 0
     error = " ".join(rejected.stderr.split())
     assert "spec.roles.critic" in error
-    assert cel_message(crd, ".roles.critic") in error
+    assert cel_message(crd, ".roles.critic", "must name a pool") in error
     assert (
         cp.kubectl("get", "rlhf", "undeclared-pool", "-n", namespace, check=False).returncode != 0
     )
+
+
+CRITIC_FREE_MISTAKES = [
+    # (what the user wrote, over the local example; the field the API server must name)
+    ({"algorithm": {"advantageEstimator": "ppo2"}}, "spec.algorithm.advantageEstimator"),
+    ({"algorithm": {"advantageEstimator": "grpo"}}, "spec.generation.samplesPerPrompt"),
+    (
+        {"algorithm": {"advantageEstimator": "grpo"}, "generation": {"samplesPerPrompt": 4}},
+        "spec.roles.critic",
+    ),
+    ({"algorithm": {"clipRatioLow": 0.3, "clipRatioHigh": 0.2}}, "spec.algorithm.clipRatioHigh"),
+]
+
+
+def test_critic_free_mistakes_are_rejected_at_admission_naming_the_field(
+    controlplane, namespace, tmp_path
+):
+    for index, (change, field) in enumerate(CRITIC_FREE_MISTAKES):
+        job = yaml.safe_load((EXAMPLES / "local-cpu.yaml").read_text())
+        job["metadata"]["name"] = f"mistake-{index}"
+        for section, values in change.items():
+            job["spec"].setdefault(section, {}).update(values)
+        manifest = tmp_path / f"mistake-{index}.yaml"
+        manifest.write_text(yaml.safe_dump(job))
+        rejected = controlplane.kubectl("apply", "-n", namespace, "-f", str(manifest), check=False)
+        assert rejected.returncode != 0, f"{change} was admitted"
+        assert field in " ".join(rejected.stderr.split()), rejected.stderr

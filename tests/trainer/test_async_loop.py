@@ -28,7 +28,8 @@ pytest.importorskip("ray", reason="the trainer stack (make install) is not insta
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
-BATCH = 32  # the local example's batchSize
+BATCH = 32  # samples a step: the local example's batchSize
+GROUP = 2  # samples per prompt in the resume test
 
 
 @dataclass(frozen=True)
@@ -102,24 +103,35 @@ def test_staleness_stays_within_the_bound_and_some_samples_are_stale(stale: Trai
 def test_a_resumed_run_trains_the_queued_and_in_flight_samples_once(tmp_path: Path) -> None:
     """Run 1 stops after 4 steps with a checkpoint holding the samples not yet trained
     (queued, and prompts in flight); run 2 resumes from it. Every one of those is
-    trained by run 2, and nothing run 1 trained is trained again."""
+    trained by run 2, and nothing run 1 trained is trained again. Prompts are answered
+    twice (groups of 2): every step trains whole groups, across the resume too."""
     from rlhf_trainer.loop.fully_async import AsyncState
     from rlhf_trainer.loop.run import ASYNC_STATE
     from rlhf_trainer.roles import checkpoint
 
     def job(total_steps: int) -> JobConfig:
         return local_async_job(
-            staleness=0.5, total_steps=total_steps, checkpoint_dir=tmp_path, every_steps=2
+            staleness=0.5,
+            total_steps=total_steps,
+            checkpoint_dir=tmp_path,
+            every_steps=2,
+            samples_per_prompt=GROUP,
         )
 
-    first = uids(train(job(4)).steps)
+    first_run = train(job(4)).steps
+    first = uids(first_run)
     latest = checkpoint.latest(tmp_path)
     assert latest is not None
     saved = AsyncState.from_json(checkpoint.load_json(latest, ASYNC_STATE))
     outstanding = {s.uid for s in saved.queued} | {uid for uid, _, _ in saved.in_flight}
     assert outstanding, "the checkpoint held no untrained sample: nothing to check"
-    second = uids(train(job(6)).steps)
+    second_run = train(job(6)).steps
+    second = uids(second_run)
     assert len(second) == 2 * BATCH
+    for step in first_run + second_run:  # uids 2g and 2g+1 answer prompt g
+        assert sorted(step.sample_uids) == sorted(
+            {u // GROUP * GROUP + i for u in step.sample_uids for i in range(GROUP)}
+        )
     assert not set(first) & set(second)  # replays none
     assert outstanding <= set(second)  # loses none
     everything = set(first) | outstanding  # all admitted by run 1, in uid order

@@ -92,3 +92,16 @@ def test_render_prints_the_owned_objects_as_a_yaml_stream(
         ("Role", "colocated-reporter"), ("RoleBinding", "colocated-reporter"), ("RayJob", "colocated"),
     ]  # fmt: skip
     assert {o["metadata"]["namespace"] for o in objects} == {"ml"}
+
+
+def test_validate_names_the_field_of_a_critic_free_mistake(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = load(EXAMPLES[0].parent / "grpo-split.yaml")
+    job["spec"]["generation"]["samplesPerPrompt"] = 1
+    bad = tmp_path / "grpo.yaml"
+    bad.write_text(yaml.safe_dump(job))
+    assert main(["validate", str(bad)]) == 1
+    assert capsys.readouterr().out.startswith(
+        f"{bad}: spec.generation.samplesPerPrompt: must be at least 2 for the estimators"
+    )

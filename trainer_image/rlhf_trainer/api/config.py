@@ -159,6 +159,17 @@ def _group_rules() -> tuple[Rule, ...]:
             "!has(self.algorithm.dynamicSampling) || self.generation.samplesPerPrompt >= 2",
             lambda c: c.algorithm.dynamic_sampling is None or c.generation.samples_per_prompt >= 2,
         ),
+        # Here rather than on AlgorithmConfig: the API server checks a node's rules
+        # against its default too, and the algorithm's default ({}) has no clipRatio.
+        Rule(
+            "algorithm.clipRatioHigh",
+            "must be at least clipRatioLow (each defaults to clipRatio)",
+            "(has(self.algorithm.clipRatioHigh) ? self.algorithm.clipRatioHigh "
+            ": self.algorithm.clipRatio) >= (has(self.algorithm.clipRatioLow) "
+            "? self.algorithm.clipRatioLow : self.algorithm.clipRatio)",
+            lambda c: c.algorithm.clip_range()[1] >= c.algorithm.clip_range()[0],
+            lambda c: "low {}, high {}".format(*c.algorithm.clip_range()),
+        ),
         Rule(
             "algorithm.dynamicSampling",
             "is not supported in fully async mode yet (unset async, or dynamicSampling)",

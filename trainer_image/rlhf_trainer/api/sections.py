@@ -212,17 +212,6 @@ class AlgorithmConfig(SpecModel):
         ),
     )
 
-    rules = (
-        Rule(
-            "clipRatioHigh",
-            "must be at least clipRatioLow (each defaults to clipRatio)",
-            "(has(self.clipRatioHigh) ? self.clipRatioHigh : self.clipRatio) >= "
-            "(has(self.clipRatioLow) ? self.clipRatioLow : self.clipRatio)",
-            lambda a: a.clip_range()[1] >= a.clip_range()[0],
-            lambda a: f"low {a.clip_range()[0]}, high {a.clip_range()[1]}",
-        ),
-    )
-
     @property
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
