@@ -1,6 +1,6 @@
 """Critic-free RL end to end on a simulated Ray cluster with real vLLM: GRPO learns the
-toy task colocated, split and fully async; RLOO (with dynamic sampling) and REINFORCE++
-run; dynamic sampling that runs out of rounds fails, saying why.
+toy task colocated, split and fully async; RLOO (with dynamic sampling, split) and
+REINFORCE++ run; dynamic sampling that runs out of rounds (fully async) fails, saying why.
 
 8 prompts x 4 responses a step (the samples of the PPO tests' 32 prompts). Measured on
 2 cores: GRPO's fitted rise over 20 steps is +0.11 (t = 7.4) colocated and split (the
@@ -18,7 +18,8 @@ import pytest
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.loop.sync import DynamicSamplingExhausted, StepResult
+from rlhf_trainer.loop.dynamic_sampling import DynamicSamplingExhausted
+from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.specs import critic_free_job
 from tests.trainer.learning import assert_reward_rises
@@ -142,9 +143,10 @@ def test_reinforce_plus_plus_runs(tmp_path: Path) -> None:
 
 
 def test_dynamic_sampling_that_runs_out_of_rounds_fails_naming_the_counts(tmp_path: Path) -> None:
+    """Fully async: each round drops every group and admits as many new prompts."""
     config = critic_free_job(
         "reinforce++-baseline",
-        "colocated",
+        "async",
         total_steps=2,
         checkpoint_dir=tmp_path,
         algorithm={"dynamicSampling": {"maxAttempts": 2}},

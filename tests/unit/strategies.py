@@ -78,7 +78,7 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
         },
         "separation": draw(st.sampled_from(["node", "gpu"])),
     }
-    if samples > 1 and not asynchronous and draw(st.booleans()):
+    if samples > 1 and draw(st.booleans()):
         spec["algorithm"]["dynamicSampling"] = {"maxAttempts": draw(st.integers(1, 10))}
     if asynchronous:
         spec["async"] = {

@@ -170,12 +170,6 @@ def _group_rules() -> tuple[Rule, ...]:
             lambda c: c.algorithm.clip_range()[1] >= c.algorithm.clip_range()[0],
             lambda c: "low {}, high {}".format(*c.algorithm.clip_range()),
         ),
-        Rule(
-            "algorithm.dynamicSampling",
-            "is not supported in fully async mode yet (unset async, or dynamicSampling)",
-            "!has(self.algorithm.dynamicSampling) || !has(self.async)",
-            lambda c: c.algorithm.dynamic_sampling is None or c.async_ is None,
-        ),
     )
 
 

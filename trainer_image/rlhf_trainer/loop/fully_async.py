@@ -18,13 +18,16 @@ samples; the queue hands out whole groups, and a group is as stale as its oldest
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.cluster.groups import join
 from rlhf_trainer.data.prompts import PromptStream
+from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Sample, group_staleness
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -94,17 +97,13 @@ class AsyncPPOTrainer:
 
     def step(self, step: int) -> StepResult:
         started = time.time()
-        samples: list[Sample] | None = join(
-            [self.queue.get_batch.remote(self.config.samples_per_step, QUEUE_TIMEOUT_S)]
-        )[0]
-        if samples is None:
-            raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
+        samples, scores, dropped = self.take_batch(step)
         version = self.core.policy_version
         lags = group_staleness(samples, version, self.group_size)
         for lag in lags:
             self.metrics.sample_staleness.observe(lag)
-        texts = [self.prompts.prompts[s.prompt_index].text for s in samples]
-        result = self.core.train_on(step, Batch(texts, [s.rollout for s in samples]))
+        batch = Batch(self.texts(samples), [s.rollout for s in samples], scores, dropped)
+        result = self.core.train_on(step, batch)
         self.core.policy_version += 1
         if step % self.sync_every == 0:
             self.sync_weights()
@@ -116,6 +115,44 @@ class AsyncPPOTrainer:
             staleness=lags,
             sample_uids=[s.uid for s in samples],
         )
+
+    def take_batch(self, step: int) -> tuple[list[Sample], torch.Tensor | None, int]:
+        """The step's samples (whole groups), their rewards when already scored, and
+        the groups dropped. With dynamic sampling, groups whose rewards are all equal
+        are dropped and as many new prompts admitted in their place (they leave the
+        admission's count as trained ones do, so the staleness bound holds)."""
+        dynamic = self.config.algorithm.dynamic_sampling
+        if dynamic is None:
+            return self.take_groups(self.config.trainer.batch_size), None, 0
+
+        def draw(groups: int, attempt: int) -> list[Sample]:
+            if attempt > 0:
+                self.admission.on_dropped(groups)
+                self.admit()
+            return self.take_groups(groups)
+
+        kept = keep_informative_groups(
+            step,
+            self.config.trainer.batch_size,
+            self.group_size,
+            dynamic.max_attempts,
+            draw,
+            lambda samples: self.core.score_alone(
+                self.texts(samples), [s.rollout for s in samples]
+            ),
+        )
+        return kept.items, kept.scores, kept.dropped
+
+    def take_groups(self, groups: int) -> list[Sample]:
+        """The next `groups` whole groups from the queue, waiting for them."""
+        size = groups * self.group_size
+        samples: list[Sample] | None = join([self.queue.get_batch.remote(size, QUEUE_TIMEOUT_S)])[0]
+        if samples is None:
+            raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
+        return samples
+
+    def texts(self, samples: Sequence[Sample]) -> list[str]:
+        return [self.prompts.prompts[s.prompt_index].text for s in samples]
 
     def admit(self) -> None:
         """Admit prompts up to the staleness limit, n samples each, spread over the

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
-from rlhf_trainer.algo.estimators import compute_advantages, informative_groups
+from rlhf_trainer.algo.estimators import compute_advantages
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
 from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
@@ -30,6 +30,7 @@ from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import reward_function
+from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.telemetry.metrics import union_seconds
 from rlhf_trainer.telemetry.timeline import Timeline
@@ -73,10 +74,6 @@ class StepResult:
     staleness: list[int] = field(default_factory=list)
     sample_uids: list[int] = field(default_factory=list)  # fully async: which samples
     dropped_groups: int = 0  # dynamic sampling: groups with all rewards equal, regenerated
-
-
-class DynamicSamplingExhausted(RuntimeError):
-    """Dynamic sampling ran out of rounds before the batch was full."""
 
 
 @dataclass(frozen=True)
@@ -133,32 +130,22 @@ class PPOTrainer:
     def sample_dynamically(self, step: int, dynamic: DynamicSampling) -> Batch:
         """Like `sample`, but groups whose rewards are all equal are dropped and more
         prompts generated, round after round, until the batch is full (DAPO)."""
-        wanted, n = self.config.trainer.batch_size, self.group_size
-        texts: list[str] = []
-        rollouts: list[Rollout] = []
-        scores: list[torch.Tensor] = []
-        dropped = 0
-        for attempt in range(dynamic.max_attempts):
-            missing = wanted - len(rollouts) // n
-            prompts = self.prompts.next_batch(missing)
-            round_texts, round_rollouts = (
-                self.group_texts(prompts),
-                self.generate(prompts, step, attempt),
-            )
-            round_scores = self.score_alone(round_texts, round_rollouts)
-            keep = informative_groups(round_scores, n).repeat_interleave(n).tolist()
-            dropped += missing - sum(keep) // n
-            texts += [t for t, k in zip(round_texts, keep, strict=True) if k]
-            rollouts += [r for r, k in zip(round_rollouts, keep, strict=True) if k]
-            scores.append(round_scores[torch.tensor(keep, dtype=torch.bool)])
-            if len(rollouts) == wanted * n:
-                return Batch(texts, rollouts, torch.cat(scores), dropped)
-        raise DynamicSamplingExhausted(
-            f"step {step}: after {dynamic.max_attempts} rounds (algorithm.dynamicSampling."
-            f"maxAttempts) only {len(rollouts) // n} of {wanted} groups had rewards that "
-            f"differ ({dropped} dropped): the task is too easy or too hard for the policy, "
-            "or the reward does not vary"
+
+        def draw(groups: int, attempt: int) -> list[tuple[str, Rollout]]:
+            prompts = self.prompts.next_batch(groups)
+            rollouts = self.generate(prompts, step, attempt)
+            return list(zip(self.group_texts(prompts), rollouts, strict=True))
+
+        kept = keep_informative_groups(
+            step,
+            self.config.trainer.batch_size,
+            self.group_size,
+            dynamic.max_attempts,
+            draw,
+            lambda drawn: self.score_alone([t for t, _ in drawn], [r for _, r in drawn]),
         )
+        texts, rollouts = (list(column) for column in zip(*kept.items, strict=True))
+        return Batch(texts, rollouts, kept.scores, kept.dropped)
 
     def group_texts(self, prompts: Sequence[Prompt]) -> list[str]:
         return [p.text for p in prompts for _ in range(self.group_size)]

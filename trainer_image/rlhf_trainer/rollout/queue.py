@@ -90,6 +90,16 @@ class AdmissionControl:
             raise ValueError(f"outstanding must be >= 0, got {outstanding}")
         self.admitted_since_sync = outstanding
 
+    def on_dropped(self, groups: int) -> None:
+        """`groups` admitted prompts left without being trained (dynamic sampling
+        dropped them): like trained ones they are no longer outstanding, so as many new
+        prompts may take their place."""
+        if not 0 <= groups <= self.admitted_since_sync:
+            raise ValueError(
+                f"{groups} dropped, but {self.admitted_since_sync} admitted since the sync"
+            )
+        self.admitted_since_sync -= groups
+
     def state(self) -> dict[str, int]:
         """JSON-able state for a checkpoint."""
         return {
