@@ -12,7 +12,8 @@ from rlhf_trainer.cluster.role_groups import WORKERS
 from rlhf_trainer.loop.sync import PHASE_METHOD
 
 # The arguments the loop passes each stage's calls after the batch (or prompt shard).
-STAGE_ARGUMENTS = {"generate": ["step"], "score": [], "update": ["step"]}
+# generate's attempt: dynamic sampling's further rounds of a step.
+STAGE_ARGUMENTS = {"generate": ["step", "attempt"], "score": [], "update": ["step"]}
 
 
 @pytest.mark.parametrize(

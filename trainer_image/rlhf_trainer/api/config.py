@@ -120,9 +120,8 @@ def _pool_has_role(config: JobConfig, pool: str) -> bool:
     return pool in config.roles.pools_in_use().values()
 
 
-def _group_rules() -> tuple[Rule, ...]:
-    """The critic exactly when the estimator needs one; groups where they are compared."""
-    group_estimators = ", ".join(f"'{e}'" for e in GROUP_ESTIMATORS)
+def _critic_rules() -> tuple[Rule, ...]:
+    """The critic exactly when the estimator needs one."""
     return (
         Rule(
             "roles.critic",
@@ -138,6 +137,13 @@ def _group_rules() -> tuple[Rule, ...]:
             "!has(self.models.critic) || self.algorithm.advantageEstimator == 'gae'",
             lambda c: c.models.critic is None or c.algorithm.uses_critic,
         ),
+    )
+
+
+def _group_rules() -> tuple[Rule, ...]:
+    """Groups of responses where the algorithm compares them."""
+    group_estimators = ", ".join(f"'{e}'" for e in GROUP_ESTIMATORS)
+    return (
         Rule(
             "generation.samplesPerPrompt",
             f"must be at least 2 for the estimators {group_estimators} "
@@ -299,6 +305,7 @@ class JobConfig(SpecModel):
             "!has(self.async) || self.roles.rollout != self.roles.actor",
             lambda c: c.async_ is None or c.roles.rollout != c.roles.actor,
         ),
+        *_critic_rules(),
         *_group_rules(),
         Rule(
             "trainer.miniBatchSize",

@@ -145,8 +145,8 @@ class AsyncPPOTrainer:
 
     def take_groups(self, groups: int) -> list[Sample]:
         """The next `groups` whole groups from the queue, waiting for them."""
-        size = groups * self.group_size
-        samples: list[Sample] | None = join([self.queue.get_batch.remote(size, QUEUE_TIMEOUT_S)])[0]
+        taken = self.queue.get_batch.remote(groups * self.group_size, QUEUE_TIMEOUT_S)
+        samples: list[Sample] | None = join([taken])[0]
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         return samples

@@ -156,13 +156,10 @@ class PPOTrainer:
         batch = pack_rollouts(sampled.rollouts, self.pad_id)
 
         # Score: every pool at once; the rule-based reward runs here meanwhile.
-        skip = () if sampled.scores is None else (Phase.REWARD,)
-        scoring = self.run_stage("score", batch, skip=skip)
-        scores = (
-            self.score(sampled.prompts, sampled.rollouts, scoring)
-            if sampled.scores is None
-            else sampled.scores
-        )
+        scores = sampled.scores
+        scoring = self.run_stage("score", batch, skip=(Phase.REWARD,) if scores is not None else ())
+        if scores is None:
+            scores = self.score(sampled.prompts, sampled.rollouts, scoring)
         old_log_probs = gather(scoring[Phase.ACTOR_LOG_PROB])
         values = gather_if(scoring, Phase.VALUES)
         ref_log_probs = gather_if(scoring, Phase.REF_LOG_PROB)
@@ -187,12 +184,6 @@ class PPOTrainer:
 
         # Update: actor and critic at once.
         updates = self.run_stage("update", experience, step)
-        critic = None
-        if values is not None and advantages.returns is not None:
-            critic = CriticStats(
-                **mean_stats(join(updates[Phase.UPDATE_CRITIC])),
-                explained_variance=explained_variance(values, advantages.returns, mask),
-            )
         return StepResult(
             step=step,
             seconds=0.0,
@@ -201,7 +192,7 @@ class PPOTrainer:
             response_tokens=int(mask.sum()),
             rollout_log_prob_diff=max_abs_diff(old_log_probs, batch.rollout_log_probs, mask),
             actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),
-            critic=critic,
+            critic=critic_stats(updates, experience),
             responses=ResponseStats.of(sampled.rollouts),
             dropped_groups=sampled.dropped_groups,
         )
@@ -278,6 +269,18 @@ class PPOTrainer:
             if span.end > since:  # clipped: async generation runs across steps
                 by_phase.setdefault(span.phase, []).append((max(span.start, since), span.end))
         return {phase: union_seconds(intervals) for phase, intervals in by_phase.items()}
+
+
+def critic_stats(updates: Calls, experience: Experience) -> CriticStats | None:
+    """The critic's update, and how well the values it scored with explained the returns."""
+    if experience.values is None or experience.returns is None:
+        return None
+    return CriticStats(
+        **mean_stats(join(updates[Phase.UPDATE_CRITIC])),
+        explained_variance=explained_variance(
+            experience.values, experience.returns, experience.response_mask
+        ),
+    )
 
 
 def gather_if(calls: Calls, phase: Phase) -> torch.Tensor | None:

@@ -137,6 +137,19 @@ class TrainerMetrics:
             "Groups dynamic sampling dropped (all rewards equal) and generated again",
             registry=r,
         )
+        self._add_streaming_series(r)
+        self.policy_version = Gauge(
+            "rlhf_policy_version", "Version of the policy being trained", registry=r
+        )
+        self.reward_mean = Gauge("rlhf_reward_mean", "Mean reward of the last step", registry=r)
+        self.kl = Gauge("rlhf_kl", "Mean KL to the reference policy in the last step", registry=r)
+        # Registered at the first step that reports them: a critic-free job exports no
+        # rlhf_critic_* at all (a gauge stuck at 0 would read as a real value).
+        self.diagnostics: dict[str, dict[str, Gauge]] = {}
+        r.register(_PoolBusyRatio(self))
+
+    def _add_streaming_series(self, r: CollectorRegistry) -> None:
+        """What fully-async runs watch: staleness, the queue, weight syncs."""
         self.sample_staleness = Histogram(
             "rlhf_sample_staleness",
             "Policy versions between generating a sample and training on it",
@@ -152,15 +165,6 @@ class TrainerMetrics:
             buckets=WEIGHT_SYNC_BUCKETS,
             registry=r,
         )
-        self.policy_version = Gauge(
-            "rlhf_policy_version", "Version of the policy being trained", registry=r
-        )
-        self.reward_mean = Gauge("rlhf_reward_mean", "Mean reward of the last step", registry=r)
-        self.kl = Gauge("rlhf_kl", "Mean KL to the reference policy in the last step", registry=r)
-        # Registered at the first step that reports them: a critic-free job exports no
-        # rlhf_critic_* at all (a gauge stuck at 0 would read as a real value).
-        self.diagnostics: dict[str, dict[str, Gauge]] = {}
-        r.register(_PoolBusyRatio(self))
 
     def observe_span(self, span: Span) -> None:
         """A Timeline listener: count the span's time for its role and pool."""
