@@ -23,6 +23,15 @@ intervals = st.lists(
     max_size=30,
 )
 
+ACTOR = ActorStats(
+    policy_loss=-0.25,
+    clip_fraction=0.125,
+    approx_kl=0.01,
+    entropy=2.5,
+    importance_capped=0.0,
+    grad_norm=1.5,
+)
+
 
 def naive_union_seconds(spans: list[tuple[int, int]]) -> int:
     """Count the unit cells [t, t+1) that some span covers (integer endpoints)."""
@@ -98,14 +107,7 @@ def test_every_series_is_exported_and_served() -> None:
     metrics.kl.set(0.02)
     metrics.observe_progress(TrainingProgress(step=3, policy_version=3, reward_mean=0.5))
     metrics.observe_diagnostics(
-        ActorStats(
-            policy_loss=-0.25,
-            clip_fraction=0.125,
-            approx_kl=0.01,
-            entropy=2.5,
-            importance_capped=0.0,
-            grad_norm=1.5,
-        ),
+        ACTOR,
         CriticStats(
             value_loss=0.75, value_clip_fraction=0.5, grad_norm=4.0, explained_variance=0.25
         ),
@@ -154,15 +156,7 @@ def test_each_trainer_has_its_own_registry() -> None:
 
 def test_a_critic_free_job_exports_no_critic_series() -> None:
     metrics = TrainerMetrics(pools=["policy"])
-    actor = ActorStats(
-        policy_loss=0.0,
-        clip_fraction=0.0,
-        approx_kl=0.0,
-        entropy=1.0,
-        importance_capped=0.0,
-        grad_norm=2.0,
-    )
-    metrics.observe_diagnostics(actor, None, ResponseStats(4.0, 8, 0.0))
+    metrics.observe_diagnostics(ACTOR, None, ResponseStats(4.0, 8, 0.0))
     names = {m.name for m in metrics.registry.collect()}
     assert "rlhf_actor_grad_norm" in names
     assert not any(name.startswith("rlhf_critic_") for name in names), names

@@ -17,6 +17,7 @@ from typing import Generic, TypeVar
 import torch
 
 from rlhf_trainer.algo.estimators import informative_groups
+from rlhf_trainer.api.config import JobConfig
 
 Item = TypeVar("Item")  # one sample, as the caller keeps it
 
@@ -34,15 +35,17 @@ class Kept(Generic[Item]):
 
 def keep_informative_groups(
     step: int,
-    groups: int,
-    group_size: int,
-    max_attempts: int,
+    config: JobConfig,
     draw: Callable[[int, int], Sequence[Item]],
     score: Callable[[Sequence[Item]], torch.Tensor],
 ) -> Kept[Item]:
-    """`groups` groups of `group_size` whose rewards differ. `draw(count, attempt)`
-    returns `count` new whole groups; `score(items)` their (count·n,) rewards. Raises
-    DynamicSamplingExhausted, naming the counts, after `max_attempts` draws."""
+    """A step's batch (batchSize groups of samplesPerPrompt) of groups whose rewards
+    differ. `draw(count, attempt)` returns `count` new whole groups; `score(items)`
+    their (count·n,) rewards. Raises DynamicSamplingExhausted, naming the counts, after
+    dynamicSampling.maxAttempts draws."""
+    assert config.algorithm.dynamic_sampling is not None, "dynamic sampling is off"
+    max_attempts = config.algorithm.dynamic_sampling.max_attempts
+    groups, group_size = config.trainer.batch_size, config.generation.samples_per_prompt
     kept: list[Item] = []
     scores: list[torch.Tensor] = []
     dropped = 0

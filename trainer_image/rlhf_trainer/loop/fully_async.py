@@ -121,8 +121,7 @@ class AsyncPPOTrainer:
         the groups dropped. With dynamic sampling, groups whose rewards are all equal
         are dropped and as many new prompts admitted in their place (they leave the
         admission's count as trained ones do, so the staleness bound holds)."""
-        dynamic = self.config.algorithm.dynamic_sampling
-        if dynamic is None:
+        if self.config.algorithm.dynamic_sampling is None:
             return self.take_groups(self.config.trainer.batch_size), None, 0
 
         def draw(groups: int, attempt: int) -> list[Sample]:
@@ -133,9 +132,7 @@ class AsyncPPOTrainer:
 
         kept = keep_informative_groups(
             step,
-            self.config.trainer.batch_size,
-            self.group_size,
-            dynamic.max_attempts,
+            self.config,
             draw,
             lambda samples: self.core.score_alone(
                 self.texts(samples), [s.rollout for s in samples]

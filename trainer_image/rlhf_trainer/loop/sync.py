@@ -25,7 +25,6 @@ from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl
 from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
-from rlhf_trainer.api.sections import DynamicSampling
 from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
@@ -123,11 +122,11 @@ class PPOTrainer:
     def sample(self, step: int) -> Batch:
         """batchSize prompts, samplesPerPrompt responses each."""
         if self.config.algorithm.dynamic_sampling is not None:
-            return self.sample_dynamically(step, self.config.algorithm.dynamic_sampling)
+            return self.sample_dynamically(step)
         prompts = self.prompts.next_batch(self.config.trainer.batch_size)
         return Batch(self.group_texts(prompts), self.generate(prompts, step))
 
-    def sample_dynamically(self, step: int, dynamic: DynamicSampling) -> Batch:
+    def sample_dynamically(self, step: int) -> Batch:
         """Like `sample`, but groups whose rewards are all equal are dropped and more
         prompts generated, round after round, until the batch is full (DAPO)."""
 
@@ -138,9 +137,7 @@ class PPOTrainer:
 
         kept = keep_informative_groups(
             step,
-            self.config.trainer.batch_size,
-            self.group_size,
-            dynamic.max_attempts,
+            self.config,
             draw,
             lambda drawn: self.score_alone([t for t, _ in drawn], [r for _, r in drawn]),
         )
