@@ -9,20 +9,17 @@ carry over), and a run whose vLLM engine is killed (the run fails rather than ha
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.loop.sync import StepResult
-from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.report import ConsoleReporter
 from tests.specs import local_async_job
 from tests.trainer.learning import assert_reward_rises
+from tests.trainer.local_runs import Trained, train
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
@@ -30,25 +27,6 @@ pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 BATCH = 32  # samples a step: the local example's batchSize
 GROUP = 2  # samples per prompt in the resume test
-
-
-@dataclass(frozen=True)
-class Trained:
-    steps: list[StepResult]
-    metrics: TrainerMetrics
-    trace: dict[str, Any]
-
-
-def train(config: JobConfig) -> Trained:
-    from rlhf_trainer.cluster.local import local_ray_cluster
-    from rlhf_trainer.loop.run import run_job
-
-    steps: list[StepResult] = []
-    metrics = TrainerMetrics(pools=[p.name for p in config.pools])
-    trace = Path(config.trainer.checkpoint.path) / "trace.json"
-    with local_ray_cluster(config):
-        run_job(config, "async", ConsoleReporter(every=1e9), metrics, trace, steps.append)
-    return Trained(steps, metrics, json.loads(trace.read_text()))
 
 
 def uids(steps: list[StepResult]) -> list[int]:

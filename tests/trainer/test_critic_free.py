@@ -9,19 +9,15 @@ same rewards: only the placement differs), and +0.10 fully async.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.loop.sync import StepResult
-from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.specs import critic_free_job
 from tests.trainer.learning import assert_reward_rises
+from tests.trainer.local_runs import Trained, train
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
@@ -30,31 +26,6 @@ pytestmark = pytest.mark.slow  # each trains a whole run (about a minute)
 STEPS = 20
 N = 4  # samples per prompt
 MIN_RISE = 0.05  # measured: +0.11 (t = 7.4) sync, +0.10 async over 20 steps
-
-
-@dataclass(frozen=True)
-class Trained:
-    config: JobConfig
-    steps: list[StepResult]
-    metrics: TrainerMetrics
-    trace: dict[str, Any]
-
-
-class Quiet:
-    def report(self, progress: Any, final: bool = False) -> bool:
-        return True
-
-
-def train(config: JobConfig) -> Trained:
-    from rlhf_trainer.cluster.local import local_ray_cluster
-    from rlhf_trainer.loop.run import run_job
-
-    steps: list[StepResult] = []
-    metrics = TrainerMetrics(pools=[p.name for p in config.pools])
-    trace = Path(config.trainer.checkpoint.path) / "trace.json"
-    with local_ray_cluster(config):
-        run_job(config, "critic-free", Quiet(), metrics, trace, steps.append)
-    return Trained(config, steps, metrics, json.loads(trace.read_text()))
 
 
 @pytest.fixture(scope="module")

@@ -242,11 +242,12 @@ class SampleQueue:
 
     def _add(self, sample: Sample) -> None:
         """Queue the sample, or hold it until its group is whole (under the lock)."""
-        group = self._partial.setdefault(sample.uid // self.group_size, [])
+        number = sample.uid // self.group_size
+        group = self._partial.setdefault(number, [])
         group.append(sample)
         if len(group) == self.group_size:
             self._samples.extend(sorted(group, key=lambda s: s.uid))
-            del self._partial[sample.uid // self.group_size]
+            del self._partial[number]
 
     def _depth(self) -> int:
         return len(self._samples) + sum(map(len, self._partial.values()))

@@ -1,0 +1,34 @@
+"""A whole job trained on a simulated local Ray cluster, with what it reported: the
+steps, the metrics and the Chrome trace (written beside its checkpoints)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
+from rlhf_trainer.telemetry.report import ConsoleReporter
+
+
+@dataclass(frozen=True)
+class Trained:
+    config: JobConfig
+    steps: list[StepResult]
+    metrics: TrainerMetrics
+    trace: dict[str, Any]
+
+
+def train(config: JobConfig) -> Trained:
+    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.loop.run import run_job
+
+    steps: list[StepResult] = []
+    metrics = TrainerMetrics(pools=[p.name for p in config.pools])
+    trace = Path(config.trainer.checkpoint.path) / "trace.json"
+    with local_ray_cluster(config):
+        run_job(config, "local", ConsoleReporter(every=1e9), metrics, trace, steps.append)
+    return Trained(config, steps, metrics, json.loads(trace.read_text()))
