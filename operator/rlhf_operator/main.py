@@ -22,6 +22,7 @@ from rlhf_operator import api, metrics
 from rlhf_operator.kube import Kube, load_config
 from rlhf_operator.reconcile import Reconciler
 from rlhf_operator.render import JOB_LABEL
+from rlhf_operator.render_network import NetworkAccess
 from rlhf_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("rlhf_operator")
@@ -40,15 +41,21 @@ CHILD_KINDS = [
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("ray.io", "v1", "rayjobs"),
 ]
+NETWORK = NetworkAccess.from_env()  # the chart's networkPolicy values, if enabled
+if NETWORK is not None:
+    CHILD_KINDS.append(("networking.k8s.io", "v1", "networkpolicies"))
 
 
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events say what users need
+    # No watching of CRDs and namespaces for changes: that would need cluster-wide read
+    # access to both, which least privilege does not give (KubeRay comes first anyway).
+    settings.scanning.disabled = True
     # The work queue already merges bursts of events per job; kopf need not wait for more.
     settings.batching.batch_window = 0.01
     memo.queue = WorkQueue()
-    memo.reconciler = Reconciler(Kube(load_config()))
+    memo.reconciler = Reconciler(Kube(load_config()), network=NETWORK)
     memo.gauges = metrics.JobGauges()
     memo.failures = {}
     memo.executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="reconcile")

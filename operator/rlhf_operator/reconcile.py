@@ -15,6 +15,7 @@ from typing import Any
 from rlhf_operator.api import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.render import JOB_LABEL, JobRef, render_children
+from rlhf_operator.render_network import NetworkAccess
 from rlhf_operator.status import Observed, compute_status, finished, invalid_status
 from rlhf_operator.validation import InvalidJob, parse_spec
 from rlhf_trainer.api.names import POOL_LABEL
@@ -23,7 +24,12 @@ log = logging.getLogger(__name__)
 
 # The fields of each child that follow the spec after creation (the rest is fixed at
 # creation, like the job's own immutable fields).
-OWNED_FIELDS = {"ConfigMap": ("data",), "Role": ("rules",), "RoleBinding": ("subjects",)}
+OWNED_FIELDS = {
+    "ConfigMap": ("data",),
+    "Role": ("rules",),
+    "RoleBinding": ("subjects",),
+    "NetworkPolicy": ("spec",),
+}
 WARNING_PHASES = (Phase.FAILED,)
 
 
@@ -32,9 +38,15 @@ class ChildConflict(RuntimeError):
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, now: Callable[[], datetime] = lambda: datetime.now(UTC)):
+    def __init__(
+        self,
+        kube: Kube,
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        network: NetworkAccess | None = None,
+    ):
         self.kube = kube
         self.now = now
+        self.network = network  # give each job a NetworkPolicy (the chart's choice)
 
     def reconcile(self, namespace: str, name: str) -> RLHFJobStatus | None:
         """Bring one job to its desired state; returns its new status (None if gone)."""
@@ -62,7 +74,7 @@ class Reconciler:
         return new
 
     def _ensure_children(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
-        *dependencies, desired_rayjob = render_children(ref, spec)
+        *dependencies, desired_rayjob = render_children(ref, spec, self.network)
         for desired in dependencies:
             # No RayJob means a new job (or one whose children were wiped): try creating
             # first, which saves a read per child on the path users wait on.

@@ -21,6 +21,7 @@ from rlhf_operator.api import (
     Separation,
     Toleration,
 )
+from rlhf_operator.render_network import NetworkAccess, render_network_policy
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 
 Obj = dict[str, Any]
@@ -61,11 +62,20 @@ class JobRef:
         return self.name
 
 
-def render_children(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
-    """Every object the job owns, in creation order (the RayJob's dependencies first)."""
+def render_children(
+    job: JobRef, spec: RLHFJobSpec, network: NetworkAccess | None = None
+) -> list[Obj]:
+    """Every object the job owns, in creation order (the RayJob's dependencies first);
+    with `network`, a NetworkPolicy that admits only what the job needs."""
+    policy = []
+    if network is not None:
+        meta = metadata(job, job.name, "network")
+        job_pods = {"matchLabels": {JOB_LABEL: job.name}}
+        policy = [render_network_policy(meta, job_pods, network, TRAINER_METRICS_PORT)]
     return [
         render_spec_configmap(job, spec),
         *render_reporter_rbac(job),
+        *policy,
         render_rayjob(job, spec),
     ]
 

@@ -10,7 +10,8 @@
 # Binaries are rebuilt only when a module's go.mod/go.sum is newer than them, and the
 # Go build cache makes even a forced rebuild a matter of seconds (mostly linking).
 
-PYTHON ?= .venv/bin/python
+# Not PYTHON: the top Makefile's PYTHON is the interpreter that creates the venv.
+CP_PYTHON ?= .venv/bin/python
 GO ?= go
 
 # Directory of this fragment, relative to where make runs (the repository root).
@@ -71,4 +72,4 @@ $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP
 	@touch $@
 
 cluster: controlplane  ## start that control plane for you to use with kubectl (Ctrl-C stops it)
-	$(PYTHON) -m tests.controlplane --no-build
+	$(CP_PYTHON) -m tests.controlplane --no-build

@@ -601,6 +601,9 @@ class ControlPlane:
                 "--requestheader-group-headers=X-Remote-Group",
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 "--authorization-mode=RBAC",
+                # As OpenShift does: setting blockOwnerDeletion on a child needs update
+                # on its owner's finalizers, which the chart's RBAC must then grant.
+                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
                 f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",

@@ -12,13 +12,25 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from .harness import ControlPlane, free_ports
 
 
 class OperatorProcess:
-    def __init__(self, cp: ControlPlane, name: str = "rlhf-operator", *args: str) -> None:
+    def __init__(
+        self,
+        cp: ControlPlane,
+        name: str = "rlhf-operator",
+        *args: str,
+        kubeconfig: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`kubeconfig`: who the operator is (the control plane's admin by default);
+        `env`: more environment (the settings the chart passes)."""
         self.cp = cp
+        self.kubeconfig = kubeconfig or cp.kubeconfig
+        self.extra_env = env or {}
         self.name = name
         self.args = args or ("--standalone", "--all-namespaces")
         self.port = free_ports(1)[0]
@@ -26,7 +38,12 @@ class OperatorProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait_ready: bool = True) -> OperatorProcess:
-        env = {**self.cp.env(), "RLHF_OPERATOR_HEALTH_PORT": str(self.port)}
+        env = {
+            **self.cp.env(),
+            "KUBECONFIG": str(self.kubeconfig),
+            **self.extra_env,
+            "RLHF_OPERATOR_HEALTH_PORT": str(self.port),
+        }
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rlhf_operator", *self.args],

@@ -14,9 +14,9 @@ import yaml
 
 from rlhf_operator.crd import PEERING_NAME
 
-from .harness import BIN_DIR, REPO_ROOT, ControlPlane
+from .harness import REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
-from .util import eventually, get_json
+from .util import eventually, get_json, kubectl_as
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
@@ -282,13 +282,6 @@ def test_bad_specs_are_refused_at_admission_and_create_nothing(
     result = apply(controlplane, namespace, manifest, check=False)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert get(controlplane, "rlhfjob", "colocated", namespace) is None
-
-
-def kubectl_as(cp: ControlPlane, token: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """kubectl authenticated only by a bearer token (no admin certificate)."""
-    argv = [str(BIN_DIR / "kubectl"), "--kubeconfig=/dev/null", f"--server={cp.server}",
-            f"--certificate-authority={cp.ca_file}", f"--token={token}", *args]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
 def test_the_driver_may_report_progress_and_nothing_else_and_the_operator_keeps_it(

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from rlhf_operator.render import JobRef, render_children, render_rayjob
+from rlhf_operator.render_network import NetworkAccess
 from rlhf_operator.validation import parse_job
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
@@ -23,10 +24,12 @@ SNAPSHOTS = Path(__file__).parent / "snapshots"
 RAYJOB_SCHEMA = json.loads((DATA / "kuberay-v1.7.0-rayjob-schema.json").read_text())["schema"]
 
 
-def render(example: str, namespace: str = "team-a") -> dict[str, dict[str, Any]]:
+def render(
+    example: str, namespace: str = "team-a", network: NetworkAccess | None = None
+) -> dict[str, dict[str, Any]]:
     job = parse_job(load(EXAMPLES[0].parent / example))
     ref = JobRef(job.metadata.name, namespace, uid=f"uid-{job.metadata.name}")
-    return {o["kind"]: o for o in render_children(ref, job.spec)}
+    return {o["kind"]: o for o in render_children(ref, job.spec, network)}
 
 
 def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
@@ -260,3 +263,37 @@ def test_a_critic_free_job_renders_no_critic_and_one_worker_group_per_pool() -> 
     assert handed_over.roles.critic is None and handed_over.models.critic is None
     assert handed_over.algorithm.advantage_estimator == "grpo"
     assert handed_over.samples_per_step == 64 * 8
+
+
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}
+KUBERAY = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+
+
+def test_with_network_access_a_job_admits_its_own_pods_prometheus_and_kuberay_only() -> None:
+    children = render("fully-async.yaml", network=NetworkAccess(PROMETHEUS, KUBERAY))
+    assert list(children)[-1] == "RayJob"  # still created last, after its dependencies
+    policy = children["NetworkPolicy"]
+    job_pods = {"matchLabels": {"rlhf.dev/job": "fully-async"}}
+    assert policy["metadata"]["ownerReferences"][0]["name"] == "fully-async"
+    assert policy["spec"]["podSelector"] == job_pods
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    admitted = {
+        json.dumps(rule["from"]): sorted(p["port"] for p in rule.get("ports", []))
+        for rule in policy["spec"]["ingress"]
+    }
+    assert admitted == {
+        json.dumps([{"podSelector": job_pods}]): [],  # every port: Ray and NCCL use many
+        json.dumps([PROMETHEUS]): [8080, 9400],  # Ray's and the trainer's metrics
+        json.dumps([KUBERAY]): [8265],  # the Ray dashboard, where KubeRay follows the job
+    }
+    assert "NetworkPolicy" not in render("fully-async.yaml")
+
+
+def test_network_access_comes_from_the_environment_the_chart_sets() -> None:
+    assert NetworkAccess.from_env({}) is None
+    raw = json.dumps({"prometheus": PROMETHEUS, "kuberay": KUBERAY})
+    assert NetworkAccess.from_env({"RLHF_NETWORK_POLICY": raw}) == NetworkAccess(
+        PROMETHEUS, KUBERAY
+    )
+    with pytest.raises(ValueError, match="RLHF_NETWORK_POLICY must be a JSON object with"):
+        NetworkAccess.from_env({"RLHF_NETWORK_POLICY": '{"prometheus": {}}'})

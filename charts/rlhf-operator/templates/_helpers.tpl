@@ -1,0 +1,72 @@
+{{- define "rlhf-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rlhf-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "rlhf-operator.labels" -}}
+{{ include "rlhf-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "rlhf-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "rlhf-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name: set it when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The peering of the replicas (kopf): named after the release. */}}
+{{- define "rlhf-operator.peering" -}}
+{{- include "rlhf-operator.fullname" . -}}
+{{- end -}}
+
+{{/*
+What the operator does in a namespace it watches: the whole of it, each rule explained
+in the chart's README. No wildcards, no Secrets, no delete (deleting a job deletes its
+children through their owner references).
+*/}}
+{{- define "rlhf-operator.rules" -}}
+- apiGroups: [rlhf.dev]
+  resources: [rlhfjobs]
+  verbs: [get, list, watch]
+- apiGroups: [rlhf.dev]
+  resources: [rlhfjobs/status]
+  verbs: [get, patch]
+- apiGroups: [rlhf.dev]
+  resources: [rlhfjobs/finalizers]
+  verbs: [update]
+- apiGroups: [ray.io]
+  resources: [rayjobs]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [ray.io]
+  resources: [rayclusters]
+  verbs: [get, patch]
+- apiGroups: [""]
+  resources: [configmaps, serviceaccounts]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch]
+{{- end }}
+{{- end -}}

@@ -1,0 +1,344 @@
+"""The Helm chart: linted and rendered (no cluster needed), then installed on the real
+control plane, where the operator runs with nothing but the chart's ServiceAccount token
+and reconciles a job in a namespace that enforces the restricted Pod Security level."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlhf_operator.kube import KINDS
+from rlhf_operator.main import CHILD_KINDS
+
+from .harness import BIN_DIR, REPO_ROOT, ControlPlane
+from .operator_process import OperatorProcess
+from .util import eventually, kubectl_as
+
+CHART = REPO_ROOT / "charts" / "rlhf-operator"
+EXAMPLE = "split-8gpu-4-4.yaml"  # fits the control plane's GPU node groups
+Manifest = dict[str, Any]
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([str(BIN_DIR / "helm"), *args], capture_output=True, text=True)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def render(*values: str) -> list[Manifest]:
+    """`helm template` of the chart with these --set/--set-json arguments."""
+    out = helm("template", "rlhf", str(CHART), "--namespace", "rlhf-system", *values).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+# ------------------------------------------------------------------ no cluster needed
+
+
+EVERYTHING_ON = (
+    *("--set", "replicas=3", "--set", "networkPolicy.enabled=true"),
+    *(
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "trainerMetrics.podMonitor.enabled=true",
+    ),
+    *("--set-json", 'watchNamespaces=["a","b"]'),
+)
+
+
+@pytest.mark.parametrize("values", [(), EVERYTHING_ON], ids=["defaults", "everything-on"])
+def test_the_chart_lints_and_renders(values: tuple[str, ...]) -> None:
+    helm("lint", "--strict", str(CHART), *values)
+    assert of_kind(render(*values), "Deployment")
+
+
+def test_the_chart_carries_the_crds_of_this_version() -> None:
+    """`make crds` writes crds/ and copies it into the chart; a drift fails here."""
+    names = sorted(p.name for p in (REPO_ROOT / "crds").glob("*.yaml"))
+    assert names == sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    _, mismatch, errors = filecmp.cmpfiles(REPO_ROOT / "crds", CHART / "crds", names, shallow=False)
+    assert not mismatch and not errors, f"run `make crds`: {mismatch + errors} differ"
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (("--set", "replicas=two"), "/replicas"),
+        (("--set", "replica=2"), "'replica'"),
+        (("--set-json", 'watchNamespaces=["Not_A_Namespace"]'), "/watchNamespaces/0"),
+        (("--set", "metrics.serviceMonitor.enable=true"), "'enable'"),
+        (("--set", "image.pullPolicy=Sometimes"), "/image/pullPolicy"),
+    ],
+)
+def test_a_wrong_value_fails_naming_the_key(value: tuple[str, ...], named: str) -> None:
+    result = helm("template", "rlhf", str(CHART), *value, check=False)
+    assert result.returncode != 0 and named in result.stderr, result.stderr
+
+
+def rules_of(manifests: list[Manifest]) -> list[Manifest]:
+    return [rule for kind in ("ClusterRole", "Role") for r in of_kind(manifests, kind)
+            for rule in r["rules"]]  # fmt: skip
+
+
+def test_by_default_one_cluster_role_without_wildcards_or_secrets() -> None:
+    manifests = render()
+    assert [m["kind"] for m in manifests if "Role" in m["kind"]] == [
+        "ClusterRole", "ClusterRoleBinding"
+    ]  # fmt: skip
+    for rule in rules_of(manifests):
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], rule
+        assert "secrets" not in rule["resources"], rule
+        assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(
+            rule["verbs"]
+        ), rule
+    assert "--all-namespaces" in deployment(manifests)["containers"][0]["args"]
+
+
+def test_watched_namespaces_get_a_role_each_and_nothing_cluster_wide() -> None:
+    manifests = render("--set-json", 'watchNamespaces=["a","b"]')
+    assert not of_kind(manifests, "ClusterRole") and not of_kind(manifests, "ClusterRoleBinding")
+    for kind in ("Role", "RoleBinding"):
+        assert sorted(r["metadata"]["namespace"] for r in of_kind(manifests, kind)) == ["a", "b"]
+    args = deployment(manifests)["containers"][0]["args"]
+    assert args == ["--namespace=a", "--namespace=b", "--standalone"]
+
+
+def test_the_rules_cover_every_kind_the_operator_touches() -> None:
+    manifests = render("--set", "networkPolicy.enabled=true")
+    granted = {(group, resource) for rule in rules_of(manifests) for group in rule["apiGroups"]
+               for resource in rule["resources"]}  # fmt: skip
+    used = {(k.api_version.rpartition("/")[0], k.plural) for k in KINDS.values()}
+    watched = {(group, plural) for group, _, plural in CHILD_KINDS}
+    assert used | watched <= granted, f"not granted: {(used | watched) - granted}"
+
+
+def test_more_replicas_bring_peering_and_a_disruption_budget() -> None:
+    one, three = render(), render("--set", "replicas=3")
+    assert not of_kind(one, "PodDisruptionBudget") and not of_kind(one, "ClusterKopfPeering")
+    assert of_kind(three, "PodDisruptionBudget")[0]["spec"]["minAvailable"] == 1
+    (peering,) = of_kind(three, "ClusterKopfPeering")
+    args = deployment(three)["containers"][0]["args"]
+    assert f"--peering={peering['metadata']['name']}" in args
+
+
+def deployment(manifests: list[Manifest]) -> Manifest:
+    (found,) = of_kind(manifests, "Deployment")
+    pod: Manifest = found["spec"]["template"]["spec"]
+    return pod
+
+
+def test_the_operator_pod_meets_the_restricted_pod_security_level() -> None:
+    pod = deployment(render())
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert {p["httpGet"]["path"] for p in (container["livenessProbe"], container["readinessProbe"])} == {
+        "/healthz", "/readyz"
+    }  # fmt: skip
+
+
+def test_the_readme_explains_every_permission() -> None:
+    readme = (CHART / "README.md").read_text()
+    for rule in rules_of(render("--set", "replicas=2", "--set", "networkPolicy.enabled=true")):
+        for resource in rule["resources"]:
+            row = next((line for line in readme.splitlines() if f"`{resource}`" in line), None)
+            assert row, f"the chart README's permissions table lacks {resource}"
+            assert all(verb in row for verb in rule["verbs"]), (row, rule["verbs"])
+
+
+# ------------------------------------------------------------------ on the real control plane
+
+
+@dataclass(frozen=True)
+class Release:
+    name: str
+    namespace: str  # where the operator's Deployment and ServiceAccount live
+    jobs: str  # the namespace it watches (restricted Pod Security)
+    other: str  # a namespace it must not touch
+    token: str  # the chart's ServiceAccount's, requested from the API server
+
+
+@pytest.fixture(scope="module")
+def release(controlplane: ControlPlane) -> Iterator[Release]:
+    cp, suffix = controlplane, uuid.uuid4().hex[:6]
+    jobs, other = f"jobs-{suffix}", f"other-{suffix}"
+    for namespace in (jobs, other):
+        cp.create_namespace(namespace)
+    cp.kubectl("label", "namespace", jobs, "pod-security.kubernetes.io/enforce=restricted")
+    name, namespace = f"rlhf-{suffix}", f"rlhf-system-{suffix}"
+    cp.helm("install", name, str(CHART), "--namespace", namespace, "--create-namespace",
+            "--set-json", f'watchNamespaces=["{jobs}"]', "--set", "networkPolicy.enabled=true")  # fmt: skip
+    account = f"{name}-rlhf-operator"
+    token = cp.kubectl("create", "token", account, "-n", namespace).stdout.strip()
+    yield Release(name, namespace, jobs, other, token)
+    cp.helm("uninstall", name, "--namespace", namespace, check=False)
+
+
+@pytest.fixture(scope="module")
+def chart_operator(
+    controlplane: ControlPlane, release: Release, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """The operator as the chart runs it, logged in with the chart's token only."""
+    cp = controlplane
+    kubeconfig = tmp_path_factory.mktemp("sa") / "kubeconfig"
+    cp.kubectl("config", "set-cluster", "cp", f"--server={cp.server}",
+               f"--certificate-authority={cp.ca_file}", f"--kubeconfig={kubeconfig}")  # fmt: skip
+    cp.kubectl("config", "set-credentials", "sa", f"--token={release.token}",
+               f"--kubeconfig={kubeconfig}")  # fmt: skip
+    cp.kubectl("config", "set-context", "sa", "--cluster=cp", "--user=sa",
+               f"--kubeconfig={kubeconfig}")  # fmt: skip
+    cp.kubectl("config", "use-context", "sa", f"--kubeconfig={kubeconfig}")
+    # The settings the chart gives the operator's container, as it gives them.
+    (deployment,) = of_kind(
+        list(
+            yaml.safe_load_all(
+                cp.helm("get", "manifest", release.name, "-n", release.namespace).stdout
+            )
+        ),
+        "Deployment",
+    )
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    op = OperatorProcess(cp, "chart-operator", *container["args"], kubeconfig=kubeconfig, env=env)
+    yield op.start()
+    op.stop()
+
+
+def test_with_only_the_charts_permissions_a_job_runs_in_a_restricted_namespace(
+    controlplane: ControlPlane, release: Release, chart_operator: OperatorProcess
+) -> None:
+    """Any permission the chart lacks makes a reconcile or a watch fail (403), and any
+    rendered pod that is not restricted is refused by the API server's admission."""
+    cp = controlplane
+    cp.kubectl("apply", "-n", release.jobs, "-f", str(REPO_ROOT / "examples" / EXAMPLE))
+    name = yaml.safe_load((REPO_ROOT / "examples" / EXAMPLE).read_text())["metadata"]["name"]
+
+    def ready_pools() -> str | None:
+        job = json.loads(
+            cp.kubectl("get", "rlhfjob", name, "-n", release.jobs, "-o", "json").stdout
+        )
+        status = job.get("status") or {}
+        return status.get("poolsReady") if status.get("poolsReady") == "2/2" else None
+
+    eventually(ready_pools, "both pools' pods to run, admitted as restricted")
+    # The namespace does refuse a pod that is not restricted (so admission was checked).
+    refused = cp.kubectl("run", "unrestricted", "--image=busybox", "-n", release.jobs,
+                         "--dry-run=server", check=False)  # fmt: skip
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
+    policy = json.loads(
+        cp.kubectl("get", "networkpolicy", name, "-n", release.jobs, "-o", "json").stdout
+    )
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"rlhf.dev/job": name}}
+    log = chart_operator.log_path.read_text()
+    assert "403" not in log and "forbidden" not in log.lower(), log[-3000:]
+
+
+def can_i(cp: ControlPlane, release: Release, verb: str, resource: str, namespace: str) -> bool:
+    """Whether the chart's ServiceAccount may (asked with its own token)."""
+    answer = kubectl_as(cp, release.token, "auth", "can-i", verb, resource, "-n", namespace)
+    return answer.stdout.strip() == "yes"
+
+
+def test_the_operator_cannot_read_secrets_or_touch_other_namespaces(
+    controlplane: ControlPlane, release: Release
+) -> None:
+    cp = controlplane
+    assert can_i(cp, release, "create", "rayjobs.ray.io", release.jobs)  # the check can say yes
+    for verb in ("get", "list", "watch"):
+        assert not can_i(cp, release, verb, "secrets", release.jobs)
+    for verb, resource in (("list", "rlhfjobs.rlhf.dev"), ("create", "configmaps"),
+                           ("create", "rayjobs.ray.io"), ("list", "pods")):  # fmt: skip
+        assert not can_i(cp, release, verb, resource, release.other), (verb, resource)
+    assert not can_i(cp, release, "delete", "rayjobs.ray.io", release.jobs)
+
+
+def test_installing_the_same_release_twice_fails_and_changes_nothing(
+    controlplane: ControlPlane, release: Release
+) -> None:
+    again = controlplane.helm(
+        "install", release.name, str(CHART), "--namespace", release.namespace, check=False
+    )
+    assert again.returncode != 0 and "cannot re-use a name" in again.stderr, again.stderr
+    history = controlplane.helm("history", release.name, "-n", release.namespace, "-o", "json")
+    assert len(json.loads(history.stdout)) == 1
+
+
+# Every kind the chart may create, with the instance label: what uninstall must remove.
+CHART_KINDS = (
+    "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets,"
+    "kopfpeerings.kopf.dev"
+)
+CLUSTER_KINDS = "clusterroles,clusterrolebindings,clusterkopfpeerings.kopf.dev"
+
+
+def released(cp: ControlPlane, name: str) -> list[str]:
+    """kind/name of every object of release `name`, in any namespace."""
+    found = []
+    for kinds, scope in ((CHART_KINDS, ("-A",)), (CLUSTER_KINDS, ())):
+        out = cp.kubectl("get", kinds, *scope, "-l", f"app.kubernetes.io/instance={name}",
+                         "-o", "name").stdout  # fmt: skip
+        found += out.split()
+    return found
+
+
+def test_upgrade_follows_the_values_and_uninstall_leaves_no_orphans(
+    controlplane: ControlPlane, release: Release
+) -> None:
+    cp, name, namespace = controlplane, f"{release.name}-b", f"{release.namespace}-b"
+    cp.helm("install", name, str(CHART), "-n", namespace, "--create-namespace")
+    assert sorted(k.split("/")[0] for k in released(cp, name) if "role" in k) == [
+        "clusterrole.rbac.authorization.k8s.io",
+        "clusterrolebinding.rbac.authorization.k8s.io",
+    ]
+    cp.helm("upgrade", name, str(CHART), "-n", namespace, "--set", "replicas=2",
+            "--set-json", f'watchNamespaces=["{release.other}"]')  # fmt: skip
+    now = released(cp, name)
+    assert not [k for k in now if k.startswith("clusterrole")], now  # narrowed to a Role
+    for kind in ("role.", "rolebinding.", "poddisruptionbudget.", "kopfpeering."):
+        assert any(k.startswith(kind) for k in now), (kind, now)
+    cp.helm("uninstall", name, "-n", namespace, "--wait")
+    assert released(cp, name) == []
+
+
+def test_an_existing_crd_of_another_version_stops_the_install(
+    controlplane: ControlPlane, tmp_path: Path
+) -> None:
+    """A copy of the chart under a group of its own (the real CRD stays untouched):
+    installed once, then again as a chart whose CRD has moved on to v1alpha2."""
+    cp, group = controlplane, f"t{uuid.uuid4().hex[:6]}.rlhf.dev"
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    crd_file = chart / "crds" / "rlhfjobs.yaml"
+    crd_file.write_text(crd_file.read_text().replace("rlhf.dev", group))
+    cp.helm("install", "first", str(chart), "-n", f"{group.split('.')[0]}-a", "--create-namespace")
+    crd_file.write_text(crd_file.read_text().replace("name: v1alpha1", "name: v1alpha2"))
+    namespace = f"{group.split('.')[0]}-b"
+    second = cp.helm("install", "second", str(chart), "-n", namespace, "--create-namespace",
+                     check=False)  # fmt: skip
+    assert second.returncode != 0, second.stdout
+    assert f"rlhfjobs.{group} serves v1alpha1" in second.stderr, second.stderr
+    assert "needs v1alpha2" in second.stderr
+    assert released(cp, "second") == []
+    cp.helm("uninstall", "first", "-n", f"{group.split('.')[0]}-a")
+    cp.kubectl("delete", "crd", f"rlhfjobs.{group}")
