@@ -62,13 +62,14 @@ crds: install  ## regenerate crds/ from the API models (and the chart's copy)
 	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
 	cp crds/*.yaml charts/rlhf-operator/crds/
 
-lint: install  ## ruff, mypy, the import contracts (the layering) and hadolint
+lint: install controlplane  ## ruff, mypy, the import contracts (the layering), hadolint and kube-score
 	$(VENV)/bin/ruff check operator trainer_image tests bench
 	$(VENV)/bin/ruff format --check operator trainer_image tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint trainer_image/Dockerfile
 	$(VENV)/bin/hadolint operator/Dockerfile
+	$(PY) -m tests.controlplane.scan_manifests  # the chart and every example, as rendered
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 

@@ -20,6 +20,7 @@ import yaml
 from rlhf_operator.api import RLHFJob
 from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
 from rlhf_operator.render import JobRef, render_children
+from rlhf_operator.render_network import NetworkAccess
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job
 from rlhf_trainer.api.plan import describe, plan_placement
 
@@ -72,7 +73,8 @@ def print_children(path: Path, namespace: str) -> int:
     for job in jobs:
         where = job.metadata.namespace or namespace
         ref = JobRef(job.metadata.name, where, uid="<assigned by the API server>")
-        objects += render_children(ref, job.spec)
+        # As the operator does: with the chart's NetworkPolicy setting, the job's policy too.
+        objects += render_children(ref, job.spec, NetworkAccess.from_env())
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
     return 0
 

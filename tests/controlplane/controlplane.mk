@@ -4,7 +4,7 @@
 # or use it alone: `make -f tests/controlplane/controlplane.mk controlplane`.
 #
 #   make controlplane   build etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-#                       kubectl, kwok, helm and KubeRay's operator into tests/controlplane/bin/
+#                       kubectl, kwok, helm, KubeRay's operator and kube-score into tests/controlplane/bin/
 #   make cluster        start that control plane for a person; prints KUBECONFIG; Ctrl-C stops it
 #
 # Binaries are rebuilt only when a module's go.mod/go.sum is newer than them, and the
@@ -36,7 +36,7 @@ CP_KUBE_LDFLAGS := \
 
 CP_KUBE_BINS := $(addprefix $(CP_BIN)/,kube-apiserver kube-controller-manager kube-scheduler kubectl)
 CP_TOOLS_BINS := $(addprefix $(CP_BIN)/,kwok helm)
-CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator
+CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kube-score
 
 .PHONY: controlplane cluster
 
@@ -65,6 +65,12 @@ $(CP_TOOLS_BINS) &: $(CP_GO)/tools/go.mod $(CP_GO)/tools/go.sum $(CP_MK)
 		sigs.k8s.io/kwok/cmd/kwok \
 		helm.sh/helm/v3/cmd/helm
 	@touch $(CP_TOOLS_BINS)
+
+# The manifest scanner of `make lint` (and of the test that it finds what it should).
+$(CP_BIN)/kube-score: $(CP_GO)/lint/go.mod $(CP_GO)/lint/go.sum $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/lint && $(GO) build -o $(abspath $@) github.com/zegl/kube-score/cmd/kube-score
+	@touch $@
 
 $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)

@@ -51,6 +51,7 @@ BINARIES = (
     "kwok",
     "helm",
     "kuberay-operator",
+    "kube-score",
 )
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -148,6 +149,19 @@ def kuberay_crd_files() -> list[Path]:
     return [
         kuberay_crd_dir() / f"ray.io_{plural}.yaml"
         for plural in ("rayclusters", "rayjobs", "rayservices")
+    ]
+
+
+def monitoring_crd_files() -> list[Path]:
+    """The Prometheus Operator's ServiceMonitor and PodMonitor CRDs, which the chart's
+    optional monitors need (pinned in go/monitoring)."""
+    root = go_module_dir(
+        GO_DIR / "monitoring", "github.com/prometheus-operator/prometheus-operator"
+    )
+    crds = root / "example" / "prometheus-operator-crd"
+    return [
+        crds / f"monitoring.coreos.com_{plural}.yaml"
+        for plural in ("servicemonitors", "podmonitors")
     ]
 
 
@@ -678,7 +692,8 @@ class ControlPlane:
     def _create_crds(self) -> None:
         # A fresh etcd each run, so plain create: server-side apply of KubeRay's
         # megabyte-sized schemas costs the API server twice the CPU.
-        self.kubectl("create", *[f"--filename={path}" for path in kuberay_crd_files()])
+        upstream = kuberay_crd_files() + monitoring_crd_files()
+        self.kubectl("create", *[f"--filename={path}" for path in upstream])
         # The project's own CRDs are under test: one the API server refuses must fail
         # the tests that use it (they read crd_errors), not the whole control plane.
         for path in sorted(p for d in self.crd_dirs for p in d.glob("*.yaml")):
