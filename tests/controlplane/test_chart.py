@@ -22,7 +22,7 @@ from rlhf_operator.main import CHILD_KINDS
 
 from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
-from .scan_manifests import EXCEPTIONS, example_manifests, excepted, findings
+from .scan_manifests import EXCEPTIONS, example_manifests, excepted, findings, rayjob_pods
 from .util import eventually, kubectl_as
 
 CHART = REPO_ROOT / "charts" / "rlhf-operator"
@@ -269,6 +269,12 @@ def test_with_only_the_charts_permissions_a_job_runs_in_a_restricted_namespace(
         return status.get("poolsReady") if status.get("poolsReady") == "2/2" else None
 
     eventually(ready_pools, "both pools' pods to run, admitted as restricted")
+
+    # KubeRay starts the submitter only once Ray answers, which kwok's pods never do: the
+    # API server checks a pod made from its template (and the others) without creating it.
+    rayjob = json.loads(cp.kubectl("get", "rayjob", name, "-n", release.jobs, "-o", "json").stdout)
+    pods = yaml.safe_dump_all(rayjob_pods(rayjob))
+    cp.kubectl("create", "--dry-run=server", "-n", release.jobs, "-f", "-", input=pods)
     # The namespace does refuse a pod that is not restricted (so admission was checked).
     refused = cp.kubectl("run", "unrestricted", "--image=busybox", "-n", release.jobs,
                          "--dry-run=server", check=False)  # fmt: skip
