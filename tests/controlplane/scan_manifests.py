@@ -39,8 +39,8 @@ CHART_RELEASES = {
 }
 # What the chart passes the operator with networkPolicy.enabled and its default values.
 NETWORK_ACCESS = {
-    "prometheus": {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
-    "kuberay": {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}},
+    peer: {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": app}}}
+    for peer, app in (("prometheus", "prometheus"), ("kuberay", "kuberay-operator"))
 }
 
 

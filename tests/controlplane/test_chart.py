@@ -23,7 +23,7 @@ from rlhf_operator.main import CHILD_KINDS
 from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
 from .scan_manifests import EXCEPTIONS, example_manifests, excepted, findings, rayjob_pods
-from .util import eventually, kubectl_as
+from .util import eventually, get_json, kubectl_as
 
 CHART = REPO_ROOT / "charts" / "rlhf-operator"
 EXAMPLE = "split-8gpu-4-4.yaml"  # fits the control plane's GPU node groups
@@ -229,22 +229,16 @@ def chart_operator(
     """The operator as the chart runs it, logged in with the chart's token only."""
     cp = controlplane
     kubeconfig = tmp_path_factory.mktemp("sa") / "kubeconfig"
-    cp.kubectl("config", "set-cluster", "cp", f"--server={cp.server}",
-               f"--certificate-authority={cp.ca_file}", f"--kubeconfig={kubeconfig}")  # fmt: skip
-    cp.kubectl("config", "set-credentials", "sa", f"--token={release.token}",
-               f"--kubeconfig={kubeconfig}")  # fmt: skip
-    cp.kubectl("config", "set-context", "sa", "--cluster=cp", "--user=sa",
-               f"--kubeconfig={kubeconfig}")  # fmt: skip
-    cp.kubectl("config", "use-context", "sa", f"--kubeconfig={kubeconfig}")
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "cp", "cluster": {"server": cp.server,
+                                                "certificate-authority": str(cp.ca_file)}}],
+        "users": [{"name": "sa", "user": {"token": release.token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "cp", "user": "sa"}}],
+    }))  # fmt: skip
     # The settings the chart gives the operator's container, as it gives them.
-    (deployment,) = of_kind(
-        list(
-            yaml.safe_load_all(
-                cp.helm("get", "manifest", release.name, "-n", release.namespace).stdout
-            )
-        ),
-        "Deployment",
-    )
+    manifest = cp.helm("get", "manifest", release.name, "-n", release.namespace).stdout
+    (deployment,) = of_kind([d for d in yaml.safe_load_all(manifest) if d], "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in container["env"]}
     op = OperatorProcess(cp, "chart-operator", *container["args"], kubeconfig=kubeconfig, env=env)
@@ -261,27 +255,21 @@ def test_with_only_the_charts_permissions_a_job_runs_in_a_restricted_namespace(
     cp.kubectl("apply", "-n", release.jobs, "-f", str(REPO_ROOT / "examples" / EXAMPLE))
     name = yaml.safe_load((REPO_ROOT / "examples" / EXAMPLE).read_text())["metadata"]["name"]
 
-    def ready_pools() -> str | None:
-        job = json.loads(
-            cp.kubectl("get", "rlhfjob", name, "-n", release.jobs, "-o", "json").stdout
-        )
-        status = job.get("status") or {}
-        return status.get("poolsReady") if status.get("poolsReady") == "2/2" else None
+    def ready_pools() -> bool:
+        status = get_json(cp, "rlhfjob", name, "-n", release.jobs).get("status") or {}
+        return status.get("poolsReady") == "2/2"
 
     eventually(ready_pools, "both pools' pods to run, admitted as restricted")
 
     # KubeRay starts the submitter only once Ray answers, which kwok's pods never do: the
     # API server checks a pod made from its template (and the others) without creating it.
-    rayjob = json.loads(cp.kubectl("get", "rayjob", name, "-n", release.jobs, "-o", "json").stdout)
-    pods = yaml.safe_dump_all(rayjob_pods(rayjob))
+    pods = yaml.safe_dump_all(rayjob_pods(get_json(cp, "rayjob", name, "-n", release.jobs)))
     cp.kubectl("create", "--dry-run=server", "-n", release.jobs, "-f", "-", input=pods)
     # The namespace does refuse a pod that is not restricted (so admission was checked).
     refused = cp.kubectl("run", "unrestricted", "--image=busybox", "-n", release.jobs,
                          "--dry-run=server", check=False)  # fmt: skip
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
-    policy = json.loads(
-        cp.kubectl("get", "networkpolicy", name, "-n", release.jobs, "-o", "json").stdout
-    )
+    policy = get_json(cp, "networkpolicy", name, "-n", release.jobs)
     assert policy["spec"]["podSelector"] == {"matchLabels": {"rlhf.dev/job": name}}
     log = chart_operator.log_path.read_text()
     assert "403" not in log and "forbidden" not in log.lower(), log[-3000:]
@@ -368,19 +356,20 @@ def test_an_existing_crd_of_another_version_stops_the_install(
 ) -> None:
     """A copy of the chart under a group of its own (the real CRD stays untouched):
     installed once, then again as a chart whose CRD has moved on to v1alpha2."""
-    cp, group = controlplane, f"t{uuid.uuid4().hex[:6]}.rlhf.dev"
+    cp, prefix = controlplane, f"t{uuid.uuid4().hex[:6]}"
+    crd = f"rlhfjobs.{prefix}.rlhf.dev"
     chart = tmp_path / "chart"
     shutil.copytree(CHART, chart)
     crd_file = chart / "crds" / "rlhfjobs.yaml"
-    crd_file.write_text(crd_file.read_text().replace("rlhf.dev", group))
-    cp.helm("install", "first", str(chart), "-n", f"{group.split('.')[0]}-a", "--create-namespace")
+    crd_file.write_text(crd_file.read_text().replace("rlhf.dev", f"{prefix}.rlhf.dev"))
+    cp.helm("install", "first", str(chart), "-n", f"{prefix}-a", "--create-namespace")
     crd_file.write_text(crd_file.read_text().replace("name: v1alpha1", "name: v1alpha2"))
-    namespace = f"{group.split('.')[0]}-b"
-    second = cp.helm("install", "second", str(chart), "-n", namespace, "--create-namespace",
+    second = cp.helm("install", "second", str(chart), "-n", f"{prefix}-b", "--create-namespace",
                      check=False)  # fmt: skip
     assert second.returncode != 0, second.stdout
-    assert f"rlhfjobs.{group} serves v1alpha1" in second.stderr, second.stderr
-    assert "needs v1alpha2" in second.stderr
+    assert f"{crd} serves v1alpha1, but this chart's operator needs v1alpha2" in second.stderr
     assert released(cp, "second") == []
-    cp.helm("uninstall", "first", "-n", f"{group.split('.')[0]}-a")
-    cp.kubectl("delete", "crd", f"rlhfjobs.{group}")
+    served = get_json(cp, "crd", crd)["spec"]["versions"]
+    assert [(v["name"], v["served"]) for v in served] == [("v1alpha1", True)]  # unchanged
+    cp.helm("uninstall", "first", "-n", f"{prefix}-a")
+    cp.kubectl("delete", "crd", crd)
