@@ -171,6 +171,21 @@ class HeadSpec(SpecModel):
     resources: PodResources | None = Field(None, description="CPU and memory of the head pod.")
 
 
+class RestartPolicy(SpecModel):
+    """What the operator does when an attempt (the job's RayJob) fails."""
+
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description=(
+            "New attempts after a failure (a trainer crash, a lost node, a dead engine); "
+            "each resumes from the newest checkpoint on checkpointClaim. 0: a failure is final."
+        ),
+    )
+    backoff_seconds: int = Field(30, ge=0, le=3600, description="Wait before each new attempt.")
+
+
 class Separation(StrEnum):
     NODE = "node"  # pools never share a node
     GPU = "gpu"  # pools may share a node, splitting its GPUs
@@ -213,6 +228,9 @@ class RLHFJobSpec(JobConfig):
     suspend: bool = Field(
         False, description="Suspend the job: its Ray cluster is deleted; resume to restart."
     )
+    restart_policy: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="Restarts after a failed attempt."
+    )
     checkpoint_claim: str | None = Field(
         None,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
@@ -244,6 +262,15 @@ class RLHFJobSpec(JobConfig):
             lambda s: f"got {s.trainer.checkpoint.path!r}",
         ),
         Rule(
+            "restartPolicy.maxRestarts",
+            "needs checkpointClaim when above 0: a new attempt resumes from the checkpoints "
+            "on that volume, and without one it would start training over",
+            "!has(self.restartPolicy) || !has(self.restartPolicy.maxRestarts) || "
+            "self.restartPolicy.maxRestarts == 0 || has(self.checkpointClaim)",
+            lambda s: s.restart_policy.max_restarts == 0 or s.checkpoint_claim is not None,
+            lambda s: f"got maxRestarts {s.restart_policy.max_restarts} and no checkpointClaim",
+        ),
+        Rule(
             "separation",
             "'gpu' lets pools share nodes, but some pools cannot share one (different "
             "gpuResource, or nodeSelectors that disagree); use separation: node",
@@ -270,6 +297,7 @@ class Phase(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     SUSPENDED = "Suspended"
+    RESTARTING = "Restarting"  # an attempt failed; the next one starts after the backoff
 
 
 class StatusModel(SpecModel):
@@ -298,6 +326,15 @@ class PoolStatus(StatusModel):
     nodes: list[str] = Field(default_factory=list, description="Nodes hosting the pool.")
 
 
+class AttemptFailure(StatusModel):
+    """How an attempt (a RayJob) failed, as KubeRay reported it."""
+
+    reason: str = Field("", description="KubeRay's reason, e.g. AppFailed or DeadlineExceeded.")
+    message: str = Field("", description="KubeRay's message.")
+    time: datetime | None = Field(None, description="When the operator saw the failure.")
+    ray_job_uid: str = Field("", alias="rayJobUID", description="The failed RayJob's uid.")
+
+
 class RLHFJobStatus(StatusModel):
     """Observed state. The operator writes all but `training`, which the trainer writes."""
 
@@ -311,6 +348,8 @@ class RLHFJobStatus(StatusModel):
     ray_cluster: str | None = Field(None, description="Name of the RayCluster running the job.")
     start_time: datetime | None = Field(None, description="When the job started running.")
     completion_time: datetime | None = Field(None, description="When the job finished.")
+    restarts: int = Field(0, ge=0, description="New attempts started after failures.")
+    last_failure: AttemptFailure | None = Field(None, description="The last failed attempt.")
 
 
 class ObjectMeta(SpecModel):

@@ -113,6 +113,16 @@ class Kube:
             "PATCH", KINDS[kind].path(namespace, name, subresource), patch, content_type
         )
 
+    def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete that object (by uid: never a newer one of the same name); its
+        dependents follow in the background. Gone already is fine."""
+        options = {"preconditions": {"uid": uid}, "propagationPolicy": "Background"}
+        try:
+            self._call("DELETE", KINDS[kind].path(namespace, name), body=options)
+        except ApiException as error:
+            if error.status not in (404, 409):  # 409: the uid differs, a newer one is there
+                raise
+
     def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
         found = self._call(
             "GET", KINDS[kind].path(namespace), query=[("labelSelector", label_selector)]

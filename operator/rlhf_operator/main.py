@@ -111,9 +111,11 @@ async def _work(memo: kopf.Memo) -> None:
         started = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
-            status = await loop.run_in_executor(memo.executor, memo.reconciler.reconcile, *key)
-            memo.gauges.observe(*key, status)
+            result = await loop.run_in_executor(memo.executor, memo.reconciler.reconcile, *key)
+            memo.gauges.observe(*key, result.status)
             memo.failures.pop(key, None)
+            if result.requeue_after is not None:
+                queue.add_later(key, max(result.requeue_after, 0.1))
         except Exception:
             _retry_later(memo, key)
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,6 +17,7 @@ from rlhf_operator.api import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStat
 from rlhf_operator.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.render import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render_network import NetworkAccess
+from rlhf_operator.restarts import Action, decide
 from rlhf_operator.status import Observed, compute_status, finished, invalid_status
 from rlhf_operator.validation import InvalidJob, parse_spec
 from rlhf_trainer.api.names import POOL_LABEL
@@ -33,6 +35,15 @@ OWNED_FIELDS = {
 WARNING_PHASES = (Phase.FAILED,)
 
 
+WAITING = (Action.RECORD, Action.WAIT)  # a failed attempt waits out the backoff
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    status: RLHFJobStatus | None  # None: the job is gone
+    requeue_after: float | None = None  # seconds: nothing else will bring the job back
+
+
 class ChildConflict(RuntimeError):
     """A child's name is taken by an object this job does not own."""
 
@@ -48,11 +59,12 @@ class Reconciler:
         self.now = now
         self.network = network  # give each job a NetworkPolicy (the chart's choice)
 
-    def reconcile(self, namespace: str, name: str) -> RLHFJobStatus | None:
-        """Bring one job to its desired state; returns its new status (None if gone)."""
+    def reconcile(self, namespace: str, name: str) -> Reconciled:
+        """Bring one job to its desired state; returns its new status, and when to look
+        again if no event will say (a failed attempt's backoff)."""
         job = self.kube.get("RLHFJob", namespace, name)
         if job is None or job["metadata"].get("deletionTimestamp"):
-            return None  # the garbage collector removes the children
+            return Reconciled(None)  # the garbage collector removes the children
         meta = job["metadata"]
         generation = meta.get("generation")
         old = RLHFJobStatus.model_validate(job.get("status") or {})
@@ -62,16 +74,22 @@ class Reconciler:
             # Admission normally stops this; if it slips through, say so and create nothing.
             new = invalid_status(old, generation, str(invalid).replace("\n", "; "), self.now())
             self._write_status(job, old, new)
-            return new
+            return Reconciled(new)
 
-        ref = JobRef(name, namespace, meta["uid"])
+        ref, now = JobRef(name, namespace, meta["uid"]), self.now()
         rayjob = self.kube.get("RayJob", namespace, ref.rayjob)
-        if not finished(old):  # a finished job is not started again
+        # A finished job is not started again; a failed attempt may be (restarts.py).
+        restart = None if finished(old) else decide(spec.restart_policy, rayjob, old, now)
+        if restart is not None and restart.action is Action.NONE:
             rayjob = self._ensure_children(ref, spec, rayjob)
+        elif restart is not None and restart.action is Action.DELETE and restart.failure:
+            # Its deletion is an event: the reconcile it brings creates the next attempt.
+            self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
         pods = self.kube.list("Pod", namespace, f"{JOB_LABEL}={name},{POOL_LABEL}")
-        new = compute_status(spec, generation, Observed(rayjob, pods), old, self.now())
+        new = compute_status(spec, generation, Observed(rayjob, pods), old, now, restart)
         self._write_status(job, old, new)
-        return new
+        wait = restart.wait_seconds if restart and restart.action in WAITING else None
+        return Reconciled(new, requeue_after=wait)
 
     def _ensure_children(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
         *dependencies, desired_rayjob = render_children(ref, spec, self.network)
@@ -149,7 +167,7 @@ class Reconciler:
         meta = job["metadata"]
         invalid = _invalid_message(status)
         reason = "InvalidSpec" if invalid else status.phase.value
-        message = invalid or f"the job is {status.phase.value.lower()}"
+        message = invalid or _phase_message(status)
         now = self.now().isoformat().replace("+00:00", "Z")
         warning = invalid or status.phase in WARNING_PHASES
         self.kube.create(
@@ -196,6 +214,21 @@ def _without_training(status: RLHFJobStatus) -> Obj:
     data = status.to_dict()
     data.pop("training", None)
     return data
+
+
+def _phase_message(status: RLHFJobStatus) -> str:
+    """The Ready condition's message; a restart also says where the next attempt starts."""
+    ready = next((c.message for c in status.conditions if c.type == "Ready"), None)
+    message = ready or f"the job is {status.phase.value.lower()}"
+    if status.phase is Phase.RESTARTING:
+        checkpoint = status.training.last_checkpoint if status.training else None
+        start = (
+            f"resumes from {checkpoint}"
+            if checkpoint
+            else "starts from scratch (no checkpoint yet)"
+        )
+        message += f"; restart {status.restarts}: the next attempt {start}"
+    return message
 
 
 def _invalid_message(status: RLHFJobStatus) -> str | None:

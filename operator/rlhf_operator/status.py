@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from rlhf_operator.api import Condition, Phase, PoolStatus, RLHFJobSpec, RLHFJobStatus
+from rlhf_operator.api import (
+    AttemptFailure,
+    Condition,
+    Phase,
+    PoolStatus,
+    RLHFJobSpec,
+    RLHFJobStatus,
+)
+from rlhf_operator.restarts import Action, Decision
 from rlhf_trainer.api.names import POOL_LABEL
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
@@ -59,11 +67,18 @@ def compute_status(
     observed: Observed,
     old: RLHFJobStatus,
     now: datetime,
+    restart: Decision | None = None,
 ) -> RLHFJobStatus:
+    """`restart`: what the reconciler decided about a failed attempt (restarts.decide)."""
     pools = [_pool_status(spec, pool.name, observed.pods) for pool in spec.pools]
     ready_pools = sum(p.ready_gpus == p.desired_gpus for p in pools)
-    # A finished job keeps its outcome, even after KubeRay has cleaned up its RayJob.
-    phase = old.phase if finished(old) else _phase(spec, observed.rayjob)
+    restarting = restart is not None and restart.action is not Action.NONE
+    if finished(old):  # a finished job keeps its outcome, even once its RayJob is gone
+        phase = old.phase
+    else:
+        phase = Phase.RESTARTING if restarting else _phase(spec, observed.rayjob)
+    failure = restart.failure if restart and restart.failure else old.last_failure
+    recorded = restart is not None and restart.action is Action.RECORD
     all_ready = ready_pools == len(pools)
 
     conditions = old.conditions
@@ -71,7 +86,7 @@ def compute_status(
         ("Invalid", False, "Valid", "the spec is valid"),
         ("PoolsReady", all_ready, "PoolsReady" if all_ready else "PoolsNotReady",
          f"{ready_pools}/{len(pools)} pools have all their GPUs"),
-        ("Ready", phase is Phase.RUNNING, phase.value, f"the job is {phase.value.lower()}"),
+        ("Ready", phase is Phase.RUNNING, phase.value, _phase_message(phase, failure)),
     ):  # fmt: skip
         conditions = _set_condition(conditions, kind, ok, reason, message, now, generation)
 
@@ -87,7 +102,16 @@ def compute_status(
         ray_cluster=rayjob_status.get("rayClusterName") or old.ray_cluster,
         start_time=old.start_time or (now if phase is Phase.RUNNING else None),
         completion_time=old.completion_time or (now if phase in TERMINAL else None),
+        restarts=old.restarts + recorded,
+        last_failure=failure,
     )
+
+
+def _phase_message(phase: Phase, failure: AttemptFailure | None) -> str:
+    if failure is not None and phase in (Phase.FAILED, Phase.RESTARTING):
+        what = f"{failure.reason}: {failure.message}" if failure.message else failure.reason
+        return f"the job is {phase.value.lower()} after its attempt failed ({what})"
+    return f"the job is {phase.value.lower()}"
 
 
 def _phase(spec: RLHFJobSpec, rayjob: dict[str, Any] | None) -> Phase:

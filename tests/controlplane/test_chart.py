@@ -105,8 +105,9 @@ def test_by_default_one_cluster_role_without_wildcards_or_secrets() -> None:
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[field], rule
         assert "secrets" not in rule["resources"], rule
-        assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(
-            rule["verbs"]
+        deletes = {"delete"} if rule["resources"] == ["rayjobs"] else set()  # failed attempts
+        assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & (
+            set(rule["verbs"]) - deletes
         ), rule
     assert "--all-namespaces" in deployment(manifests)["containers"][0]["args"]
 
@@ -291,7 +292,7 @@ def test_the_operator_cannot_read_secrets_or_touch_other_namespaces(
     for verb, resource in (("list", "rlhfjobs.rlhf.dev"), ("create", "configmaps"),
                            ("create", "rayjobs.ray.io"), ("list", "pods")):  # fmt: skip
         assert not can_i(cp, release, verb, resource, release.other), (verb, resource)
-    assert not can_i(cp, release, "delete", "rayjobs.ray.io", release.jobs)
+    assert not can_i(cp, release, "delete", "configmaps", release.jobs)
 
 
 def test_the_monitors_are_accepted_by_the_prometheus_operators_schemas(

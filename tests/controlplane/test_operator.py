@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -412,3 +413,48 @@ def test_two_replicas_with_peering_one_active_then_failover(
         active.stop()
         standby.stop()
         operator.start()
+
+
+def test_a_failed_attempt_restarts_until_max_restarts_then_the_job_fails(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    """KubeRay's part, reporting each attempt's failure, is played by patching the
+    RayJob's status as KubeRay would. The operator is killed and restarted right after
+    the second failure: it must neither count it twice nor start two attempts."""
+    cp = controlplane
+    manifest = load(REPO_ROOT / "examples" / "colocated.yaml")
+    manifest["spec"] |= {
+        "checkpointClaim": "checkpoints",
+        "restartPolicy": {"maxRestarts": 2, "backoffSeconds": 2},
+    }
+    apply(cp, namespace, manifest)
+    attempts: list[str] = []
+
+    def new_attempt() -> str | None:
+        uid = ((get(cp, "rayjob", "colocated", namespace) or {}).get("metadata") or {}).get("uid")
+        return uid if uid and uid not in attempts else None
+
+    for number in (1, 2, 3):
+        attempts.append(eventually(new_attempt, f"attempt {number}'s RayJob"))
+        failure = {"jobDeploymentStatus": "Failed", "reason": "AppFailed",
+                   "message": f"attempt {number}: trainer exited with 1"}  # fmt: skip
+        cp.kubectl("patch", "rayjob", "colocated", "-n", namespace, "--subresource=status",
+                   "--type=merge", "-p", json.dumps({"status": failure}))  # fmt: skip
+        if number == 2:
+            eventually(lambda: job_status(cp, "colocated", namespace).get("restarts") == 2,
+                       "the second restart counted")  # fmt: skip
+            operator.kill()
+            operator.start()
+
+    status = eventually(lambda: status_when(cp, "colocated", namespace, phase="Failed"), "Failed")
+    assert status["restarts"] == 2
+    assert status["lastFailure"]["reason"] == "AppFailed"
+    assert status["lastFailure"]["message"] == "attempt 3: trainer exited with 1"
+    assert status["lastFailure"]["rayJobUID"] == attempts[-1]
+    time.sleep(3)  # longer than the backoff: no fourth attempt comes
+    assert new_attempt() is None
+    events = get_json(cp, "events", "-n", namespace, "--field-selector", "reason=Restarting")
+    messages = sorted(e["message"] for e in events["items"])
+    assert len(messages) == 2, messages
+    assert "attempt 1: trainer exited with 1" in messages[0]
+    assert "starts from scratch (no checkpoint yet)" in messages[0]

@@ -33,8 +33,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/*
 What the operator does in a namespace it watches: the whole of it, each rule explained
-in the chart's README. No wildcards, no Secrets, no delete (deleting a job deletes its
-children through their owner references).
+in the chart's README. No wildcards, no Secrets, and no delete but of a failed RayJob
+(deleting a job deletes its children through their owner references).
 */}}
 {{- define "rlhf-operator.rules" -}}
 - apiGroups: [rlhf.dev]
@@ -48,7 +48,7 @@ children through their owner references).
   verbs: [update]
 - apiGroups: [ray.io]
   resources: [rayjobs]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [ray.io]
   resources: [rayclusters]
   verbs: [get, patch]

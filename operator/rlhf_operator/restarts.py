@@ -1,0 +1,69 @@
+"""Pure restart decisions: a failed attempt (RayJob) -> what the reconciler does next.
+
+An attempt is one RayJob, told apart from the next by its uid. When it fails and the
+job has restarts left, the reconciler records the failure in status (counting the
+restart there, once per uid, so a reconcile repeated or resumed by a new operator
+counts it once), waits out the backoff, deletes the failed RayJob, and creates the next
+one, which resumes from the newest checkpoint on the job's claim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from rlhf_operator.api import AttemptFailure, Phase, RestartPolicy, RLHFJobStatus
+
+FAILED_DEPLOYMENTS = ("Failed", "ValidationFailed")  # KubeRay's jobDeploymentStatus
+
+
+class Action(StrEnum):
+    NONE = "none"  # running, finished, or failed for good
+    RECORD = "record"  # count this failure as a restart, in status
+    WAIT = "wait"  # counted; the backoff is not over
+    DELETE = "delete"  # counted and waited: delete the failed RayJob
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    failure: AttemptFailure | None = None  # the failed attempt, if the RayJob failed
+    wait_seconds: float = 0.0
+
+
+def attempt_failure(rayjob: dict[str, Any] | None, now: datetime) -> AttemptFailure | None:
+    """The RayJob's failure as KubeRay reports it; None unless it failed."""
+    status = (rayjob or {}).get("status") or {}
+    deployment = status.get("jobDeploymentStatus", "")
+    failed = deployment in FAILED_DEPLOYMENTS or (
+        deployment == "Complete" and status.get("jobStatus") == "FAILED"
+    )
+    if rayjob is None or not failed:
+        return None
+    return AttemptFailure(
+        reason=status.get("reason") or deployment,
+        message=(status.get("message") or "")[:1024],
+        time=now,
+        ray_job_uid=rayjob["metadata"]["uid"],
+    )
+
+
+def decide(
+    policy: RestartPolicy, rayjob: dict[str, Any] | None, old: RLHFJobStatus, now: datetime
+) -> Decision:
+    failure = attempt_failure(rayjob, now)
+    if failure is None:
+        return Decision(Action.NONE)
+    counted = old.last_failure
+    # Counted already (a repeated reconcile, or a new operator): go on, never count twice.
+    if old.phase is Phase.RESTARTING and counted and counted.ray_job_uid == failure.ray_job_uid:
+        waited = (now - counted.time).total_seconds() if counted.time else policy.backoff_seconds
+        left = policy.backoff_seconds - waited
+        return (
+            Decision(Action.WAIT, counted, left) if left > 0 else Decision(Action.DELETE, counted)
+        )
+    if old.restarts < policy.max_restarts:
+        return Decision(Action.RECORD, failure, float(policy.backoff_seconds))
+    return Decision(Action.NONE, failure)

@@ -1,0 +1,107 @@
+"""Restart decisions and the status they lead to, attempt after attempt (pure)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from rlhf_operator.api import Phase, RestartPolicy, RLHFJobStatus
+from rlhf_operator.restarts import Action, attempt_failure, decide
+from rlhf_operator.status import Observed, compute_status, finished
+from rlhf_operator.validation import parse_job
+from tests.unit.conftest import EXAMPLES, load
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+POLICY = RestartPolicy(max_restarts=2, backoff_seconds=30)
+SPEC = parse_job(load(EXAMPLES[0].parent / "colocated.yaml")).spec.model_copy(
+    update={"restart_policy": POLICY, "checkpoint_claim": "ckpt"}
+)
+
+
+def attempt(uid: str, deployment: str = "Running", **status: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "colocated", "uid": uid},
+        "status": {"jobDeploymentStatus": deployment, **status},
+    }
+
+
+def failed(uid: str) -> dict[str, Any]:
+    return attempt(uid, "Failed", reason="AppFailed", message="trainer exited with 1")
+
+
+@pytest.mark.parametrize(
+    ("rayjob", "is_failure"),
+    [
+        (None, False),
+        (attempt("a"), False),
+        (attempt("a", "Complete", jobStatus="SUCCEEDED"), False),
+        (attempt("a", "Complete", jobStatus="FAILED"), True),
+        (attempt("a", "Failed"), True),
+        (attempt("a", "ValidationFailed"), True),
+        (attempt("a", "Suspended"), False),
+    ],
+)
+def test_an_attempt_has_failed_when_kuberay_says_so(
+    rayjob: dict[str, Any] | None, is_failure: bool
+) -> None:
+    assert (attempt_failure(rayjob, T0) is not None) is is_failure
+
+
+def test_a_failure_without_kubernetes_reason_is_named_by_its_state() -> None:
+    failure = attempt_failure(attempt("a", "ValidationFailed"), T0)
+    assert failure is not None and failure.reason == "ValidationFailed"
+
+
+def reconcile(rayjob: dict[str, Any] | None, old: RLHFJobStatus, now: datetime):  # type: ignore[no-untyped-def]
+    """What the reconciler does with one observation: decide, then compute the status."""
+    restart = decide(POLICY, rayjob, old, now) if not finished(old) else None
+    return restart, compute_status(SPEC, 1, Observed(rayjob, []), old, now, restart)
+
+
+def test_failures_restart_after_the_backoff_until_max_restarts_then_fail() -> None:
+    status, now = RLHFJobStatus(), T0
+    for restart_number, uid in ((1, "a"), (2, "b")):
+        restart, status = reconcile(failed(uid), status, now)
+        assert restart.action is Action.RECORD and restart.wait_seconds == 30
+        assert (status.phase, status.restarts) == (Phase.RESTARTING, restart_number)
+        assert status.last_failure and status.last_failure.ray_job_uid == uid
+        assert "AppFailed: trainer exited with 1" in ready_message(status)
+        # Seen again before the backoff is over: wait for the rest, count nothing.
+        restart, status = reconcile(failed(uid), status, now + timedelta(seconds=10))
+        assert (restart.action, restart.wait_seconds) == (Action.WAIT, 20)
+        assert status.restarts == restart_number
+        restart, status = reconcile(failed(uid), status, now + timedelta(seconds=30))
+        assert restart.action is Action.DELETE and status.phase is Phase.RESTARTING
+        # Deleted: the next attempt is created and runs.
+        restart, status = reconcile(None, status, now + timedelta(seconds=31))
+        assert restart.action is Action.NONE and status.phase is Phase.PENDING
+        restart, status = reconcile(attempt(f"{uid}2"), status, now + timedelta(seconds=40))
+        assert status.phase is Phase.RUNNING and status.restarts == restart_number
+        now += timedelta(minutes=10)
+    restart, status = reconcile(failed("c"), status, now)
+    assert restart.action is Action.NONE
+    assert (status.phase, status.restarts) == (Phase.FAILED, 2) and finished(status)
+    assert status.last_failure and status.last_failure.ray_job_uid == "c"
+    assert "failed after its attempt failed (AppFailed" in ready_message(status)
+
+
+def test_a_restart_is_counted_once_however_often_the_failure_is_seen() -> None:
+    """A repeated reconcile, or a new operator reading the status the old one wrote."""
+    _, status = reconcile(failed("a"), RLHFJobStatus(), T0)
+    for seconds in (0, 1, 5, 29):
+        _, again = reconcile(failed("a"), status, T0 + timedelta(seconds=seconds))
+        assert again.restarts == 1
+    reread = RLHFJobStatus.model_validate(status.to_dict())
+    restart, _ = reconcile(failed("a"), reread, T0 + timedelta(seconds=31))
+    assert restart.action is Action.DELETE
+
+
+def test_without_restarts_a_failure_is_final_at_once() -> None:
+    restart = decide(RestartPolicy(), failed("a"), RLHFJobStatus(), T0)
+    assert restart.action is Action.NONE and restart.failure is not None
+
+
+def ready_message(status: RLHFJobStatus) -> str:
+    return next(c.message for c in status.conditions if c.type == "Ready")
