@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,8 +16,8 @@ from rlhf_trainer.algo.experience import (
     state_values,
 )
 from rlhf_trainer.algo.ppo import gae, whiten
-from rlhf_trainer.api.sections import AlgorithmConfig, DataConfig, RewardSource
-from rlhf_trainer.data.prompts import Prompt, PromptStream, load_prompt_texts
+from rlhf_trainer.api.sections import AlgorithmConfig, RewardSource
+from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import reward_function, toy_copy
 from rlhf_trainer.loop.sync import max_abs_diff, split_list
 
@@ -183,23 +181,6 @@ def test_an_unshuffled_stream_keeps_the_file_order() -> None:
 def test_a_stream_refuses_a_position_outside_its_prompts() -> None:
     with pytest.raises(ValueError, match="outside"):
         PromptStream([Prompt("a", [1])], seed=0).seek(0, 2)
-
-
-def test_prompts_load_from_jsonl_with_the_prompt_key(tmp_path: Path) -> None:
-    path = tmp_path / "train.jsonl"
-    path.write_text('{"question": "a b ="}\n\n{"question": "c ="}\n')
-    data = DataConfig(train=str(path), prompt_key="question")
-    assert load_prompt_texts(data, seed=0) == ["a b =", "c ="]
-    path.write_text('{"prompt": "a"}\n')
-    with pytest.raises(ValueError, match=r"train.jsonl:1: no string field 'question'"):
-        load_prompt_texts(data, seed=0)
-
-
-def test_toy_prompts_and_unknown_sources() -> None:
-    texts = load_prompt_texts(DataConfig(train="toy:copy"), seed=0)
-    assert texts[0].endswith(" =") and len(texts) == 4096
-    with pytest.raises(ValueError, match=r"data\.train"):
-        load_prompt_texts(DataConfig(train="prompts.csv"), seed=0)
 
 
 def test_reward_functions_resolve_by_name_or_module_path() -> None:

@@ -108,12 +108,30 @@ class DataConfig(SpecModel):
     train: str = Field(
         min_length=1,
         description=(
-            "Training prompts: a JSONL file path (one object per line, the prompt under "
-            "promptKey), or 'toy:<task>' for a "
-            "built-in generated task (e.g. 'toy:copy')."
+            "Training prompts: a .parquet, .jsonl or .json file, or a directory saved by HF "
+            "datasets, the prompt under promptKey; or 'toy:<task>' for a built-in "
+            "generated task (e.g. 'toy:copy')."
         ),
     )
-    prompt_key: str = Field("prompt", min_length=1, description="Column holding the prompt.")
+    prompt_key: str = Field(
+        "prompt",
+        min_length=1,
+        description="Column holding the prompt: a string or a list of {role, content} messages.",
+    )
+    chat_template: bool | None = Field(
+        None,
+        description=(
+            "Render conversations with the tokenizer's chat template; unset: when the "
+            "tokenizer has one."
+        ),
+    )
+    overlong_prompts: Literal["drop", "truncate", "error"] = Field(
+        "drop",
+        description=(
+            "A prompt over maxPromptLength tokens: drop it (counted and logged), truncate "
+            "it to its last tokens, or fail the job at start."
+        ),
+    )
     max_prompt_length: int = Field(512, ge=1, le=131072, description="Prompt tokens, at most.")
     max_response_length: int = Field(
         512, ge=1, le=131072, description="Generated tokens per response, at most."

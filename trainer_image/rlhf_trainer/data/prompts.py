@@ -6,40 +6,40 @@ order: each epoch's order is a pure function of the seed and the epoch number.
 
 from __future__ import annotations
 
-import json
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 from rlhf_trainer.api.sections import DataConfig
+from rlhf_trainer.data.sources import PromptInput, load_prompt_inputs
 
-Encode = Callable[[str], list[int]]
+log = logging.getLogger(__name__)
 
-TOY_PROMPTS = 4096  # prompts a toy task generates (an epoch)
+Tokenize = Callable[[PromptInput], tuple[str, list[int]]]  # -> (the text, its token ids)
 
 
-def load_prompt_texts(data: DataConfig, seed: int) -> list[str]:
-    """The prompts of `data.train`: a built-in `toy:<task>`, or a JSONL file whose
-    records hold the prompt under `data.promptKey`."""
-    if data.train.startswith("toy:"):
-        from rlhf_trainer.data.tasks import toy_prompts
+def prompt_tokenizer(tokenizer: Any, chat_template: bool | None) -> Tokenize:
+    """Plain prompts are tokenised as they are; conversations through the tokenizer's
+    chat template (data.chatTemplate; unset: used when the tokenizer has one), ending
+    with the assistant's turn opened for the response."""
+    use_template = (
+        bool(getattr(tokenizer, "chat_template", None)) if chat_template is None else chat_template
+    )
 
-        return [p.text for p in toy_prompts(data.train, TOY_PROMPTS, seed)]
-    path = Path(data.train)
-    if path.suffix != ".jsonl":
-        raise ValueError(f"data.train: expected 'toy:<task>' or a .jsonl file, got {data.train!r}")
-    texts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if not isinstance(record, dict) or not isinstance(record.get(data.prompt_key), str):
-            raise ValueError(f"{path}:{number}: no string field {data.prompt_key!r} (promptKey)")
-        texts.append(record[data.prompt_key])
-    if not texts:
-        raise ValueError(f"{path}: no prompts")
-    return texts
+    def tokenize(prompt: PromptInput) -> tuple[str, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(tokenizer(prompt)["input_ids"])
+        if not use_template:
+            raise ValueError(
+                "data.train holds chat conversations, but data.chatTemplate is off or the "
+                "tokenizer has no chat template"
+            )
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return tokenize
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,31 @@ class PromptStream:
     shuffle: bool = True
     epoch: int = 0
     index: int = 0  # next position in this epoch's order
+    dropped: int = 0  # prompts left out at load, for being over maxPromptLength
     _order: tuple[int, list[int]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def load(cls, data: DataConfig, seed: int, encode: Encode) -> PromptStream:
-        """Tokenise every prompt, keeping its last `maxPromptLength` tokens."""
-        texts = load_prompt_texts(data, seed)
-        prompts = [Prompt(t, encode(t)[-data.max_prompt_length :]) for t in texts]
-        return cls(prompts, seed, data.shuffle)
+    def load(cls, data: DataConfig, seed: int, tokenize: Tokenize) -> PromptStream:
+        """Tokenise every prompt; one over `maxPromptLength` tokens is dropped (counted
+        and logged), truncated to its last tokens, or an error, as data.overlongPrompts says."""
+        prompts, dropped, limit = [], 0, data.max_prompt_length
+        for number, prompt in enumerate(load_prompt_inputs(data, seed)):
+            text, ids = tokenize(prompt)
+            if len(ids) > limit and data.overlong_prompts == "error":
+                raise ValueError(
+                    f"{data.train}: row {number} has {len(ids)} prompt tokens, over "
+                    f"maxPromptLength {limit} (data.overlongPrompts: error)"
+                )
+            if len(ids) > limit and data.overlong_prompts == "drop":
+                dropped += 1
+                continue
+            prompts.append(Prompt(text, ids[-limit:]))  # the end: the question, the turn
+        if dropped:
+            log.warning("dropped %d of %d prompts over maxPromptLength %d tokens",
+                        dropped, dropped + len(prompts), limit)  # fmt: skip
+        if not prompts:
+            raise ValueError(f"{data.train}: every prompt is over maxPromptLength {limit} tokens")
+        return cls(prompts, seed, data.shuffle, dropped=dropped)
 
     def order(self, epoch: int) -> list[int]:
         if self._order is None or self._order[0] != epoch:

@@ -17,7 +17,7 @@ from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups
-from rlhf_trainer.data.prompts import PromptStream
+from rlhf_trainer.data.prompts import PromptStream, prompt_tokenizer
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer, AsyncState
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult
 from rlhf_trainer.models import build_tokenizer
@@ -199,7 +199,7 @@ def run_job(
     timeline = Timeline(listeners=[metrics.observe_span])
     tokenizer = load_tokenizer(config)
     prompts = PromptStream.load(
-        config.data, config.trainer.seed, lambda text: list(tokenizer(text)["input_ids"])
+        config.data, config.trainer.seed, prompt_tokenizer(tokenizer, config.data.chat_template)
     )
     started = time.time()
     queue = spawn_queue(config.generation.samples_per_prompt) if config.async_ else None

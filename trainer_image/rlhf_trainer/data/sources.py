@@ -1,0 +1,115 @@
+"""Where training prompts come from: a built-in toy task, or a dataset on disk read with
+pyarrow (Parquet, JSON lines, a JSON array, or a directory saved by HF `datasets`).
+
+A prompt is a string, or a chat conversation: a list of {role, content} messages (the
+tokenizer's chat template renders it, see prompts.py). Every problem names the file,
+and where it can, the row and the column.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf_trainer.api.sections import DataConfig
+
+Message = dict[str, str]  # {"role": ..., "content": ...}
+PromptInput = str | list[Message]
+
+TOY_PROMPTS = 4096  # prompts a toy task generates (an epoch)
+FORMATS = ".parquet, .jsonl, .json, or a directory saved by HF datasets (save_to_disk)"
+
+
+def load_prompt_inputs(data: DataConfig, seed: int) -> list[PromptInput]:
+    """The prompts of `data.train`, in file order."""
+    if data.train.startswith("toy:"):
+        from rlhf_trainer.data.tasks import toy_prompts
+
+        return [p.text for p in toy_prompts(data.train, TOY_PROMPTS, seed)]
+    path = Path(data.train)
+    if not path.exists():
+        raise ValueError(f"data.train: {path} does not exist (expected 'toy:<task>' or {FORMATS})")
+    rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"{path}: the dataset has no rows")
+    return [prompt_of(row, data.prompt_key, path, number) for number, row in enumerate(rows)]
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Every row of the dataset at `path`, as a dict of its columns."""
+    import pyarrow as pa
+    import pyarrow.json as pa_json
+    import pyarrow.parquet as pq
+
+    try:
+        if path.is_dir():
+            table = _saved_dataset(path)
+        elif path.suffix == ".parquet":
+            table = pq.read_table(path)
+        elif path.suffix == ".jsonl":
+            table = pa_json.read_json(path)
+        elif path.suffix == ".json":
+            table = _json_file(path)
+        else:
+            raise ValueError(f"data.train: {path}: unknown format; expected {FORMATS}")
+    except (pa.ArrowException, OSError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"{path}: cannot read it as {path.suffix or 'a dataset'}: {error}"
+        ) from error
+    rows: list[dict[str, Any]] = table.to_pylist()
+    return rows
+
+
+def _json_file(path: Path) -> Any:
+    """A JSON array of objects, or JSON lines under a .json name (as HF exports)."""
+    import pyarrow as pa
+    import pyarrow.json as pa_json
+
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        records = json.loads(text)
+        if not all(isinstance(r, dict) for r in records):
+            raise ValueError(f"{path}: expected a JSON array of objects")
+        return pa.Table.from_pylist(records)
+    return pa_json.read_json(path)
+
+
+def _saved_dataset(path: Path) -> Any:
+    """A `Dataset.save_to_disk` directory (Arrow stream files), or a DatasetDict's, whose
+    `train` split is taken."""
+    import pyarrow as pa
+
+    if (path / "dataset_dict.json").exists():
+        path = path / "train"
+    files = sorted(path.glob("*.arrow"))
+    if not files:
+        raise ValueError(f"data.train: {path} holds no .arrow files; expected {FORMATS}")
+    tables = []
+    for file in files:
+        with pa.memory_map(str(file)) as source:
+            tables.append(pa.ipc.open_stream(source).read_all())
+    return pa.concat_tables(tables)
+
+
+def prompt_of(row: dict[str, Any], key: str, path: Path, number: int) -> PromptInput:
+    where = f"{path}: row {number}, column {key!r}"
+    if key not in row:
+        raise ValueError(f"{path}: no column {key!r} (data.promptKey); it has {sorted(row)}")
+    value = row[key]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise ValueError(
+        f"{where}: expected a string or a list of {{role, content}} messages, "
+        f"got {type(value).__name__} {str(value)[:80]!r}"
+    )
+
+
+def _is_message(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("role"), str)
+        and isinstance(value.get("content"), str)
+    )
