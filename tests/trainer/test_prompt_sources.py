@@ -14,7 +14,9 @@ import pytest
 
 from rlhf_trainer.api.sections import DataConfig
 from rlhf_trainer.data.prompts import PromptStream, prompt_tokenizer
-from rlhf_trainer.data.sources import load_prompt_inputs
+from rlhf_trainer.data.sources import load_prompt_rows
+from rlhf_trainer.data.tasks import check_reward_arguments, math_answer, toy_copy
+from rlhf_trainer.loop.sync import rule_rewards
 from rlhf_trainer.models import build_tokenizer
 
 CHATS = [
@@ -56,14 +58,16 @@ def test_every_format_reads_the_same_prompts(
 ) -> None:
     path = write(tmp_path / name, rows)
     data = DataConfig(train=str(path), prompt_key="question")
-    assert load_prompt_inputs(data, seed=0) == [row["question"] for row in rows]
+    loaded = load_prompt_rows(data, seed=0)
+    assert [r.prompt for r in loaded] == [row["question"] for row in rows]
+    assert [r.fields for r in loaded] == [{"answer": row["answer"]} for row in rows]
 
 
 def test_a_dataset_dict_directory_gives_its_train_split(tmp_path: Path) -> None:
     (tmp_path / "dataset_dict.json").write_text('{"splits": ["train"]}')
     write(tmp_path / "train", PLAIN)
     data = DataConfig(train=str(tmp_path), prompt_key="question")
-    assert len(load_prompt_inputs(data, seed=0)) == 2
+    assert len(load_prompt_rows(data, seed=0)) == 2
 
 
 def tokenizer(template: str | None = TEMPLATE) -> Any:
@@ -133,11 +137,30 @@ def test_bad_data_fails_naming_file_row_and_column(
 ) -> None:
     (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=message):
-        load_prompt_inputs(DataConfig(train=str(tmp_path / name), prompt_key="question"), seed=0)
+        load_prompt_rows(DataConfig(train=str(tmp_path / name), prompt_key="question"), seed=0)
 
 
 def test_toy_tasks_and_missing_paths() -> None:
-    texts = load_prompt_inputs(DataConfig(train="toy:copy"), seed=0)
-    assert str(texts[0]).endswith(" =") and len(texts) == 4096
+    rows = load_prompt_rows(DataConfig(train="toy:copy"), seed=0)
+    assert str(rows[0].prompt).endswith(" =") and rows[0].fields == {} and len(rows) == 4096
     with pytest.raises(ValueError, match=r"data.train: /nowhere/p.parquet does not exist"):
-        load_prompt_inputs(DataConfig(train="/nowhere/p.parquet"), seed=0)
+        load_prompt_rows(DataConfig(train="/nowhere/p.parquet"), seed=0)
+
+
+def test_the_rows_other_columns_reach_the_reward_function(tmp_path: Path) -> None:
+    rows = [{"prompt": "2 + 3 =", "answer": "5"}, {"prompt": "7 - 9 =", "answer": "-2"}]
+    data = DataConfig(train=str(write(tmp_path / "math.parquet", rows)))
+    prompts = PromptStream.load(data, 0, prompt_tokenizer(tokenizer(), None)).prompts
+    assert [p.fields for p in prompts] == [{"answer": "5"}, {"answer": "-2"}]
+    responses = ["2 + 3 = 5</s>", "so 1,000 or -2"]
+    assert rule_rewards(math_answer, prompts, responses) == [1.0, 1.0]
+    assert rule_rewards(math_answer, prompts, ["6", "2"]) == [0.0, 0.0]
+    check_reward_arguments(math_answer, ["answer"])
+
+
+def test_a_reward_function_that_cannot_take_the_columns_fails_at_start() -> None:
+    with pytest.raises(
+        ValueError, match=r"toy_copy does not take the dataset's columns \['answer'\]"
+    ):
+        check_reward_arguments(toy_copy, ["answer"])
+    check_reward_arguments(toy_copy, [])

@@ -71,8 +71,10 @@ class RewardSource(SpecModel):
         None,
         pattern=REWARD_FUNCTION_PATTERN,
         description=(
-            "A rule-based reward: a built-in name (e.g. 'toy_copy') or 'module:function' "
-            "importable in the trainer image."
+            "A rule-based reward: a built-in name ('toy_copy', or 'math_answer': the last "
+            "number of the response against the row's answer column) or 'module:function' "
+            "importable in the trainer image, called as f(prompt, response, **the row's "
+            "other columns) -> float."
         ),
     )
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_trainer.api.sections import DataConfig
-from rlhf_trainer.data.sources import PromptInput, load_prompt_inputs
+from rlhf_trainer.data.sources import PromptInput, load_prompt_rows
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ def prompt_tokenizer(tokenizer: Any, chat_template: bool | None) -> Tokenize:
 class Prompt:
     text: str
     token_ids: list[int]
+    fields: dict[str, Any] = field(default_factory=dict)  # reward keyword arguments
 
 
 @dataclass
@@ -65,8 +66,8 @@ class PromptStream:
         """Tokenise every prompt; one over `maxPromptLength` tokens is dropped (counted
         and logged), truncated to its last tokens, or an error, as data.overlongPrompts says."""
         prompts, dropped, limit = [], 0, data.max_prompt_length
-        for number, prompt in enumerate(load_prompt_inputs(data, seed)):
-            text, ids = tokenize(prompt)
+        for number, row in enumerate(load_prompt_rows(data, seed)):
+            text, ids = tokenize(row.prompt)
             if len(ids) > limit and data.overlong_prompts == "error":
                 raise ValueError(
                     f"{data.train}: row {number} has {len(ids)} prompt tokens, over "
@@ -75,7 +76,7 @@ class PromptStream:
             if len(ids) > limit and data.overlong_prompts == "drop":
                 dropped += 1
                 continue
-            prompts.append(Prompt(text, ids[-limit:]))  # the end: the question, the turn
+            prompts.append(Prompt(text, ids[-limit:], row.fields))  # the end: question, turn
         if dropped:
             log.warning("dropped %d of %d prompts over maxPromptLength %d tokens",
                         dropped, dropped + len(prompts), limit)  # fmt: skip

@@ -2,13 +2,15 @@
 pyarrow (Parquet, JSON lines, a JSON array, or a directory saved by HF `datasets`).
 
 A prompt is a string, or a chat conversation: a list of {role, content} messages (the
-tokenizer's chat template renders it, see prompts.py). Every problem names the file,
-and where it can, the row and the column.
+tokenizer's chat template renders it, see prompts.py). The row's other columns (an
+answer, a ground truth) go with it to the reward function, as keyword arguments. Every
+problem names the file, and where it can, the row and the column.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +23,29 @@ TOY_PROMPTS = 4096  # prompts a toy task generates (an epoch)
 FORMATS = ".parquet, .jsonl, .json, or a directory saved by HF datasets (save_to_disk)"
 
 
-def load_prompt_inputs(data: DataConfig, seed: int) -> list[PromptInput]:
+@dataclass(frozen=True)
+class PromptRow:
+    prompt: PromptInput
+    fields: dict[str, Any] = field(default_factory=dict)  # the row's other columns
+
+
+def load_prompt_rows(data: DataConfig, seed: int) -> list[PromptRow]:
     """The prompts of `data.train`, in file order."""
     if data.train.startswith("toy:"):
         from rlhf_trainer.data.tasks import toy_prompts
 
-        return [p.text for p in toy_prompts(data.train, TOY_PROMPTS, seed)]
+        return [PromptRow(p.text) for p in toy_prompts(data.train, TOY_PROMPTS, seed)]
     path = Path(data.train)
     if not path.exists():
         raise ValueError(f"data.train: {path} does not exist (expected 'toy:<task>' or {FORMATS})")
     rows = read_rows(path)
     if not rows:
         raise ValueError(f"{path}: the dataset has no rows")
-    return [prompt_of(row, data.prompt_key, path, number) for number, row in enumerate(rows)]
+    key = data.prompt_key
+    return [
+        PromptRow(prompt_of(row, key, path, number), {k: v for k, v in row.items() if k != key})
+        for number, row in enumerate(rows)
+    ]
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

@@ -28,10 +28,13 @@ With actor lr 1e-4 the rise over 30 steps is small (0.01 -> 0.03).
 from __future__ import annotations
 
 import importlib
+import inspect
 import random
+import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from rlhf_trainer.api.sections import RewardSource
 from rlhf_trainer.models import BOS, EOS, SEPARATOR
@@ -40,7 +43,9 @@ LETTERS = string.ascii_lowercase  # every letter earns the "a letter" credit
 COPY_ALPHABET = LETTERS[:8]  # the letters prompts are made of
 COPY_LENGTH = 3  # letters per prompt: short enough to learn in minutes on a CPU
 
-RewardFunction = Callable[[str, str], float]  # (prompt text, response text) -> score
+# (prompt text, response text, **the dataset row's other columns) -> score. The response
+# is decoded with special tokens kept (one that stopped ends in the EOS token).
+RewardFunction = Callable[..., float]
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,35 @@ def toy_copy(prompt: str, response: str) -> float:
     return credit / len(targets)
 
 
-REWARD_FUNCTIONS: dict[str, RewardFunction] = {"toy_copy": toy_copy}
+def math_answer(prompt: str, response: str, answer: str | float | int, **_: Any) -> float:
+    """A verifiable reward: 1.0 when the last number in the response equals the row's
+    `answer` column, else 0.0. An example of a reward that reads the dataset's columns."""
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", response.replace(",", ""))
+    try:
+        return float(bool(numbers) and float(numbers[-1]) == float(answer))
+    except ValueError:  # an answer that is not a number
+        return 0.0
+
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {"toy_copy": toy_copy, "math_answer": math_answer}
+
+
+def check_reward_arguments(reward: RewardFunction, columns: Iterable[str]) -> None:
+    """Fail at start, not at the first step, when the dataset's columns cannot be passed
+    to the reward function (they go as keyword arguments)."""
+    parameters = inspect.signature(reward).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    accepted = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    extra = sorted(set(columns) - accepted)
+    if extra:
+        name = getattr(reward, "__name__", repr(reward))
+        raise ValueError(
+            f"models.reward.function: {name} does not take the dataset's columns {extra} "
+            "(each row's other columns are passed as keyword arguments; add them or **kwargs)"
+        )
+
+
 TASKS: dict[str, Callable[[int, int], list[TaskPrompt]]] = {"copy": copy_prompts}
 
 

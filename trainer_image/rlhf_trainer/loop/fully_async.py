@@ -26,7 +26,7 @@ import torch
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.cluster.groups import join
-from rlhf_trainer.data.prompts import PromptStream
+from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Sample, group_staleness
@@ -102,7 +102,7 @@ class AsyncPPOTrainer:
         lags = group_staleness(samples, version, self.group_size)
         for lag in lags:
             self.metrics.sample_staleness.observe(lag)
-        batch = Batch(self.texts(samples), [s.rollout for s in samples], scores, dropped)
+        batch = Batch(self.prompts_of(samples), [s.rollout for s in samples], scores, dropped)
         result = self.core.train_on(step, batch)
         self.core.policy_version += 1
         if step % self.sync_every == 0:
@@ -135,7 +135,7 @@ class AsyncPPOTrainer:
             self.config,
             draw,
             lambda samples: self.core.score_alone(
-                self.texts(samples), [s.rollout for s in samples]
+                self.prompts_of(samples), [s.rollout for s in samples]
             ),
         )
         return kept.items, kept.scores, kept.dropped
@@ -148,8 +148,8 @@ class AsyncPPOTrainer:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         return samples
 
-    def texts(self, samples: Sequence[Sample]) -> list[str]:
-        return [self.prompts.prompts[s.prompt_index].text for s in samples]
+    def prompts_of(self, samples: Sequence[Sample]) -> list[Prompt]:
+        return [self.prompts.prompts[s.prompt_index] for s in samples]
 
     def admit(self) -> None:
         """Admit prompts up to the staleness limit, n samples each, spread over the

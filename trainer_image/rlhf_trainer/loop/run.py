@@ -18,6 +18,7 @@ from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import PromptStream, prompt_tokenizer
+from rlhf_trainer.data.tasks import check_reward_arguments, reward_function
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer, AsyncState
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult
 from rlhf_trainer.models import build_tokenizer
@@ -201,6 +202,9 @@ def run_job(
     prompts = PromptStream.load(
         config.data, config.trainer.seed, prompt_tokenizer(tokenizer, config.data.chat_template)
     )
+    reward = reward_function(config.models.reward)
+    if reward is not None:  # before any role starts: a mismatch fails in seconds
+        check_reward_arguments(reward, prompts.prompts[0].fields)
     started = time.time()
     queue = spawn_queue(config.generation.samples_per_prompt) if config.async_ else None
     workers = {Role.ROLLOUT: (StreamingRollout, (queue,))} if queue else {}

@@ -28,7 +28,7 @@ from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
 from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
-from rlhf_trainer.data.tasks import reward_function
+from rlhf_trainer.data.tasks import RewardFunction, reward_function
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.telemetry.metrics import union_seconds
@@ -79,7 +79,7 @@ class StepResult:
 class Batch:
     """What a step trains on: the samples of whole groups, a group's rows together."""
 
-    prompts: list[str]  # (B·n,) each sample's prompt text
+    prompts: list[Prompt]  # (B·n,) each sample's prompt
     rollouts: list[Rollout]  # (B·n,)
     scores: torch.Tensor | None = None  # (B·n,) when already scored (dynamic sampling)
     dropped_groups: int = 0
@@ -124,16 +124,16 @@ class PPOTrainer:
         if self.config.algorithm.dynamic_sampling is not None:
             return self.sample_dynamically(step)
         prompts = self.prompts.next_batch(self.config.trainer.batch_size)
-        return Batch(self.group_texts(prompts), self.generate(prompts, step))
+        return Batch(self.grouped(prompts), self.generate(prompts, step))
 
     def sample_dynamically(self, step: int) -> Batch:
         """Like `sample`, but groups whose rewards are all equal are dropped and more
         prompts generated, round after round, until the batch is full (DAPO)."""
 
-        def draw(groups: int, attempt: int) -> list[tuple[str, Rollout]]:
+        def draw(groups: int, attempt: int) -> list[tuple[Prompt, Rollout]]:
             prompts = self.prompts.next_batch(groups)
             rollouts = self.generate(prompts, step, attempt)
-            return list(zip(self.group_texts(prompts), rollouts, strict=True))
+            return list(zip(self.grouped(prompts), rollouts, strict=True))
 
         kept = keep_informative_groups(
             step,
@@ -141,11 +141,12 @@ class PPOTrainer:
             draw,
             lambda drawn: self.score_alone([t for t, _ in drawn], [r for _, r in drawn]),
         )
-        texts, rollouts = (list(column) for column in zip(*kept.items, strict=True))
-        return Batch(texts, rollouts, kept.scores, kept.dropped)
+        prompts, rollouts = (list(column) for column in zip(*kept.items, strict=True))
+        return Batch(prompts, rollouts, kept.scores, kept.dropped)
 
-    def group_texts(self, prompts: Sequence[Prompt]) -> list[str]:
-        return [p.text for p in prompts for _ in range(self.group_size)]
+    def grouped(self, prompts: Sequence[Prompt]) -> list[Prompt]:
+        """Each prompt once per sample of its group."""
+        return [p for p in prompts for _ in range(self.group_size)]
 
     def train_on(self, step: int, sampled: Batch) -> StepResult:
         """Score the batch, compute advantages and update the actor and the critic
@@ -225,21 +226,17 @@ class PPOTrainer:
         return calls
 
     def score(
-        self, prompts: Sequence[str], rollouts: Sequence[Rollout], scoring: Calls
+        self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout], scoring: Calls
     ) -> torch.Tensor:
         """(B,) one reward per response: from the reward model, or the rule here."""
         if self.reward is None:
             scores: torch.Tensor = gather(scoring[Phase.REWARD])
             return scores
         with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
-            return torch.tensor(
-                [
-                    self.reward(prompt, self.decode(r.response_token_ids))
-                    for prompt, r in zip(prompts, rollouts, strict=True)
-                ]
-            )
+            responses = [self.decode(r.response_token_ids) for r in rollouts]
+            return torch.tensor(rule_rewards(self.reward, prompts, responses))
 
-    def score_alone(self, prompts: Sequence[str], rollouts: Sequence[Rollout]) -> torch.Tensor:
+    def score_alone(self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout]) -> torch.Tensor:
         """(B,) rewards ahead of the scoring stage (dynamic sampling filters on them)."""
         calls: Calls = {}
         if self.reward is None:
@@ -291,6 +288,16 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
 
 def mean_stats(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     return {name: sum(s[name] for s in per_rank) / len(per_rank) for name in per_rank[0]}
+
+
+def rule_rewards(
+    reward: RewardFunction, prompts: Sequence[Prompt], responses: Sequence[str]
+) -> list[float]:
+    """A rule-based reward per response, given its prompt's text and dataset columns."""
+    return [
+        float(reward(p.text, response, **p.fields))
+        for p, response in zip(prompts, responses, strict=True)
+    ]
 
 
 def split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:
