@@ -44,19 +44,22 @@ NETWORK_ACCESS = {
 }
 
 
+def helm_template(release: str, *values: str) -> list[Manifest]:
+    """The chart rendered as `release` in namespace rlhf-system, with --set-style values."""
+    out = run([BIN_DIR / "helm", "template", release, CHART, "-n", "rlhf-system", *values])
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
 def chart_manifests() -> list[Manifest]:
-    docs: list[Manifest] = []
-    for release, values in CHART_RELEASES.items():
-        out = run([BIN_DIR / "helm", "template", release, CHART, "-n", "rlhf-system", *values])
-        docs += [d for d in yaml.safe_load_all(out) if d]
-    return docs
+    return [doc for release, values in CHART_RELEASES.items()
+            for doc in helm_template(release, *values)]  # fmt: skip
 
 
 def example_manifests() -> list[Manifest]:
     rlhfjob = Path(sys.executable).with_name("rlhfjob")
+    env = os.environ | {NETWORK_ENV: json.dumps(NETWORK_ACCESS)}
     docs: list[Manifest] = []
     for example in sorted((REPO_ROOT / "examples").glob("*.yaml")):
-        env = os.environ | {NETWORK_ENV: json.dumps(NETWORK_ACCESS)}
         out = run([rlhfjob, "render", example, "--namespace", "team-a"], env)
         for doc in yaml.safe_load_all(out):
             docs += rayjob_pods(doc) if doc["kind"] == "RayJob" else [doc]

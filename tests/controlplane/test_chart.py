@@ -22,7 +22,14 @@ from rlhf_operator.main import CHILD_KINDS
 
 from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
-from .scan_manifests import EXCEPTIONS, example_manifests, excepted, findings, rayjob_pods
+from .scan_manifests import (
+    EXCEPTIONS,
+    example_manifests,
+    excepted,
+    findings,
+    helm_template,
+    rayjob_pods,
+)
 from .util import eventually, get_json, kubectl_as
 
 CHART = REPO_ROOT / "charts" / "rlhf-operator"
@@ -39,8 +46,7 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def render(*values: str) -> list[Manifest]:
     """`helm template` of the chart with these --set/--set-json arguments."""
-    out = helm("template", "rlhf", str(CHART), "--namespace", "rlhf-system", *values).stdout
-    return [doc for doc in yaml.safe_load_all(out) if doc]
+    return helm_template("rlhf", *values)
 
 
 def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
@@ -219,8 +225,10 @@ def release(controlplane: ControlPlane) -> Iterator[Release]:
     token = cp.kubectl("create", "token", account, "-n", namespace).stdout.strip()
     yield Release(name, namespace, jobs, other, token)
     cp.helm("uninstall", name, "--namespace", namespace, check=False)
-    # Waited for: the job's pods hold GPUs of the shared fake nodes that later tests need.
-    cp.kubectl("delete", "namespace", jobs, other, namespace, "--wait=true", timeout=180)
+    cp.kubectl("delete", "namespace", jobs, other, namespace, "--wait=false")
+    # The job's pods hold GPUs of the shared fake nodes that later tests need: free them
+    # now, not after their grace period (kwok's pods run nothing that could need it).
+    cp.kubectl("delete", "pods", "--all", "-n", jobs, "--grace-period=0", "--force")
 
 
 @pytest.fixture(scope="module")
