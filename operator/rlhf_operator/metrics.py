@@ -1,4 +1,10 @@
-"""Operator metrics (Prometheus) and the /metrics, /healthz and /readyz endpoints."""
+"""Operator metrics (Prometheus) and the /metrics, /healthz and /readyz endpoints.
+
+Per-job series carry `namespace` and `rlhfjob` (the RLHFJob's name), as the trainer's do
+through their scrape labels, so one dashboard variable selects a job in both. Not `job`:
+Prometheus uses that for the scrape job (the chart's ServiceMonitor keeps these labels
+with honorLabels).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +23,14 @@ RECONCILE_SECONDS = Histogram(
 )
 RECONCILE_ERRORS = Counter("rlhf_operator_reconcile_errors_total", "Reconciles that failed")
 QUEUE_DEPTH = Gauge("rlhf_operator_queue_depth", "Jobs waiting to be reconciled")
-POOL_GPUS = Gauge("rlhf_pool_gpus", "GPUs of a job's pool", ["namespace", "job", "pool", "state"])
+POOL_GPUS = Gauge(
+    "rlhf_pool_gpus", "GPUs of a job's pool", ["namespace", "rlhfjob", "pool", "state"]
+)
+RESTARTS = Gauge(
+    "rlhf_job_restarts",
+    "Attempts started after a failure (status.restarts)",
+    ["namespace", "rlhfjob"],
+)
 
 
 class JobGauges:
@@ -33,9 +46,11 @@ class JobGauges:
             for state in ("desired", "ready"):
                 POOL_GPUS.remove(namespace, name, pool, state)
         if status is None:
-            self._phase.pop(key, None)
+            if self._phase.pop(key, None) is not None:
+                RESTARTS.remove(namespace, name)
         else:
             self._phase[key] = status.phase
+            RESTARTS.labels(namespace, name).set(status.restarts)
             for pool_status in status.pools:
                 POOL_GPUS.labels(namespace, name, pool_status.name, "desired").set(
                     pool_status.desired_gpus

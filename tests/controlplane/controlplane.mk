@@ -4,7 +4,8 @@
 # or use it alone: `make -f tests/controlplane/controlplane.mk controlplane`.
 #
 #   make controlplane   build etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-#                       kubectl, kwok, helm, KubeRay's operator and kube-score into tests/controlplane/bin/
+#                       kubectl, kwok, helm, KubeRay's operator and kube-score into tests/controlplane/bin/,
+#                       and unpack Debian's Prometheus there (the dashboards' tests query it)
 #   make cluster        start that control plane for a person; prints KUBECONFIG; Ctrl-C stops it
 #
 # Binaries are rebuilt only when a module's go.mod/go.sum is newer than them, and the
@@ -36,7 +37,8 @@ CP_KUBE_LDFLAGS := \
 
 CP_KUBE_BINS := $(addprefix $(CP_BIN)/,kube-apiserver kube-controller-manager kube-scheduler kubectl)
 CP_TOOLS_BINS := $(addprefix $(CP_BIN)/,kwok helm)
-CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kube-score
+CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kube-score \
+	$(CP_BIN)/prometheus
 
 .PHONY: controlplane cluster
 
@@ -70,6 +72,16 @@ $(CP_TOOLS_BINS) &: $(CP_GO)/tools/go.mod $(CP_GO)/tools/go.sum $(CP_MK)
 $(CP_BIN)/kube-score: $(CP_GO)/lint/go.mod $(CP_GO)/lint/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
 	cd $(CP_GO)/lint && $(GO) build -o $(abspath $@) github.com/zegl/kube-score/cmd/kube-score
+	@touch $@
+
+# Debian's build of Prometheus, unpacked rather than installed: no service starts, and
+# nothing outside the checkout changes. `apt-get update` only if the package lists lack it.
+$(CP_BIN)/prometheus: $(CP_MK)
+	@mkdir -p $(CP_BIN) $(CP_DIR)/.deb
+	cd $(CP_DIR)/.deb && rm -f prometheus_*.deb && \
+		{ apt-get download prometheus || { apt-get update -qq && apt-get download prometheus; }; }
+	dpkg-deb --fsys-tarfile $(CP_DIR)/.deb/prometheus_*.deb | \
+		tar -x -C $(CP_BIN) --strip-components=3 ./usr/bin/prometheus ./usr/bin/promtool
 	@touch $@
 
 $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP_MK)

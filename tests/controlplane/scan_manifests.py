@@ -35,6 +35,7 @@ CHART_RELEASES = {
     "everything-on": [
         *("--set", "replicas=2", "--set", "networkPolicy.enabled=true"),
         *("--set-json", 'watchNamespaces=["team-a"]'),
+        *("--set", "dashboards.enabled=true"),
     ],
 }
 # What the chart passes the operator with networkPolicy.enabled and its default values.

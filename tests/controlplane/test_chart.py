@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from monitoring.dashboards import DASHBOARDS
+from monitoring.grafana import to_json
 from rlhf_operator.kube import KINDS
 from rlhf_operator.main import CHILD_KINDS
 
@@ -56,15 +58,17 @@ def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
 # ------------------------------------------------------------------ no cluster needed
 
 
-# The optional Prometheus Operator monitors (their CRDs are on the control plane).
-MONITORS = (
+# The optional monitoring: the Prometheus Operator's monitors (their CRDs are on the
+# control plane) and the Grafana dashboards.
+MONITORING = (
     *("--set", "metrics.serviceMonitor.enabled=true"),
     *("--set", "trainerMetrics.podMonitor.enabled=true"),
+    *("--set", "dashboards.enabled=true"),
 )
 EVERYTHING_ON = (
     *("--set", "replicas=3", "--set", "networkPolicy.enabled=true"),
     *("--set-json", 'watchNamespaces=["a","b"]'),
-    *MONITORS,
+    *MONITORING,
 )
 
 
@@ -72,6 +76,14 @@ EVERYTHING_ON = (
 def test_the_chart_lints_and_renders(values: tuple[str, ...]) -> None:
     helm("lint", "--strict", str(CHART), *values)
     assert of_kind(render(*values), "Deployment")
+
+
+def test_the_dashboards_ship_as_configmaps_for_grafanas_sidecar() -> None:
+    configmaps = of_kind(render(*MONITORING), "ConfigMap")
+    shipped = {name: json.loads(text) for c in configmaps for name, text in c["data"].items()}
+    assert shipped == {d.file_name: json.loads(to_json(d)) for d in DASHBOARDS}
+    assert all(c["metadata"]["labels"]["grafana_dashboard"] == "1" for c in configmaps)
+    assert not of_kind(render(), "ConfigMap")  # off by default
 
 
 def test_the_chart_carries_the_crds_of_this_version() -> None:
@@ -220,7 +232,7 @@ def release(controlplane: ControlPlane) -> Iterator[Release]:
     name, namespace = f"rlhf-{suffix}", f"rlhf-system-{suffix}"
     cp.helm("install", name, str(CHART), "--namespace", namespace, "--create-namespace",
             "--set-json", f'watchNamespaces=["{jobs}"]', "--set", "networkPolicy.enabled=true",
-            *MONITORS)  # fmt: skip
+            *MONITORING)  # fmt: skip
     account = f"{name}-rlhf-operator"
     token = cp.kubectl("create", "token", account, "-n", namespace).stdout.strip()
     yield Release(name, namespace, jobs, other, token)
@@ -303,13 +315,18 @@ def test_the_operator_cannot_read_secrets_or_touch_other_namespaces(
     assert not can_i(cp, release, "delete", "configmaps", release.jobs)
 
 
-def test_the_monitors_are_accepted_by_the_prometheus_operators_schemas(
+def test_the_monitors_and_dashboards_are_accepted_by_the_api_server(
     controlplane: ControlPlane, release: Release
 ) -> None:
     fullname = f"{release.name}-rlhf-operator"
     for kind, name in (("servicemonitor", fullname), ("podmonitor", f"{fullname}-trainers")):
         found = controlplane.kubectl("get", kind, "-n", release.namespace, "-o", "name").stdout
         assert found.split() == [f"{kind}.monitoring.coreos.com/{name}"], found
+    found = controlplane.kubectl("get", "configmaps", "-n", release.namespace, "-o", "name",
+                                 "-l", "grafana_dashboard=1").stdout  # fmt: skip
+    assert sorted(found.split()) == [
+        f"configmap/{fullname}-dashboard-{name}" for name in ("operator", "pools", "training")
+    ]
 
 
 def test_installing_the_same_release_twice_fails_and_changes_nothing(

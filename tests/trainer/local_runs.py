@@ -22,12 +22,14 @@ class Trained:
     trace: dict[str, Any]
 
 
-def train(config: JobConfig) -> Trained:
+def train(config: JobConfig, metrics: TrainerMetrics | None = None) -> Trained:
+    """Train the job to its end; `metrics`: the registry to report into (one of its own
+    by default)."""
     from rlhf_trainer.cluster.local import local_ray_cluster
     from rlhf_trainer.loop.run import run_job
 
     steps: list[StepResult] = []
-    metrics = TrainerMetrics(pools=[p.name for p in config.pools])
+    metrics = metrics or TrainerMetrics(pools=[p.name for p in config.pools])
     trace = Path(config.trainer.checkpoint.path) / "trace.json"
     with local_ray_cluster(config):
         run_job(config, "local", ConsoleReporter(every=1e9), metrics, trace, steps.append)

@@ -18,19 +18,28 @@ def sample(name: str, **labels: str) -> float | None:
 def test_pool_gpus_and_phases_follow_the_jobs() -> None:
     gauges = JobGauges()
     running = RLHFJobStatus(
-        phase=Phase.RUNNING, pools=[PoolStatus(name="p", desired_gpus=8, ready_gpus=4)]
+        phase=Phase.RUNNING, pools=[PoolStatus(name="p", desired_gpus=8, ready_gpus=4)], restarts=2
     )
     gauges.observe("ns", "metrics-a", running)
     gauges.observe("ns", "metrics-b", RLHFJobStatus(phase=Phase.RUNNING))
-    assert sample("rlhf_pool_gpus", namespace="ns", job="metrics-a", pool="p", state="desired") == 8
-    assert sample("rlhf_pool_gpus", namespace="ns", job="metrics-a", pool="p", state="ready") == 4
+    assert (
+        sample("rlhf_pool_gpus", namespace="ns", rlhfjob="metrics-a", pool="p", state="desired")
+        == 8
+    )
+    assert (
+        sample("rlhf_pool_gpus", namespace="ns", rlhfjob="metrics-a", pool="p", state="ready") == 4
+    )
     assert sample("rlhf_operator_jobs", phase="Running") == 2
+    assert sample("rlhf_job_restarts", namespace="ns", rlhfjob="metrics-a") == 2
+    assert sample("rlhf_job_restarts", namespace="ns", rlhfjob="metrics-b") == 0
 
     gauges.observe("ns", "metrics-a", None)  # deleted
     assert (
-        sample("rlhf_pool_gpus", namespace="ns", job="metrics-a", pool="p", state="desired") is None
+        sample("rlhf_pool_gpus", namespace="ns", rlhfjob="metrics-a", pool="p", state="desired")
+        is None
     )
     assert sample("rlhf_operator_jobs", phase="Running") == 1
+    assert sample("rlhf_job_restarts", namespace="ns", rlhfjob="metrics-a") is None
 
 
 def test_probes_and_metrics_endpoint() -> None:
