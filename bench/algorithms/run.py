@@ -8,22 +8,25 @@ mean and std as the baseline, no critic. Reported per algorithm: samples/s over 
 steps after the first (engine warm-up), the mean reward of the last 5 steps (after
 SAMPLES samples), and the fitted rise of the reward over the run.
 
-Prints a table and a final JSON line. Run: make bench-algorithms (a few minutes).
-Argument, optional: the budget of samples (default 1280, 40 steps).
+The two are interleaved, 3 times by default; each figure is the median and min-max, and
+the speedup (GRPO's samples/s over PPO's) is taken within each repeat. Run: make
+bench-algorithms (about 10 minutes). Arguments, optional: the budget of samples (default
+1280, 40 steps), repeats.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
+from bench.harness import Measurement, run_bench
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.cluster.local import local_ray_cluster
 from rlhf_trainer.loop.run import run_job
@@ -34,6 +37,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "local-cpu.yaml"
 SAMPLES = int(sys.argv[1]) if len(sys.argv) > 1 else 1280
 SAMPLES_PER_STEP = 32
 LAST = 5  # steps whose mean reward is reported
+REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 
 ALGORITHMS: dict[str, dict[str, Any]] = {
     "ppo": {"estimator": "gae", "prompts": 32, "n": 1},
@@ -60,38 +64,35 @@ def job(name: str, checkpoints: Path) -> JobConfig:
     return JobConfig.model_validate(spec)
 
 
-def train(config: JobConfig) -> list[StepResult]:
+def train(name: str) -> Measurement:
+    """One run of the algorithm: its speed and how its reward rose."""
     steps: list[StepResult] = []
-    with local_ray_cluster(config):
-        run_job(config, "bench", ConsoleReporter(every=1e9), on_step=steps.append)
-    return steps
-
-
-def summary(steps: list[StepResult]) -> dict[str, Any]:
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = job(name, Path(tmp))
+        with local_ray_cluster(config):
+            run_job(config, "bench", ConsoleReporter(every=1e9), on_step=steps.append)
     rewards = [s.reward_mean for s in steps]
-    timed = steps[1:]
+    timed = steps[1:]  # after the engine's warm-up
     slope = float(np.polyfit(np.arange(len(rewards)), rewards, deg=1)[0])
     return {
-        "samples_per_s": round(SAMPLES_PER_STEP * len(timed) / sum(s.seconds for s in timed), 2),
-        "step_s": round(sum(s.seconds for s in timed) / len(timed), 3),
-        "reward_first": round(rewards[0], 3),
-        f"reward_last_{LAST}": round(sum(rewards[-LAST:]) / LAST, 3),
-        "fitted_rise": round(slope * (len(rewards) - 1), 3),
+        "samples_per_s": SAMPLES_PER_STEP * len(timed) / sum(s.seconds for s in timed),
+        "step_s": sum(s.seconds for s in timed) / len(timed),
+        "reward_first": rewards[0],
+        f"reward_last_{LAST}": sum(rewards[-LAST:]) / LAST,
+        "fitted_rise": slope * (len(rewards) - 1),
+        "wall_s": time.time() - started,
     }
 
 
-def main() -> dict[str, Any]:
-    results: dict[str, Any] = {"samples": SAMPLES}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ALGORITHMS:
-            started = time.time()
-            results[name] = summary(train(job(name, Path(tmp) / name)))
-            results[name]["wall_s"] = round(time.time() - started, 1)
-    print(f"{'':<6}" + "".join(f"{key:>16}" for key in results["ppo"]))
-    for name in ALGORITHMS:
-        print(f"{name:<6}" + "".join(f"{value:>16}" for value in results[name].values()))
-    return results
+def compare(run: dict[str, Measurement]) -> Measurement:
+    return {"grpo_speedup": run["grpo"]["samples_per_s"] / run["ppo"]["samples_per_s"]}
+
+
+def main() -> None:
+    variants = {name: partial(train, name) for name in ALGORITHMS}
+    run_bench("algorithms", variants, REPEATS, compare, samples=SAMPLES)
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    main()

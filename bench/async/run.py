@@ -15,27 +15,30 @@ take about the same time (0.74 s and 0.76 s): that is where overlapping them pay
 most, and the only place both pools can be busy; with unequal work the faster pool
 idles for the difference whatever the scheduling.
 
-ideal_ratio is the bound from the synchronous run's own rates: a synchronous step takes
-T_gen + T_train; overlapped perfectly, a step takes max(T_gen, T_train). Idle ratios
-are each pool's time without a span on the async run's timeline, over the measured
-steps. Prints a final JSON line. Run: make bench-async (a few minutes). Arguments, all
-optional: measured steps, response cap, staleness threshold, sync every K steps.
+The two runs are interleaved, 3 times by default (each figure: median and min-max), and
+compared within each repeat. Idle shares are each pool's time without a span over the
+measured steps; the driver share is the time in no role's span. There is no "ideal"
+figure: the synchronous run's phase times bound nothing here (a synchronous batch waits
+for its longest response, a stream does not), and measuring each pool alone is still to
+come. Run: make bench-async (about 10 minutes). Arguments, all optional: measured steps,
+response cap, staleness threshold, sync every K steps, repeats.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.harness import Measurement, run_bench
+from bench.timeline import Trace
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.local import local_ray_cluster
 from rlhf_trainer.loop.run import run_job
 from rlhf_trainer.loop.sync import StepResult
-from rlhf_trainer.telemetry.metrics import union_seconds
 from rlhf_trainer.telemetry.report import ConsoleReporter
 
 WARMUP_STEPS = 3
@@ -44,6 +47,7 @@ BATCH = 32
 RESPONSE_CAP = int(sys.argv[2]) if len(sys.argv) > 2 else 192
 STALENESS = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
 SYNC_EVERY = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+REPEATS = int(sys.argv[5]) if len(sys.argv) > 5 else 3
 
 
 def job(fully_async: bool, checkpoints: Path) -> JobConfig:
@@ -76,63 +80,50 @@ def job(fully_async: bool, checkpoints: Path) -> JobConfig:
     return JobConfig.model_validate(spec)
 
 
-def measure(config: JobConfig, trace: Path) -> tuple[list[StepResult], dict[str, Any]]:
+def measure(fully_async: bool) -> Measurement:
+    """One run: samples/s over the measured steps, the busy time per phase, each pool's
+    idle share and the driver's share."""
     steps: list[StepResult] = []
-    with local_ray_cluster(config):
-        run_job(config, "bench", ConsoleReporter(every=1e9), trace=trace, on_step=steps.append)
-    return steps[WARMUP_STEPS:], json.loads(trace.read_text())
-
-
-def window(steps: list[StepResult], trace: dict[str, Any]) -> tuple[float, float]:
-    """The measured steps' wall-clock window on the trace's time axis (seconds)."""
-    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    end = max(e["ts"] + e["dur"] for e in events) / 1e6
-    return end - sum(s.seconds for s in steps), end
-
-
-def idle(trace: dict[str, Any], pool: str, start: float, end: float) -> float:
-    names = {
-        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
-    }
-    spans = [
-        (max(start, e["ts"] / 1e6), min(end, (e["ts"] + e["dur"]) / 1e6))
-        for e in trace["traceEvents"]
-        if e["ph"] == "X" and names[e["pid"]] == pool
-    ]
-    return 1 - union_seconds([(a, b) for a, b in spans if b > a]) / (end - start)
-
-
-def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        sync, _ = measure(job(False, Path(tmp) / "s"), Path(tmp) / "sync.json")
-        streamed, trace = measure(job(True, Path(tmp) / "a"), Path(tmp) / "async.json")
-    sync_step = sum(s.seconds for s in sync) / len(sync)
-    generate = sum(s.phase_seconds.get(Phase.GENERATE, 0.0) for s in sync) / len(sync)
-    train = sync_step - generate
-    async_seconds = sum(s.seconds for s in streamed)
-    start, end = window(streamed, trace)
-    lengths = [s.response_tokens / BATCH for s in sync]
-    print(f"sync: step {sync_step:.3f} s = generate {generate:.3f} s + the rest {train:.3f} s")
-    print(f"mean response length {sum(lengths) / len(lengths):.1f} tokens (cap {RESPONSE_CAP})")
-    print(f"{'phase':<16}{'sync s':>8}{'async s':>9}  (busy seconds per step)")
-    for phase in Phase:
-        means = [
-            sum(s.phase_seconds.get(phase, 0.0) for s in run) / len(run) for run in (sync, streamed)
-        ]
-        print(f"{phase:<16}{means[0]:>8.3f}{means[1]:>9.3f}")
-    print(f"async step {async_seconds / len(streamed):.3f} s")
-    sync_rate = BATCH / sync_step
-    async_rate = BATCH * len(streamed) / async_seconds
-    return {
-        "steps": MEASURED_STEPS,
-        "sync_samples_per_s": round(sync_rate, 2),
-        "async_samples_per_s": round(async_rate, 2),
-        "ratio": round(async_rate / sync_rate, 3),
-        "ideal_ratio": round(sync_step / max(generate, train), 3),
-        "rollouter_idle": round(idle(trace, "rollout", start, end), 3),
-        "trainer_idle": round(idle(trace, "train", start, end), 3),
+        config = job(fully_async, Path(tmp) / "checkpoints")
+        trace_path = Path(tmp) / "trace.json"
+        with local_ray_cluster(config):
+            run_job(config, "bench", ConsoleReporter(every=1e9), None, trace_path, steps.append)
+        trace = Trace.load(trace_path)
+    measured = steps[WARMUP_STEPS:]
+    windows = trace.step_windows([s.seconds for s in measured])
+    driver = trace.driver_shares(windows)
+    busy = {
+        f"busy_s.{phase}": sum(s.phase_seconds.get(phase, 0.0) for s in measured) / len(measured)
+        for phase in Phase
+        if any(phase in s.phase_seconds for s in measured)
     }
+    return {
+        "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),
+        "response_length": sum(s.response_tokens for s in measured) / BATCH / len(measured),
+        "idle.rollout": trace.idle_share("rollout", windows),
+        "idle.train": trace.idle_share("train", windows),
+        "driver_share": sum(driver) / len(driver),
+        **busy,
+    }
+
+
+def compare(run: dict[str, Measurement]) -> Measurement:
+    return {"ratio": run["async"]["samples_per_s"] / run["sync"]["samples_per_s"]}
+
+
+def main() -> None:
+    run_bench(
+        "async",
+        {"sync": partial(measure, False), "async": partial(measure, True)},
+        REPEATS,
+        compare,
+        measured_steps=MEASURED_STEPS,
+        response_cap=RESPONSE_CAP,
+        staleness=STALENESS,
+        sync_every=SYNC_EVERY,
+    )
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    main()

@@ -158,8 +158,11 @@ def main() -> None:
         op = OperatorProcess(cp, "bench-operator").start()
         try:
             kube = Kube(cp.api_client())
+            results = []
             for n in SIZES:
-                print(json.dumps(measure(cp, op, kube, n)), flush=True)
+                results.append(measure(cp, op, kube, n))
+                print(json.dumps(results[-1]), flush=True)
+            print(json.dumps({"bench": "operator", "sizes": results}), flush=True)
         finally:
             op.stop()
 

@@ -14,18 +14,23 @@ Driver work (packing, advantages, the rule-based reward) is in both steps and ne
 overlaps, so it is in the ideal too. The model is sized so actor and critic updates cost
 about the same (the critic is the actor's backbone with a value head).
 
-Prints per-phase times and a final JSON line. Run: make bench-split (a few minutes).
+The colocated and split runs are interleaved, 3 times by default (each figure: median
+and min-max). Beside the speedup and its ideal, it reports each phase's slowdown when it
+runs beside the other pool (split phase time over colocated), each pool's idle share and
+the driver's own share of a step (time in no role's span): together they say where the
+gap to the ideal goes. Run: make bench-split (about 10 minutes). Arguments, both
+optional: measured steps per run, repeats.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
-from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
 
+from bench.harness import Measurement, run_bench
+from bench.timeline import Trace
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase, plan_placement
 from rlhf_trainer.cluster.local import local_ray_cluster
@@ -35,6 +40,7 @@ from rlhf_trainer.telemetry.report import ConsoleReporter
 
 WARMUP_STEPS = 3  # vLLM's first generations and the allocators warm up
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 
 POLICY_ROLES = {"actor": "policy", "rollout": "policy", "ref": "policy"}
 
@@ -68,45 +74,63 @@ def job(split: bool, checkpoints: Path) -> JobConfig:
     )
 
 
-def measure(config: JobConfig) -> list[StepResult]:
+def measure(split: bool) -> Measurement:
+    """One run: the mean step and phases of its measured steps, pool idle and driver shares."""
     steps: list[StepResult] = []
-    with local_ray_cluster(config):
-        run_job(config, "bench", ConsoleReporter(every=1e9), on_step=steps.append)
-    return steps[WARMUP_STEPS:]
-
-
-def mean_phases(steps: Sequence[StepResult]) -> dict[str, float]:
-    phases = {phase for s in steps for phase in s.phase_seconds}
-    return {p: sum(s.phase_seconds.get(p, 0.0) for s in steps) / len(steps) for p in phases}
-
-
-def mean_step(steps: Sequence[StepResult]) -> float:
-    return sum(s.seconds for s in steps) / len(steps)
-
-
-def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        colocated_config, split_config = job(False, Path(tmp) / "c"), job(True, Path(tmp) / "s")
-        colocated, split = measure(colocated_config), measure(split_config)
-    phases = mean_phases(colocated)
-    print(f"{'phase':<16}{'colocated s':>12}{'split s':>10}")
-    split_phases = mean_phases(split)
-    for phase in Phase:
-        print(f"{phase:<16}{phases.get(phase, 0):>12.3f}{split_phases.get(phase, 0):>10.3f}")
-    colocated_step, split_step = mean_step(colocated), mean_step(split)
-    serial = plan_placement(colocated_config).step_seconds(phases)
-    overlapped = plan_placement(split_config).step_seconds(phases)
-    ideal_split_step = colocated_step - (serial - overlapped)
-    measured, ideal = colocated_step / split_step, colocated_step / ideal_split_step
+        config, trace_path = job(split, Path(tmp) / "checkpoints"), Path(tmp) / "trace.json"
+        with local_ray_cluster(config):
+            run_job(config, "bench", ConsoleReporter(every=1e9), None, trace_path, steps.append)
+        trace = Trace.load(trace_path)
+    measured = steps[WARMUP_STEPS:]
+    windows = trace.step_windows([s.seconds for s in measured])
+    driver = trace.driver_shares(windows)
+    phases = {
+        f"phase.{phase}": sum(s.phase_seconds.get(phase, 0.0) for s in measured) / len(measured)
+        for phase in Phase
+        if any(phase in s.phase_seconds for s in measured)
+    }
+    idle = {f"idle.{p.name}": trace.idle_share(p.name, windows) for p in config.pools}
     return {
-        "steps": MEASURED_STEPS,
-        "colocated_step_s": round(colocated_step, 4),
-        "split_step_s": round(split_step, 4),
-        "measured_speedup": round(measured, 3),
-        "ideal_speedup": round(ideal, 3),
-        "efficiency": round(measured / ideal, 3),
+        "step_s": sum(s.seconds for s in measured) / len(measured),
+        "driver_share": sum(driver) / len(driver),
+        **phases,
+        **idle,
     }
 
 
+def compare(run: dict[str, Measurement]) -> Measurement:
+    """Within one repeat: the speedup, its ideal from the colocated phases, each phase's
+    slowdown beside the other pool."""
+    colocated, split = run["colocated"], run["split"]
+    phases = {k.removeprefix("phase."): v for k, v in colocated.items() if k.startswith("phase.")}
+    unused = Path("unused")  # the plan needs no checkpoint
+    serial = plan_placement(job(False, unused)).step_seconds(phases)
+    overlapped = plan_placement(job(True, unused)).step_seconds(phases)
+    measured = colocated["step_s"] / split["step_s"]
+    ideal = colocated["step_s"] / (colocated["step_s"] - (serial - overlapped))
+    slowdown = {
+        f"slowdown.{key.removeprefix('phase.')}": split[key] / value
+        for key, value in colocated.items()
+        if key.startswith("phase.") and key in split and value > 0
+    }
+    return {
+        "measured_speedup": measured,
+        "ideal_speedup": ideal,
+        "efficiency": measured / ideal,
+        **slowdown,
+    }
+
+
+def main() -> None:
+    run_bench(
+        "split",
+        {"colocated": partial(measure, False), "split": partial(measure, True)},
+        REPEATS,
+        compare,
+        measured_steps=MEASURED_STEPS,
+    )
+
+
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    main()

@@ -12,13 +12,11 @@ by each transport the trainer has, against this machine's memcpy bandwidth.
 The receiving side is a Ray actor in another process, as an engine is. The engine's own
 load (vLLM's `reload_weights`) is left out: it is the same for every transport. Variants
 are interleaved (A B A B ...) and each is reported as median and min-max, in GB/s and as
-a share of memcpy's GB/s. `make bench-weight-sync`.
+a share of memcpy's GB/s in the same repeat. `make bench-weight-sync`.
 """
 
 from __future__ import annotations
 
-import json
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +25,7 @@ import ray
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from bench.harness import Measurement, run_bench
 from rlhf_trainer.rollout.engine_weights import deserialize_weights, serialize_weights
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
@@ -78,7 +77,7 @@ def timed(run: Callable[[], Any]) -> float:
     return time.perf_counter() - started
 
 
-def main() -> dict[str, Any]:
+def main() -> None:
     weights = policy_weights()
     nbytes = sum(t.nbytes for t in weights.values())
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -101,41 +100,34 @@ def main() -> dict[str, Any]:
             send_weights(group, weights, DEFAULT_BUCKET_BYTES)
             assert ray.get(received) == nbytes
 
-        variants = {
-            "broadcast": broadcast,
-            "object_store": object_store,
-            "memcpy": lambda: flat.copy_(source),
-        }
-        for run in variants.values():
+        def variant(run: Callable[[], Any]) -> Callable[[], Measurement]:
             run()  # warm-up: first allocations, connections
-        seconds: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(REPEATS):
-            for name, run in variants.items():
-                seconds[name].append(timed(run))
+
+            def measure() -> Measurement:
+                seconds = timed(run)
+                return {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
+
+            return measure
+
+        variants = {
+            "broadcast": variant(broadcast),
+            "object_store": variant(object_store),
+            "memcpy": variant(lambda: flat.copy_(source)),
+        }
+
+        def of_memcpy(run: dict[str, Measurement]) -> Measurement:
+            memcpy = run["memcpy"]["gb_per_s"]
+            return {
+                f"{name}_of_memcpy": run[name]["gb_per_s"] / memcpy
+                for name in run
+                if name != "memcpy"
+            }
+
+        run_bench("weight_sync", variants, REPEATS, of_memcpy, megabytes=round(nbytes / 1e6))
         group.close()
     finally:
         ray.shutdown()
-    memcpy_gbps = nbytes / statistics.median(seconds["memcpy"]) / 1e9
-    result: dict[str, Any] = {
-        "bench": "weight_sync",
-        "megabytes": round(nbytes / 1e6),
-        "repeats": REPEATS,
-    }
-    print(f"{'transport':<14}{'median s':>10}{'min-max s':>16}{'GB/s':>8}{'of memcpy':>11}")
-    for name, times in seconds.items():
-        median = statistics.median(times)
-        gbps = nbytes / median / 1e9
-        result[name] = {
-            "seconds_median": round(median, 4),
-            "seconds_min": round(min(times), 4),
-            "seconds_max": round(max(times), 4),
-            "gb_per_s": round(gbps, 3),
-            "ratio_to_memcpy": round(gbps / memcpy_gbps, 4),
-        }
-        span = f"{min(times):.3f}-{max(times):.3f}"
-        print(f"{name:<14}{median:>10.3f}{span:>16}{gbps:>8.2f}{gbps / memcpy_gbps:>11.3f}")
-    return result
 
 
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    main()

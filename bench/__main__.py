@@ -1,0 +1,77 @@
+"""`python -m bench [NAME...]` (`make bench`): run every bench (or those named), one after
+another, showing their output, then a summary of each one's headline figures.
+
+Each bench is a process of its own (`python -m bench.<module>.run`) whose last line is
+its JSON record (bench/harness.py). The records are also written to bench/results.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCHES = {  # name -> module
+    "split": "bench.split_placement.run",
+    "async": "bench.async.run",
+    "algorithms": "bench.algorithms.run",
+    "weight_sync": "bench.weight_sync.run",
+    "operator": "bench.operator.run",
+}
+HEADLINES = {  # name -> the figures its summary shows
+    "split": ["efficiency", "measured_speedup", "ideal_speedup", "split.driver_share"],
+    "async": ["ratio", "async.idle.rollout", "async.idle.train", "async.driver_share"],
+    "algorithms": ["grpo_speedup", "ppo.samples_per_s", "grpo.samples_per_s"],
+    "weight_sync": ["broadcast_of_memcpy", "broadcast.gb_per_s", "object_store.gb_per_s"],
+}
+RESULTS = Path(__file__).with_name("results.jsonl")
+
+
+def run(module: str) -> dict[str, Any]:
+    """Run one bench, echoing its output; its last line is its record."""
+    lines = []
+    with subprocess.Popen(
+        [sys.executable, "-m", module], stdout=subprocess.PIPE, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+    if proc.returncode != 0 or not lines:
+        return {"failed": f"exit status {proc.returncode}"}
+    record: dict[str, Any] = json.loads(lines[-1])
+    return record
+
+
+def summary(name: str, record: dict[str, Any]) -> list[str]:
+    if "failed" in record:
+        return [f"{name}: FAILED ({record['failed']})"]
+    if name == "operator":
+        return [f"operator n={r['n']}: p99 ours/KubeRay {r['ratio_p99']}" for r in record["sizes"]]
+    figures = record["figures"]
+    return [
+        f"{name} {key}: {f['median']} ({f['min']}-{f['max']})"
+        for key in HEADLINES[name]
+        if (f := figures.get(key))
+    ]
+
+
+def main(names: list[str]) -> int:
+    unknown = set(names) - set(BENCHES)
+    if unknown:
+        print(f"unknown bench {sorted(unknown)}; the benches: {list(BENCHES)}", file=sys.stderr)
+        return 2
+    records = {name: run(BENCHES[name]) for name in names or BENCHES}
+    with RESULTS.open("a") as out:
+        for record in records.values():
+            out.write(json.dumps(record) + "\n")
+    print("\nSummary: median (min-max) over interleaved repeats")
+    for name, record in records.items():
+        print("\n".join(summary(name, record)))
+    return 1 if any("failed" in r for r in records.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
