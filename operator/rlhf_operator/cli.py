@@ -21,7 +21,7 @@ from rlhf_operator.api import RLHFJob
 from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
 from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.render_network import NetworkAccess
-from rlhf_operator.validation import InvalidJob, load_documents, parse_job
+from rlhf_operator.validation import InvalidJob, load_documents, parse_job, unmounted_paths
 from rlhf_trainer.api.plan import describe, plan_placement
 
 
@@ -44,11 +44,15 @@ def read_jobs(path: Path) -> tuple[list[RLHFJob], list[str]]:
 
 
 def validate_files(paths: list[Path]) -> int:
+    """`FILE: ok` (with any warnings) or each error; non-zero if any file has one."""
     failed = False
     for path in paths:
-        _, problems = read_jobs(path)
+        jobs, problems = read_jobs(path)
         failed |= bool(problems)
         print("\n".join(problems) if problems else f"{path}: ok")
+        for job in jobs:
+            for warning in unmounted_paths(job.spec):
+                print(f"{path}: warning: {warning}")
     return 1 if failed else 0
 
 

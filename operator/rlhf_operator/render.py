@@ -15,19 +15,29 @@ from rlhf_operator.api import (
     GROUP,
     KIND,
     PLURAL,
-    PodResources,
     Pool,
     RLHFJobSpec,
     Separation,
-    Toleration,
 )
+from rlhf_operator.podspec import PodResources
 from rlhf_operator.render_network import NetworkAccess, render_network_policy
+from rlhf_operator.render_pod import (
+    SPEC_MOUNT,
+    container_resources,
+    container_security,
+    mounts,
+    placement,
+    pod_metadata,
+    pod_security,
+    pod_settings,
+    ray_environment,
+    volumes,
+)
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 
 Obj = dict[str, Any]
 
 RAY_VERSION = "2.60.0"  # the Ray in the trainer image (a test keeps it equal to the pin)
-SPEC_MOUNT = "/etc/rlhf"
 SPEC_FILE = "spec.json"
 # The driver runs in the head pod (KubeRay submits the entrypoint there) and serves
 # the trainer's metrics on this port.
@@ -35,7 +45,6 @@ TRAINER_METRICS_PORT = 9400
 ENTRYPOINT = (
     f"python -m rlhf_trainer --spec {SPEC_MOUNT}/{SPEC_FILE} --metrics-port {TRAINER_METRICS_PORT}"
 )
-RUN_AS_USER = 1000  # the trainer image's non-root user
 
 JOB_LABEL = f"{GROUP}/job"
 HEAD_DEFAULTS = PodResources(cpu=2, memory="8Gi")
@@ -185,36 +194,36 @@ def _head_group(job: JobRef, spec: RLHFJobSpec) -> Obj:
     pod: Obj = {
         "serviceAccountName": job.reporter,
         "automountServiceAccountToken": True,  # the driver patches the job's status
-        "securityContext": _pod_security(),
+        "securityContext": pod_security(),
         "containers": [
             {
                 "name": "ray-head",
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
-                "env": _job_env(job),
+                **ray_environment(job.name, spec),
                 "ports": [
                     {"name": "metrics", "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"}
                 ],
-                "resources": _container_resources(head.resources or HEAD_DEFAULTS),
-                "securityContext": _container_security(),
-                "volumeMounts": _mounts(spec),
+                "resources": container_resources(head.resources or HEAD_DEFAULTS),
+                "securityContext": container_security(),
+                "volumeMounts": mounts(spec),
             }
         ],
-        "volumes": _volumes(job, spec),
-        **_placement(head.node_selector, head.tolerations, None),
+        "volumes": volumes(job.spec_configmap, spec, head.shm_size),
+        **pod_settings(spec),
+        **placement(head.node_selector, head.tolerations, None),
     }
     return {
         # No Ray work on the head: it runs the driver; GPU work goes to the pools.
         "rayStartParams": {"num-cpus": "0"},
         "template": {
-            "metadata": {
-                "labels": labels(job, "head"),
-                # For Prometheus' pod discovery (the chart's PodMonitor selects the label).
-                "annotations": {
-                    "prometheus.io/scrape": "true",
-                    "prometheus.io/port": str(TRAINER_METRICS_PORT),
-                },
-            },
+            # The annotations for Prometheus' pod discovery (the chart's PodMonitor
+            # selects the labels).
+            "metadata": pod_metadata(
+                spec,
+                labels(job, "head"),
+                {"prometheus.io/scrape": "true", "prometheus.io/port": str(TRAINER_METRICS_PORT)},
+            ),
             "spec": pod,
         },
     }
@@ -223,25 +232,24 @@ def _head_group(job: JobRef, spec: RLHFJobSpec) -> Obj:
 def _worker_group(job: JobRef, spec: RLHFJobSpec, pool: Pool) -> Obj:
     pod_labels = {**labels(job, "worker"), POOL_LABEL: pool.name}
     gpus = str(pool.gpus_per_node)
-    resources = _container_resources(pool.resources or PodResources())
-    resources["limits"][pool.gpu_resource] = gpus
-    resources["requests"][pool.gpu_resource] = gpus
+    extra = {**(pool.extra_resources or {}), pool.gpu_resource: gpus}
     pod: Obj = {
         "automountServiceAccountToken": False,  # workers never talk to the API server
-        "securityContext": _pod_security(),
+        "securityContext": pod_security(),
         "containers": [
             {
                 "name": "ray-worker",
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
-                "env": _job_env(job),
-                "resources": resources,
-                "securityContext": _container_security(),
-                "volumeMounts": _mounts(spec),
+                **ray_environment(job.name, spec),
+                "resources": container_resources(pool.resources or PodResources(), extra),
+                "securityContext": container_security(),
+                "volumeMounts": mounts(spec),
             }
         ],
-        "volumes": _volumes(job, spec),
-        **_placement(pool.node_selector, pool.tolerations, _pool_affinity(job, spec, pool)),
+        "volumes": volumes(job.spec_configmap, spec, pool.shm_size),
+        **pod_settings(spec),
+        **placement(pool.node_selector, pool.tolerations, _pool_affinity(job, spec, pool)),
     }
     return {
         "groupName": pool.name,
@@ -254,7 +262,7 @@ def _worker_group(job: JobRef, spec: RLHFJobSpec, pool: Pool) -> Obj:
         # can place each role's workers onto the pool it is mapped to.
         "resources": {"GPU": gpus, pool_resource(pool.name): gpus},
         "labels": {POOL_LABEL: pool.name},
-        "template": {"metadata": {"labels": pod_labels}, "spec": pod},
+        "template": {"metadata": pod_metadata(spec, pod_labels), "spec": pod},
     }
 
 
@@ -282,95 +290,24 @@ def _pool_affinity(job: JobRef, spec: RLHFJobSpec, pool: Pool) -> Obj | None:
     return affinity or None
 
 
-def _placement(
-    node_selector: dict[str, str] | None, tolerations: list[Toleration] | None, affinity: Obj | None
-) -> Obj:
-    out: Obj = {}
-    if node_selector:
-        out["nodeSelector"] = dict(node_selector)
-    if tolerations:
-        out["tolerations"] = [t.to_dict() for t in tolerations]
-    if affinity:
-        out["affinity"] = affinity
-    return out
-
-
 def _submitter_template(job: JobRef, spec: RLHFJobSpec) -> Obj:
     # KubeRay fills in the `ray job submit` command; we set who it runs as.
     return {
-        "metadata": {"labels": labels(job, "submitter")},
+        "metadata": pod_metadata(spec, labels(job, "submitter")),
         "spec": {
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
-            "securityContext": _pod_security(),
+            "securityContext": pod_security(),
             "containers": [
                 {
                     "name": "ray-job-submitter",
                     "image": spec.image,
                     "imagePullPolicy": spec.image_pull_policy,
-                    "resources": _container_resources(PodResources(cpu="500m", memory="512Mi")),
-                    "securityContext": _container_security(),
+                    "resources": container_resources(PodResources(cpu="500m", memory="512Mi")),
+                    "securityContext": container_security(),
                 }
             ],
-            **_placement(spec.head.node_selector, spec.head.tolerations, None),
+            **pod_settings(spec),
+            **placement(spec.head.node_selector, spec.head.tolerations, None),
         },
     }
-
-
-def _job_env(job: JobRef) -> list[Obj]:
-    # The driver reports progress to its RLHFJob; the namespace comes from the pod.
-    return [
-        {"name": "RLHF_JOB_NAME", "value": job.name},
-        {
-            "name": "RLHF_JOB_NAMESPACE",
-            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
-        },
-    ]
-
-
-def _container_resources(resources: PodResources) -> Obj:
-    """Requests equal limits for CPU and memory: GPU pods should be Guaranteed QoS."""
-    amounts = {
-        k: str(v)
-        for k, v in (("cpu", resources.cpu), ("memory", resources.memory))
-        if v is not None
-    }
-    return {"requests": dict(amounts), "limits": dict(amounts)}
-
-
-def _pod_security() -> Obj:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "runAsGroup": RUN_AS_USER,
-        "fsGroup": RUN_AS_USER,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def _container_security() -> Obj:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-
-
-def _mounts(spec: RLHFJobSpec) -> list[Obj]:
-    mounts: list[Obj] = [
-        {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
-        {"name": "dshm", "mountPath": "/dev/shm"},
-    ]
-    if spec.checkpoint_claim:
-        mounts.append({"name": "checkpoints", "mountPath": spec.trainer.checkpoint.path})
-    return mounts
-
-
-def _volumes(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
-    volumes: list[Obj] = [
-        {"name": "spec", "configMap": {"name": job.spec_configmap}},
-        # NCCL and Ray's object store need a large /dev/shm (the default is 64 MiB).
-        # Memory-backed, it counts against the pod's memory limit, which bounds it.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-    ]
-    if spec.checkpoint_claim:
-        # Shared by every pod: each rank writes its shard, the driver commits.
-        claim = {"claimName": spec.checkpoint_claim}
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": claim})
-    return volumes

@@ -40,6 +40,29 @@ def parse_spec(spec: Any) -> RLHFJobSpec:
         raise InvalidJob(field_errors(error, prefix=("spec",))) from None
 
 
+def unmounted_paths(spec: RLHFJobSpec) -> list[FieldError]:
+    """Absolute model and data paths that no volume of the job mounts: valid, but the
+    pods will not find them (a warning, not an error: the image may carry them)."""
+    mounted = [v.mount_path for v in spec.pods.volumes or []]
+    if spec.checkpoint_claim:
+        mounted.append(spec.trainer.checkpoint.path)
+    models = spec.models
+    named = {
+        "spec.models.actor.path": models.actor.path,
+        "spec.models.ref.path": models.ref.path if models.ref else None,
+        "spec.models.critic.path": models.critic.path if models.critic else None,
+        "spec.models.reward.path": models.reward.path,
+        "spec.data.train": spec.data.train,
+    }
+    return [
+        FieldError(field, f"{path} is under no volume the pods mount (spec.pods.volumes)")
+        for field, path in named.items()
+        if path
+        and path.startswith("/")
+        and not any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounted)
+    ]
+
+
 def load_documents(text: str) -> Iterator[Any]:
     """YAML documents of a file, skipping empty ones; a YAML syntax error is an InvalidJob."""
     try:

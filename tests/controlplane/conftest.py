@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from .harness import RUN_ROOT, ControlPlane, build_binaries, missing_binaries
+from .util import provide_example_claims, remove_example_claims
 
 _running: ControlPlane | None = None
 
@@ -64,8 +65,10 @@ def namespace(controlplane: ControlPlane) -> Iterator[str]:
     """A fresh namespace per test, ready for pods (its default service account exists)."""
     name = f"t-{uuid.uuid4().hex[:8]}"
     controlplane.create_namespace(name)
+    provide_example_claims(controlplane, name)  # the volumes the examples mount
     yield name
     controlplane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    remove_example_claims(controlplane, name)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -32,7 +32,13 @@ from .scan_manifests import (
     helm_template,
     rayjob_pods,
 )
-from .util import eventually, get_json, kubectl_as
+from .util import (
+    eventually,
+    get_json,
+    kubectl_as,
+    provide_example_claims,
+    remove_example_claims,
+)
 
 CHART = REPO_ROOT / "charts" / "rlhf-operator"
 EXAMPLE = "split-8gpu-4-4.yaml"  # fits the control plane's GPU node groups
@@ -229,6 +235,7 @@ def release(controlplane: ControlPlane) -> Iterator[Release]:
     for namespace in (jobs, other):
         cp.create_namespace(namespace)
     cp.kubectl("label", "namespace", jobs, "pod-security.kubernetes.io/enforce=restricted")
+    provide_example_claims(cp, jobs)
     name, namespace = f"rlhf-{suffix}", f"rlhf-system-{suffix}"
     cp.helm("install", name, str(CHART), "--namespace", namespace, "--create-namespace",
             "--set-json", f'watchNamespaces=["{jobs}"]', "--set", "networkPolicy.enabled=true",
@@ -238,6 +245,7 @@ def release(controlplane: ControlPlane) -> Iterator[Release]:
     yield Release(name, namespace, jobs, other, token)
     cp.helm("uninstall", name, "--namespace", namespace, check=False)
     cp.kubectl("delete", "namespace", jobs, other, namespace, "--wait=false")
+    remove_example_claims(cp, jobs)
     # The job's pods hold GPUs of the shared fake nodes that later tests need: free them
     # now, not after their grace period (kwok's pods run nothing that could need it).
     cp.kubectl("delete", "pods", "--all", "-n", jobs, "--grace-period=0", "--force")

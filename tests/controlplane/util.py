@@ -9,8 +9,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 
-from .harness import BIN_DIR, ControlPlane
+from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 
 WAIT = 90  # seconds; generous because a 2-core machine may be busy
 T = TypeVar("T")
@@ -37,3 +38,47 @@ def kubectl_as(cp: ControlPlane, token: str, *args: str) -> subprocess.Completed
     argv = [str(BIN_DIR / "kubectl"), "--kubeconfig=/dev/null", f"--server={cp.server}",
             f"--certificate-authority={cp.ca_file}", f"--token={token}", *args]  # fmt: skip
     return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+EXAMPLES_DIR = REPO_ROOT / "examples"
+CLAIM_LABEL = "rlhf-test/namespace"
+
+
+def example_claims() -> list[str]:
+    """Every PersistentVolumeClaim the examples mount (models, prompts)."""
+    return sorted(
+        {
+            volume["persistentVolumeClaim"]["claimName"]
+            for path in EXAMPLES_DIR.glob("*.yaml")
+            for volume in (yaml.safe_load(path.read_text())["spec"].get("pods") or {}).get(
+                "volumes", []
+            )
+            if "persistentVolumeClaim" in volume
+        }
+    )
+
+
+def provide_example_claims(cp: ControlPlane, namespace: str) -> None:
+    """The examples' claims in `namespace`, each bound to a volume made for it: the test
+    cluster has no storage provisioner, and a pod whose claim is unbound never schedules."""
+    objects = []
+    for claim in example_claims():
+        volume = f"{namespace}-{claim}"
+        objects += [
+            {"apiVersion": "v1", "kind": "PersistentVolume",
+             "metadata": {"name": volume, "labels": {CLAIM_LABEL: namespace}},
+             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                      "storageClassName": "", "persistentVolumeReclaimPolicy": "Retain",
+                      "hostPath": {"path": f"/tmp/{volume}"},
+                      "claimRef": {"namespace": namespace, "name": claim}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": claim, "namespace": namespace},
+             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
+                      "resources": {"requests": {"storage": "1Gi"}}}},
+        ]  # fmt: skip
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
+
+
+def remove_example_claims(cp: ControlPlane, namespace: str) -> None:
+    """The volumes provide_example_claims made for `namespace` (the claims go with it)."""
+    cp.kubectl("delete", "pv", "-l", f"{CLAIM_LABEL}={namespace}", "--wait=false", check=False)

@@ -90,6 +90,16 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         ]
         spec["pools"][0]["resources"] = {"cpu": draw(st.integers(1, 64)), "memory": "64Gi"}
+    if draw(st.booleans()):
+        spec["pods"] = {
+            "volumes": [
+                {"name": "models", "mountPath": "/models", "persistentVolumeClaim": {"claimName": "m"}},
+                {"name": "cache", "mountPath": draw(st.sampled_from(["/cache", "/tmp/c"])), "emptyDir": {}},
+            ],
+            "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}}],
+            "labels": {"team": "ml"},
+        }  # fmt: skip
+        spec["pools"][-1]["extraResources"] = {"rdma/hca": 1}
     return {
         "apiVersion": "rlhf.dev/v1alpha1",
         "kind": "RLHFJob",
@@ -176,6 +186,19 @@ def rule_damaged_jobs(draw: st.DrawFn) -> dict[str, Any]:
         "separation": lambda: (spec.__setitem__("separation", "gpu"),
                                spec["pools"][0].__setitem__("nodeSelector", {"pool": draw(st.sampled_from("ab"))}),
                                spec["pools"][-1].__setitem__("nodeSelector", {"pool": draw(st.sampled_from("ab"))})),
+        "volume": lambda: spec.setdefault("pods", {}).__setitem__("volumes", [draw(st.sampled_from([
+            {"name": "m", "mountPath": "/m"},
+            {"name": "m", "mountPath": "/m", "emptyDir": {}, "configMap": {"name": "c"}},
+            {"name": "spec", "mountPath": "/m", "emptyDir": {}},
+            {"name": "m", "mountPath": draw(st.sampled_from(["/dev/shm", "/etc/rlhf/x", "/etc/rlhfx"])), "emptyDir": {}},
+            {"name": "m", "mountPath": "/m", "emptyDir": {}}]))] * draw(st.integers(1, 2))),
+        "env": lambda: spec.setdefault("pods", {}).__setitem__("env", [draw(st.sampled_from([
+            {"name": "RLHF_JOB_NAME", "value": "x"}, {"name": "A", "value": "x", "valueFrom": {}},
+            {"name": "A", "valueFrom": {}}, {"name": "A"}]))]),
+        "labels": lambda: spec.setdefault("pods", {}).__setitem__("labels", {draw(st.sampled_from(
+            ["rlhf.dev/job", "app.kubernetes.io/name", "team"])): "x"}),
+        "extra": lambda: draw(st.sampled_from(spec["pools"])).__setitem__("extraResources", {draw(st.sampled_from(
+            ["cpu", "memory", "nvidia.com/gpu", "rdma/hca"])): 1}),
     }  # fmt: skip
     for name in draw(st.lists(st.sampled_from(sorted(edits)), min_size=1, max_size=3)):
         edits[name]()

@@ -105,3 +105,21 @@ def test_validate_names_the_field_of_a_critic_free_mistake(
     assert capsys.readouterr().out.startswith(
         f"{bad}: spec.generation.samplesPerPrompt: must be at least 2 for the estimators"
     )
+
+
+def test_validate_warns_of_a_path_no_volume_mounts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = load(EXAMPLES[0].parent / "split-8gpu-4-4.yaml")
+    job["spec"]["models"]["reward"] = {"path": "/weights/rm"}
+    job["spec"]["pods"]["volumes"] = [
+        v for v in job["spec"]["pods"]["volumes"] if v["name"] != "data"
+    ]
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert main(["validate", str(path)]) == 0  # a warning: the image may carry the files
+    assert capsys.readouterr().out.splitlines() == [
+        f"{path}: ok",
+        f"{path}: warning: spec.models.reward.path: /weights/rm is under no volume the pods mount (spec.pods.volumes)",
+        f"{path}: warning: spec.data.train: /data/prompts/train.parquet is under no volume the pods mount (spec.pods.volumes)",
+    ]

@@ -297,3 +297,91 @@ def test_network_access_comes_from_the_environment_the_chart_sets() -> None:
     )
     with pytest.raises(ValueError, match="RLHF_NETWORK_POLICY must be a JSON object with"):
         NetworkAccess.from_env({"RLHF_NETWORK_POLICY": '{"prometheus": {}}'})
+
+
+POD_SETTINGS = {
+    "volumes": [
+        {"name": "models", "mountPath": "/models", "readOnly": True,
+         "persistentVolumeClaim": {"claimName": "models"}},
+        {"name": "cache", "mountPath": "/cache", "emptyDir": {"sizeLimit": "100Gi"}},
+    ],
+    "env": [
+        {"name": "HF_HOME", "value": "/cache/huggingface"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}},
+    ],
+    "envFrom": [{"secretRef": {"name": "s3-credentials"}}],
+    "imagePullSecrets": [{"name": "registry"}],
+    "priorityClassName": "rlhf-high",
+    "labels": {"team": "ml"},
+    "annotations": {"owner": "ml-platform"},
+}  # fmt: skip
+
+
+def pod_templates(rayjob: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    return {
+        "head": cluster["headGroupSpec"]["template"],
+        "submitter": rayjob["spec"]["submitterPodTemplate"],
+        **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]},
+    }
+
+
+def test_pod_settings_reach_every_ray_pod_and_the_submitter_only_what_it_needs() -> None:
+    manifest = load(EXAMPLES[0].parent / "split-8gpu-4-4.yaml")
+    manifest["spec"]["pods"] = POD_SETTINGS
+    job = parse_job(manifest)
+    objects = render_children(JobRef(job.metadata.name, "ns", "uid"), job.spec)
+    templates = pod_templates(objects[-1])
+    for name, template in templates.items():
+        pod, container = template["spec"], template["spec"]["containers"][0]
+        assert pod["imagePullSecrets"] == [{"name": "registry"}], name
+        assert pod["priorityClassName"] == "rlhf-high", name
+        assert template["metadata"]["labels"]["team"] == "ml", name
+        assert template["metadata"]["labels"]["rlhf.dev/job"] == "split-8gpu", name
+        assert template["metadata"]["annotations"]["owner"] == "ml-platform", name
+        if name == "submitter":  # it only runs `ray job submit`: no secrets, no data
+            assert "envFrom" not in container and "volumeMounts" not in container
+            continue
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container[
+            "volumeMounts"
+        ]
+        assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in pod[
+            "volumes"
+        ]
+        assert {"name": "cache", "emptyDir": {"sizeLimit": "100Gi"}} in pod["volumes"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["HF_TOKEN"]["valueFrom"] == {
+            "secretKeyRef": {"name": "hf-token", "key": "token"}
+        }
+        assert {"RLHF_JOB_NAME", "RLHF_JOB_NAMESPACE", "HF_HOME"} <= set(env)
+        assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+    # The head keeps the operator's own annotations beside the job's.
+    assert templates["head"]["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+    # What the trainer reads is the training spec only: no secret's name, no env.
+    configmap = json.dumps(objects[0])
+    assert "hf-token" not in configmap and "s3-credentials" not in configmap
+    assert "HF_HOME" not in configmap
+
+
+def test_pool_extra_resources_and_shm_size() -> None:
+    manifest = load(EXAMPLES[0].parent / "split-8gpu-4-4.yaml")
+    manifest["spec"]["pools"][0] |= {"extraResources": {"rdma/hca": 1}, "shmSize": "32Gi"}
+    manifest["spec"]["head"] = {"shmSize": "2Gi"}
+    job = parse_job(manifest)
+    templates = pod_templates(render_rayjob(JobRef(job.metadata.name, "ns", "uid"), job.spec))
+    resources = templates["actor-rollout-ref"]["spec"]["containers"][0]["resources"]
+    for side in ("requests", "limits"):
+        assert resources[side] == {
+            "cpu": "14",
+            "memory": "100Gi",
+            "rdma/hca": "1",
+            "nvidia.com/gpu": "4",
+        }
+    assert "rdma/hca" not in str(templates["critic"]["spec"]["containers"][0]["resources"])
+
+    def shm(template: dict[str, Any]) -> dict[str, Any]:
+        return next(v for v in template["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"]
+
+    assert shm(templates["actor-rollout-ref"]) == {"medium": "Memory", "sizeLimit": "32Gi"}
+    assert shm(templates["head"]) == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert shm(templates["critic"]) == {"medium": "Memory"}

@@ -65,6 +65,11 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
+# The dtype a `trainer.precision` computes in (the ref's weights, the actor's and critic's
+# FSDP2 parameters; their master weights stay fp32).
+COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def model_config(tiny: TinyModel) -> Qwen2Config | LlamaConfig:
     """A transformers config for the tiny causal LM (embeddings tied to the LM head)."""
     config_class = Qwen2Config if tiny.architecture == "qwen2" else LlamaConfig

@@ -307,6 +307,22 @@ class TrainerConfig(SpecModel):
     actor_learning_rate: float = Field(1e-6, gt=0, le=1, description="Actor learning rate.")
     critic_learning_rate: float = Field(1e-5, gt=0, le=1, description="Critic learning rate.")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description=(
+            "bf16: FSDP2 mixed precision for the actor and critic (bf16 parameters and "
+            "compute, fp32 master weights and gradient reduction); the ref and the rollout "
+            "engines run in bf16. fp32: everything in fp32 (the fast choice on CPUs "
+            "without native bf16)."
+        ),
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description=(
+            "Recompute the actor's and critic's activations in the backward pass instead "
+            "of keeping them: much less memory for about a third more compute."
+        ),
+    )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data order and sampling.")
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpointing."

@@ -8,8 +8,14 @@ from torch import Tensor
 from rlhf_trainer.algo.experience import Experience, Sequences, state_values
 from rlhf_trainer.algo.ppo import aggregate, clipped_value_loss, masked_mean
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.roles.sharding import shard_model
-from rlhf_trainer.roles.trainable import Stats, Trainable, load_value_model, per_token, scalar
+from rlhf_trainer.roles.trainable import (
+    Stats,
+    Trainable,
+    load_value_model,
+    per_token,
+    prepare_trainable,
+    scalar,
+)
 from rlhf_trainer.worker import RankInfo
 
 
@@ -18,7 +24,7 @@ class Critic(Trainable):
         super().__init__(info, config)
         source = config.models.critic or config.models.actor
         model = load_value_model(source, config.trainer.seed)
-        self.model = shard_model(model.to(info.device))
+        self.model = prepare_trainable(model, config, info.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.trainer.critic_learning_rate
         )

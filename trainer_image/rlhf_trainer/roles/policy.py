@@ -31,9 +31,16 @@ from rlhf_trainer.algo.ppo import (
     truncated_importance_weights,
 )
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.models import position_ids
-from rlhf_trainer.roles.sharding import full_state_dict, shard_model
-from rlhf_trainer.roles.trainable import Stats, Trainable, load_policy, per_token, scalar
+from rlhf_trainer.models import COMPUTE_DTYPE, position_ids
+from rlhf_trainer.roles.sharding import full_state_dict
+from rlhf_trainer.roles.trainable import (
+    Stats,
+    Trainable,
+    load_policy,
+    per_token,
+    prepare_trainable,
+    scalar,
+)
 from rlhf_trainer.rollout.engine_weights import engine_weights
 from rlhf_trainer.rollout.weight_sync import (
     SyncGroup,
@@ -77,7 +84,9 @@ class Actor(Trainable):
         super().__init__(info, config)
         model = load_policy(config.models.actor, config.trainer.seed)
         self.tied = bool(model.config.tie_word_embeddings)
-        self.model = shard_model(model.to(info.device))
+        self.model = prepare_trainable(model, config, info.device)
+        # The engines run in the compute dtype: send them that, not the fp32 masters.
+        self.engine_dtype = COMPUTE_DTYPE[config.trainer.precision]
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.trainer.actor_learning_rate
         )
@@ -128,7 +137,7 @@ class Actor(Trainable):
         """Rank 0 hosts the weight-sync group (rank 0 of it; the engines join as the
         other ranks) and returns the specs of what it will send. `device`: see
         `weight_sync.sync_device`. A collective of the actor's ranks."""
-        state = engine_weights(full_state_dict(self.model), self.tied)
+        state = self.engine_state()
         if self.info.rank != 0:
             return None
         self.sync_group = SyncGroup.create(host, port, 0, world_size, sync_device(device))
@@ -137,10 +146,16 @@ class Actor(Trainable):
     def send_weights(self, bucket_bytes: int) -> None:
         """Broadcast the policy to the engines in buckets. A collective of the actor's
         ranks (gathering the full weights) and of the sync group."""
-        state = full_state_dict(self.model)
+        state = self.engine_state()
         if self.info.rank == 0:
             assert self.sync_group is not None, "open_weight_sync first"
-            send_weights(self.sync_group, engine_weights(state, self.tied), bucket_bytes)
+            send_weights(self.sync_group, state, bucket_bytes)
+
+    def engine_state(self) -> dict[str, Tensor]:
+        """The weights as the engines load them, in their dtype: on rank 0 ({} on the
+        others). A collective of the actor's ranks."""
+        state = engine_weights(full_state_dict(self.model), self.tied)
+        return {name: tensor.to(self.engine_dtype) for name, tensor in state.items()}
 
 
 def sequence_log_probs(model: nn.Module, batch: Sequences, config: JobConfig) -> Tensor:
@@ -156,7 +171,8 @@ class Ref(Worker):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info)
         source = config.models.ref or config.models.actor
-        self.model = load_policy(source, config.trainer.seed).to(info.device).eval()
+        dtype = COMPUTE_DTYPE[config.trainer.precision]  # frozen: no fp32 master needed
+        self.model = load_policy(source, config.trainer.seed, dtype).to(info.device).eval()
         self.config = config
 
     @torch.no_grad()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 DECODER_LAYER_SUFFIX = "DecoderLayer"  # Qwen2DecoderLayer, LlamaDecoderLayer, ...
@@ -47,19 +47,23 @@ def _is_decoder_layer(class_name: str, unsplit: set[str]) -> bool:
     return class_name in unsplit or class_name.endswith(DECODER_LAYER_SUFFIX)
 
 
-def shard_model(model: nn.Module) -> nn.Module:
+def shard_model(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Apply FSDP2 (`fully_shard`) to every decoder layer, then to the root; in place.
 
+    With a `compute_dtype` below fp32 (bf16), FSDP2's mixed precision: each layer's
+    parameters are gathered and computed in that dtype, while the sharded master
+    weights, the optimizer and the gradient reduction stay fp32.
     Returns the model (now an FSDP module whose parameters are DTensors) for chaining.
     """
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"no decoder layers found in {type(model).__name__}")
     mesh = data_parallel_mesh()
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in layers:
         _check_no_weight_shared_outside(model, layer)
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=precision)
+    fully_shard(model, mesh=mesh, mp_policy=precision)
     _check_still_tied(model)
     return model
 

@@ -16,20 +16,22 @@ from rlhf_trainer.algo.experience import Experience, Sequences, micro_batch_rows
 from rlhf_trainer.algo.ppo import aggregation_normalizer
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import ModelSource
-from rlhf_trainer.models import ValueModel, build_tiny_model
+from rlhf_trainer.models import COMPUTE_DTYPE, ValueModel, build_tiny_model
 from rlhf_trainer.roles.checkpoint import load_role_state, save_role_state
-from rlhf_trainer.roles.sharding import clip_gradients
+from rlhf_trainer.roles.sharding import clip_gradients, shard_model
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 Stats = dict[str, float]
 
 
-def load_policy(source: ModelSource, seed: int) -> PreTrainedModel:
-    """The causal LM, built in memory when tiny (saving it to load it back would not do:
-    transformers writes only on rank 0 once torch.distributed is up)."""
+def load_policy(
+    source: ModelSource, seed: int, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """The causal LM in `dtype`, built in memory when tiny (saving it to load it back
+    would not do: transformers writes only on rank 0 once torch.distributed is up)."""
     if source.tiny is not None:
-        return build_tiny_model(source.tiny, seed)
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+        return build_tiny_model(source.tiny, seed).to(dtype)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     return model
 
 
@@ -39,6 +41,17 @@ def load_value_model(source: ModelSource, seed: int) -> ValueModel:
         return ValueModel(build_tiny_model(source.tiny, seed).model)
     assert source.path is not None
     return ValueModel.from_pretrained(source.path)
+
+
+def prepare_trainable(model: nn.Module, config: JobConfig, device: torch.device) -> nn.Module:
+    """A trained role's model as it trains: activation checkpointing if the spec asks
+    for it, on its device, sharded with FSDP2 in the spec's precision."""
+    if config.trainer.gradient_checkpointing:
+        transformer = model.backbone if isinstance(model, ValueModel) else model
+        assert isinstance(transformer, PreTrainedModel), type(transformer)
+        # Non-reentrant: the variant that works under FSDP2 and with frozen inputs.
+        transformer.gradient_checkpointing_enable({"use_reentrant": False})
+    return shard_model(model.to(device), COMPUTE_DTYPE[config.trainer.precision])
 
 
 BatchT = TypeVar("BatchT", bound=Sequences)

@@ -99,6 +99,7 @@ class EngineOptions:
     gpu_memory_utilization: float
     tensor_parallel_size: int
     seed: int
+    dtype: Literal["float32", "bfloat16"]  # follows trainer.precision
 
     @classmethod
     def of(cls, config: JobConfig) -> EngineOptions:
@@ -107,6 +108,7 @@ class EngineOptions:
             gpu_memory_utilization=config.generation.gpu_memory_utilization,
             tensor_parallel_size=config.generation.tensor_parallel_size,
             seed=config.trainer.seed,
+            dtype="bfloat16" if config.trainer.precision == "bf16" else "float32",
         )
 
 

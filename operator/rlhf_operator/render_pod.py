@@ -1,0 +1,126 @@
+"""What every Ray pod of a job shares, rendered: the restricted security context,
+resources, the operator's own mounts and variables, and the job's pod settings
+(`spec.pods`: volumes, env, pull secrets, priority, labels and annotations).
+
+Pure, like render.py. Secrets appear only as references (secretKeyRef, secretRef, a
+secret volume): the operator never reads one, and nothing here copies a value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rlhf_operator.api import RLHFJobSpec
+from rlhf_operator.podspec import PodResources, Quantity, Toleration
+
+Obj = dict[str, Any]
+
+SPEC_MOUNT = "/etc/rlhf"
+RUN_AS_USER = 1000  # the trainer image's non-root user
+
+
+def pod_metadata(spec: RLHFJobSpec, labels: Obj, annotations: Obj | None = None) -> Obj:
+    """The job's extra labels and annotations, under the operator's own (which win)."""
+    meta: Obj = {"labels": {**(spec.pods.labels or {}), **labels}}
+    merged = {**(spec.pods.annotations or {}), **(annotations or {})}
+    if merged:
+        meta["annotations"] = merged
+    return meta
+
+
+def pod_settings(spec: RLHFJobSpec) -> Obj:
+    """Pull secrets and priority: every pod of the job, the submitter's too."""
+    out: Obj = {}
+    if spec.pods.image_pull_secrets:
+        out["imagePullSecrets"] = [s.to_dict() for s in spec.pods.image_pull_secrets]
+    if spec.pods.priority_class_name:
+        out["priorityClassName"] = spec.pods.priority_class_name
+    return out
+
+
+def ray_environment(job_name: str, spec: RLHFJobSpec) -> Obj:
+    """env and envFrom of a Ray container (head and workers)."""
+    env: list[Obj] = [
+        # The driver reports progress to its RLHFJob; the namespace comes from the pod.
+        {"name": "RLHF_JOB_NAME", "value": job_name},
+        {
+            "name": "RLHF_JOB_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        },
+        *(e.to_dict() for e in spec.pods.env or []),
+    ]
+    out: Obj = {"env": env}
+    if spec.pods.env_from:
+        out["envFrom"] = [e.to_dict() for e in spec.pods.env_from]
+    return out
+
+
+def container_resources(
+    resources: PodResources, extra: Mapping[str, Quantity] | None = None
+) -> Obj:
+    """Requests equal limits: GPU pods should be Guaranteed QoS."""
+    amounts = {
+        k: str(v)
+        for k, v in (("cpu", resources.cpu), ("memory", resources.memory), *(extra or {}).items())
+        if v is not None
+    }
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security() -> Obj:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def placement(
+    node_selector: dict[str, str] | None, tolerations: list[Toleration] | None, affinity: Obj | None
+) -> Obj:
+    out: Obj = {}
+    if node_selector:
+        out["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        out["tolerations"] = [t.to_dict() for t in tolerations]
+    if affinity:
+        out["affinity"] = affinity
+    return out
+
+
+def mounts(spec: RLHFJobSpec) -> list[Obj]:
+    found: list[Obj] = [
+        {"name": "spec", "mountPath": SPEC_MOUNT, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if spec.checkpoint_claim:
+        found.append({"name": "checkpoints", "mountPath": spec.trainer.checkpoint.path})
+    for volume in spec.pods.volumes or []:
+        mount = {"name": volume.name, "mountPath": volume.mount_path}
+        found.append(mount | ({"readOnly": True} if volume.read_only else {}))
+    return found
+
+
+def volumes(spec_configmap: str, spec: RLHFJobSpec, shm_size: Quantity | None) -> list[Obj]:
+    # NCCL and Ray's object store need a large /dev/shm (the default is 64 MiB).
+    # Memory-backed, it counts against the pod's memory limit, which bounds it.
+    shm: Obj = {"medium": "Memory"} | ({"sizeLimit": str(shm_size)} if shm_size else {})
+    found: list[Obj] = [
+        {"name": "spec", "configMap": {"name": spec_configmap}},
+        {"name": "dshm", "emptyDir": shm},
+    ]
+    if spec.checkpoint_claim:
+        # Shared by every pod: each rank writes its shard, the driver commits.
+        claim = {"claimName": spec.checkpoint_claim}
+        found.append({"name": "checkpoints", "persistentVolumeClaim": claim})
+    for volume in spec.pods.volumes or []:  # the name and its source, not where it mounts
+        wire = volume.to_dict()
+        found.append({k: v for k, v in wire.items() if k not in ("mountPath", "readOnly")})
+    return found
