@@ -8,10 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForSequenceClassification
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForSequenceClassification
 
 from rlhf_trainer.algo.experience import Experience, Sequences
 from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.models import BOS, EOS, PAD, SPECIAL_TOKENS, UNK, build_tokenizer, vocabulary
 from rlhf_trainer.roles import trainable
 from rlhf_trainer.roles.critic import Critic
 from rlhf_trainer.roles.policy import Actor
@@ -177,6 +181,50 @@ def test_a_reward_model_scores_each_sequence_at_its_last_token(tmp_path: Path) -
         for ids in ([5, 6, 7], [5, 6, 7, 8, 9])
     ]
     torch.testing.assert_close(scores, torch.stack(alone).detach(), rtol=0, atol=1e-5)
+
+
+def reversed_tokenizer(size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer like the tiny models', with its symbols in reverse order."""
+    tokens = vocabulary(size)
+    specials = len(SPECIAL_TOKENS)
+    order = [*tokens[:specials], *reversed(tokens[specials:])]
+    model = Tokenizer(WordLevel(vocab={t: i for i, t in enumerate(order)}, unk_token=UNK))
+    model.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=model, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK
+    )
+
+
+def test_a_reward_model_with_its_own_tokenizer_reads_the_text_re_tokenized(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    job = config(None, 1, tmp_path)
+    actor = build_tokenizer(job.models.actor.tiny.vocab_size)  # type: ignore[union-attr]
+    theirs = reversed_tokenizer(40)  # another vocabulary: other ids for the same symbols
+    model_config = Qwen2Config(
+        vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+        pad_token_id=theirs.pad_token_id,
+    )  # fmt: skip
+    Qwen2ForSequenceClassification(model_config).save_pretrained(tmp_path / "rm")
+    theirs.save_pretrained(tmp_path / "rm")
+    spec = job.model_dump(by_alias=True, exclude_none=True)
+    spec["models"]["reward"] = {"path": str(tmp_path / "rm")}
+    spec["roles"]["reward"] = "policy"
+    scorer = RewardModel(RankInfo(Role.REWARD, "policy", 0, 1), JobConfig.model_validate(spec))
+    texts = ["a b c", "b c d e"]
+    encoded = actor(texts, return_tensors="pt", padding=True)  # the actor's ids, left-padded
+    batch = Sequences(
+        input_ids=encoded["input_ids"],
+        attention_mask=encoded["attention_mask"],
+        response_mask=torch.zeros(encoded["input_ids"].shape),
+        rollout_log_probs=torch.zeros(encoded["input_ids"].shape),
+        policy_version=torch.zeros(2, dtype=torch.long),
+    )
+    assert actor.convert_tokens_to_ids("a") != theirs.convert_tokens_to_ids("a")
+    alone = [scorer.model(**theirs(text, return_tensors="pt")).logits[0, 0] for text in texts]
+    torch.testing.assert_close(scorer.score(batch), torch.stack(alone).detach(), rtol=0, atol=1e-5)
 
 
 def test_the_actor_and_the_critic_each_report_their_own_grad_norm(

@@ -20,9 +20,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch import Tensor, nn
 from transformers import (
     AutoModel,
+    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -63,6 +65,14 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         padding_side="left",  # generation pads prompts on the left
         clean_up_tokenization_spaces=False,
     )
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """A model's tokenizer: built in code for a tiny model, else from its path."""
+    if source.tiny is not None:
+        return build_tokenizer(source.tiny.vocab_size)
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(source.path)
+    return tokenizer
 
 
 # The dtype a `trainer.precision` computes in (the ref's weights, the actor's and critic's

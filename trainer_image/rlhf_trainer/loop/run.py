@@ -10,8 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
 from rlhf_trainer.api.config import JobConfig, Role, TrainingProgress
 from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.cluster.groups import WorkerGroup, join
@@ -21,7 +19,7 @@ from rlhf_trainer.data.prompts import PromptStream, prompt_tokenizer
 from rlhf_trainer.data.tasks import check_reward_arguments, reward_function
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer, AsyncState
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult
-from rlhf_trainer.models import build_tokenizer
+from rlhf_trainer.models import load_tokenizer
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
 from rlhf_trainer.rollout.streaming import StreamingRollout
@@ -33,14 +31,6 @@ log = logging.getLogger(__name__)
 
 TRAINED_ROLES = (Role.ACTOR, Role.CRITIC)
 ASYNC_STATE = "async_state.json"  # fully async: the queue and the prompts in flight
-
-
-def load_tokenizer(config: JobConfig) -> PreTrainedTokenizerBase:
-    tiny = config.models.actor.tiny
-    if tiny is not None:
-        return build_tokenizer(tiny.vocab_size)
-    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.models.actor.path)
-    return tokenizer
 
 
 @dataclass
@@ -198,7 +188,7 @@ def run_job(
     plan = plan_placement(config)
     metrics = metrics or TrainerMetrics(pools=[p.name for p in plan.pools])
     timeline = Timeline(listeners=[metrics.observe_span])
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.models.actor)
     prompts = PromptStream.load(
         config.data, config.trainer.seed, prompt_tokenizer(tokenizer, config.data.chat_template)
     )

@@ -1,16 +1,24 @@
-"""A reward model: a sequence classifier that scores whole responses."""
+"""A reward model: a sequence classifier that scores whole responses.
+
+A reward model trained with another tokenizer than the actor's cannot read the actor's
+token ids: each sequence is decoded with the actor's tokenizer and encoded again with
+the reward model's (special tokens dropped: the actor's mean nothing to it).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf_trainer.algo.experience import Sequences
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.models import position_ids
+from rlhf_trainer.api.sections import ModelSource
+from rlhf_trainer.models import load_tokenizer, position_ids
 from rlhf_trainer.roles.trainable import micro_batches
 from rlhf_trainer.worker import RankInfo, Worker
 
@@ -26,6 +34,7 @@ class RewardModel(Worker):
         )
         self.model = model.to(info.device).eval()
         self.micro_size = config.trainer.micro_batch_size
+        self.retokenize = retokenizer(config.models.actor, config.models.reward.path)
 
     @torch.no_grad()
     def score(self, batch: Sequences) -> Tensor:
@@ -36,9 +45,39 @@ class RewardModel(Worker):
         return scores
 
     def _score(self, micro: Sequences) -> Tensor:
-        mask = micro.attention_mask
+        ids, mask = micro.input_ids, micro.attention_mask
+        if self.retokenize is not None:
+            ids, mask = self.retokenize(ids, mask)
         logits = self.model(
-            input_ids=micro.input_ids, attention_mask=mask, position_ids=position_ids(mask)
+            input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)
         ).logits  # (B, 1): read at the last non-padding token
         scores: Tensor = logits[:, 0].float()
         return scores
+
+
+Retokenize = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def retokenizer(actor: ModelSource, reward_path: str) -> Retokenize | None:
+    """None when the reward model reads the actor's tokens (the same vocabulary, or no
+    tokenizer of its own); else (B, T) actor ids and mask -> the reward model's."""
+    directory = Path(reward_path)
+    if directory.is_dir() and not (directory / "tokenizer_config.json").exists():
+        return None  # no tokenizer of its own: it was trained on the actor's ids
+    theirs: Any = AutoTokenizer.from_pretrained(reward_path)
+    ours = load_tokenizer(actor)
+    if theirs.get_vocab() == ours.get_vocab():
+        return None
+    theirs.padding_side = "left"  # as the actor's batches: read at the last token
+    if theirs.pad_token is None:
+        theirs.pad_token = theirs.eos_token
+
+    def retokenize(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        texts = [
+            ours.decode(row[row_mask.bool()].tolist(), skip_special_tokens=True)
+            for row, row_mask in zip(ids, mask, strict=True)
+        ]
+        encoded = theirs(texts, return_tensors="pt", padding=True)
+        return encoded["input_ids"], encoded["attention_mask"]
+
+    return retokenize

@@ -59,7 +59,11 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype = torch.float32) ->
     if not layers:
         raise ValueError(f"no decoder layers found in {type(model).__name__}")
     mesh = data_parallel_mesh()
-    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    precision = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
+        else MixedPrecisionPolicy()  # fp32 throughout: no casts at all
+    )
     for layer in layers:
         _check_no_weight_shared_outside(model, layer)
         fully_shard(layer, mesh=mesh, mp_policy=precision)
