@@ -20,7 +20,7 @@ from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.report import ConsoleReporter
 from tests.specs import local_async_job
 from tests.trainer.learning import assert_reward_rises
-from tests.trainer.local_runs import Trained, train
+from tests.trainer.local_runs import Trained, train, vllm_series
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
@@ -41,6 +41,12 @@ def test_threshold_zero_trains_every_sample_with_the_policy_that_generated_it(
     trained = train(config)
     assert [s.staleness for s in trained.steps] == [[0] * BATCH] * 6
     assert sorted(uids(trained.steps)) == list(range(6 * BATCH))  # admitted in order, all
+    # vLLM's own count: at least the trained samples' tokens (the next batch may have
+    # started generating when the run ended)
+    registry = trained.metrics.registry
+    tokens = registry.get_sample_value("rlhf_tokens_generated_total")
+    generated = vllm_series(config, registry, "rlhf_vllm_generation_tokens_total")
+    assert tokens is not None and sum(generated) >= tokens > 0
 
 
 STEPS = 60
