@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.report import ConsoleReporter
 from tests.specs import local_async_job
 from tests.trainer.learning import assert_reward_rises
@@ -162,9 +164,13 @@ def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
     config = local_async_job(
         staleness=0.5, total_steps=30, checkpoint_dir=tmp_path, every_steps=100
     )
+    metrics = TrainerMetrics(pools=[p.name for p in config.pools])
     with pytest.raises(RolloutFailed, match="rollout rank 0"), local_ray_cluster(config):
-        run_job(config, "async", ConsoleReporter(every=1e9), on_step=kill_the_engine)
+        run_job(config, "async", ConsoleReporter(every=1e9), metrics, on_step=kill_the_engine)
     assert len(killed) == 1
+    # The dead engine breaks no scrape: its series keep the last counts it reported.
+    scraped = generate_latest(metrics.registry).decode()
+    assert 'rlhf_vllm_generation_tokens_total{engine="0",pool="rollout"}' in scraped
 
 
 def test_the_timeline_shows_generation_overlapping_training(stale: Trained) -> None:
