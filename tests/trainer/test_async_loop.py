@@ -14,13 +14,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.report import ConsoleReporter
 from tests.specs import local_async_job
 from tests.trainer.learning import assert_reward_rises
-from tests.trainer.local_runs import Trained, train
+from tests.trainer.local_runs import Trained, train, vllm_series
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
@@ -41,6 +43,12 @@ def test_threshold_zero_trains_every_sample_with_the_policy_that_generated_it(
     trained = train(config)
     assert [s.staleness for s in trained.steps] == [[0] * BATCH] * 6
     assert sorted(uids(trained.steps)) == list(range(6 * BATCH))  # admitted in order, all
+    # vLLM's own count: at least the trained samples' tokens (the next batch may have
+    # started generating when the run ended)
+    registry = trained.metrics.registry
+    tokens = registry.get_sample_value("rlhf_tokens_generated_total")
+    generated = vllm_series(config, registry, "rlhf_vllm_generation_tokens_total")
+    assert tokens is not None and sum(generated) >= tokens > 0
 
 
 STEPS = 60
@@ -156,9 +164,13 @@ def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
     config = local_async_job(
         staleness=0.5, total_steps=30, checkpoint_dir=tmp_path, every_steps=100
     )
+    metrics = TrainerMetrics(pools=[p.name for p in config.pools])
     with pytest.raises(RolloutFailed, match="rollout rank 0"), local_ray_cluster(config):
-        run_job(config, "async", ConsoleReporter(every=1e9), on_step=kill_the_engine)
+        run_job(config, "async", ConsoleReporter(every=1e9), metrics, on_step=kill_the_engine)
     assert len(killed) == 1
+    # The dead engine breaks no scrape: its series keep the last counts it reported.
+    scraped = generate_latest(metrics.registry).decode()
+    assert 'rlhf_vllm_generation_tokens_total{engine="0",pool="rollout"}' in scraped
 
 
 def test_the_timeline_shows_generation_overlapping_training(stale: Trained) -> None:

@@ -23,6 +23,7 @@ from rlhf_operator.validation import parse_job
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
+from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup, gather, join
 from rlhf_trainer.cluster.placement import (
     PlacementTimeout,
@@ -31,7 +32,8 @@ from rlhf_trainer.cluster.placement import (
     remove_pool_groups,
     wait_ready,
 )
-from tests.trainer.toy_workers import PartialSums
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
+from tests.trainer.toy_workers import BusyEngine, PartialSums
 from tests.unit.conftest import EXAMPLES, load
 
 ray = pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
@@ -198,3 +200,29 @@ def test_a_rank_dying_mid_collective_fails_the_call_instead_of_hanging(
     for host in group.hosts:  # both ended: the stuck rank 0 too
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(host.whereabouts.remote(), timeout=60)
+
+
+def test_engines_report_their_stats_while_busy_and_a_dead_one_loses_its_series(
+    ray_pools: RayPools,
+) -> None:
+    """The rollout ranks answer on their telemetry thread while their working thread
+    sleeps in a call; each engine's series carry its pool and rank."""
+    group = WorkerGroup.spawn(ray_pools.plan, Role.ROLLOUT, ray_pools.groups["policy"], BusyEngine)
+    join(group.ready)
+    metrics = TrainerMetrics()
+    poller = EngineStatsPoller(group, metrics.engines.observe)
+
+    def generated(engine: str) -> float | None:
+        labels = {"pool": "policy", "engine": engine}
+        return metrics.registry.get_sample_value("rlhf_vllm_generation_tokens_total", labels)
+
+    try:
+        busy = group.run("sleep", 120.0)
+        poller.poll(timeout_s=60)
+        assert ray.wait(busy, timeout=0)[0] == [], "the ranks answered after their call"
+        assert (group.world_size, generated("0"), generated("1")) == (2, 100, 101)
+        ray.kill(group.hosts[1])
+        poller.poll(timeout_s=60)
+        assert (generated("0"), generated("1")) == (100, None)
+    finally:
+        group.shutdown(grace_s=1)

@@ -21,6 +21,7 @@ from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.specs import local_job
 from tests.trainer.learning import assert_reward_rises
+from tests.trainer.local_runs import vllm_series
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
@@ -122,6 +123,15 @@ def test_every_step_is_trained_and_reported(trained: Trained) -> None:
     for pool in trained.config.pools:
         ratio = registry.get_sample_value("rlhf_pool_busy_ratio", {"pool": pool.name})
         assert ratio is not None and 0 < ratio <= 1
+    # vLLM's own count, per engine, of the tokens its engines generated: all of the
+    # steps' tokens (the driver polls the engines once more as the run ends)
+    generated = vllm_series(trained.config, registry, "rlhf_vllm_generation_tokens_total")
+    assert sum(generated) == tokens
+    assert sum(vllm_series(trained.config, registry, "rlhf_vllm_prompt_tokens_total")) > 0
+    usage = vllm_series(trained.config, registry, "rlhf_vllm_kv_cache_usage_ratio")
+    assert all(0 <= ratio <= 1 for ratio in usage)
+    for name in ("rlhf_vllm_requests_running", "rlhf_vllm_requests_waiting"):
+        assert all(count >= 0 for count in vllm_series(trained.config, registry, name))
 
 
 def update_spans(trace: dict[str, Any], phase: Phase) -> list[tuple[float, float]]:

@@ -3,7 +3,8 @@ weights loaded into the running engine.
 
 One engine for the module (starting one takes ~30-60 s on a CPU). The checks compare
 vLLM with the trainer's view, transformers on the same weights: the log-prob of every
-generated token, before and after a weight update, and the greedy output.
+generated token, before and after a weight update, and the greedy output; and vLLM's
+own metrics of the engine count what it generated.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
+from rlhf_trainer.telemetry.engine_stats import read_engine_stats
 
 pytest.importorskip("vllm", reason="the trainer stack (make install-trainer) is not installed")
 
@@ -154,3 +156,17 @@ def test_seeded_sampling_is_reproducible_and_repeated_prompts_differ(
     again = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=5)
     assert [r.response_token_ids for r in first] == [r.response_token_ids for r in again]
     assert len({tuple(r.response_token_ids) for r in first}) > 1
+
+
+def test_the_engines_vllm_stats_count_the_tokens_of_a_batch(engine: RolloutEngine) -> None:
+    before = read_engine_stats()  # vLLM's series in this process's registry
+    assert before is not None, "the engine records no Prometheus stats"
+    prompts = prompt_ids(4)
+    rollouts = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=3)
+    after = read_engine_stats()
+    assert after is not None
+    generated = sum(len(r.response_token_ids) for r in rollouts)
+    assert generated > 0
+    assert after.generation_tokens - before.generation_tokens == generated
+    assert after.prompt_tokens - before.prompt_tokens == sum(len(p) for p in prompts)
+    assert 0 <= after.kv_cache_usage <= 1

@@ -1,4 +1,4 @@
-"""A toy role worker for the placement tests: plain Python, as a real role's is."""
+"""Toy role workers for the placement tests: plain Python, as a real role's is."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import RankInfo, Worker
 
 
@@ -44,3 +45,17 @@ class PartialSums(Worker):
         token = torch.ones(1)
         dist.all_reduce(token)
         return float(token.item())
+
+
+class BusyEngine(Worker):
+    """Stands in for a rollout worker: an engine's stats (rank-dependent), and a call
+    that keeps the rank busy."""
+
+    needs_process_group = False
+
+    def engine_stats(self) -> EngineStats:
+        rank = self.info.rank
+        return EngineStats(rank, 0, 0.5, generation_tokens=100 + rank, prompt_tokens=10)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)

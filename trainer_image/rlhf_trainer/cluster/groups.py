@@ -7,6 +7,10 @@ rendezvous, shards batches over the ranks, fans calls out and gathers the result
 
 Calls return futures (Ray `ObjectRef`s), so the PPO loop issues the calls of different
 pools together and joins them when it needs the results: that is split placement.
+
+A rank runs its calls one at a time, in order, on one thread. A rank whose worker has
+an engine also answers `engine_stats` on a second thread (the TELEMETRY concurrency
+group), so its stats come while it is busy in a call (see `cluster.engine_stats`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import PlacementPlan
 from rlhf_trainer.cluster.placement import PoolGroup, WorkerSlot, role_slots
+from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import (
     CPU_THREADS_PER_RANK,
     BatchT,
@@ -41,6 +46,7 @@ T = TypeVar("T")
 
 
 SHUTDOWN_GRACE_S = 30.0
+TELEMETRY = "telemetry"  # the concurrency group of calls that must not wait for a call
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,12 @@ class RankHost:
         background = getattr(self.worker, "drain_activity", None)
         return calls + (background() if background is not None else [])
 
+    def engine_stats(self) -> EngineStats | None:
+        """The stats of the worker's engine (None before it is built). Runs in the
+        TELEMETRY group, beside a call in progress: it must not touch the engine."""
+        read = getattr(self.worker, "engine_stats", None)
+        return read() if read is not None else None
+
     def shutdown(self) -> None:
         close = getattr(self.worker, "close", None)
         if close is not None:
@@ -175,6 +187,11 @@ class WorkerGroup:
 
         slots = role_slots(plan, role, pool_group.rank_order)
         remote_host: Any = ray.remote(RankHost)
+        if hasattr(worker_cls, "engine_stats"):
+            # A thread for the stats. Ray then runs the calls on a thread of their own
+            # too, not the main one: still one at a time, in order.
+            telemetry = ray.remote(concurrency_groups={TELEMETRY: 1})  # type: ignore[call-overload]
+            remote_host = telemetry(RankHost)
         hosts = [
             remote_host.options(
                 # CPU is not what limits a pool's workers; asking for none keeps a
@@ -255,6 +272,13 @@ class WorkerGroup:
     def drain_calls(self) -> list[list[tuple[str, float, float]]]:
         """Per rank, the calls it ran since the last drain (see RankHost.drain_calls)."""
         return join([h.drain_calls.remote() for h in self.hosts])
+
+    def engine_stats(self, rank: int) -> ObjectRef[EngineStats | None]:
+        """Ask rank `rank` for its engine's stats; it answers even while busy in a call."""
+        host = self.hosts[rank]
+        stats: ObjectRef[EngineStats | None]
+        stats = host.engine_stats.options(concurrency_group=TELEMETRY).remote()
+        return stats
 
     def whereabouts(self) -> list[Whereabouts]:
         import ray

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rlhf_trainer.api.config import JobConfig, Role, TrainingProgress
 from rlhf_trainer.api.plan import plan_placement
+from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups
@@ -200,6 +201,7 @@ def run_job(
     workers = {Role.ROLLOUT: (StreamingRollout, (queue,))} if queue else {}
     groups = RoleGroups.start(plan, config, job, workers)
     log.info("roles started in %.1f s", time.time() - started)
+    engines = EngineStatsPoller(groups[Role.ROLLOUT], metrics.engines.observe).start()
     try:
         trainer = PPOTrainer(
             config,
@@ -216,4 +218,5 @@ def run_job(
     finally:
         if trace is not None:
             timeline.write_chrome_trace(trace)
+        engines.stop()
         groups.shutdown()

@@ -46,6 +46,11 @@ starts one worker process per rank. Weights cross the process boundary as
 safetensors bytes. vLLM's CPU platform starts its children with "spawn", so a
 launching script needs an `if __name__ == "__main__":` guard (pytest and Ray's
 worker entry point have one).
+
+Metrics. vLLM's Prometheus stat logger (only it: no periodic log line) keeps the
+engine's stats in the process-global registry, for `telemetry.engine_stats`; a later
+engine in the same process takes the series over. Cost, tiny model on CPU, 64 prompts
+of 32 tokens: 615 ms a batch with stats, 629 ms without (noise).
 """
 
 from __future__ import annotations
@@ -175,11 +180,15 @@ class RolloutEngine:
         )
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         # Built here, outside any running loop: AsyncLLM starts its output handler on
         # the loop of its first request, which is then this engine's loop.
         self._llm: Any = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**settings, disable_log_stats=True)
+            # Stats go to vLLM's Prometheus series only (telemetry.engine_stats reads
+            # them), not to its periodic log line as well.
+            AsyncEngineArgs(**settings, disable_log_stats=True),
+            stat_loggers=[PrometheusStatLogger],
         )
         self.policy_version = initial_version
         self._batch_ids = itertools.count()  # request ids of generate_batch

@@ -12,6 +12,7 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
 from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, receive_copies, sync_device
+from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 
@@ -43,6 +44,11 @@ class EngineWorker(Worker):
         # The engine's model lives in its own process, so the weights are loaded in one
         # go after the broadcast.
         self.engine.load_weights(receive_copies(self.sync_group, specs, bucket_bytes), version)
+
+    def engine_stats(self) -> EngineStats | None:
+        """The engine's vLLM stats. Safe from any thread, at any time: it reads metric
+        values in this process and never waits for the engine."""
+        return read_engine_stats()
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -29,6 +29,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
 from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.telemetry.engine_stats import EngineSeries
 from rlhf_trainer.telemetry.timeline import Span
 
 Interval = tuple[float, float]  # (start, end) in seconds
@@ -147,6 +148,10 @@ class TrainerMetrics:
         # rlhf_critic_* at all (a gauge stuck at 0 would read as a real value).
         self.diagnostics: dict[str, dict[str, Gauge]] = {}
         r.register(_PoolBusyRatio(self))
+        # rlhf_vllm_*{pool,engine}: vLLM's own metrics, as each rollout engine reports
+        # them to the driver (cluster.engine_stats).
+        self.engines = EngineSeries()
+        r.register(self.engines)
 
     def _add_streaming_series(self, r: CollectorRegistry) -> None:
         """What fully-async runs watch: staleness, the queue, weight syncs."""
