@@ -51,11 +51,13 @@ test-shuffled: install controlplane  ## run every test in a random order (pytest
 unit: install  ## run the unit tests only (tiers: -m unit, trainer, controlplane; -m "not slow")
 	$(PY) -m pytest -p no:randomly -m unit
 
+# The run folder, runs/local-cpu/, holds its checkpoints: the demo starts afresh rather
+# than resume.
 demo: install  ## validate the examples, then train the local one on this machine (a few minutes)
 	$(VENV)/bin/rlhfjob validate examples/*.yaml
-	rm -rf /tmp/rlhf-local-cpu  # its checkpoints: start afresh rather than resume
-	$(VENV)/bin/rlhfjob train examples/local-cpu.yaml --trace local-cpu-trace.json
-	@echo "Timeline of the pools: open local-cpu-trace.json in https://ui.perfetto.dev"
+	rm -rf runs/local-cpu
+	$(VENV)/bin/rlhfjob train examples/local-cpu.yaml
+	@echo "Timeline of the pools: open runs/local-cpu/trace.json in https://ui.perfetto.dev"
 
 crds: install  ## regenerate crds/ from the API models (and the chart's copy)
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml

@@ -79,7 +79,7 @@ def print_children(path: Path, namespace: str) -> int:
     return 0
 
 
-def train_locally(path: Path, trace: Path | None) -> int:
+def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
     """Run a one-job file on this machine; needs the trainer stack (make install).
 
     The trainer runs as its own process, `python -m rlhf_trainer --local`, on the spec the
@@ -96,6 +96,8 @@ def train_locally(path: Path, trace: Path | None) -> int:
         command = [sys.executable, "-m", "rlhf_trainer", "--spec", str(spec), "--local"]
         if trace is not None:
             command += ["--trace", str(trace)]
+        if run_dir is not None:
+            command += ["--run-dir", str(run_dir)]
         return subprocess.run(command, check=False).returncode
 
 
@@ -113,7 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument("--namespace", default="default")
     train = commands.add_parser("train", help="run an RLHFJob on this machine (Ray simulated)")
     train.add_argument("file", type=Path, metavar="FILE")
-    train.add_argument("--trace", type=Path, help="write a Chrome trace of the pools here")
+    train.add_argument(
+        "--trace", type=Path, help="write a Chrome trace of the pools here (default: run folder)"
+    )
+    train.add_argument(
+        "--run-dir",
+        type=Path,
+        help="the run folder: metrics, trace, charts, checkpoints (default: runs/<job name>)",
+    )
     crd = commands.add_parser("crd", help="print the generated CRD YAML")
     crd.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
     args = parser.parse_args(argv)
@@ -126,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "render":
         return print_children(args.file, args.namespace)
     if args.command == "train":
-        return train_locally(args.file, args.trace)
+        return train_locally(args.file, args.trace, args.run_dir)
     return validate_files(args.files)
 
 

@@ -26,10 +26,12 @@ from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
 from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
+from rlhf_trainer.telemetry.progress import STEP_LOG
 from rlhf_trainer.telemetry.report import Reporter
 from rlhf_trainer.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
+step_log = logging.getLogger(STEP_LOG)  # quiet while a live bar shows the steps
 
 TRAINED_ROLES = (Role.ACTOR, Role.CRITIC)
 ASYNC_STATE = "async_state.json"  # fully async: the queue and the prompts in flight
@@ -179,7 +181,7 @@ def log_step(result: StepResult, total: int) -> None:
         *([f"groups dropped {result.dropped_groups}"] if result.dropped_groups else []),
         f"{result.seconds:.2f} s",
     ]
-    log.info(", ".join(parts))
+    step_log.info(", ".join(parts))
 
 
 def finite_or_none(value: float) -> float | None:
