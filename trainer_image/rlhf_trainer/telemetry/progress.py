@@ -8,12 +8,12 @@ no bar, only plain lines: the loop's per-step log line, and no control character
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.logging import RichHandler
 from rich.progress import (
     BarColumn,
@@ -23,7 +23,8 @@ from rich.progress import (
     TextColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
+from rich.text import Text
 
 from rlhf_trainer.api.config import TrainingProgress
 from rlhf_trainer.telemetry.run_folder import StepRecord
@@ -48,18 +49,26 @@ def step_text(record: StepRecord) -> str:
     )
 
 
+class TwoLineProgress(Progress):
+    """The bar, then the step's numbers on a line of their own: both fit 80 columns."""
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        for task in self.tasks:
+            yield Text(task.fields["numbers"], overflow="ellipsis", no_wrap=True)
+
+
 class LiveProgress:
     """The live bar on a terminal (a no-op elsewhere): step/total, the step's numbers
     and the time left. While it shows, logging goes through its console, above the bar."""
 
     def __init__(self, console: Console, total_steps: int) -> None:
         self.console = console
-        self._bar = Progress(
+        self._bar = TwoLineProgress(
             SpinnerColumn(),
             TextColumn("step"),
-            MofNCompleteColumn(),
-            BarColumn(),
-            TextColumn("{task.fields[numbers]}"),
+            MofNCompleteColumn(table_column=Column(no_wrap=True)),
+            BarColumn(bar_width=None),
             TextColumn("ETA"),
             TimeRemainingColumn(),
             console=console,
@@ -118,8 +127,8 @@ class Summary:
 
     def table(self) -> Table:
         table = Table(title="Run summary", show_header=False)
-        table.add_column(style="bold")
-        table.add_column()
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column(overflow="fold")  # paths whole, on as many lines as they take
         for name, value in self.rows():
             table.add_row(name, value)
         return table
