@@ -10,6 +10,7 @@ rlhfjob crd                print the CustomResourceDefinition (what `make crds` 
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,7 +99,22 @@ def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
             command += ["--trace", str(trace)]
         if run_dir is not None:
             command += ["--run-dir", str(run_dir)]
-        return subprocess.run(command, check=False).returncode
+        return run_in_foreground(command)
+
+
+def run_in_foreground(command: list[str]) -> int:
+    """Run the command and return its exit status, as a shell would (128 + the signal).
+
+    Ctrl-C reaches the terminal's whole process group, the child too: the child handles
+    it (the trainer checkpoints, then exits), so this process ignores it and waits.
+    A Python handler, not SIG_IGN, because exec resets handlers but inherits SIG_IGN.
+    """
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        status = subprocess.run(command, check=False).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 128 - status if status < 0 else status
 
 
 def main(argv: list[str] | None = None) -> int:

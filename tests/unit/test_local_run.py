@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from PIL import Image
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
+from rlhf_trainer.loop.interrupt import stop_on_interrupt
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.charts import (
     DPI,
@@ -154,3 +156,13 @@ def test_the_summary_compares_the_first_and_last_steps(tmp_path: Path) -> None:
     assert rows["pool policy busy"] == "75%"
     assert rows["run folder"] == str(tmp_path)
     assert rows["last checkpoint"] == "ckpt/step-2"
+
+
+def test_ctrl_c_asks_to_stop_and_a_second_one_quits() -> None:
+    with stop_on_interrupt() as stop:
+        assert not stop()
+        signal.raise_signal(signal.SIGINT)
+        assert stop()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

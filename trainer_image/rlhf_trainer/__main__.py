@@ -146,11 +146,12 @@ def train_locally(
     config: JobConfig, job: str, folder: RunFolder, metrics: TrainerMetrics, trace: Path | None
 ) -> int:
     """Train on a simulated cluster on this machine, with a live bar, the run folder and
-    a summary at the end."""
+    a summary at the end. Ctrl-C checkpoints and stops: exit status 130."""
     from rich.console import Console
 
     from rlhf_trainer.cluster.local import local_ray_cluster
-    from rlhf_trainer.loop.run import run_job
+    from rlhf_trainer.loop.interrupt import stop_on_interrupt
+    from rlhf_trainer.loop.run import Interrupted, run_job
     from rlhf_trainer.telemetry.local_run import LocalRunWatch
     from rlhf_trainer.telemetry.progress import LiveProgress, SilentReporter, Summary
     from rlhf_trainer.telemetry.report import reporter_from_env
@@ -163,13 +164,22 @@ def train_locally(
     reporter = SilentReporter() if progress.live else reporter_from_env()
     every = config.trainer.checkpoint.every_steps
     watch = LocalRunWatch(folder, metrics, progress, config.samples_per_step, every)
-    with progress, local_ray_cluster(config):
-        final = run_job(config, job, reporter, metrics, trace or folder.trace, watch)
+    interrupted: Interrupted | None = None
+    with stop_on_interrupt() as stop, progress, local_ray_cluster(config):
+        try:
+            final = run_job(config, job, reporter, metrics, trace or folder.trace, watch, stop)
+            last_checkpoint = final.last_checkpoint
+        except Interrupted as stopped:
+            interrupted, last_checkpoint = stopped, stopped.checkpoint
     summary = Summary(
-        watch.finish(), total, time.time() - started, folder.path.resolve(), final.last_checkpoint
+        watch.finish(), total, time.time() - started, folder.path.resolve(), last_checkpoint
     )
     console.print(summary.table())
     console.print(f"run folder: {folder.path.resolve()}", soft_wrap=True)
+    if interrupted is not None:
+        message = f"{interrupted}; run the same command again to resume"
+        console.print(message, soft_wrap=True)  # whole, even in an 80-column log
+        return 130
     return 0
 
 
