@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import signal
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from rich.console import Console
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
 from rlhf_trainer.loop.interrupt import stop_on_interrupt
@@ -21,7 +23,7 @@ from rlhf_trainer.telemetry.charts import (
     reward_kl_figure,
     write_charts,
 )
-from rlhf_trainer.telemetry.progress import Summary, step_text
+from rlhf_trainer.telemetry.progress import LiveProgress, Summary, step_text
 from rlhf_trainer.telemetry.run_folder import RunFolder, RunFolderError, StepRecord
 
 ACTOR = ActorStats(
@@ -166,3 +168,15 @@ def test_ctrl_c_asks_to_stop_and_a_second_one_quits() -> None:
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_off_a_terminal_there_is_no_bar_and_no_control_characters(tmp_path: Path) -> None:
+    out = io.StringIO()
+    console = Console(file=out)  # a pipe, a CI log
+    with LiveProgress(console, 10) as progress:
+        progress.update(record(1))
+    console.print(Summary([record(1)], 10, 1.0, tmp_path, None).table())
+    text = out.getvalue()
+    assert "Run summary" in text
+    assert "step" not in text.split("Run summary")[0]  # no bar before the table
+    assert not any(ord(c) < 32 and c != "\n" for c in text), repr(text)
