@@ -28,7 +28,8 @@ def reward_kl_figure(records: Sequence[StepRecord]) -> Figure:
     kl_axes = reward_axes.twinx()  # KL is orders of magnitude below the reward
     kl_axes.plot(steps, [r.kl for r in records], color="tab:red", label="KL")
     kl_axes.set_ylabel("KL to the reference")
-    figure.legend(loc="upper left")
+    # one legend for both axes, inside them (a figure legend would cover the title)
+    kl_axes.legend(handles=[*reward_axes.get_lines(), *kl_axes.get_lines()], loc="best")
     reward_axes.set_title("Reward and KL")
     return figure
 
@@ -46,7 +47,7 @@ def pool_busy_figure(records: Sequence[StepRecord]) -> Figure:
     axes.set_ylabel("busy since start (%)")
     axes.set_title("Pool busy share")
     if pools:
-        axes.legend(loc="lower right")
+        axes.legend(loc="best")
     return figure
 
 
