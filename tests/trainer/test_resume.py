@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 TOTAL_STEPS = 6
 EVERY = 3
 RUN_TIMEOUT_S = 600  # generous: starting the roles takes about a minute on 2 cores
+TRAINER = [sys.executable, "-m", "rlhf_trainer"]
 STEP_LINE = re.compile(r"step (\d+)/\d+: reward ([-\d.]+)")
 
 
@@ -40,7 +41,8 @@ def rewards(log: str) -> dict[int, str]:
 def start(spec: Path, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "rlhf_trainer", "--spec", str(spec), "--local"],
+            # the run folder beside the spec, not under the working directory
+            [*TRAINER, "--spec", str(spec), "--local", "--run-dir", str(spec.parent / "run")],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: the kill takes Ray with it
@@ -78,7 +80,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
     second = start(spec, second_log)
     assert second.wait(timeout=RUN_TIMEOUT_S) == 0, second_log.read_text()[-3000:]
     output = second_log.read_text()
-    assert f"at step {saved}" in output  # "resumed from <dir> at step N"
+    assert f"at step {saved}" in output  # "resuming from <dir> at step N"
     resumed = rewards(output)
     assert sorted(resumed) == list(range(saved + 1, TOTAL_STEPS + 1))
     replayed = [step for step in first if step > saved]

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rlhf_operator.cli import main
+from rlhf_operator.cli import main, run_in_foreground
 from tests.unit.conftest import EXAMPLES, load
 
 
@@ -123,3 +125,16 @@ def test_validate_warns_of_a_path_no_volume_mounts(
         f"{path}: warning: spec.models.reward.path: /weights/rm is under no volume the pods mount (spec.pods.volumes)",
         f"{path}: warning: spec.data.train: /data/prompts/train.parquet is under no volume the pods mount (spec.pods.volumes)",
     ]
+
+
+def test_train_waits_for_the_trainer_through_ctrl_c() -> None:
+    # Ctrl-C goes to the whole process group: the child here sends it to its parent
+    # and then finishes; the parent must outlive it and return its status.
+    child = "import os, signal, sys, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(0.5); sys.exit(3)"
+    assert run_in_foreground([sys.executable, "-c", child]) == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_train_reports_a_trainer_killed_by_a_signal_as_a_shell_does() -> None:
+    child = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    assert run_in_foreground([sys.executable, "-c", child]) == 128 + signal.SIGTERM

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
 
 from rlhf_operator.validation import parse_job
-from rlhf_trainer.__main__ import main
+from rlhf_trainer.__main__ import main, with_local_checkpoints
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.telemetry.run_folder import RunFolder
 from tests.unit.conftest import EXAMPLES, load
 
 
@@ -46,3 +49,66 @@ def test_a_bad_spec_names_the_field(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_a_missing_spec_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--spec", "/no/spec.json", "--dry-run"]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad local settings must fail before the local Ray cluster starts."""
+
+    def refuse(config: object) -> None:
+        raise AssertionError("the local Ray cluster was started")
+
+    monkeypatch.setattr("rlhf_trainer.cluster.local.local_ray_cluster", refuse)
+
+
+@pytest.mark.usefixtures("no_ray")
+def test_an_unwritable_run_folder_fails_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    run_dir = blocker / "run"
+    assert (
+        main(["--spec", str(handed_over_spec(tmp_path)), "--local", "--run-dir", str(run_dir)]) == 2
+    )
+    assert f"run folder {run_dir}: cannot write to it: Not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("no_ray")
+def test_a_metrics_port_in_use_fails_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = str(handed_over_spec(tmp_path))
+        run_dir = str(tmp_path / "run")
+        assert (
+            main(["--spec", spec, "--local", "--run-dir", run_dir, "--metrics-port", str(port)])
+            == 2
+        )
+    assert f"metrics port {port} is in use" in capsys.readouterr().err
+
+
+def test_the_run_folder_is_for_local_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--spec", str(handed_over_spec(tmp_path)), "--run-dir", str(tmp_path)]) == 2
+    assert "--run-dir is for local runs (--local)" in capsys.readouterr().err
+
+
+def test_local_checkpoints_go_to_the_run_folder_unless_the_spec_names_a_path(
+    tmp_path: Path,
+) -> None:
+    folder = RunFolder(tmp_path / "run")
+    default = JobConfig.model_validate_json(handed_over_spec(tmp_path).read_text())
+    assert default.trainer.checkpoint.path == "/checkpoints"  # the spec's default
+    moved = with_local_checkpoints(default, folder)
+    assert moved.trainer.checkpoint.path == str(tmp_path / "run" / "checkpoints")
+    assert moved.trainer.checkpoint.every_steps == default.trainer.checkpoint.every_steps
+
+    spec = json.loads(handed_over_spec(tmp_path).read_text())
+    spec["trainer"]["checkpoint"] = {"path": "/mine"}
+    named = JobConfig.model_validate(spec)
+    assert with_local_checkpoints(named, folder).trainer.checkpoint.path == "/mine"

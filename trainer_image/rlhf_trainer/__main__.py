@@ -8,16 +8,24 @@ pools (logical GPUs; on a CPU-only machine vLLM and torch run on the CPU).
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import describe, plan_placement
 from rlhf_trainer.api.rules import field_errors
+from rlhf_trainer.api.sections import CheckpointConfig
+
+if TYPE_CHECKING:
+    from rlhf_trainer.telemetry.metrics import TrainerMetrics
+    from rlhf_trainer.telemetry.run_folder import RunFolder
 
 JOB_NAME_ENV = "RLHF_JOB_NAME"
 
@@ -31,7 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--local", action="store_true", help="run on a simulated Ray cluster on this machine"
     )
-    parser.add_argument("--trace", type=Path, help="write a Chrome trace of the pools here")
+    parser.add_argument(
+        "--trace", type=Path, help="write a Chrome trace of the pools here (local: run folder)"
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="local runs: the folder for metrics, trace, charts and (unless the spec names a "
+        "path) checkpoints; default runs/<job>",
+    )
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free)"
     )
@@ -49,7 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     job = os.environ.get(JOB_NAME_ENV) or args.spec.stem
-    return train(config, job, local=args.local, trace=args.trace, metrics_port=args.metrics_port)
+    if args.run_dir is not None and not args.local:
+        print("--run-dir is for local runs (--local)", file=sys.stderr)
+        return 2
+    return train(
+        config,
+        job,
+        local=args.local,
+        trace=args.trace,
+        metrics_port=args.metrics_port,
+        run_dir=args.run_dir,
+    )
 
 
 def train(
@@ -59,31 +85,101 @@ def train(
     local: bool,
     trace: Path | None = None,
     metrics_port: int | None = None,
+    run_dir: Path | None = None,
 ) -> int:
-    """Run the job to its last step (resuming from a checkpoint); the exit status."""
-    from rlhf_trainer.cluster.local import connect_to_cluster, local_ray_cluster
+    """Run the job to its last step (resuming from a checkpoint); the exit status.
+    Bad local settings (the run folder, the metrics port) fail before Ray starts."""
+    from rlhf_trainer.cluster.local import connect_to_cluster
     from rlhf_trainer.loop.run import run_job
     from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
     from rlhf_trainer.telemetry.report import reporter_from_env
+    from rlhf_trainer.telemetry.run_folder import RunFolder, RunFolderError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    folder = RunFolder(run_dir) if run_dir is not None else RunFolder.default(job)
+    if local:
+        try:
+            folder.create()
+        except RunFolderError as error:
+            print(error, file=sys.stderr)
+            return 2
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
     if metrics_port is not None:
-        server = serve_metrics(metrics.registry, metrics_port)
+        try:
+            server = serve_metrics(metrics.registry, metrics_port)
+        except OSError as error:
+            print(port_problem(metrics_port, error), file=sys.stderr)
+            return 2
         logging.info("metrics on port %d", server.server_port)
     if local:
-        with local_ray_cluster(config):
-            run_job(config, job, reporter_from_env(), metrics, trace)
-    elif not os.environ.get("RAY_ADDRESS"):
+        return train_locally(with_local_checkpoints(config, folder), job, folder, metrics, trace)
+    if not os.environ.get("RAY_ADDRESS"):
         print(
             "no Ray cluster to join: RAY_ADDRESS is not set (a RayJob sets it for its "
             "driver); run with --local to train on a simulated cluster on this machine",
             file=sys.stderr,
         )
         return 2
-    else:
-        connect_to_cluster()  # the cluster KubeRay started this driver in
-        run_job(config, job, reporter_from_env(), metrics, trace)
+    connect_to_cluster()  # the cluster KubeRay started this driver in
+    run_job(config, job, reporter_from_env(), metrics, trace)
+    return 0
+
+
+def port_problem(port: int, error: OSError) -> str:
+    if error.errno == errno.EADDRINUSE:
+        return f"metrics port {port} is in use (choose another, or 0 for any free port)"
+    return f"metrics port {port}: cannot serve on it: {error.strerror or error}"
+
+
+def with_local_checkpoints(config: JobConfig, folder: RunFolder) -> JobConfig:
+    """The checkpoints go into the run folder unless the spec names their path: the
+    default, /checkpoints, is the job's shared volume on a cluster."""
+    checkpoint = config.trainer.checkpoint
+    if checkpoint.path != CheckpointConfig().path:
+        return config
+    checkpoint = checkpoint.model_copy(update={"path": str(folder.checkpoints)})
+    trainer = config.trainer.model_copy(update={"checkpoint": checkpoint})
+    return config.model_copy(update={"trainer": trainer})
+
+
+def train_locally(
+    config: JobConfig, job: str, folder: RunFolder, metrics: TrainerMetrics, trace: Path | None
+) -> int:
+    """Train on a simulated cluster on this machine, with a live bar, the run folder and
+    a summary at the end. Ctrl-C checkpoints and stops: exit status 130."""
+    from rich.console import Console
+
+    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.loop.interrupt import stop_on_interrupt
+    from rlhf_trainer.loop.run import Interrupted, run_job
+    from rlhf_trainer.telemetry.local_run import LocalRunWatch
+    from rlhf_trainer.telemetry.progress import LiveProgress, SilentReporter, Summary
+    from rlhf_trainer.telemetry.report import reporter_from_env
+
+    started = time.time()
+    console = Console()
+    console.print(f"run folder: {folder.path.resolve()}", soft_wrap=True)
+    total = config.trainer.total_steps
+    progress = LiveProgress(console, total)
+    reporter = SilentReporter() if progress.live else reporter_from_env()
+    every = config.trainer.checkpoint.every_steps
+    watch = LocalRunWatch(folder, metrics, progress, config.samples_per_step, every)
+    interrupted: Interrupted | None = None
+    with stop_on_interrupt() as stop, progress, local_ray_cluster(config):
+        try:
+            final = run_job(config, job, reporter, metrics, trace or folder.trace, watch, stop)
+            last_checkpoint = final.last_checkpoint
+        except Interrupted as stopped:
+            interrupted, last_checkpoint = stopped, stopped.checkpoint
+    summary = Summary(
+        watch.finish(), total, time.time() - started, folder.path.resolve(), last_checkpoint
+    )
+    console.print(summary.table())
+    console.print(f"run folder: {folder.path.resolve()}", soft_wrap=True)
+    if interrupted is not None:
+        message = f"{interrupted}; run the same command again to resume"
+        console.print(message, soft_wrap=True)  # whole, even in an 80-column log
+        return 130
     return 0
 
 

@@ -3,6 +3,7 @@ this machine shaped like the job's pools."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,7 +36,14 @@ def local_ray_cluster(config: JobConfig) -> Iterator[str]:
                     resources={pool_resource(pool.name): pool.gpus_per_node},
                     labels={POOL_LABEL: pool.name},
                 )
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        # Ray's INFO lines here say where a dashboard is (there is none) in ANSI colours,
+        # even into a pipe: a local run's output stays plain without them.
+        ray.init(
+            address=cluster.address,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
         yield str(cluster.address)
     finally:
         ray.shutdown()

@@ -25,10 +25,12 @@ from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
 from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
+from rlhf_trainer.telemetry.progress import STEP_LOG
 from rlhf_trainer.telemetry.report import Reporter
 from rlhf_trainer.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
+step_log = logging.getLogger(STEP_LOG)  # quiet while a live bar shows the steps
 
 TRAINED_ROLES = (Role.ACTOR, Role.CRITIC)
 ASYNC_STATE = "async_state.json"  # fully async: the queue and the prompts in flight
@@ -76,7 +78,7 @@ class Run:
         self.step = state.step
         self.trainer.policy_version = state.policy_version
         self.last_checkpoint = str(latest)
-        log.info("resumed from %s at step %d", latest, self.step)
+        log.info("resuming from %s at step %d", latest, self.step)
         if self.streaming is None:
             return None
         return AsyncState.from_json(checkpoint.load_json(latest, ASYNC_STATE))
@@ -132,7 +134,13 @@ class Run:
         m.observe_progress(progress)
         self.reporter.report(progress, final=self.step == self.config.trainer.total_steps)
 
-    def train(self, on_step: Callable[[StepResult], None] | None = None) -> TrainingProgress:
+    def train(
+        self,
+        on_step: Callable[[StepResult], None] | None = None,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> TrainingProgress:
+        """Train to the last step; when `stop()` turns true, checkpoint at the end of the
+        step under way and raise Interrupted."""
         total = self.config.trainer.total_steps
         every = self.config.trainer.checkpoint.every_steps
         result = None
@@ -140,12 +148,26 @@ class Run:
             self.step += 1
             result = (self.streaming or self.trainer).step(self.step)
             log_step(result, total)
-            if self.step % every == 0 or self.step == total:
+            saved = self.step % every == 0 or self.step == total
+            if saved:
                 self.save()
             self.observe(result)
             if on_step is not None:
                 on_step(result)
+            if stop() and self.step < total:
+                if not saved:
+                    self.save()
+                raise Interrupted(self.step, str(self.last_checkpoint))
         return self.progress(result)
+
+
+class Interrupted(Exception):
+    """Training stopped on request at a step boundary, after a checkpoint of that step."""
+
+    def __init__(self, step: int, checkpoint: str) -> None:
+        super().__init__(f"interrupted at step {step}: checkpoint saved to {checkpoint}")
+        self.step = step
+        self.checkpoint = checkpoint
 
 
 def log_step(result: StepResult, total: int) -> None:
@@ -170,7 +192,7 @@ def log_step(result: StepResult, total: int) -> None:
         *([f"groups dropped {result.dropped_groups}"] if result.dropped_groups else []),
         f"{result.seconds:.2f} s",
     ]
-    log.info(", ".join(parts))
+    step_log.info(", ".join(parts))
 
 
 def finite_or_none(value: float) -> float | None:
@@ -184,8 +206,10 @@ def run_job(
     metrics: TrainerMetrics | None = None,
     trace: Path | None = None,
     on_step: Callable[[StepResult], None] | None = None,
+    stop: Callable[[], bool] = lambda: False,
 ) -> TrainingProgress:
-    """Train the job on the connected Ray cluster; returns the final progress."""
+    """Train the job on the connected Ray cluster; returns the final progress. Raises
+    Interrupted when `stop()` turned true (checked after each step)."""
     plan = plan_placement(config)
     metrics = metrics or TrainerMetrics(pools=[p.name for p in plan.pools])
     timeline = Timeline(listeners=[metrics.observe_span])
@@ -214,7 +238,7 @@ def run_job(
         streaming = AsyncPPOTrainer(trainer, queue, metrics) if queue else None
         run = Run(config, trainer, metrics, reporter, streaming)
         run.start()
-        return run.train(on_step)
+        return run.train(on_step, stop)
     finally:
         if trace is not None:
             timeline.write_chrome_trace(trace)

@@ -1,0 +1,139 @@
+"""`rlhfjob train` as a person runs it, in a real terminal (tmux): the live bar, Ctrl-C
+saving a checkpoint, the same command resuming from it, and the run folder it leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from tests.specs import local_job
+
+pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
+pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
+pytestmark = [
+    pytest.mark.slow,  # two local runs, each starting Ray, vLLM and the roles
+    pytest.mark.skipif(
+        shutil.which("tmux") is None,
+        reason="tmux is not installed (make install installs it with apt-get)",
+    ),
+]
+
+TOTAL_STEPS = 12
+RUN_TIMEOUT_S = 300  # starting the roles takes about 40 s on 2 cores
+EXIT = re.compile(r"EXIT STATUS (\d+)")
+INTERRUPTED = re.compile(
+    r"interrupted at step (\d+): checkpoint saved to (\S+); run the same command again to resume"
+)
+
+
+class Terminal:
+    """A tmux session on a server of its own, so it inherits this process's environment."""
+
+    def __init__(self, socket: str, cwd: Path) -> None:
+        self.socket = socket
+        self.cwd = cwd
+
+    def tmux(self, *args: str) -> str:
+        command = ["tmux", "-L", self.socket, "-f", "/dev/null", *args]
+        # This process may carry COLUMNS and LINES (80 and 24 here, under pytest): the
+        # pane's programs would believe them over the terminal's own size.
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        return subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
+
+    def run(self, command: list[str]) -> None:
+        """Run the command in a new window 250 columns wide, then print its exit status."""
+        shell = f"cd {shlex.quote(str(self.cwd))} && {shlex.join(command)}; echo EXIT STATUS $?"
+        if self.running():  # the previous command's session
+            self.tmux("kill-server")
+        # bash, not sh: it waits for a child that handles Ctrl-C, and carries on after it
+        self.tmux("new-session", "-d", "-x", "250", "-y", "50", "bash", "-c", shell + "; sleep 600")
+
+    def running(self) -> bool:
+        command = ["tmux", "-L", self.socket, "has-session"]
+        return subprocess.run(command, capture_output=True).returncode == 0
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-S", "-1000")
+
+    def wait_for(self, pattern: re.Pattern[str]) -> re.Match[str]:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if found := pattern.search(self.screen()):
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"no {pattern.pattern!r} in time:\n{self.screen()}")
+
+
+@pytest.fixture
+def terminal(tmp_path: Path) -> Iterator[Terminal]:
+    session = Terminal(f"rlhf-test-{tmp_path.name}", tmp_path)
+    yield session
+    if session.running():
+        session.tmux("kill-server")
+
+
+def tiny_manifest(tmp_path: Path) -> Path:
+    """The local example, colocated, with short steps and the default checkpoint path
+    (so the checkpoints go to the run folder) and no scheduled checkpoint before the end:
+    the one to resume from is the one Ctrl-C takes."""
+    job = local_job(colocated=True, total_steps=TOTAL_STEPS, checkpoint_dir=tmp_path, every_steps=1)
+    spec = job.model_dump(by_alias=True, exclude_none=True)
+    spec["trainer"] |= {"batchSize": 4, "miniBatchSize": 4}
+    spec["trainer"]["checkpoint"] = {"everySteps": TOTAL_STEPS}
+    manifest = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob"}
+    manifest |= {"metadata": {"name": "tiny"}, "spec": spec}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def test_ctrl_c_checkpoints_and_the_same_command_resumes(
+    terminal: Terminal, tmp_path: Path
+) -> None:
+    command = [sys.executable, "-m", "rlhf_operator.cli", "train", str(tiny_manifest(tmp_path))]
+    run = tmp_path / "runs" / "tiny"  # the default run folder, under the working directory
+
+    terminal.run(command)
+    terminal.wait_for(re.compile(rf"step +[2-9]/{TOTAL_STEPS} .*\n.*samples/s · busy policy \d+%"))
+    terminal.tmux("send-keys", "C-c")
+    assert terminal.wait_for(EXIT)[1] == "130", terminal.screen()
+    first = terminal.screen()
+    interrupted = INTERRUPTED.search(first)
+    assert interrupted, first
+    step, saved = interrupted.groups()
+    assert saved == f"runs/tiny/checkpoints/step-{int(step):08d}"
+    assert (tmp_path / saved / "trainer_state.json").is_file()
+    assert f"run folder: {run.resolve()}" in first
+    assert "Traceback" not in first
+    assert steps_in(run) == list(range(1, int(step) + 1))
+
+    terminal.run(command)
+    assert terminal.wait_for(EXIT)[1] == "0", terminal.screen()
+    second = terminal.screen()
+    assert f"resuming from {saved} at step {step}" in second
+    assert "Run summary" in second
+    assert steps_in(run) == list(range(1, TOTAL_STEPS + 1))  # no step twice
+    assert (run / "checkpoints" / f"step-{TOTAL_STEPS:08d}").is_dir()
+    assert json.loads((run / "trace.json").read_text())["traceEvents"]
+    for chart in ("reward_kl.png", "pool_busy.png"):
+        with Image.open(run / chart) as image:
+            assert image.format == "PNG" and image.size == (800, 450)
+            image.verify()
+
+
+def steps_in(run: Path) -> list[int]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]

@@ -1,0 +1,182 @@
+"""A local run's folder, charts and summary: what each step leaves behind, and how."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from rich.console import Console
+
+from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
+from rlhf_trainer.loop.interrupt import stop_on_interrupt
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.charts import (
+    DPI,
+    SIZE_INCHES,
+    pool_busy_figure,
+    reward_kl_figure,
+    write_charts,
+)
+from rlhf_trainer.telemetry.progress import LiveProgress, Summary, step_text
+from rlhf_trainer.telemetry.run_folder import RunFolder, RunFolderError, StepRecord
+
+ACTOR = ActorStats(
+    policy_loss=-0.25,
+    clip_fraction=0.125,
+    approx_kl=0.01,
+    entropy=2.5,
+    importance_capped=0.0,
+    grad_norm=1.5,
+)
+CRITIC = CriticStats(
+    value_loss=0.5, value_clip_fraction=0.0, grad_norm=0.75, explained_variance=0.5
+)
+RESPONSES = ResponseStats(length_mean=12.5, length_max=16, truncated_ratio=0.25)
+
+
+def step_result(step: int, reward: float = 0.5, critic: CriticStats | None = CRITIC) -> StepResult:
+    return StepResult(
+        step=step,
+        seconds=0.5,
+        reward_mean=reward,
+        kl=0.001 * step,
+        response_tokens=400,
+        rollout_log_prob_diff=0.0,
+        actor=ACTOR,
+        critic=critic,
+        responses=RESPONSES,
+    )
+
+
+def record(step: int, reward: float = 0.5, busy: float = 0.5) -> StepRecord:
+    return StepRecord.of(step_result(step, reward), 32, {"policy": busy, "value": busy / 2})
+
+
+def test_a_step_record_has_the_step_its_speed_and_each_pools_busy_share() -> None:
+    line = json.loads(record(3, reward=0.25, busy=0.5).to_json())
+    assert line["step"] == 3
+    assert line["reward_mean"] == 0.25
+    assert line["kl"] == 0.003
+    assert line["samples_per_second"] == 64.0  # 32 samples in 0.5 s
+    assert line["seconds"] == 0.5
+    assert line["pool_busy"] == {"policy": 0.5, "value": 0.25}
+    assert line["actor"]["grad_norm"] == 1.5
+    assert line["critic"]["value_loss"] == 0.5
+    assert line["responses"]["truncated_ratio"] == 0.25
+
+
+def test_nan_is_written_as_null_and_read_back_as_nan() -> None:
+    flat = replace(CRITIC, explained_variance=math.nan)  # flat returns
+    step = StepRecord.of(step_result(1, critic=flat), 32, {})
+    text = step.to_json()
+    assert json.loads(text)["critic"]["explained_variance"] is None  # strict JSON
+    back = StepRecord.from_json(text)
+    assert back.critic is not None and math.isnan(back.critic.explained_variance)
+    assert replace(back, critic=CRITIC) == replace(step, critic=CRITIC)
+
+
+def test_a_critic_free_step_has_no_critic() -> None:
+    step = StepRecord.of(step_result(1, critic=None), 32, {"policy": 0.5})
+    assert json.loads(step.to_json())["critic"] is None
+    assert StepRecord.from_json(step.to_json()) == step
+
+
+def test_the_folder_keeps_one_line_per_step_across_a_resume(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    folder.create()
+    for step in (1, 2, 3, 4):
+        folder.append(record(step))
+    folder.forget_after(2)  # resumed from the checkpoint of step 2
+    for step in (3, 4, 5):
+        folder.append(record(step, reward=0.75))
+    assert [r.step for r in folder.records()] == [1, 2, 3, 4, 5]
+    assert [r.reward_mean for r in folder.records()] == [0.5, 0.5, 0.75, 0.75, 0.75]
+    assert len(folder.metrics.read_text().splitlines()) == 5
+
+
+def test_an_unwritable_run_folder_names_the_path_and_the_os_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(RunFolderError, match=r"a-file/run: cannot write to it: Not a directory"):
+        RunFolder(blocker / "run").create()
+
+
+def test_the_reward_chart_draws_reward_and_kl_over_the_steps() -> None:
+    records = [record(step, reward=0.1 * step) for step in (1, 2, 3)]
+    figure = reward_kl_figure(records)
+    lines = [line for axes in figure.axes for line in axes.get_lines()]
+    assert {line.get_label(): list(line.get_xdata()) for line in lines} == {
+        "reward": [1, 2, 3],
+        "KL": [1, 2, 3],
+    }
+    reward = next(line for line in lines if line.get_label() == "reward")
+    assert list(reward.get_ydata()) == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_the_busy_chart_draws_one_line_per_pool_in_percent() -> None:
+    figure = pool_busy_figure([record(1, busy=0.25), record(2, busy=0.5)])
+    lines = {line.get_label(): list(line.get_ydata()) for line in figure.axes[0].get_lines()}
+    assert lines == {"policy": [25.0, 50.0], "value": [12.5, 25.0]}
+
+
+def test_the_charts_are_pngs_of_the_expected_size(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path)
+    write_charts(folder, [record(1), record(2)])
+    for chart in (folder.reward_chart, folder.busy_chart):
+        with Image.open(chart) as image:
+            assert image.format == "PNG"
+            assert image.size == (SIZE_INCHES[0] * DPI, SIZE_INCHES[1] * DPI)
+            image.verify()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool_busy.png", "reward_kl.png"]
+
+
+def test_charts_of_no_steps_yet_are_still_images(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path)
+    write_charts(folder, [])  # interrupted before the first step
+    with Image.open(folder.busy_chart) as image:
+        assert image.format == "PNG"
+
+
+def test_the_bar_shows_reward_kl_speed_and_busy_shares() -> None:
+    assert step_text(record(2, reward=0.25, busy=0.5)) == (
+        "reward 0.250 · KL 0.0020 · 64.0 samples/s · busy policy 50% value 25%"
+    )
+
+
+def test_the_summary_compares_the_first_and_last_steps(tmp_path: Path) -> None:
+    records = [record(1, reward=0.125), record(2, reward=0.5, busy=0.75)]
+    rows = dict(Summary(records, 10, 42.0, tmp_path, "ckpt/step-2").rows())
+    assert rows["steps"] == "2/10"
+    assert rows["wall time"] == "42 s"
+    assert rows["reward"] == "0.125 at step 1 → 0.500 at step 2"
+    assert rows["pool policy busy"] == "75%"
+    assert rows["run folder"] == str(tmp_path)
+    assert rows["last checkpoint"] == "ckpt/step-2"
+
+
+def test_ctrl_c_asks_to_stop_and_a_second_one_quits() -> None:
+    with stop_on_interrupt() as stop:
+        assert not stop()
+        signal.raise_signal(signal.SIGINT)
+        assert stop()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_off_a_terminal_there_is_no_bar_and_no_control_characters(tmp_path: Path) -> None:
+    out = io.StringIO()
+    console = Console(file=out)  # a pipe, a CI log
+    with LiveProgress(console, 10) as progress:
+        progress.update(record(1))
+    console.print(Summary([record(1)], 10, 1.0, tmp_path, None).table())
+    text = out.getvalue()
+    assert "Run summary" in text
+    assert "step" not in text.split("Run summary")[0]  # no bar before the table
+    assert not any(ord(c) < 32 and c != "\n" for c in text), repr(text)
