@@ -16,6 +16,7 @@ import pytest
 from monitoring.charts import Dashboard
 from monitoring.dashboards import DCGM, POOLS, TRAINING
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.plan import DRIVER
 from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
 from tests.controlplane.harness import free_ports
 from tests.prometheus import BINARY, Prometheus, Target
@@ -73,13 +74,14 @@ def test_every_panel_returns_data(prometheus: Prometheus, dashboard: Dashboard) 
 
 def test_the_variables_list_both_jobs_and_their_pools(prometheus: Prometheus) -> None:
     series = prometheus.query(POOLS.variables_from)
-    assert {
+    found = {
         (s["metric"]["namespace"], s["metric"]["rlhfjob"], s["metric"]["pool"]) for s in series
-    } == {
-        (NAMESPACE, "sync-ppo", "policy"),
-        (NAMESPACE, "sync-ppo", "value"),
-        (NAMESPACE, "async-ppo", "policy"),
-        (NAMESPACE, "async-ppo", "rollout"),
+    }
+    # Beside the GPU pools, the driver: the rule-based reward runs there.
+    assert found == {
+        (NAMESPACE, job, pool)
+        for job, pools in (("sync-ppo", ("policy", "value")), ("async-ppo", ("policy", "rollout")))
+        for pool in (*pools, DRIVER)
     }
 
 
