@@ -27,19 +27,13 @@ response cap, staleness threshold, sync every K steps, repeats.
 from __future__ import annotations
 
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench.harness import Measurement, run_bench
-from bench.timeline import Trace
+from bench.runs import measure_run
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.cluster.local import local_ray_cluster
-from rlhf_trainer.loop.run import run_job
-from rlhf_trainer.loop.sync import StepResult
-from rlhf_trainer.telemetry.report import ConsoleReporter
 
 WARMUP_STEPS = 3
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
@@ -81,30 +75,13 @@ def job(fully_async: bool, checkpoints: Path) -> JobConfig:
 
 
 def measure(fully_async: bool) -> Measurement:
-    """One run: samples/s over the measured steps, the busy time per phase, each pool's
-    idle share and the driver's share."""
-    steps: list[StepResult] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        config = job(fully_async, Path(tmp) / "checkpoints")
-        trace_path = Path(tmp) / "trace.json"
-        with local_ray_cluster(config):
-            run_job(config, "bench", ConsoleReporter(every=1e9), None, trace_path, steps.append)
-        trace = Trace.load(trace_path)
-    measured = steps[WARMUP_STEPS:]
-    windows = trace.step_windows([s.seconds for s in measured])
-    driver = trace.driver_shares(windows)
-    busy = {
-        f"busy_s.{phase}": sum(s.phase_seconds.get(phase, 0.0) for s in measured) / len(measured)
-        for phase in Phase
-        if any(phase in s.phase_seconds for s in measured)
-    }
+    """One run: samples/s and response length over the measured steps, beside the mean
+    step and phases, each pool's idle share and the driver's share."""
+    measured, figures = measure_run(partial(job, fully_async), WARMUP_STEPS)
     return {
         "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),
         "response_length": sum(s.response_tokens for s in measured) / BATCH / len(measured),
-        "idle.rollout": trace.idle_share("rollout", windows),
-        "idle.train": trace.idle_share("train", windows),
-        "driver_share": sum(driver) / len(driver),
-        **busy,
+        **figures,
     }
 
 

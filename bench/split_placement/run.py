@@ -25,18 +25,13 @@ optional: measured steps per run, repeats.
 from __future__ import annotations
 
 import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
 from bench.harness import Measurement, run_bench
-from bench.timeline import Trace
+from bench.runs import measure_run
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.api.plan import Phase, plan_placement
-from rlhf_trainer.cluster.local import local_ray_cluster
-from rlhf_trainer.loop.run import run_job
-from rlhf_trainer.loop.sync import StepResult
-from rlhf_trainer.telemetry.report import ConsoleReporter
+from rlhf_trainer.api.plan import plan_placement
 
 WARMUP_STEPS = 3  # vLLM's first generations and the allocators warm up
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
@@ -76,27 +71,7 @@ def job(split: bool, checkpoints: Path) -> JobConfig:
 
 def measure(split: bool) -> Measurement:
     """One run: the mean step and phases of its measured steps, pool idle and driver shares."""
-    steps: list[StepResult] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        config, trace_path = job(split, Path(tmp) / "checkpoints"), Path(tmp) / "trace.json"
-        with local_ray_cluster(config):
-            run_job(config, "bench", ConsoleReporter(every=1e9), None, trace_path, steps.append)
-        trace = Trace.load(trace_path)
-    measured = steps[WARMUP_STEPS:]
-    windows = trace.step_windows([s.seconds for s in measured])
-    driver = trace.driver_shares(windows)
-    phases = {
-        f"phase.{phase}": sum(s.phase_seconds.get(phase, 0.0) for s in measured) / len(measured)
-        for phase in Phase
-        if any(phase in s.phase_seconds for s in measured)
-    }
-    idle = {f"idle.{p.name}": trace.idle_share(p.name, windows) for p in config.pools}
-    return {
-        "step_s": sum(s.seconds for s in measured) / len(measured),
-        "driver_share": sum(driver) / len(driver),
-        **phases,
-        **idle,
-    }
+    return measure_run(partial(job, split), WARMUP_STEPS)[1]
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:

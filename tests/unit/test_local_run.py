@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 from rich.console import Console
 
-from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
+from rlhf_trainer.algo.diagnostics import CriticStats, ResponseStats
 from rlhf_trainer.loop.interrupt import stop_on_interrupt
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.charts import (
@@ -25,15 +25,8 @@ from rlhf_trainer.telemetry.charts import (
 )
 from rlhf_trainer.telemetry.progress import LiveProgress, Summary, step_text
 from rlhf_trainer.telemetry.run_folder import RunFolder, RunFolderError, StepRecord
+from tests.unit.test_trainer_metrics import ACTOR  # the same actor stats in both
 
-ACTOR = ActorStats(
-    policy_loss=-0.25,
-    clip_fraction=0.125,
-    approx_kl=0.01,
-    entropy=2.5,
-    importance_capped=0.0,
-    grad_norm=1.5,
-)
 CRITIC = CriticStats(
     value_loss=0.5, value_clip_fraction=0.0, grad_norm=0.75, explained_variance=0.5
 )
