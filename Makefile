@@ -50,12 +50,14 @@ trainer-lock: $(STAMP)  ## re-resolve trainer_image/requirements-cpu.txt from re
 	  $(PY) -m pip freeze --all --exclude-editable | grep -v '^pip==' | grep -vixFf constraints.txt ) > $(TRAINER_LOCK)
 	touch $(TRAINER_STAMP)
 
-# In file order (pytest-randomly off) for a reproducible CI; `make test-shuffled` shuffles.
+# Two workers, each taking a group of tests at a time (tests/conftest.py), in file order
+# (pytest-randomly off) for a reproducible CI; `make test-shuffled` shuffles.
+PARALLEL = -n 2 --dist loadgroup --no-loadscope-reorder
 test: install controlplane  ## run every test (builds the control plane first: slow only the first time)
-	$(PY) -m pytest -p no:randomly --durations=25
+	$(PY) -m pytest -p no:randomly $(PARALLEL) --durations=25
 
 test-shuffled: install controlplane  ## run every test in a random order (pytest-randomly prints the seed)
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest $(PARALLEL) --durations=25
 
 unit: install  ## run the unit tests only (tiers: -m unit, trainer, controlplane; -m "not slow")
 	$(PY) -m pytest -p no:randomly -m unit

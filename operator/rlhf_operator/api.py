@@ -175,6 +175,14 @@ class RLHFJobSpec(JobConfig):
     restart_policy: RestartPolicy = Field(
         default_factory=RestartPolicy, description="Restarts after a failed attempt."
     )
+    scheduler_name: Literal["volcano", "yunikorn", "scheduler-plugins"] | None = Field(
+        None,
+        description=(
+            "A gang scheduler for the Ray cluster's pods, so that a job's pools start "
+            "together or not at all: passed to KubeRay as the ray.io/scheduler-name label "
+            "(the KubeRay operator must run with that batch scheduler enabled)."
+        ),
+    )
     checkpoint_claim: str | None = Field(
         None,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",

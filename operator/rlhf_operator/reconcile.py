@@ -18,7 +18,13 @@ from rlhf_operator.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.render import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render_network import NetworkAccess
 from rlhf_operator.restarts import Action, decide
-from rlhf_operator.status import Observed, compute_status, finished, invalid_status
+from rlhf_operator.status import (
+    UNSCHEDULABLE,
+    Observed,
+    compute_status,
+    finished,
+    invalid_status,
+)
 from rlhf_operator.validation import InvalidJob, parse_spec
 from rlhf_trainer.api.names import POOL_LABEL
 
@@ -160,16 +166,18 @@ class Reconciler:
         meta = job["metadata"]
         self.kube.patch("RLHFJob", meta["namespace"], meta["name"], {"status": mine},
                         subresource="status")  # fmt: skip
-        if new.phase != old.phase or _invalid_message(new) != _invalid_message(old):
-            self._post_event(job, new)
+        invalid = _invalid_message(new)
+        if new.phase != old.phase or invalid != _invalid_message(old):
+            warning = bool(invalid) or new.phase in WARNING_PHASES
+            reason = "InvalidSpec" if invalid else new.phase.value
+            self._post_event(job, reason, invalid or _phase_message(new), warning)
+        unscheduled = _unscheduled_message(new)
+        if unscheduled and unscheduled != _unscheduled_message(old):
+            self._post_event(job, UNSCHEDULABLE, unscheduled, warning=True)
 
-    def _post_event(self, job: Obj, status: RLHFJobStatus) -> None:
+    def _post_event(self, job: Obj, reason: str, message: str, warning: bool) -> None:
         meta = job["metadata"]
-        invalid = _invalid_message(status)
-        reason = "InvalidSpec" if invalid else status.phase.value
-        message = invalid or _phase_message(status)
         now = self.now().isoformat().replace("+00:00", "Z")
-        warning = invalid or status.phase in WARNING_PHASES
         self.kube.create(
             {
                 "apiVersion": "v1",
@@ -229,6 +237,12 @@ def _phase_message(status: RLHFJobStatus) -> str:
         )
         message += f"; restart {status.restarts}: the next attempt {start}"
     return message
+
+
+def _unscheduled_message(status: RLHFJobStatus) -> str | None:
+    """PoolsReady's message while the scheduler cannot place a pool's pod."""
+    pools = next((c for c in status.conditions if c.type == "PoolsReady"), None)
+    return pools.message if pools and pools.reason == UNSCHEDULABLE else None
 
 
 def _invalid_message(status: RLHFJobStatus) -> str | None:

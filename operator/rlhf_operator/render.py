@@ -47,6 +47,7 @@ ENTRYPOINT = (
 )
 
 JOB_LABEL = f"{GROUP}/job"
+SCHEDULER_LABEL = "ray.io/scheduler-name"  # KubeRay: the batch scheduler of the pods
 HEAD_DEFAULTS = PodResources(cpu=2, memory="8Gi")
 
 
@@ -167,10 +168,15 @@ def render_reporter_rbac(job: JobRef) -> list[Obj]:
 
 
 def render_rayjob(job: JobRef, spec: RLHFJobSpec) -> Obj:
+    meta = metadata(job, job.rayjob, "rayjob")
+    if spec.scheduler_name is not None:
+        # KubeRay copies a RayJob's labels to its RayCluster, whose label picks the
+        # batch scheduler of the cluster's pods.
+        meta["labels"][SCHEDULER_LABEL] = spec.scheduler_name
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
-        "metadata": metadata(job, job.rayjob, "rayjob"),
+        "metadata": meta,
         "spec": {
             "entrypoint": ENTRYPOINT,
             "suspend": spec.suspend,

@@ -22,6 +22,10 @@ from rlhf_operator.restarts import Action, Decision
 from rlhf_trainer.api.names import POOL_LABEL
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
+# PoolsReady's reason while the scheduler cannot place a pool's pod (its message says
+# why, as the scheduler said it on the pod).
+UNSCHEDULABLE = "Unschedulable"
+MAX_SCHEDULER_MESSAGE = 300
 
 # KubeRay's RayJob.status.jobDeploymentStatus -> our phase (Complete is resolved by
 # jobStatus; anything not listed, e.g. a new KubeRay state, reads as Provisioning).
@@ -72,6 +76,7 @@ def compute_status(
     """`restart`: what the reconciler decided about a failed attempt (restarts.decide)."""
     pools = [_pool_status(spec, pool.name, observed.pods) for pool in spec.pools]
     ready_pools = sum(p.ready_gpus == p.desired_gpus for p in pools)
+    unscheduled = [w for pool in pools if (w := _unscheduled(pool, observed.pods))]
     restarting = restart is not None and restart.action is not Action.NONE
     if finished(old):  # a finished job keeps its outcome, even once its RayJob is gone
         phase = old.phase
@@ -81,11 +86,14 @@ def compute_status(
     recorded = restart is not None and restart.action is Action.RECORD
     all_ready = ready_pools == len(pools)
 
+    pools_reason = "PoolsReady" if all_ready else "PoolsNotReady"
+    pools_message = "; ".join(
+        [f"{ready_pools}/{len(pools)} pools have all their GPUs", *unscheduled]
+    )
     conditions = old.conditions
     for kind, ok, reason, message in (
         ("Invalid", False, "Valid", "the spec is valid"),
-        ("PoolsReady", all_ready, "PoolsReady" if all_ready else "PoolsNotReady",
-         f"{ready_pools}/{len(pools)} pools have all their GPUs"),
+        ("PoolsReady", all_ready, UNSCHEDULABLE if unscheduled else pools_reason, pools_message),
         ("Ready", phase is Phase.RUNNING, phase.value, _phase_message(phase, failure)),
     ):  # fmt: skip
         conditions = _set_condition(conditions, kind, ok, reason, message, now, generation)
@@ -137,6 +145,21 @@ def _pool_status(spec: RLHFJobSpec, pool_name: str, pods: list[dict[str, Any]]) 
         ready_gpus=min(ready, pool.replicas) * pool.gpus_per_node,
         nodes=nodes,
     )
+
+
+def _unscheduled(pool: PoolStatus, pods: list[dict[str, Any]]) -> str | None:
+    """Why the scheduler has not placed one of the pool's pods, as it said on the pod:
+    "pool rollout: 0/8 GPUs, Unschedulable: 0/5 nodes are available: ..."."""
+    for pod in pods:
+        if (pod["metadata"].get("labels") or {}).get(POOL_LABEL) != pool.name:
+            continue
+        for condition in (pod.get("status") or {}).get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                said = " ".join(str(condition.get("message", "")).split())[:MAX_SCHEDULER_MESSAGE]
+                reason = condition.get("reason") or "NotScheduled"
+                gpus = f"{pool.ready_gpus}/{pool.desired_gpus} GPUs"
+                return f"pool {pool.name}: {gpus}, {reason}: {said}"
+    return None
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:

@@ -5,12 +5,16 @@ one node per pool replica, with logical GPUs, the custom resource and the node l
 taken from the RayJob the operator renders, so the trainer is tested against what the
 operator really gives it. Pool "policy" (actor, rollout, ref) has 2 GPUs on one node,
 pool "value" (critic) 1 GPU on another. One more node is mis-labelled on purpose: it
-carries pool "stray"'s resource but another pool's label.
+carries pool "stray"'s resource but another pool's label. And pool "sync" has a node
+of its own (2 GPUs) for the weight-sync test's job.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +29,7 @@ from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup, gather, join
+from rlhf_trainer.cluster.hangs import NoAnswer
 from rlhf_trainer.cluster.placement import (
     PlacementTimeout,
     PoolGroup,
@@ -32,8 +37,10 @@ from rlhf_trainer.cluster.placement import (
     remove_pool_groups,
     wait_ready,
 )
+from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.loop.weights import WeightSync, group_timeout_s
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
-from tests.trainer.toy_workers import BusyEngine, PartialSums
+from tests.trainer.toy_workers import BusyEngine, PartialSums, StoppingReceiver, WeightSender
 from tests.unit.conftest import EXAMPLES, load
 
 ray = pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
@@ -76,6 +83,12 @@ def ray_pools() -> Iterator[RayPools]:
             resources={pool_resource("stray"): 1},
             labels={POOL_LABEL: "not-stray"},
         )
+        cluster.add_node(
+            num_cpus=0,
+            num_gpus=2,
+            resources={pool_resource("sync"): 2},
+            labels={POOL_LABEL: "sync"},
+        )
         ray.init(address=cluster.address, include_dashboard=False)
         pool_nodes: dict[str, set[str]] = {}
         for node in ray.nodes():
@@ -109,6 +122,7 @@ def test_the_cluster_is_what_the_operator_renders(ray_pools: RayPools) -> None:
         "policy": 1,
         "value": 1,
         "not-stray": 1,
+        "sync": 1,
     }
 
 
@@ -226,3 +240,45 @@ def test_engines_report_their_stats_while_busy_and_a_dead_one_loses_its_series(
         assert (generated("0"), generated("1")) == (100, None)
     finally:
         group.shutdown(grace_s=1)
+
+
+SYNC_TIMEOUT_S = 5.0
+
+
+def test_a_rank_stopped_in_a_weight_sync_is_named_once_the_timeout_passes(
+    ray_pools: RayPools,
+) -> None:
+    """Rollout rank 0 freezes (SIGSTOP) as a transfer starts. The driver does not hang:
+    after the timeout it fails, naming that rank as the one not answering and the
+    sender as alive and waiting, before the group's own collectives would time out."""
+    manifest = job_manifest()
+    manifest["spec"]["pools"] = [{"name": "sync", "gpusPerNode": 2}]
+    manifest["spec"]["roles"] = {role: "sync" for role in ("actor", "rollout", "ref", "critic")}
+    plan = plan_placement(parse_job(manifest).spec)
+    pools = wait_ready(create_pool_groups(plan, "sync"), READY_TIMEOUT_S)
+    groups = RoleGroups(
+        {
+            Role.ACTOR: WorkerGroup.spawn(plan, Role.ACTOR, pools["sync"], WeightSender),
+            Role.ROLLOUT: WorkerGroup.spawn(plan, Role.ROLLOUT, pools["sync"], StoppingReceiver, 0),
+        },
+        pools,
+    )
+    frozen = None
+    try:
+        join([ready for group in groups.groups.values() for ready in group.ready])
+        frozen = join(groups[Role.ROLLOUT].run("pid"))[0]
+        sync = WeightSync(groups, SYNC_TIMEOUT_S)
+        sync.open()
+        started = time.monotonic()
+        with pytest.raises(NoAnswer) as failure:
+            sync.wait(sync.push(version=1))
+        waited = time.monotonic() - started
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGKILL)  # a stopped process ends only this way
+        groups.shutdown()
+    silent, _, waiting = str(failure.value).partition("alive, still waiting in their call:")
+    assert "not answering" in silent and "rollout rank 0 on pool sync (receive_weights)" in silent
+    assert "rank 1" not in silent and "actor" not in silent, silent
+    assert "actor rank 0 on pool sync (send_weights)" in waiting
+    assert SYNC_TIMEOUT_S <= waited < group_timeout_s(SYNC_TIMEOUT_S)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf_trainer.rollout.weight_sync import (
+    SyncGroup,
+    WeightSpec,
+    receive_copies,
+    send_weights,
+    sync_device,
+    weight_specs,
+)
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import RankInfo, Worker
 
@@ -59,3 +69,51 @@ class BusyEngine(Worker):
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+TOY_WEIGHTS = {"embed": torch.arange(12.0).reshape(3, 4), "head": torch.ones(4)}
+
+
+class WeightSender(Worker):
+    """Stands in for the actor in a weight sync: rank 0 sends TOY_WEIGHTS."""
+
+    needs_process_group = False
+
+    def open_weight_sync(
+        self, host: str, port: int, world_size: int, device: str, timeout_s: float
+    ) -> list[WeightSpec] | None:
+        if self.info.rank != 0:
+            return None
+        wait = timedelta(seconds=timeout_s)
+        self.sync_group = SyncGroup.create(host, port, 0, world_size, sync_device(device), wait)
+        return weight_specs(TOY_WEIGHTS)
+
+    def send_weights(self, bucket_bytes: int) -> None:
+        if self.info.rank == 0:
+            send_weights(self.sync_group, TOY_WEIGHTS, bucket_bytes)
+
+
+class StoppingReceiver(Worker):
+    """Stands in for a rollout engine in a weight sync. Rank `stopping_rank` stops its
+    own process (SIGSTOP) when a transfer starts, as a hung or frozen engine would."""
+
+    needs_process_group = False
+
+    def __init__(self, info: RankInfo, stopping_rank: int) -> None:
+        super().__init__(info)
+        self.stopping_rank = stopping_rank
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def open_weight_sync(
+        self, host: str, port: int, world_size: int, device: str, timeout_s: float
+    ) -> None:
+        wait = timedelta(seconds=timeout_s)
+        rank = 1 + self.info.rank
+        self.sync_group = SyncGroup.create(host, port, rank, world_size, sync_device(device), wait)
+
+    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int, version: int) -> None:
+        if self.info.rank == self.stopping_rank:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        receive_copies(self.sync_group, specs, bucket_bytes)

@@ -385,3 +385,16 @@ def test_pool_extra_resources_and_shm_size() -> None:
     assert shm(templates["actor-rollout-ref"]) == {"medium": "Memory", "sizeLimit": "32Gi"}
     assert shm(templates["head"]) == {"medium": "Memory", "sizeLimit": "2Gi"}
     assert shm(templates["critic"]) == {"medium": "Memory"}
+
+
+def test_a_gang_scheduler_is_named_to_kuberay_on_the_rayjob_only() -> None:
+    manifest = load(EXAMPLES[0].parent / "split-8gpu-4-4.yaml")
+    manifest["spec"]["schedulerName"] = "volcano"
+    job = parse_job(manifest)
+    objects = {o["kind"]: o for o in render_children(JobRef("j", "ns", "uid"), job.spec)}
+    assert objects["RayJob"]["metadata"]["labels"]["ray.io/scheduler-name"] == "volcano"
+    others = [o for kind, o in objects.items() if kind != "RayJob"]
+    assert all("ray.io/scheduler-name" not in o["metadata"]["labels"] for o in others)
+    assert (
+        "ray.io/scheduler-name" not in render("split-8gpu-4-4.yaml")["RayJob"]["metadata"]["labels"]
+    )

@@ -84,6 +84,38 @@ def test_ready_pods_count_gpus_and_nodes_per_pool() -> None:
     assert s.ray_cluster == "asymmetric-6-2-abcde"
 
 
+def unschedulable(pool: str, message: str) -> dict[str, Any]:
+    pending = pod(pool, None, ready=False)
+    pending["status"]["conditions"].append(
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+    )
+    return pending
+
+
+def test_a_pool_the_scheduler_cannot_place_says_why_in_pools_ready() -> None:
+    said = "0/5 nodes are available:\n 5 Insufficient nvidia.com/gpu."
+    pods = [pod("policy"), unschedulable("value", said), unschedulable("value", "other")]
+    pools_ready = next(
+        c for c in status(Observed(rayjob(), pods)).conditions if c.type == "PoolsReady"
+    )
+    assert (pools_ready.status, pools_ready.reason) == ("False", "Unschedulable")
+    assert pools_ready.message == (
+        "1/2 pools have all their GPUs; pool value: 0/2 GPUs, "
+        "Unschedulable: 0/5 nodes are available: 5 Insufficient nvidia.com/gpu."
+    )
+
+
+def test_pods_merely_starting_leave_pools_ready_without_a_scheduler_reason() -> None:
+    pods = [pod("policy"), pod("value", "gpu-2", ready=False)]
+    pools_ready = next(
+        c for c in status(Observed(rayjob(), pods)).conditions if c.type == "PoolsReady"
+    )
+    assert (pools_ready.reason, pools_ready.message) == (
+        "PoolsNotReady",
+        "1/2 pools have all their GPUs",
+    )
+
+
 def test_terminating_pods_are_not_ready() -> None:
     s = status(Observed(rayjob(), [pod("policy", terminating=True), pod("value")]))
     assert s.pools[0].ready_gpus == 0

@@ -192,6 +192,10 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      "should match pattern", False),
     ("wrong-api-version", _set("apiVersion", "rlhf.dev/v1"), "apiVersion", "rlhf.dev/v1alpha1",
      False),
+    ("unknown-scheduler", _set("spec.schedulerName", "kube-batch"), "spec.schedulerName",
+     "'volcano', 'yunikorn' or 'scheduler-plugins'", False),
+    ("weight-sync-timeout-too-short", _set("spec.trainer.weightSyncTimeoutSeconds", 1),
+     "spec.trainer.weightSyncTimeoutSeconds", "greater than or equal to 10", False),
     ("wrong-kind", _set("kind", "RayJob"), "kind", "'RLHFJob'", False),
     ("missing-spec", _set("spec", _DELETE), "spec", "required field is missing", False),
 ]  # fmt: skip

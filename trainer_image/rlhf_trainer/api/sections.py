@@ -324,6 +324,16 @@ class TrainerConfig(SpecModel):
         ),
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for data order and sampling.")
+    weight_sync_timeout_seconds: int = Field(
+        600,
+        ge=10,
+        le=86_400,
+        description=(
+            "How long forming the weight-sync group, or one transfer of the weights into "
+            "every engine, may take. Past it the job fails, naming each rank that did not "
+            "answer (stopped, hung or lost) and those left waiting for it."
+        ),
+    )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpointing."
     )

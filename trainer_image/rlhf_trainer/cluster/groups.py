@@ -8,9 +8,10 @@ rendezvous, shards batches over the ranks, fans calls out and gathers the result
 Calls return futures (Ray `ObjectRef`s), so the PPO loop issues the calls of different
 pools together and joins them when it needs the results: that is split placement.
 
-A rank runs its calls one at a time, in order, on one thread. A rank whose worker has
-an engine also answers `engine_stats` on a second thread (the TELEMETRY concurrency
-group), so its stats come while it is busy in a call (see `cluster.engine_stats`).
+A rank runs its calls one at a time, in order, on one thread. Every rank also answers
+on a second thread (the TELEMETRY concurrency group), while it is busy in a call:
+`alive` (who did not answer, `cluster.hangs`) and, for an engine, `engine_stats`
+(see `cluster.engine_stats`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import PlacementPlan
+from rlhf_trainer.cluster.hangs import TELEMETRY, RankCall, forget, no_answer, record
 from rlhf_trainer.cluster.placement import PoolGroup, WorkerSlot, role_slots
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import (
@@ -46,7 +48,6 @@ T = TypeVar("T")
 
 
 SHUTDOWN_GRACE_S = 30.0
-TELEMETRY = "telemetry"  # the concurrency group of calls that must not wait for a call
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,10 @@ class RankHost:
         background = getattr(self.worker, "drain_activity", None)
         return calls + (background() if background is not None else [])
 
+    def alive(self) -> bool:
+        """Answers at once, in the TELEMETRY group: this rank's process runs."""
+        return True
+
     def engine_stats(self) -> EngineStats | None:
         """The stats of the worker's engine (None before it is built). Runs in the
         TELEMETRY group, beside a call in progress: it must not touch the engine."""
@@ -186,12 +191,10 @@ class WorkerGroup:
         import ray
 
         slots = role_slots(plan, role, pool_group.rank_order)
-        remote_host: Any = ray.remote(RankHost)
-        if hasattr(worker_cls, "engine_stats"):
-            # A thread for the stats. Ray then runs the calls on a thread of their own
-            # too, not the main one: still one at a time, in order.
-            telemetry = ray.remote(concurrency_groups={TELEMETRY: 1})  # type: ignore[call-overload]
-            remote_host = telemetry(RankHost)
+        # A thread that answers beside a call. Ray then runs the calls on a thread of
+        # their own too, not the main one: still one at a time, in order.
+        remote: Any = ray.remote(concurrency_groups={TELEMETRY: 1})  # type: ignore[call-overload]
+        remote_host = remote(RankHost)
         hosts = [
             remote_host.options(
                 # CPU is not what limits a pool's workers; asking for none keeps a
@@ -264,10 +267,13 @@ class WorkerGroup:
                 f"{self.role} has {self.world_size} ranks: got {len(rank_args)} argument "
                 f"lists and {len(waits)} calls to wait for"
             )
-        return [
+        refs = [
             h.call.remote(method, *a, after=wait, phase=phase, **kwargs)
             for h, a, wait in zip(self.hosts, rank_args, waits, strict=True)
         ]
+        for rank, (ref, host) in enumerate(zip(refs, self.hosts, strict=True)):
+            record(ref, RankCall(self.role, self.pool, rank, method, host))
+        return refs
 
     def drain_calls(self) -> list[list[tuple[str, float, float]]]:
         """Per rank, the calls it ran since the last drain (see RankHost.drain_calls)."""
@@ -297,19 +303,30 @@ class WorkerGroup:
             ray.kill(h)
 
 
-def join(refs: Sequence[ObjectRef[T]]) -> list[T]:
+def join(
+    refs: Sequence[ObjectRef[T]],
+    timeout_s: float | None = None,
+    involved: Sequence[ObjectRef[Any]] = (),
+) -> list[T]:
     """Wait for the futures and return their results, in order.
 
     Raises as soon as any of them fails: when one rank dies, the others may wait in a
     collective for it until the rendezvous timeout, and waiting for them in order
-    would hang the driver just as long.
+    would hang the driver just as long. With `timeout_s`, raises NoAnswer once that
+    has passed, naming the ranks still in their calls (`cluster.hangs`), among them
+    those of `involved`: calls in the same collective that are not waited for here.
     """
     import ray
 
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            raise no_answer([*pending, *involved], float(timeout_s or 0))
         ray.get(done)  # raises the failure, if that is what finished
+    forget(refs)
     return list(ray.get(list(refs)))
 
 

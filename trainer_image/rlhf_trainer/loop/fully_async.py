@@ -177,9 +177,10 @@ class AsyncPPOTrainer:
             )
 
     def wait_for_rollout(self) -> None:
-        """Wait for the rollout side of the last sync (raising what it raised)."""
+        """Wait for the rollout side of the last sync (raising what it raised): the
+        engines' loads, then their resume and admissions, which return at once."""
         pending, self.rollout_pending = self.rollout_pending, []
-        join(pending)
+        join(pending, self.core.weight_sync.timeout_s)
 
     def sync_weights(self) -> None:
         """Hand the new policy to the engines; in-flight requests continue on it

@@ -107,7 +107,8 @@ class PPOTrainer:
         self.reward = reward_function(config.models.reward)
         self.group_size = config.generation.samples_per_prompt
         self.policy_version = 0  # the actor's weights: bumped by every update
-        self.weight_sync = WeightSync(groups)  # opened by the run
+        # opened by the run
+        self.weight_sync = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
 
     def step(self, step: int) -> StepResult:
         """One synchronous PPO step: generate, train on it, hand the weights over."""
@@ -248,7 +249,7 @@ class PPOTrainer:
 
     def sync_weights(self, version: int) -> None:
         """Hand the actor's weights to every rollout engine, and wait until they have them."""
-        join(self.weight_sync.push(version))
+        self.weight_sync.wait(self.weight_sync.push(version))
         self.policy_version = version
 
     def record_spans(self, since: float) -> dict[str, float]:

@@ -13,6 +13,8 @@ no files need to travel between nodes.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 from torch import Tensor, nn
 
@@ -132,15 +134,18 @@ class Actor(Trainable):
         }
 
     def open_weight_sync(
-        self, host: str, port: int, world_size: int, device: str
+        self, host: str, port: int, world_size: int, device: str, timeout_s: float
     ) -> list[WeightSpec] | None:
         """Rank 0 hosts the weight-sync group (rank 0 of it; the engines join as the
         other ranks) and returns the specs of what it will send. `device`: see
-        `weight_sync.sync_device`. A collective of the actor's ranks."""
+        `weight_sync.sync_device`; `timeout_s`: how long its collectives may wait. A
+        collective of the actor's ranks."""
         state = self.engine_state()
         if self.info.rank != 0:
             return None
-        self.sync_group = SyncGroup.create(host, port, 0, world_size, sync_device(device))
+        self.sync_group = SyncGroup.create(
+            host, port, 0, world_size, sync_device(device), timedelta(seconds=timeout_s)
+        )
         return weight_specs(state)
 
     def send_weights(self, bucket_bytes: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
+from datetime import timedelta
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
@@ -31,11 +32,16 @@ class EngineWorker(Worker):
         )
         self.sync_group: SyncGroup | None = None
 
-    def open_weight_sync(self, host: str, port: int, world_size: int, device: str) -> None:
+    def open_weight_sync(
+        self, host: str, port: int, world_size: int, device: str, timeout_s: float
+    ) -> None:
         """Join the weight-sync group as rank 1 + this engine's rank (the actor's rank 0
-        is rank 0). `device`: see `weight_sync.sync_device`."""
+        is rank 0). `device`: see `weight_sync.sync_device`; `timeout_s`: how long its
+        collectives may wait."""
         rank = 1 + self.info.rank
-        self.sync_group = SyncGroup.create(host, port, rank, world_size, sync_device(device))
+        self.sync_group = SyncGroup.create(
+            host, port, rank, world_size, sync_device(device), timedelta(seconds=timeout_s)
+        )
 
     def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
         """Take the new weights from the broadcast into the engine. A paused engine

@@ -1,0 +1,101 @@
+"""Waiting with a deadline, and naming who did not answer.
+
+A rank stopped or hung in a collective (a weight transfer, say) leaves its peers
+waiting in the same collective: from the driver, all of them just have not answered.
+So when a wait runs out, each rank still in its call is asked a trivial question on a
+thread of its own (the TELEMETRY concurrency group, which answers beside a call in
+progress). A rank that answers is alive and waiting for the others; one that does not
+is the one to name.
+
+Every call a worker group issues is recorded here by its future's id (not the future
+itself, which would keep its result alive in Ray's object store), so that a wait on
+any mix of futures can say whose they are.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+TELEMETRY = "telemetry"  # the concurrency group of calls that must not wait for a call
+PROBE_S = 10.0  # a live rank answers at once, busy or not
+TRACKED_CALLS = 10_000  # the oldest are forgotten first (a future nobody waited for)
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """One rank's call, as the driver issued it."""
+
+    role: str
+    pool: str
+    rank: int
+    method: str
+    host: Any  # the rank's Ray actor handle (RankHost)
+
+    def __str__(self) -> str:
+        return f"{self.role} rank {self.rank} on pool {self.pool} ({self.method})"
+
+
+class NoAnswer(TimeoutError):
+    """A wait ran out; the message names each rank still in its call and what it is."""
+
+
+_issued: OrderedDict[bytes, RankCall] = OrderedDict()
+
+
+def record(ref: ObjectRef[Any], call: RankCall) -> None:
+    _issued[ref.binary()] = call
+    while len(_issued) > TRACKED_CALLS:
+        _issued.popitem(last=False)
+
+
+def forget(refs: Sequence[ObjectRef[Any]]) -> None:
+    for ref in refs:
+        _issued.pop(ref.binary(), None)
+
+
+def no_answer(pending: Sequence[ObjectRef[Any]], waited_s: float) -> NoAnswer:
+    """The error for a wait of `waited_s` that `pending` did not finish (those that
+    have finished meanwhile are left out): the ranks that do not answer at all first
+    (stopped, hung, or on a lost node), then the live ones that wait for them."""
+    import ray
+
+    unfinished = ray.wait(list(pending), num_returns=len(pending), timeout=0)[1]
+    calls = [_issued.get(ref.binary()) for ref in unfinished]
+    known = [call for call in calls if call is not None]
+    live = answering(known)
+    silent = [call for call, up in zip(known, live, strict=True) if not up]
+    waiting = [call for call, up in zip(known, live, strict=True) if up]
+    parts = [f"no answer within {waited_s:g} s"]
+    if silent:
+        parts.append("not answering (stopped, hung, dead or lost): " + "; ".join(map(str, silent)))
+    if waiting:
+        parts.append("alive, still waiting in their call: " + "; ".join(map(str, waiting)))
+    if len(known) < len(calls):
+        parts.append(f"{len(calls) - len(known)} other call(s) not finished")
+    return NoAnswer(". ".join(parts))
+
+
+def answering(calls: Sequence[RankCall]) -> list[bool]:
+    """Per call, whether its rank answers a ping within PROBE_S."""
+    import ray
+
+    pings = [call.host.alive.options(concurrency_group=TELEMETRY).remote() for call in calls]
+    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=PROBE_S) if pings else ([], [])
+    answered = {ping.binary() for ping in ready}
+    return [ping.binary() in answered and _succeeded(ping) for ping in pings]
+
+
+def _succeeded(ping: ObjectRef[Any]) -> bool:
+    import ray
+
+    try:
+        ray.get(ping)
+    except ray.exceptions.RayError:
+        return False  # the actor is dead
+    return True
