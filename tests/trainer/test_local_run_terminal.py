@@ -42,22 +42,32 @@ INTERRUPTED = re.compile(
 class Terminal:
     """A tmux session on a server of its own, so it inherits this process's environment."""
 
-    def __init__(self, socket: str, cwd: Path) -> None:
-        self.socket = socket
+    def __init__(self, name: str, cwd: Path) -> None:
+        self.name = name
         self.cwd = cwd
+        self.runs = 0
+
+    @property
+    def socket(self) -> str:
+        # A server per command: a killed one may still be exiting when the next starts
+        # (seen under load: new-session failed against the dying server).
+        return f"{self.name}-{self.runs}"
 
     def tmux(self, *args: str) -> str:
         command = ["tmux", "-L", self.socket, "-f", "/dev/null", *args]
         # This process may carry COLUMNS and LINES (80 and 24 here, under pytest): the
         # pane's programs would believe them over the terminal's own size.
         env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-        return subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        assert done.returncode == 0, f"{shlex.join(command)}: {done.stderr}"
+        return done.stdout
 
     def run(self, command: list[str]) -> None:
         """Run the command in a new window 250 columns wide, then print its exit status."""
         shell = f"cd {shlex.quote(str(self.cwd))} && {shlex.join(command)}; echo EXIT STATUS $?"
         if self.running():  # the previous command's session
             self.tmux("kill-server")
+        self.runs += 1
         # bash, not sh: it waits for a child that handles Ctrl-C, and carries on after it
         self.tmux("new-session", "-d", "-x", "250", "-y", "50", "bash", "-c", shell + "; sleep 600")
 
