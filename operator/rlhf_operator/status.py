@@ -136,7 +136,7 @@ def _phase(spec: RLHFJobSpec, rayjob: dict[str, Any] | None) -> Phase:
 
 def _pool_status(spec: RLHFJobSpec, pool_name: str, pods: list[dict[str, Any]]) -> PoolStatus:
     pool = next(p for p in spec.pools if p.name == pool_name)
-    mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
+    mine = _of_pool(pods, pool_name)
     ready = sum(_is_ready(p) for p in mine)
     nodes = sorted({p["spec"]["nodeName"] for p in mine if p.get("spec", {}).get("nodeName")})
     return PoolStatus(
@@ -150,9 +150,7 @@ def _pool_status(spec: RLHFJobSpec, pool_name: str, pods: list[dict[str, Any]]) 
 def _unscheduled(pool: PoolStatus, pods: list[dict[str, Any]]) -> str | None:
     """Why the scheduler has not placed one of the pool's pods, as it said on the pod:
     "pool rollout: 0/8 GPUs, Unschedulable: 0/5 nodes are available: ..."."""
-    for pod in pods:
-        if (pod["metadata"].get("labels") or {}).get(POOL_LABEL) != pool.name:
-            continue
+    for pod in _of_pool(pods, pool.name):
         for condition in (pod.get("status") or {}).get("conditions") or []:
             if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
                 said = " ".join(str(condition.get("message", "")).split())[:MAX_SCHEDULER_MESSAGE]
@@ -160,6 +158,10 @@ def _unscheduled(pool: PoolStatus, pods: list[dict[str, Any]]) -> str | None:
                 gpus = f"{pool.ready_gpus}/{pool.desired_gpus} GPUs"
                 return f"pool {pool.name}: {gpus}, {reason}: {said}"
     return None
+
+
+def _of_pool(pods: list[dict[str, Any]], pool_name: str) -> list[dict[str, Any]]:
+    return [p for p in pods if (p["metadata"].get("labels") or {}).get(POOL_LABEL) == pool_name]
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:

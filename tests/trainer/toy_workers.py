@@ -5,18 +5,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from rlhf_trainer.rollout.weight_sync import (
-    SyncGroup,
     WeightSpec,
+    open_sync_group,
     receive_copies,
     send_weights,
-    sync_device,
     weight_specs,
 )
 from rlhf_trainer.telemetry.engine_stats import EngineStats
@@ -84,8 +82,7 @@ class WeightSender(Worker):
     ) -> list[WeightSpec] | None:
         if self.info.rank != 0:
             return None
-        wait = timedelta(seconds=timeout_s)
-        self.sync_group = SyncGroup.create(host, port, 0, world_size, sync_device(device), wait)
+        self.sync_group = open_sync_group(host, port, 0, world_size, device, timeout_s)
         return weight_specs(TOY_WEIGHTS)
 
     def send_weights(self, bucket_bytes: int) -> None:
@@ -109,9 +106,8 @@ class StoppingReceiver(Worker):
     def open_weight_sync(
         self, host: str, port: int, world_size: int, device: str, timeout_s: float
     ) -> None:
-        wait = timedelta(seconds=timeout_s)
         rank = 1 + self.info.rank
-        self.sync_group = SyncGroup.create(host, port, rank, world_size, sync_device(device), wait)
+        self.sync_group = open_sync_group(host, port, rank, world_size, device, timeout_s)
 
     def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int, version: int) -> None:
         if self.info.rank == self.stopping_rank:

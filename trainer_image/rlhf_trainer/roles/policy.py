@@ -13,8 +13,6 @@ no files need to travel between nodes.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 from torch import Tensor, nn
 
@@ -47,8 +45,8 @@ from rlhf_trainer.rollout.engine_weights import engine_weights
 from rlhf_trainer.rollout.weight_sync import (
     SyncGroup,
     WeightSpec,
+    open_sync_group,
     send_weights,
-    sync_device,
     weight_specs,
 )
 from rlhf_trainer.worker import RankInfo, Worker
@@ -143,9 +141,7 @@ class Actor(Trainable):
         state = self.engine_state()
         if self.info.rank != 0:
             return None
-        self.sync_group = SyncGroup.create(
-            host, port, 0, world_size, sync_device(device), timedelta(seconds=timeout_s)
-        )
+        self.sync_group = open_sync_group(host, port, 0, world_size, device, timeout_s)
         return weight_specs(state)
 
     def send_weights(self, bucket_bytes: int) -> None:

@@ -277,6 +277,15 @@ def sync_device(transport: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def open_sync_group(
+    host: str, port: int, rank: int, world_size: int, transport: str, timeout_s: float
+) -> SyncGroup:
+    """Join the weight-sync group over `transport` (see `sync_device`); its collectives
+    wait at most `timeout_s`."""
+    wait = timedelta(seconds=timeout_s)
+    return SyncGroup.create(host, port, rank, world_size, sync_device(transport), wait)
+
+
 def send_specs(group: SyncGroup, specs: Sequence[WeightSpec]) -> None:
     """Send the specs in band (sender side of `receive_specs`): a length, then JSON."""
     _require(group, sender=True)

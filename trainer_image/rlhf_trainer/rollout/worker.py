@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
-from datetime import timedelta
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
-from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, receive_copies, sync_device
+from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, open_sync_group, receive_copies
 from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
@@ -39,9 +38,7 @@ class EngineWorker(Worker):
         is rank 0). `device`: see `weight_sync.sync_device`; `timeout_s`: how long its
         collectives may wait."""
         rank = 1 + self.info.rank
-        self.sync_group = SyncGroup.create(
-            host, port, rank, world_size, sync_device(device), timedelta(seconds=timeout_s)
-        )
+        self.sync_group = open_sync_group(host, port, rank, world_size, device, timeout_s)
 
     def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
         """Take the new weights from the broadcast into the engine. A paused engine
