@@ -9,6 +9,7 @@ carry over), and a run whose vLLM engine is killed (the run fails rather than ha
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,18 +143,26 @@ def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
     # Without the report the run would hit this instead (an hour by default).
     monkeypatch.setattr(async_trainer, "QUEUE_TIMEOUT_S", 300.0)
     killed: list[int] = []
-    started = time.time()
+    # Searched among all processes, not this one's children: how Ray parents its workers
+    # is its own business (a CI run once found no engine below pytest). The engine
+    # inherits this tag through the local cluster's raylets; another test worker's
+    # engines (tests run on two) do not have it.
+    run_tag = f"{os.getpid()}-{time.time()}"
+    monkeypatch.setenv("RLHF_TEST_RUN", run_tag)
+
+    def ours(process: psutil.Process) -> bool:
+        try:
+            return process.environ().get("RLHF_TEST_RUN") == run_tag
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            return False
 
     def kill_the_engine(step: StepResult) -> None:
         if killed:
             return
-        # Searched among all processes, not this one's children: how Ray parents its
-        # workers is its own business (a CI run once found no engine below pytest).
         engines = [
             p
-            for p in psutil.process_iter(["cmdline", "create_time"])
-            if " ".join(p.info["cmdline"] or []).startswith("VLLM::EngineCore")
-            and p.info["create_time"] >= started - 1
+            for p in psutil.process_iter(["cmdline"])
+            if " ".join(p.info["cmdline"] or []).startswith("VLLM::EngineCore") and ours(p)
         ]
         assert len(engines) <= 1, f"expected the rollout pool's one engine, found {engines}"
         if engines:
