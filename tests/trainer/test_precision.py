@@ -37,7 +37,10 @@ class Step:
 
 
 def one_step(rank: int, kind: Kind, precision: str, checkpointing: bool) -> Step:
-    model = prepare_trainable(build(kind), config(precision, checkpointing), torch.device("cpu"))
+    def load(weights: bool) -> torch.nn.Module:
+        return build(kind)  # the same tiny model, with or without weights
+
+    model = prepare_trainable(load, config(precision, checkpointing), torch.device("cpu"))
     batch = global_batch(0)
     if kind == "actor":
         output_dtype = model(input_ids=batch["input_ids"]).logits.dtype

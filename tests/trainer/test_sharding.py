@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
 
-from rlhf_trainer.models import build_tiny_model
+from rlhf_trainer.api.sections import ModelSource
+from rlhf_trainer.models import build_tiny_model, write_tiny_model
 from rlhf_trainer.roles.sharding import decoder_layers, full_state_dict, shard_model
+from rlhf_trainer.roles.trainable import load_policy, load_value_model, prepare_trainable
+from tests.specs import job_config
 from tests.trainer.distributed import run_ranks
 from tests.trainer.tiny_training import (
     MAX_GRAD_NORM,
@@ -127,3 +131,56 @@ def test_decoder_layers_are_found_in_a_causal_lm_and_a_value_model() -> None:
         assert [type(layer).__name__ for layer in layers] == ["Qwen2DecoderLayer"] * 2
     with pytest.raises(ValueError, match="no decoder layers"):
         shard_model(torch.nn.Linear(2, 2))
+
+
+@dataclass
+class LoadedRank:
+    loads: list[bool]  # the `weights` argument of each load call on this rank
+    state: dict[str, Tensor]  # full_state_dict after loading ({} off rank 0)
+    buffers: dict[str, Tensor]  # this rank's, whole
+    logits: Tensor  # of a fixed batch
+
+
+def load_on_ranks(rank: int, kind: Kind, directory: str) -> LoadedRank:
+    source = ModelSource(path=directory)
+    loads: list[bool] = []
+
+    def load(weights: bool) -> torch.nn.Module:
+        loads.append(weights)
+        if kind == "critic":
+            return load_value_model(source, seed=0, weights=weights)
+        return load_policy(source, seed=0, weights=weights)
+
+    roles = {role: "p" for role in ("actor", "rollout", "ref", "critic", "reward")}
+    config = job_config([{"name": "p", "replicas": 1, "gpusPerNode": 2}], roles)
+    model = prepare_trainable(load, config, torch.device("cpu"))
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    return LoadedRank(loads, full_state_dict(model), buffers, forward(kind, model))
+
+
+def forward(kind: Kind, model: torch.nn.Module) -> Tensor:
+    batch = global_batch(0)
+    with torch.no_grad():
+        if kind == "critic":
+            return model(batch["input_ids"], batch["attention_mask"])
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+@pytest.mark.parametrize("kind", ["actor", "critic"])
+def test_only_rank_0_loads_the_weights_and_every_shard_gets_them(
+    kind: Kind, tmp_path: Path
+) -> None:
+    """Rank 1 builds the model on the meta device and receives its shard from rank 0:
+    the sharded model computes what the checkpoint loaded in one process computes,
+    buffers outside the state dict (the rotary inv_freq) included."""
+    directory = str(write_tiny_model(TINY, tmp_path, seed=3))
+    rank0, rank1 = run_ranks(load_on_ranks, 2, kind, directory)
+    assert rank0.loads == [True, False] and rank1.loads == [False]
+    source = ModelSource(path=directory)
+    plain = load_value_model(source, 0) if kind == "critic" else load_policy(source, 0)
+    assert_state_dicts_close(rank0.state, plain.state_dict(), atol=0)
+    for rank in (rank0, rank1):
+        assert rank.buffers.keys() == dict(plain.named_buffers()).keys()
+        for name, buffer in plain.named_buffers():
+            assert torch.equal(rank.buffers[name], buffer), name
+        assert torch.allclose(rank.logits, forward(kind, plain), atol=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -23,8 +25,9 @@ class Critic(Trainable):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info, config)
         source = config.models.critic or config.models.actor
-        model = load_value_model(source, config.trainer.seed)
-        self.model = prepare_trainable(model, config, info.device)
+        self.model = prepare_trainable(
+            partial(load_value_model, source, config.trainer.seed), config, info.device
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.trainer.critic_learning_rate
         )

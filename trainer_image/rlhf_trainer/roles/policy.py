@@ -13,8 +13,11 @@ no files need to travel between nodes.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from rlhf_trainer.algo.experience import (
     Experience,
@@ -82,9 +85,10 @@ def policy_outputs(
 class Actor(Trainable):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info, config)
-        model = load_policy(config.models.actor, config.trainer.seed)
-        self.tied = bool(model.config.tie_word_embeddings)
-        self.model = prepare_trainable(model, config, info.device)
+        load = partial(load_policy, config.models.actor, config.trainer.seed, torch.float32)
+        self.model = prepare_trainable(load, config, info.device)
+        assert isinstance(self.model, PreTrainedModel)  # FSDP2 subclasses the model's class
+        self.tied = bool(self.model.config.tie_word_embeddings)
         # The engines run in the compute dtype: send them that, not the fp32 masters.
         self.engine_dtype = COMPUTE_DTYPE[config.trainer.precision]
         self.optimizer = torch.optim.AdamW(

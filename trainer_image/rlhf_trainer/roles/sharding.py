@@ -15,7 +15,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -70,6 +74,22 @@ def shard_model(model: nn.Module, compute_dtype: torch.dtype = torch.float32) ->
     fully_shard(model, mesh=mesh, mp_policy=precision)
     _check_still_tied(model)
     return model
+
+
+def load_from_rank0(sharded: nn.Module, loaded: nn.Module | None) -> None:
+    """Fill a sharded model's freshly allocated (`to_empty`) shards with the weights of
+    `loaded`, a whole copy that only rank 0 has (None on the other ranks): each rank
+    receives only its shard. Buffers outside the state dict (the rotary embedding's
+    `inv_freq`) are broadcast whole. A collective: every rank must call it."""
+    state = loaded.state_dict() if loaded is not None else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(sharded, state, options=options)
+    source = dict(loaded.named_buffers()) if loaded is not None else {}
+    for name, buffer in sharded.named_buffers():
+        if loaded is not None:
+            buffer.copy_(source[name])
+        dist.broadcast(buffer, src=0)
+    _check_still_tied(sharded)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:

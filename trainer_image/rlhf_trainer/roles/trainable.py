@@ -10,7 +10,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
 from rlhf_trainer.algo.experience import Experience, Sequences, micro_batch_rows, minibatches
 from rlhf_trainer.algo.ppo import aggregation_normalizer
@@ -18,40 +18,62 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import ModelSource
 from rlhf_trainer.models import COMPUTE_DTYPE, ValueModel, build_tiny_model
 from rlhf_trainer.roles.checkpoint import load_role_state, save_role_state
-from rlhf_trainer.roles.sharding import clip_gradients, shard_model
+from rlhf_trainer.roles.sharding import clip_gradients, load_from_rank0, shard_model
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 Stats = dict[str, float]
 
 
 def load_policy(
-    source: ModelSource, seed: int, dtype: torch.dtype = torch.float32
+    source: ModelSource, seed: int, dtype: torch.dtype = torch.float32, weights: bool = True
 ) -> PreTrainedModel:
     """The causal LM in `dtype`, built in memory when tiny (saving it to load it back
-    would not do: transformers writes only on rank 0 once torch.distributed is up)."""
+    would not do: transformers writes only on rank 0 once torch.distributed is up).
+    weights=False: the architecture only, its initial weights (for the meta device)."""
     if source.tiny is not None:
         return build_tiny_model(source.tiny, seed).to(dtype)
+    if not weights:
+        architecture = AutoConfig.from_pretrained(source.path)
+        empty: PreTrainedModel = AutoModelForCausalLM.from_config(architecture, dtype=dtype)
+        return empty
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     return model
 
 
-def load_value_model(source: ModelSource, seed: int) -> ValueModel:
+def load_value_model(source: ModelSource, seed: int, weights: bool = True) -> ValueModel:
     """The critic: the source's transformer backbone with a fresh value head."""
     if source.tiny is not None:
         return ValueModel(build_tiny_model(source.tiny, seed).model)
     assert source.path is not None
+    if not weights:
+        architecture = AutoConfig.from_pretrained(source.path)
+        return ValueModel(AutoModel.from_config(architecture, dtype=torch.float32))
     return ValueModel.from_pretrained(source.path)
 
 
-def prepare_trainable(model: nn.Module, config: JobConfig, device: torch.device) -> nn.Module:
-    """A trained role's model as it trains: activation checkpointing if the spec asks
-    for it, on its device, sharded with FSDP2 in the spec's precision."""
+def prepare_trainable(
+    load: Callable[[bool], nn.Module], config: JobConfig, device: torch.device
+) -> nn.Module:
+    """A trained role's model as it trains: sharded with FSDP2 in the spec's precision,
+    on its device, with activation checkpointing if the spec asks for it.
+
+    `load(weights)` builds the model, with its weights or as architecture only. Only
+    rank 0 holds a whole copy (on the CPU, while it loads): every rank builds the model
+    on the meta device (no memory), shards it, allocates its own shard on its device,
+    and rank 0 broadcasts the weights into the shards (`load_from_rank0`). A node of 8
+    ranks thus reads a 7B checkpoint once, not 8 times into 8 fp32 copies."""
+    loaded = load(True) if dist.get_rank() == 0 else None
+    with torch.device("meta"):
+        model = load(False)
     if config.trainer.gradient_checkpointing:
         transformer = model.backbone if isinstance(model, ValueModel) else model
         assert isinstance(transformer, PreTrainedModel), type(transformer)
         # Non-reentrant: the variant that works under FSDP2 and with frozen inputs.
         transformer.gradient_checkpointing_enable({"use_reentrant": False})
-    return shard_model(model.to(device), COMPUTE_DTYPE[config.trainer.precision])
+    model = shard_model(model, COMPUTE_DTYPE[config.trainer.precision])
+    model.to_empty(device=device)
+    load_from_rank0(model, loaded)
+    return model
 
 
 BatchT = TypeVar("BatchT", bound=Sequences)
