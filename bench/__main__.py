@@ -20,6 +20,7 @@ BENCHES = {  # name -> module
     "weight_sync": "bench.weight_sync.run",
     "operator": "bench.operator.run",
     "real_model": "bench.real_model.run",
+    "gpu_train_step": "bench.gpu_train_step.run",
 }
 HEADLINES = {  # name -> the figures its summary shows
     "split": ["efficiency", "measured_speedup", "ideal_speedup", "split.driver_share"],
@@ -27,6 +28,7 @@ HEADLINES = {  # name -> the figures its summary shows
     "algorithms": ["grpo_speedup", "ppo.samples_per_s", "grpo.samples_per_s"],
     "weight_sync": ["broadcast_of_memcpy", "broadcast.gb_per_s", "object_store.gb_per_s"],
     "real_model": ["fp32.generation_tokens_per_s", "fp32.actor_training_tokens_per_s"],
+    "gpu_train_step": ["actor_bf16.mfu", "actor_bf16.tokens_per_s", "autocast.tokens_per_s"],
 }
 RESULTS = Path(__file__).with_name("results.jsonl")
 

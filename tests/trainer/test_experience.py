@@ -20,6 +20,7 @@ from rlhf_trainer.api.sections import AlgorithmConfig, RewardSource
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import reward_function, toy_copy
 from rlhf_trainer.loop.sync import max_abs_diff, split_list
+from rlhf_trainer.roles.trainable import per_token
 
 PAD = 0
 
@@ -142,6 +143,23 @@ def test_micro_batches_hold_rows_of_similar_length_longest_first() -> None:
     groups = micro_batch_rows(batch, 4)
     assert [g.tolist() for g in groups] == [[1, 5, 3, 4], [0, 2]]
     assert [g.tolist() for g in micro_batch_rows(batch, None)] == [[1, 5, 3, 4, 0, 2]]
+
+
+def test_micro_batches_reach_the_roles_device_and_results_come_back_to_the_batchs() -> None:
+    """Ray hands a role its batch on the CPU; a role on a GPU computes there. (The meta
+    device stands in for a GPU: no data, but a device of its own.)"""
+    batch = pack_rollouts(
+        [rollout([1, 5], [7]), rollout([1, 5], [8, 9, 2, 3]), rollout([1], [4])], PAD
+    )
+    devices: list[set[str]] = []
+
+    def outputs(micro: Sequences) -> torch.Tensor:
+        devices.append({t.device.type for t in micro.tensors().values()})
+        return torch.ones(micro.input_ids.shape)
+
+    result = per_token(batch, 2, outputs, torch.device("meta"))
+    assert devices == [{"meta"}, {"meta"}]
+    assert result.device.type == "cpu" and torch.equal(result, batch.response_mask)
 
 
 def test_trimming_drops_the_columns_that_are_padding_in_every_row() -> None:

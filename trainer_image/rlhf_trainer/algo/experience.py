@@ -50,6 +50,10 @@ class Sequences:
     def tensors(self) -> dict[str, Tensor]:
         return {f.name: t for f in fields(self) if (t := getattr(self, f.name)) is not None}
 
+    def to(self, device: torch.device) -> Self:
+        """The batch on `device`: a role's GPU (Ray hands batches over on the CPU)."""
+        return replace(self, **{name: t.to(device) for name, t in self.tensors().items()})
+
     def select(self, rows: Tensor | slice) -> Self:
         """The batch of the given rows."""
         return replace(self, **{name: t[rows] for name, t in self.tensors().items()})

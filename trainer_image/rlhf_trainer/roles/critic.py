@@ -39,7 +39,8 @@ class Critic(Trainable):
     @torch.no_grad()
     def values(self, batch: Sequences) -> Tensor:
         """(B, T) V(s_t) for the response tokens (0 elsewhere)."""
-        return per_token(batch, self.config.trainer.micro_batch_size, self.predict)
+        size = self.config.trainer.micro_batch_size
+        return per_token(batch, size, self.predict, self.info.device)
 
     def loss(self, micro: Experience, normalizer: Tensor) -> tuple[Tensor, Stats]:
         algorithm = self.config.algorithm

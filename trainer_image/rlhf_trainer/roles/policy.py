@@ -99,7 +99,7 @@ class Actor(Trainable):
     @torch.no_grad()
     def log_probs(self, batch: Sequences) -> Tensor:
         """(B, T) log π_old of the response tokens (0 elsewhere)."""
-        return sequence_log_probs(self.model, batch, self.config)
+        return sequence_log_probs(self.model, batch, self.config, self.info.device)
 
     def loss(self, micro: Experience, normalizer: Tensor) -> tuple[Tensor, Stats]:
         algorithm = self.config.algorithm
@@ -163,12 +163,15 @@ class Actor(Trainable):
         return {name: tensor.to(self.engine_dtype) for name, tensor in state.items()}
 
 
-def sequence_log_probs(model: nn.Module, batch: Sequences, config: JobConfig) -> Tensor:
+def sequence_log_probs(
+    model: nn.Module, batch: Sequences, config: JobConfig, device: torch.device
+) -> Tensor:
     temperature = config.generation.temperature
     return per_token(
         batch,
         config.trainer.micro_batch_size,
         lambda micro: policy_outputs(model, micro, temperature)[0],
+        device,
     )
 
 
@@ -183,4 +186,4 @@ class Ref(Worker):
     @torch.no_grad()
     def log_probs(self, batch: Sequences) -> Tensor:
         """(B, T) log π_ref of the response tokens (0 elsewhere)."""
-        return sequence_log_probs(self.model, batch, self.config)
+        return sequence_log_probs(self.model, batch, self.config, self.info.device)

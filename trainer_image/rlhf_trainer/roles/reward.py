@@ -40,14 +40,16 @@ class RewardModel(Worker):
     def score(self, batch: Sequences) -> Tensor:
         """(B,) the model's score of each whole sequence."""
         scores = torch.zeros(len(batch))
-        for rows, _, micro in micro_batches(batch, self.micro_size):
-            scores[rows] = self._score(micro)
+        # On the CPU: a retokenizer decodes the ids there.
+        for rows, _, micro in micro_batches(batch, self.micro_size, torch.device("cpu")):
+            scores[rows] = self._score(micro).cpu()
         return scores
 
     def _score(self, micro: Sequences) -> Tensor:
         ids, mask = micro.input_ids, micro.attention_mask
         if self.retokenize is not None:
             ids, mask = self.retokenize(ids, mask)
+        ids, mask = ids.to(self.info.device), mask.to(self.info.device)
         logits = self.model(
             input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)
         ).logits  # (B, 1): read at the last non-padding token

@@ -79,20 +79,28 @@ def prepare_trainable(
 BatchT = TypeVar("BatchT", bound=Sequences)
 
 
-def micro_batches(batch: BatchT, size: int | None) -> Iterator[tuple[Tensor, slice, BatchT]]:
+def micro_batches(
+    batch: BatchT, size: int | None, device: torch.device
+) -> Iterator[tuple[Tensor, slice, BatchT]]:
     """`batch` in micro-batches of `size` rows (all of it when None), rows of similar
-    length together and each cut to its own width: (rows, columns, micro-batch)."""
+    length together and each cut to its own width, on `device`: (rows, columns,
+    micro-batch)."""
     for rows in micro_batch_rows(batch, size):
         micro, columns = batch.select(rows).trimmed()
-        yield rows, columns, micro
+        yield rows, columns, micro.to(device)
 
 
-def per_token(batch: Sequences, size: int | None, outputs: Callable[[Sequences], Tensor]) -> Tensor:
-    """(B, T) `outputs` of each micro-batch, put back in the batch's layout, on the
-    response tokens only (0 elsewhere)."""
+def per_token(
+    batch: Sequences,
+    size: int | None,
+    outputs: Callable[[Sequences], Tensor],
+    device: torch.device,
+) -> Tensor:
+    """(B, T) `outputs` of each micro-batch computed on `device`, put back in the
+    batch's layout (and on its device), on the response tokens only (0 elsewhere)."""
     result = torch.zeros_like(batch.response_mask)
-    for rows, columns, micro in micro_batches(batch, size):
-        result[rows, columns] = outputs(micro)
+    for rows, columns, micro in micro_batches(batch, size, device):
+        result[rows, columns] = outputs(micro).to(result.device)
     return result * batch.response_mask
 
 
@@ -138,9 +146,10 @@ class Trainable(Worker):
                 mode = self.config.algorithm.loss_aggregation
                 # The whole mini-batch's token (or sequence) count over all ranks, so
                 # micro-batch losses add up to the mini-batch loss.
-                normalizer = all_ranks_sum(aggregation_normalizer(mini.response_mask, mode))
+                count = aggregation_normalizer(mini.response_mask, mode).to(self.info.device)
+                normalizer = all_ranks_sum(count)
                 self.optimizer.zero_grad(set_to_none=True)
-                for _, _, micro in micro_batches(mini, trainer.micro_batch_size):
+                for _, _, micro in micro_batches(mini, trainer.micro_batch_size, self.info.device):
                     loss, stats = self.loss(micro, normalizer)
                     # FSDP averages gradients over the ranks; the normalizer already
                     # divides by the global count, so undo the average.
