@@ -53,7 +53,10 @@ def summary(name: str, record: dict[str, Any]) -> list[str]:
     if "failed" in record:
         return [f"{name}: FAILED ({record['failed']})"]
     if name == "operator":
-        return [f"operator n={r['n']}: p99 ours/KubeRay {r['ratio_p99']}" for r in record["sizes"]]
+        return [
+            f"operator n={r['n']}: ours/KubeRay p50 {r['ratio_p50']}, p99 {r['ratio_p99']}"
+            for r in record["sizes"]
+        ]
     figures = record["figures"]
     return [
         f"{name} {key}: {f['median']} ({f['min']}-{f['max']})"

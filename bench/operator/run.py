@@ -3,9 +3,11 @@
 On one real control plane (tests/controlplane), for N = 1, 100, 500:
   ours:    create N RLHFJobs, time until each one's RayJob appears (watch ADDED);
   kuberay: create N RayJobs, time until each one's RayCluster appears.
-Jobs are created with suspend: true so KubeRay does not start pods for them; the
-KubeRay side uses our rendered RayJob unsuspended, so KubeRay does its usual work.
-Prints one JSON line per N. Run: make bench-operator (takes a few minutes).
+N = 1 is one job at a time, ROUNDS_OF_ONE times, ours and KubeRay's alternating (one
+sample of a single job is noise). Jobs are created with suspend: true so KubeRay does
+not start pods for them; the KubeRay side uses our rendered RayJob unsuspended, so
+KubeRay does its usual work. Prints one JSON line per N, with the operator's peak RSS so
+far. Run: make bench-operator (about 10 minutes); sizes can be given: `... run 1 100`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tests.controlplane.operator_process import OperatorProcess
 REPO = Path(__file__).resolve().parents[2]
 SIZES = [int(n) for n in sys.argv[1:]] or [1, 100, 500]
 CLIENT_THREADS = 8
+ROUNDS_OF_ONE = 20
 
 
 def tiny_job(name: str, namespace: str) -> dict[str, Any]:
@@ -87,7 +90,9 @@ class Appearances:
                 missing = [n for n in names if n not in self.seen]
                 raise TimeoutError(f"{len(missing)} children never appeared, e.g. {missing[:3]}")
             time.sleep(0.05)
-        self._stop.set()
+
+    def close(self) -> None:
+        self._stop.set()  # the stream ends at its next event
 
 
 def create_all(kube: Kube, objects: list[dict[str, Any]]) -> dict[str, float]:
@@ -102,8 +107,11 @@ def create_all(kube: Kube, objects: list[dict[str, Any]]) -> dict[str, float]:
     return started
 
 
-def latencies(started: dict[str, float], seen: dict[str, float]) -> list[float]:
-    return sorted(seen[name] - t0 for name, t0 in started.items())
+def latencies(kube: Kube, objects: list[dict[str, Any]], watcher: Appearances) -> list[float]:
+    """Create the objects at once; each one's time until its child appeared."""
+    started = create_all(kube, objects)
+    watcher.wait_for(list(started))
+    return [watcher.seen[name] - t0 for name, t0 in started.items()]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -121,33 +129,35 @@ def measure(cp: ControlPlane, op: OperatorProcess, kube: Kube, n: int) -> dict[s
     ours_ns, theirs_ns = f"bench-ours-{n}", f"bench-kuberay-{n}"
     cp.create_namespace(ours_ns)
     cp.create_namespace(theirs_ns)
-
-    watcher = Appearances(kube, "rayjobs", ours_ns, owner_name)
-    started = create_all(kube, [tiny_job(f"job-{i}", ours_ns) for i in range(n)])
-    watcher.wait_for(list(started))
-    ours = latencies(started, watcher.seen)
-
     spec = parse_job(tiny_job("x", theirs_ns)).spec.model_copy(update={"suspend": False})
-    rayjobs = []
-    for i in range(n):
-        rayjob = render_rayjob(JobRef(f"rayjob-{i}", theirs_ns, "0"), spec)
-        del rayjob["metadata"]["ownerReferences"]  # a plain RayJob, as a KubeRay user makes it
-        rayjobs.append(rayjob)
-    watcher = Appearances(
-        kube, "rayclusters", theirs_ns, lambda o: o["metadata"]["ownerReferences"][0]["name"]
-    )
-    started = create_all(kube, rayjobs)
-    watcher.wait_for(list(started))
-    theirs = latencies(started, watcher.seen)
 
+    def plain_rayjob(name: str) -> dict[str, Any]:
+        rayjob = render_rayjob(JobRef(name, theirs_ns, "0"), spec)
+        del rayjob["metadata"]["ownerReferences"]  # a plain RayJob, as a KubeRay user makes it
+        return rayjob
+
+    ours_watch = Appearances(kube, "rayjobs", ours_ns, owner_name)
+    theirs_watch = Appearances(kube, "rayclusters", theirs_ns, owner_name)
+    ours: list[float] = []
+    theirs: list[float] = []
+    for round_ in range(ROUNDS_OF_ONE if n == 1 else 1):
+        names = [f"job-{round_}-{i}" for i in range(n)]
+        ours += latencies(kube, [tiny_job(name, ours_ns) for name in names], ours_watch)
+        theirs += latencies(kube, [plain_rayjob(name) for name in names], theirs_watch)
+    for watcher in (ours_watch, theirs_watch):
+        watcher.close()
     for ns in (ours_ns, theirs_ns):
         cp.kubectl("delete", "namespace", ns, "--wait=false")
+    ours.sort()
+    theirs.sort()
     return {
         "n": n,
+        "samples": len(ours),
         "ours_p50_s": round(statistics.median(ours), 3),
         "ours_p99_s": round(percentile(ours, 0.99), 3),
         "kuberay_p50_s": round(statistics.median(theirs), 3),
         "kuberay_p99_s": round(percentile(theirs, 0.99), 3),
+        "ratio_p50": round(statistics.median(ours) / statistics.median(theirs), 3),
         "ratio_p99": round(percentile(ours, 0.99) / percentile(theirs, 0.99), 3),
         "operator_rss_mb": round(peak_rss_mb(op.proc.pid), 1) if op.proc else None,
     }
