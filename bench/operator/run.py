@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 from kubernetes import watch
+from urllib3.exceptions import ProtocolError
 
 from rlhf_operator.kube import Kube
 from rlhf_operator.render import JobRef, render_rayjob
@@ -77,11 +78,15 @@ class Appearances:
             plural,
             timeout_seconds=900,
         )
-        for event in events:
-            if event["type"] == "ADDED":
-                self.seen.setdefault(owner_of(event["object"]), time.monotonic())
-            if self._stop.is_set():
-                stream.stop()
+        try:
+            for event in events:
+                if event["type"] == "ADDED":
+                    self.seen.setdefault(owner_of(event["object"]), time.monotonic())
+                if self._stop.is_set():
+                    stream.stop()
+        except ProtocolError:
+            if not self._stop.is_set():
+                raise  # else the control plane stopped under a watch no longer needed
 
     def wait_for(self, names: list[str], timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +40,7 @@ OWNED_FIELDS = {
     "NetworkPolicy": ("spec",),
 }
 WARNING_PHASES = (Phase.FAILED,)
+CHILD_REQUESTS = 8  # requests for jobs' children in flight at once, over all reconciles
 
 
 WAITING = (Action.RECORD, Action.WAIT)  # a failed attempt waits out the backoff
@@ -64,6 +66,7 @@ class Reconciler:
         self.kube = kube
         self.now = now
         self.network = network  # give each job a NetworkPolicy (the chart's choice)
+        self.fanout = ThreadPoolExecutor(CHILD_REQUESTS, thread_name_prefix="children")
 
     def reconcile(self, namespace: str, name: str) -> Reconciled:
         """Bring one job to its desired state; returns its new status, and when to look
@@ -99,10 +102,12 @@ class Reconciler:
 
     def _ensure_children(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
         *dependencies, desired_rayjob = render_children(ref, spec, self.network)
-        for desired in dependencies:
-            # No RayJob means a new job (or one whose children were wiped): try creating
-            # first, which saves a read per child on the path users wait on.
-            self._ensure(ref, desired, likely_missing=rayjob is None)
+        # No RayJob means a new job (or one whose children were wiped): try creating
+        # first, which saves a read per child on the path users wait on. The RayJob's
+        # pods need the others (their ServiceAccount, the ConfigMap), which need nothing
+        # from each other: they are made at once, one round trip instead of four.
+        missing = rayjob is None
+        list(self.fanout.map(lambda desired: self._ensure(ref, desired, missing), dependencies))
         if rayjob is None:
             created = self.kube.create(desired_rayjob)
             return created or self.kube.get("RayJob", ref.namespace, ref.rayjob)
