@@ -130,8 +130,9 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def measure(cp: ControlPlane, op: OperatorProcess, kube: Kube, n: int) -> dict[str, Any]:
-    ours_ns, theirs_ns = f"bench-ours-{n}", f"bench-kuberay-{n}"
+def measure(cp: ControlPlane, op: OperatorProcess, kube: Kube, n: int, run: int) -> dict[str, Any]:
+    """N jobs at once (N = 1: ROUNDS_OF_ONE times); `run` numbers the namespaces."""
+    ours_ns, theirs_ns = f"bench-ours-{run}-n{n}", f"bench-kuberay-{run}-n{n}"
     cp.create_namespace(ours_ns)
     cp.create_namespace(theirs_ns)
     spec = parse_job(tiny_job("x", theirs_ns)).spec.model_copy(update={"suspend": False})
@@ -174,8 +175,8 @@ def main() -> None:
         try:
             kube = Kube(cp.api_client())
             results = []
-            for n in SIZES:
-                results.append(measure(cp, op, kube, n))
+            for run, n in enumerate(SIZES):
+                results.append(measure(cp, op, kube, n, run))
                 print(json.dumps(results[-1]), flush=True)
             print(json.dumps({"bench": "operator", "sizes": results}), flush=True)
         finally:
