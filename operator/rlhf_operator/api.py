@@ -183,6 +183,18 @@ class RLHFJobSpec(JobConfig):
             "(the KubeRay operator must run with that batch scheduler enabled)."
         ),
     )
+    queue_name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=63,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description=(
+            "A Kueue LocalQueue in the job's namespace. The RayJob is created suspended "
+            "with the kueue.x-k8s.io/queue-name label, and starts when Kueue admits it "
+            "under its ClusterQueue's quota; until then the job is Queued, with Kueue's "
+            "reason. Suspending a queued job deactivates its Kueue Workload."
+        ),
+    )
     checkpoint_claim: str | None = Field(
         None,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
@@ -260,6 +272,7 @@ class Phase(StrEnum):
     FAILED = "Failed"
     SUSPENDED = "Suspended"
     RESTARTING = "Restarting"  # an attempt failed; the next one starts after the backoff
+    QUEUED = "Queued"  # waiting for Kueue to admit it (spec.queueName)
 
 
 class StatusModel(SpecModel):

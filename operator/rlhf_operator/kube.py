@@ -40,6 +40,7 @@ KINDS = {
     "RayJob": Kind("ray.io/v1", "rayjobs"),
     "RayCluster": Kind("ray.io/v1", "rayclusters"),
     "RLHFJob": Kind(API_VERSION, PLURAL),
+    "Workload": Kind("kueue.x-k8s.io/v1beta2", "workloads"),
 }
 
 MERGE_PATCH = "application/merge-patch+json"

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from rlhf_operator.api import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.render import JOB_LABEL, JobRef, render_children
@@ -44,6 +46,10 @@ CHILD_REQUESTS = 8  # requests for jobs' children in flight at once, over all re
 
 
 WAITING = (Action.RECORD, Action.WAIT)  # a failed attempt waits out the backoff
+# A queued job's Kueue Workload carries no job label, so no event tells of its changes
+# (its reason while it waits): look again this often. Admission is an event (the RayJob).
+QUEUED_RECHECK_SECONDS = 15.0
+WORKLOAD_JOB_UID = "kueue.x-k8s.io/job-uid"  # Kueue's label: the uid of the Workload's job
 
 
 @dataclass(frozen=True)
@@ -89,15 +95,19 @@ class Reconciler:
         rayjob = self.kube.get("RayJob", namespace, ref.rayjob)
         # A finished job is not started again; a failed attempt may be (restarts.py).
         restart = None if finished(old) else decide(spec.restart_policy, rayjob, old, now)
+        workload = None
         if restart is not None and restart.action is Action.NONE:
             rayjob = self._ensure_children(ref, spec, rayjob)
+            workload = self._sync_workload(spec, rayjob)
         elif restart is not None and restart.action is Action.DELETE and restart.failure:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
         pods = self.kube.list("Pod", namespace, f"{JOB_LABEL}={name},{POOL_LABEL}")
-        new = compute_status(spec, generation, Observed(rayjob, pods), old, now, restart)
+        new = compute_status(spec, generation, Observed(rayjob, pods, workload), old, now, restart)
         self._write_status(job, old, new)
         wait = restart.wait_seconds if restart and restart.action in WAITING else None
+        if new.phase is Phase.QUEUED:
+            wait = QUEUED_RECHECK_SECONDS
         return Reconciled(new, requeue_after=wait)
 
     def _ensure_children(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
@@ -112,7 +122,7 @@ class Reconciler:
             created = self.kube.create(desired_rayjob)
             return created or self.kube.get("RayJob", ref.namespace, ref.rayjob)
         self._check_owner(ref, rayjob)
-        return self._sync_rayjob(ref, rayjob, desired_rayjob)
+        return self._sync_rayjob(ref, spec, rayjob, desired_rayjob)
 
     def _ensure(self, ref: JobRef, desired: Obj, likely_missing: bool) -> None:
         kind, name = desired["kind"], desired["metadata"]["name"]
@@ -135,10 +145,12 @@ class Reconciler:
                 f"RLHFJob {ref.name}; delete or rename it"
             )
 
-    def _sync_rayjob(self, ref: JobRef, rayjob: Obj, desired: Obj) -> Obj:
-        """Apply the spec's mutable fields: suspend, and each pool's replicas."""
+    def _sync_rayjob(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj, desired: Obj) -> Obj:
+        """Apply the spec's mutable fields: suspend (unless Kueue owns it), and each
+        pool's replicas."""
         ops = []
-        if rayjob["spec"].get("suspend", False) != desired["spec"]["suspend"]:
+        suspend = rayjob["spec"].get("suspend", False)
+        if spec.queue_name is None and suspend != desired["spec"]["suspend"]:
             ops.append({"op": "add", "path": "/spec/suspend", "value": desired["spec"]["suspend"]})
         live_groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
         wanted_groups = desired["spec"]["rayClusterSpec"]["workerGroupSpecs"]
@@ -148,6 +160,31 @@ class Reconciler:
             rayjob = self.kube.patch("RayJob", ref.namespace, ref.rayjob, ops, JSON_PATCH)
         self._sync_cluster_replicas(ref, rayjob, wanted_groups)
         return rayjob
+
+    def _sync_workload(self, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
+        """A queued job's Kueue Workload (None if Kueue has not made it). Kueue owns the
+        RayJob's suspend: suspending the job deactivates the Workload, which Kueue then
+        evicts; resuming activates it, and it queues again."""
+        if spec.queue_name is None or rayjob is None:
+            return None
+        rayjob_meta = rayjob["metadata"]
+        selector = f"{WORKLOAD_JOB_UID}={rayjob_meta['uid']}"
+        try:
+            found = self.kube.list("Workload", rayjob_meta["namespace"], selector)
+        except ApiException as error:
+            if error.status == 404:  # Kueue is not installed: the status says so
+                return None
+            raise
+        if not found:
+            return None
+        workload = found[0]
+        active = not spec.suspend
+        if (workload.get("spec") or {}).get("active", True) != active:
+            meta = workload["metadata"]
+            workload = self.kube.patch(
+                "Workload", meta["namespace"], meta["name"], {"spec": {"active": active}}
+            )
+        return workload
 
     def _sync_cluster_replicas(self, ref: JobRef, rayjob: Obj, wanted_groups: list[Obj]) -> None:
         """KubeRay does not push a RayJob's cluster spec to a running cluster, so scale

@@ -48,6 +48,7 @@ ENTRYPOINT = (
 
 JOB_LABEL = f"{GROUP}/job"
 SCHEDULER_LABEL = "ray.io/scheduler-name"  # KubeRay: the batch scheduler of the pods
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue: the LocalQueue that admits the RayJob
 HEAD_DEFAULTS = PodResources(cpu=2, memory="8Gi")
 
 
@@ -173,13 +174,16 @@ def render_rayjob(job: JobRef, spec: RLHFJobSpec) -> Obj:
         # KubeRay copies a RayJob's labels to its RayCluster, whose label picks the
         # batch scheduler of the cluster's pods.
         meta["labels"][SCHEDULER_LABEL] = spec.scheduler_name
+    if spec.queue_name is not None:
+        meta["labels"][QUEUE_LABEL] = spec.queue_name
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
         "metadata": meta,
         "spec": {
             "entrypoint": ENTRYPOINT,
-            "suspend": spec.suspend,
+            # Kueue admits a queued job by resuming it (and suspends it to evict it).
+            "suspend": spec.suspend or spec.queue_name is not None,
             # Free the GPUs as soon as training ends; status stays on the RLHFJob.
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 60,

@@ -25,6 +25,7 @@ TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
 # PoolsReady's reason while the scheduler cannot place a pool's pod (its message says
 # why, as the scheduler said it on the pod).
 UNSCHEDULABLE = "Unschedulable"
+QUEUED = "Queued"  # ... and while Kueue has not admitted the job (its message: Kueue's reason)
 MAX_SCHEDULER_MESSAGE = 300
 
 # KubeRay's RayJob.status.jobDeploymentStatus -> our phase (Complete is resolved by
@@ -44,6 +45,7 @@ class Observed:
 
     rayjob: dict[str, Any] | None
     pods: list[dict[str, Any]]
+    workload: dict[str, Any] | None = None  # Kueue's, for a queued job (spec.queueName)
 
 
 def finished(status: RLHFJobStatus) -> bool:
@@ -86,15 +88,19 @@ def compute_status(
     recorded = restart is not None and restart.action is Action.RECORD
     all_ready = ready_pools == len(pools)
 
+    queued = [_queued(spec, observed.workload)] if phase is Phase.QUEUED else []
     pools_reason = "PoolsReady" if all_ready else "PoolsNotReady"
+    if unscheduled or queued:
+        pools_reason = QUEUED if queued else UNSCHEDULABLE
     pools_message = "; ".join(
-        [f"{ready_pools}/{len(pools)} pools have all their GPUs", *unscheduled]
+        [f"{ready_pools}/{len(pools)} pools have all their GPUs", *unscheduled, *queued]
     )
+    ready_message = queued[0] if queued else _phase_message(phase, failure)
     conditions = old.conditions
     for kind, ok, reason, message in (
         ("Invalid", False, "Valid", "the spec is valid"),
-        ("PoolsReady", all_ready, UNSCHEDULABLE if unscheduled else pools_reason, pools_message),
-        ("Ready", phase is Phase.RUNNING, phase.value, _phase_message(phase, failure)),
+        ("PoolsReady", all_ready, pools_reason, pools_message),
+        ("Ready", phase is Phase.RUNNING, phase.value, ready_message),
     ):  # fmt: skip
         conditions = _set_condition(conditions, kind, ok, reason, message, now, generation)
 
@@ -131,7 +137,23 @@ def _phase(spec: RLHFJobSpec, rayjob: dict[str, Any] | None) -> Phase:
         return Phase.SUCCEEDED if status.get("jobStatus") == "SUCCEEDED" else Phase.FAILED
     if spec.suspend:
         return Phase.SUSPENDED
+    if spec.queue_name is not None and (rayjob.get("spec") or {}).get("suspend"):
+        return Phase.QUEUED  # Kueue resumes the RayJob when it admits it
     return _DEPLOYMENT_PHASE.get(deployment, Phase.PROVISIONING)
+
+
+def _queued(spec: RLHFJobSpec, workload: dict[str, Any] | None) -> str:
+    """Why Kueue has not admitted the job, as Kueue says it on the job's Workload:
+    "queued in LocalQueue team: Pending: couldn't assign flavors to pod set ..."."""
+    where = f"queued in LocalQueue {spec.queue_name}"
+    if workload is None:
+        return f"{where}: no Kueue Workload yet (is Kueue running, with its RayJob integration?)"
+    conditions = (workload.get("status") or {}).get("conditions") or []
+    reserved = next((c for c in conditions if c.get("type") == "QuotaReserved"), None)
+    if reserved is None or reserved.get("status") == "True" or not reserved.get("message"):
+        return f"{where}: waiting for Kueue"
+    said = " ".join(str(reserved["message"]).split())[:MAX_SCHEDULER_MESSAGE]
+    return f"{where}: {reserved.get('reason') or 'Pending'}: {said}"
 
 
 def _pool_status(spec: RLHFJobSpec, pool_name: str, pods: list[dict[str, Any]]) -> PoolStatus:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from .harness import RUN_ROOT, ControlPlane, build_binaries, missing_binaries
+from .operator_process import OperatorProcess
 from .util import provide_example_claims, remove_example_claims
 
 _running: ControlPlane | None = None
@@ -58,6 +59,15 @@ def controlplane(request: pytest.FixtureRequest):
     finally:
         cp.stop()
         _running = None
+
+
+@pytest.fixture(scope="module")
+def operator(controlplane: ControlPlane) -> Iterator[OperatorProcess]:
+    """The operator, run from this checkout as the cluster admin (test_chart runs it with
+    the chart's own RBAC)."""
+    op = OperatorProcess(controlplane).start()
+    yield op
+    op.stop()
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@
 # or use it alone: `make -f tests/controlplane/controlplane.mk controlplane`.
 #
 #   make controlplane   build etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
-#                       kubectl, kwok, helm, KubeRay's operator and kube-score into tests/controlplane/bin/,
+#                       kubectl, kwok, helm, KubeRay's operator, Kueue's manager and kube-score into tests/controlplane/bin/,
 #                       and unpack Debian's Prometheus there (the dashboards' tests query it)
 #   make cluster        start that control plane for a person; prints KUBECONFIG; Ctrl-C stops it
 #
@@ -37,12 +37,13 @@ CP_KUBE_LDFLAGS := \
 
 CP_KUBE_BINS := $(addprefix $(CP_BIN)/,kube-apiserver kube-controller-manager kube-scheduler kubectl)
 CP_TOOLS_BINS := $(addprefix $(CP_BIN)/,kwok helm)
-CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kube-score \
+CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kueue-manager \
+	$(CP_BIN)/kube-score \
 	$(CP_BIN)/prometheus
 
 .PHONY: controlplane cluster
 
-controlplane: $(CP_BINARIES)  ## build the test control plane (kube, etcd, kwok, helm, KubeRay) from pinned Go modules
+controlplane: $(CP_BINARIES)  ## build the test control plane (kube, etcd, kwok, helm, KubeRay, Kueue) from pinned Go modules
 
 # Grouped target (&:): one `go build` makes all four, sharing compiled packages.
 $(CP_KUBE_BINS) &: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
@@ -87,6 +88,11 @@ $(CP_BIN)/prometheus: $(CP_MK)
 $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
 	cd $(CP_GO)/kuberay && $(GO) build -o $(abspath $@) github.com/ray-project/kuberay/ray-operator
+	@touch $@
+
+$(CP_BIN)/kueue-manager: $(CP_GO)/kueue/go.mod $(CP_GO)/kueue/go.sum $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/kueue && $(GO) build -o $(abspath $@) sigs.k8s.io/kueue/cmd/kueue
 	@touch $@
 
 cluster: controlplane  ## start that control plane for you to use with kubectl (Ctrl-C stops it)

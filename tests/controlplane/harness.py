@@ -6,6 +6,7 @@ Every component is the upstream program, built from the pinned Go modules under
     etcd -> kube-apiserver -> kube-controller-manager, kube-scheduler, kwok
                            -> KubeRay CRDs + our CRDs (crds/) -> KubeRay operator
                            -> fake nodes (managed by kwok)
+                           -> Kueue's manager, on request (start_kueue)
 
 Nothing is faked except the machines: kwok plays the kubelets of fake nodes, so
 pods are really scheduled by kube-scheduler and marked Running by kwok.
@@ -51,6 +52,7 @@ BINARIES = (
     "kwok",
     "helm",
     "kuberay-operator",
+    "kueue-manager",
     "kube-score",
 )
 
@@ -163,6 +165,36 @@ def monitoring_crd_files() -> list[Path]:
         crds / f"monitoring.coreos.com_{plural}.yaml"
         for plural in ("servicemonitors", "podmonitors")
     ]
+
+
+def kueue_crd_files() -> list[Path]:
+    root = go_module_dir(GO_DIR / "kueue", "sigs.k8s.io/kueue")
+    return sorted((root / "config" / "components" / "crd" / "bases").glob("*.yaml"))
+
+
+def can_run_kueue() -> bool:
+    """Kueue's manager reads its metrics certificate from a fixed path under /etc, which
+    start_kueue bind-mounts in a mount namespace of its own: that needs root."""
+    return os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
+def kueue_config(namespace: str, ports: dict[str, int], cert_dir: Path) -> dict:
+    """Kueue's configuration: only RayJobs carrying a queue label are its business; no
+    leader election, and no visibility server (it would take a fixed port)."""
+    return {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "namespace": namespace,
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{ports['health']}"},
+        "metrics": {"bindAddress": f"127.0.0.1:{ports['metrics']}"},
+        # Served, but no webhook configuration points at it: the operator creates queued
+        # RayJobs suspended itself, which is what Kueue's defaulting webhook would do.
+        "webhook": {"host": "127.0.0.1", "port": ports["webhook"], "certDir": str(cert_dir)},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        "featureGates": {"VisibilityOnDemand": False},
+        "integrations": {"frameworks": ["ray.io/rayjob"]},
+    }
 
 
 def kwok_stage_files() -> list[Path]:
@@ -723,6 +755,37 @@ class ControlPlane:
             ],
             env={"KUBECONFIG": str(self.kubeconfig)},
         )
+
+    def start_kueue(self) -> None:
+        """Start Kueue's controller manager (once; it runs until the control plane stops).
+        Only RayJobs labelled with a queue are Kueue's, so other tests see no change."""
+        if any(p.name == "kueue" for p in self.processes):
+            return
+        if not can_run_kueue():
+            raise ControlPlaneError("Kueue needs root and unshare here (see can_run_kueue)")
+        self.kubectl("create", *[f"--filename={path}" for path in kueue_crd_files()])
+        self.kubectl("create", "namespace", "kueue-system")
+        self._wait_crds_established()
+        # /etc/kueue/metrics/certs is where Kueue reads its metrics certificate: a private
+        # /etc holds it (and the webhook's), seen by Kueue alone.
+        etc = self.run_dir / "kueue-etc"
+        certs = etc / "kueue" / "metrics" / "certs"
+        certs.mkdir(parents=True)
+        _leaf(self.pki, "kueue", "/CN=kueue", "serverAuth", ["IP:127.0.0.1", "DNS:localhost"])
+        shutil.copy(self.pki / "kueue.crt", certs / "tls.crt")
+        shutil.copy(self.pki / "kueue.key", certs / "tls.key")
+        ports = dict(zip(("health", "metrics", "webhook"), free_ports(3), strict=True))
+        config = self.run_dir / "kueue.yaml"
+        config.write_text(yaml.safe_dump(kueue_config("kueue-system", ports, certs)))
+        manager = f"{BIN_DIR / 'kueue-manager'} --config={config}"
+        proc = self._spawn(
+            "kueue",
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             f"mount --bind {etc} /etc && exec {manager}"],
+            env={"KUBECONFIG": str(self.kubeconfig)},
+        )  # fmt: skip
+        ready = f"http://127.0.0.1:{ports['health']}/readyz"
+        self._wait("kueue", lambda: _http_get(ready) == 200, proc, timeout=60)
 
     def _create_nodes(self) -> None:
         # Through the Python client: kubectl would first rediscover every API group,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,6 @@ from .util import eventually, get_json, kubectl_as
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
 CLUSTER_EXAMPLES = [p for p in EXAMPLES if p.name != "local-cpu.yaml"]
-
-
-@pytest.fixture(scope="module")
-def operator(controlplane: ControlPlane) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(controlplane).start()
-    yield op
-    op.stop()
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -398,3 +398,19 @@ def test_a_gang_scheduler_is_named_to_kuberay_on_the_rayjob_only() -> None:
     assert (
         "ray.io/scheduler-name" not in render("split-8gpu-4-4.yaml")["RayJob"]["metadata"]["labels"]
     )
+
+
+def test_a_queued_job_hands_kueue_its_rayjob_suspended_with_the_queue_label() -> None:
+    manifest = load(EXAMPLES[0].parent / "split-8gpu-4-4.yaml")
+    manifest["spec"]["queueName"] = "team-a"
+    objects = {
+        o["kind"]: o for o in render_children(JobRef("j", "ns", "uid"), parse_job(manifest).spec)
+    }
+    rayjob = objects["RayJob"]
+    assert rayjob["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert rayjob["spec"]["suspend"] is True  # Kueue resumes it when it admits it
+    others = [o for kind, o in objects.items() if kind != "RayJob"]
+    assert all("kueue.x-k8s.io/queue-name" not in o["metadata"]["labels"] for o in others)
+    unqueued = render("split-8gpu-4-4.yaml")["RayJob"]
+    assert "kueue.x-k8s.io/queue-name" not in unqueued["metadata"]["labels"]
+    assert unqueued["spec"]["suspend"] is False

@@ -184,3 +184,44 @@ def test_invalid_spec_fails_without_finishing() -> None:
     fixed = status(Observed(None, []), old=s)
     assert fixed.phase is Phase.PENDING
     assert next(c for c in fixed.conditions if c.type == "Invalid").status == "False"
+
+
+QUEUED_SPEC = SPEC.model_copy(update={"queue_name": "team"})
+
+
+def workload(reason: str, message: str) -> dict[str, Any]:
+    condition = {"type": "QuotaReserved", "status": "False", "reason": reason, "message": message}
+    return {"metadata": {"name": "rayjob-x"}, "status": {"conditions": [condition]}}
+
+
+def queued_status(
+    suspended: bool, found: dict[str, Any] | None, spec: Any = QUEUED_SPEC
+) -> RLHFJobStatus:
+    job = rayjob("Suspended" if suspended else "Running") | {"spec": {"suspend": suspended}}
+    return compute_status(spec, 3, Observed(job, [], found), RLHFJobStatus(), T0)
+
+
+def test_a_job_kueue_has_not_admitted_is_queued_with_kueues_reason() -> None:
+    said = (
+        "couldn't assign flavors to pod set critic:\n insufficient unused quota for nvidia.com/gpu"
+    )
+    s = queued_status(True, workload("Pending", said))
+    assert s.phase is Phase.QUEUED
+    conditions = {c.type: c for c in s.conditions}
+    expected = f"queued in LocalQueue team: Pending: {' '.join(said.split())}"
+    assert (conditions["Ready"].reason, conditions["Ready"].message) == ("Queued", expected)
+    assert conditions["PoolsReady"].reason == "Queued"
+    assert conditions["PoolsReady"].message == f"0/2 pools have all their GPUs; {expected}"
+
+
+def test_a_queued_job_without_a_workload_says_kueue_has_not_made_one() -> None:
+    ready = next(c for c in queued_status(True, None).conditions if c.type == "Ready")
+    assert "no Kueue Workload yet" in ready.message
+
+
+def test_an_admitted_job_follows_kuberay_and_a_suspended_one_is_suspended() -> None:
+    assert queued_status(False, workload("QuotaReserved", "")).phase is Phase.RUNNING
+    suspended = QUEUED_SPEC.model_copy(update={"suspend": True})
+    assert queued_status(True, None, suspended).phase is Phase.SUSPENDED
+    # Without a queue, a suspended RayJob is the user's suspension, not a queue.
+    assert queued_status(True, None, SPEC).phase is Phase.SUSPENDED

@@ -64,6 +64,10 @@ in the chart's README. No wildcards, no Secrets, and no delete but of a failed R
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Kueue (spec.queueName): read why a job waits; deactivate it while suspended.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [list, patch]
 {{- if .Values.networkPolicy.enabled }}
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
