@@ -216,6 +216,19 @@ def test_a_rank_dying_mid_collective_fails_the_call_instead_of_hanging(
             ray.get(host.whereabouts.remote(), timeout=60)
 
 
+def wait_until_dead(host: Any, timeout_s: float = 60) -> None:
+    """ray.kill lands asynchronously: a call made at once may still be answered (a cold
+    CI run here saw the killed rank's stats come back once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(host.whereabouts.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed rank still answers")
+
+
 def test_engines_report_their_stats_while_busy_and_a_dead_one_loses_its_series(
     ray_pools: RayPools,
 ) -> None:
@@ -236,6 +249,7 @@ def test_engines_report_their_stats_while_busy_and_a_dead_one_loses_its_series(
         assert ray.wait(busy, timeout=0)[0] == [], "the ranks answered after their call"
         assert (group.world_size, generated("0"), generated("1")) == (2, 100, 101)
         ray.kill(group.hosts[1])
+        wait_until_dead(group.hosts[1])
         poller.poll(timeout_s=60)
         assert (generated("0"), generated("1")) == (100, None)
     finally:
