@@ -23,8 +23,20 @@ BENCHES = {  # name -> module
     "gpu_train_step": "bench.gpu_train_step.run",
 }
 HEADLINES = {  # name -> the figures its summary shows
-    "split": ["efficiency", "measured_speedup", "ideal_speedup", "split.driver_share"],
-    "async": ["ratio", "async.idle.rollout", "async.idle.train", "async.driver_share"],
+    "split": [
+        "efficiency",
+        "measured_speedup",
+        "ideal_speedup",
+        "split.driver_share",
+        "estimate_error",
+    ],
+    "async": [
+        "ratio",
+        "async.idle.rollout",
+        "async.idle.train",
+        "async.driver_share",
+        "estimate_error",
+    ],
     "algorithms": ["grpo_speedup", "ppo.samples_per_s", "grpo.samples_per_s"],
     "weight_sync": ["broadcast_of_memcpy", "broadcast.gb_per_s", "object_store.gb_per_s"],
     "real_model": ["fp32.generation_tokens_per_s", "fp32.actor_training_tokens_per_s"],

@@ -22,7 +22,8 @@ def measure_run(
     job: Callable[[Path], JobConfig], warmup_steps: int
 ) -> tuple[list[StepResult], Measurement]:
     """Train `job(checkpoint_dir)`; the measured steps and their figures: step_s,
-    driver_share, phase.<phase> (mean busy seconds a step) and idle.<pool>."""
+    driver_share, response_tokens (mean per sample), phase.<phase> (mean busy seconds a
+    step) and idle.<pool>."""
     steps: list[StepResult] = []
     with tempfile.TemporaryDirectory() as tmp:
         config, trace_path = job(Path(tmp) / "checkpoints"), Path(tmp) / "trace.json"
@@ -40,6 +41,8 @@ def measure_run(
     return measured, {
         "step_s": sum(s.seconds for s in measured) / len(measured),
         "driver_share": sum(driver) / len(driver),
+        "response_tokens": sum(s.response_tokens for s in measured)
+        / (config.samples_per_step * len(measured)),
         **phases,
         **{f"idle.{p.name}": trace.idle_share(p.name, windows) for p in config.pools},
     }

@@ -15,13 +15,17 @@ take about the same time (0.74 s and 0.76 s): that is where overlapping them pay
 most, and the only place both pools can be busy; with unequal work the faster pool
 idles for the difference whatever the scheduling.
 
-The two runs are interleaved, 3 times by default (each figure: median and min-max), and
-compared within each repeat. Idle shares are each pool's time without a span over the
-measured steps; the driver share is the time in no role's span. There is no "ideal"
-figure: the synchronous run's phase times bound nothing here (a synchronous batch waits
-for its longest response, a stream does not), and measuring each pool alone is still to
-come. Run: make bench-async (about 10 minutes). Arguments, all optional: measured steps,
-response cap, staleness threshold, sync every K steps, repeats.
+The bound: a third run measures each pool alone (`alone.py`): the rollout pool
+streaming with nothing training, then the train pool training on those samples with
+nothing generating. Pipeline efficiency = async samples/s / the slower pool's rate
+alone. (The synchronous run's phase times bound nothing: a synchronous batch waits for
+its longest response, a stream does not.)
+
+The three runs are interleaved, 3 times by default (each figure: median and min-max),
+and compared within each repeat. Idle shares are each pool's time without a span over
+the measured steps; the driver share is the time in no role's span. Run: make
+bench-async (about 15 minutes). Arguments, all optional: measured steps, response cap,
+staleness threshold, sync every K steps, repeats.
 """
 
 from __future__ import annotations
@@ -31,9 +35,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.estimate import predicted_step
 from bench.harness import Measurement, run_bench
 from bench.runs import measure_run
 from rlhf_trainer.api.config import JobConfig
+
+from .alone import measure_alone  # (`bench.async` is no importable name)
 
 WARMUP_STEPS = 3
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
@@ -75,24 +82,40 @@ def job(fully_async: bool, checkpoints: Path) -> JobConfig:
 
 
 def measure(fully_async: bool) -> Measurement:
-    """One run: samples/s and response length over the measured steps, beside the mean
-    step and phases, each pool's idle share and the driver's share."""
+    """One run: samples/s over the measured steps, beside the mean step and phases, the
+    mean response length, each pool's idle share and the driver's share."""
     measured, figures = measure_run(partial(job, fully_async), WARMUP_STEPS)
     return {
         "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),
-        "response_length": sum(s.response_tokens for s in measured) / BATCH / len(measured),
         **figures,
     }
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:
-    return {"ratio": run["async"]["samples_per_s"] / run["sync"]["samples_per_s"]}
+    """The async/sync ratio; the pipeline efficiency, async samples/s over the slower
+    pool's alone; and the estimator's error on the async step, from the rollout pool's
+    rate alone and the other rates calibrated on the synchronous run (whose phases run
+    one after another)."""
+    unused = Path("unused")
+    alone = run["alone"]
+    bound = min(alone["rollout_samples_per_s"], alone["train_samples_per_s"])
+    streamed = alone["rollout_samples_per_s"] * alone["response_tokens"]  # one rollout GPU
+    predicted = predicted_step(job(False, unused), run["sync"], job(True, unused), streamed)
+    return {
+        "ratio": run["async"]["samples_per_s"] / run["sync"]["samples_per_s"],
+        "pipeline_efficiency": run["async"]["samples_per_s"] / bound,
+        "estimate_error": predicted / run["async"]["step_s"] - 1,
+    }
 
 
 def main() -> None:
     run_bench(
         "async",
-        {"sync": partial(measure, False), "async": partial(measure, True)},
+        {
+            "sync": partial(measure, False),
+            "async": partial(measure, True),
+            "alone": partial(measure_alone, partial(job, True)),
+        },
         REPEATS,
         compare,
         measured_steps=MEASURED_STEPS,

@@ -28,6 +28,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from bench.estimate import predicted_step
 from bench.harness import Measurement, run_bench
 from bench.runs import measure_run
 from rlhf_trainer.api.config import JobConfig
@@ -84,6 +85,7 @@ def compare(run: dict[str, Measurement]) -> Measurement:
     overlapped = plan_placement(job(True, unused)).step_seconds(phases)
     measured = colocated["step_s"] / split["step_s"]
     ideal = colocated["step_s"] / (colocated["step_s"] - (serial - overlapped))
+    predicted = predicted_step(job(False, unused), colocated, job(True, unused))
     slowdown = {
         f"slowdown.{key.removeprefix('phase.')}": split[key] / value
         for key, value in colocated.items()
@@ -93,6 +95,7 @@ def compare(run: dict[str, Measurement]) -> Measurement:
         "measured_speedup": measured,
         "ideal_speedup": ideal,
         "efficiency": measured / ideal,
+        "estimate_error": predicted / split["step_s"] - 1,  # rates from the colocated run
         **slowdown,
     }
 

@@ -2,6 +2,7 @@
 
 rlhfjob validate FILE...   print `FILE: ok` or each error with its field path
 rlhfjob plan FILE...       print each job's placement plan
+  --estimate [--profile P]   and its step time, pool busy shares and balanced split
 rlhfjob render FILE        print the objects the operator would create
 rlhfjob train FILE         run the job on this machine (a simulated Ray cluster)
 rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
@@ -18,11 +19,12 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_operator.api import RLHFJob
+from rlhf_operator.api import RLHFJob, Separation
 from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
 from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.render_network import NetworkAccess
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job, unmounted_paths
+from rlhf_trainer.api.estimate import CostProfile, describe_estimate, load_profile
 from rlhf_trainer.api.plan import describe, plan_placement
 
 
@@ -57,7 +59,8 @@ def validate_files(paths: list[Path]) -> int:
     return 1 if failed else 0
 
 
-def print_plans(paths: list[Path]) -> int:
+def print_plans(paths: list[Path], profile: CostProfile | None = None) -> int:
+    """Each job's plan, and with a cost profile its estimate."""
     for path in paths:
         jobs, problems = read_jobs(path)
         if problems:
@@ -66,6 +69,9 @@ def print_plans(paths: list[Path]) -> int:
         for job in jobs:
             print(f"{job.metadata.name} ({path})")
             print(describe(plan_placement(job.spec.job_config())))
+            if profile is not None:
+                share_nodes = job.spec.separation is Separation.GPU
+                print(describe_estimate(job.spec.job_config(), profile, share_nodes))
     return 0
 
 
@@ -130,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")
     plan = commands.add_parser("plan", help="print the placement plan of RLHFJob manifests")
     plan.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    plan.add_argument(
+        "--estimate",
+        action="store_true",
+        help="estimate step time, pool busy shares and samples/s; suggest a balanced split",
+    )
+    plan.add_argument(
+        "--profile",
+        default="cpu-2core",
+        help="the cost profile: a bundled name (cpu-2core, h20-qwen2.5-math-7b) or a YAML file",
+    )
     render = commands.add_parser("render", help="print the objects the operator would create")
     render.add_argument("file", type=Path, metavar="FILE")
     render.add_argument("--namespace", default="default")
@@ -151,7 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render_peering_yaml() if args.peering else render_crd_yaml())
         return 0
     if args.command == "plan":
-        return print_plans(args.files)
+        if not args.estimate:
+            return print_plans(args.files)
+        try:
+            profile = load_profile(args.profile)
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 1
+        return print_plans(args.files, profile)
     if args.command == "render":
         return print_children(args.file, args.namespace)
     if args.command == "train":

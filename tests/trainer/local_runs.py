@@ -1,14 +1,20 @@
 """A whole job trained on a simulated local Ray cluster, with what it reported: the
-steps, the metrics and the Chrome trace (written beside its checkpoints); and the
-rollout engines' vLLM series among those metrics."""
+steps, the metrics and the Chrome trace (written beside its checkpoints); the rollout
+engines' vLLM series among those metrics; and a hook that kills a run's vLLM engine."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+import pytest
 from prometheus_client import CollectorRegistry
 
 from rlhf_trainer.api.config import JobConfig, Role
@@ -26,17 +32,27 @@ class Trained:
     trace: dict[str, Any]
 
 
-def train(config: JobConfig, metrics: TrainerMetrics | None = None) -> Trained:
+def train(
+    config: JobConfig,
+    metrics: TrainerMetrics | None = None,
+    on_step: Callable[[StepResult], None] | None = None,
+) -> Trained:
     """Train the job to its end; `metrics`: the registry to report into (one of its own
-    by default)."""
+    by default); `on_step`: called after each step (after it is recorded)."""
     from rlhf_trainer.cluster.local import local_ray_cluster
     from rlhf_trainer.loop.run import run_job
 
     steps: list[StepResult] = []
+
+    def record(step: StepResult) -> None:
+        steps.append(step)
+        if on_step is not None:
+            on_step(step)
+
     metrics = metrics or TrainerMetrics(pools=[p.name for p in config.pools])
     trace = Path(config.trainer.checkpoint.path) / "trace.json"
     with local_ray_cluster(config):
-        run_job(config, "local", ConsoleReporter(every=1e9), metrics, trace, steps.append)
+        run_job(config, "local", ConsoleReporter(every=1e9), metrics, trace, record)
     return Trained(config, steps, metrics, json.loads(trace.read_text()))
 
 
@@ -50,3 +66,57 @@ def vllm_series(config: JobConfig, registry: CollectorRegistry, name: str) -> li
     ]
     assert None not in values, f"{name} per engine: {values}"
     return [value for value in values if value is not None]
+
+
+RUN_TAG = "RLHF_TEST_RUN"  # environment variable: which test run a process belongs to
+
+
+def engine_cores(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """The vLLM engine-core processes among `processes`."""
+    found = []
+    for process in processes:
+        try:
+            if " ".join(process.cmdline()).startswith("VLLM::EngineCore"):
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@dataclass
+class EngineKiller:
+    """An on_step hook that SIGKILLs the run's one vLLM engine core, once, after step
+    `after_step` (or the first step after it at which the engine is up).
+
+    The engine is searched among all processes, not the test's children: how Ray parents
+    its workers is its own business (a CI run once found no engine below pytest). It is
+    told apart by `tag`, which it inherits through the local cluster's raylets when the
+    cluster starts inside `tagged()`; another test worker's engines (tests run on two)
+    do not have it."""
+
+    after_step: int = 1
+    tag: str = field(default_factory=lambda: f"{os.getpid()}-{time.time()}")
+    killed: list[int] = field(default_factory=list)  # the pids killed
+
+    @contextmanager
+    def tagged(self) -> Iterator[EngineKiller]:
+        """Start the local cluster inside this: its processes carry the tag."""
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(RUN_TAG, self.tag)
+            yield self
+
+    def ours(self, process: psutil.Process) -> bool:
+        try:
+            return bool(process.environ().get(RUN_TAG) == self.tag)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            return False
+
+    def __call__(self, step: StepResult) -> None:
+        if self.killed or step.step < self.after_step:
+            return
+        engines = [p for p in engine_cores(psutil.process_iter()) if self.ours(p)]
+        assert len(engines) <= 1, f"expected the rollout pool's one engine, found {engines}"
+        if engines:
+            engines[0].kill()
+            self.killed.append(engines[0].pid)
+        assert self.killed or step.step < self.after_step + 2, "no vLLM engine found to kill"

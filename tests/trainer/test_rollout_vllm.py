@@ -4,14 +4,18 @@ weights loaded into the running engine.
 One engine for the module (starting one takes ~30-60 s on a CPU). The checks compare
 vLLM with the trainer's view, transformers on the same weights: the log-prob of every
 generated token, before and after a weight update, and the greedy output; and vLLM's
-own metrics of the engine count what it generated.
+own metrics of the engine count what it generated. And the engine survives its vLLM
+engine core being killed: it restarts in place with the weights it last loaded.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -23,6 +27,7 @@ from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_mod
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.telemetry.engine_stats import read_engine_stats
+from tests.trainer.local_runs import engine_cores
 
 pytest.importorskip("vllm", reason="the trainer stack (make install-trainer) is not installed")
 
@@ -39,7 +44,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def module_engine(model_dir: Path) -> Iterator[RolloutEngine]:
-    engine = RolloutEngine(model_dir, max_model_len=64, gpu_memory_utilization=0.3, seed=0)
+    engine = RolloutEngine(
+        model_dir, max_model_len=64, gpu_memory_utilization=0.3, seed=0, max_restarts=1
+    )
     yield engine
     engine.shutdown()
 
@@ -170,3 +177,55 @@ def test_the_engines_vllm_stats_count_the_tokens_of_a_batch(engine: RolloutEngin
     assert after.generation_tokens - before.generation_tokens == generated
     assert after.prompt_tokens - before.prompt_tokens == sum(len(p) for p in prompts)
     assert 0 <= after.kv_cache_usage <= 1
+
+
+def test_a_killed_engine_restarts_in_place_with_the_weights_it_last_loaded(
+    engine: RolloutEngine, model_dir: Path
+) -> None:
+    """SIGKILL vLLM's engine core while requests are paused halfway through their
+    responses. The engine is rebuilt in this process, loaded with the weights it last
+    loaded and still paused; the requests start again on it and finish once it resumes,
+    sampled with those weights; a seeded batch gives what it gave before the kill."""
+    prompts = prompt_ids(6)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    train_towards(policy, prompts, [[5, 6, 7, 8]] * len(prompts), steps=5)  # new weights
+    engine.load_weights(rollout_state_dict(policy).items(), version=7)
+    before = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=9)
+
+    tokens_arrived = threading.Event()
+    requests = [
+        engine.spawn(
+            engine.generate(
+                f"survivor-{i}",
+                prompt,
+                max_tokens=32,
+                seed=100 + i,
+                on_tokens=lambda _: tokens_arrived.set(),
+            )
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+    assert tokens_arrived.wait(60)
+    engine.call(engine.pause())
+    [core] = engine_cores(psutil.Process().children(recursive=True))
+    core.kill()
+    started = time.perf_counter()
+    while engine.recovery.generation == 0:  # the restart, started by the requests' failure
+        assert time.perf_counter() - started < 600, "the engine was not restarted"
+        time.sleep(0.1)
+    time.sleep(1)
+    assert not any(r.done() for r in requests), "the restarted engine did not stay paused"
+    engine.call(engine.resume())
+    rollouts = [r.result(timeout=120) for r in requests]
+    print(f"restart (engine rebuilt, weights reloaded): {engine.recovery.seconds[0]:.1f} s")
+
+    assert engine.recovery.restarts == 1
+    assert [r.prompt_token_ids for r in rollouts] == prompts
+    assert all(r.version_spans == ((7, 0),) for r in rollouts)  # regenerated on version 7
+    assert max_log_prob_diff(policy, rollouts) < LOG_PROB_TOLERANCE
+    after = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=9)
+    assert [r.response_token_ids for r in after] == [r.response_token_ids for r in before]
+    for a, b in zip(after, before, strict=True):
+        assert a.response_log_probs == pytest.approx(b.response_log_probs, abs=LOG_PROB_TOLERANCE)
+    stats = engine.stats()
+    assert stats is not None and stats.restarts == 1

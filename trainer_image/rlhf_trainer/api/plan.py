@@ -87,6 +87,9 @@ class Lane:
     pool: str
     phases: tuple[Phase, ...]
 
+    def seconds(self, phase_seconds: Mapping[Phase, float]) -> float:
+        return sum(phase_seconds.get(p, 0.0) for p in self.phases)
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -116,8 +119,7 @@ class PlacementPlan:
         return next((s for s in self.stages if s.name == name), Stage(name, ()))
 
     def phases(self) -> tuple[Phase, ...]:
-        lanes = self.background + tuple(lane for s in self.stages for lane in s.lanes)
-        return tuple(phase for lane in lanes for phase in lane.phases)
+        return tuple(phase for lane in self.lanes() for phase in lane.phases)
 
     def concurrent(self, a: Phase, b: Phase) -> bool:
         """Whether phases a and b can run at the same time in this plan."""
@@ -130,18 +132,20 @@ class PlacementPlan:
                 return lane_of[a] != lane_of[b]
         return False
 
-    def step_seconds(self, phase_seconds: Mapping[Phase, float]) -> float:
-        """Ideal time of one step given each phase's time when run alone.
+    def step_seconds(self, phase_seconds: Mapping[Phase, float], driver: float = 0.0) -> float:
+        """Ideal time of one step given each phase's time when run alone, and the
+        driver's own seconds a step (they add to the trainer stages' time).
 
         Sum over stages of the slowest lane; with background generation the step
         takes whichever is slower, the trainer stages or the generation they consume.
         """
+        stages = (max(lane.seconds(phase_seconds) for lane in s.lanes) for s in self.stages)
+        trainer = driver + sum(stages)
+        return max([trainer, *(lane.seconds(phase_seconds) for lane in self.background)])
 
-        def lane_time(lane: Lane) -> float:
-            return sum(phase_seconds.get(p, 0.0) for p in lane.phases)
-
-        trainer = sum(max(map(lane_time, s.lanes)) for s in self.stages)
-        return max([trainer, *map(lane_time, self.background)])
+    def lanes(self) -> tuple[Lane, ...]:
+        """Every lane of a step: the background's, then each stage's."""
+        return self.background + tuple(lane for s in self.stages for lane in s.lanes)
 
 
 def plan_placement(config: JobConfig) -> PlacementPlan:

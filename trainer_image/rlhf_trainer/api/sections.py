@@ -263,6 +263,17 @@ class GenerationConfig(SpecModel):
             "batchSize x n samples."
         ),
     )
+    max_engine_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description=(
+            "Times each rollout engine may be restarted in place after its vLLM engine "
+            "dies (it reloads the current policy weights and runs its requests again); "
+            "the next death fails the job. Each engine keeps a copy of the policy weights "
+            "in host memory for it; 0 keeps none."
+        ),
+    )
 
 
 class CheckpointConfig(SpecModel):

