@@ -4,7 +4,9 @@ run with dynamic sampling. (Dynamic sampling's cap: test_dynamic_sampling.py.)
 
 8 prompts x 4 responses a step (the samples of the PPO tests' 32 prompts). Measured on
 2 cores: GRPO's fitted rise over 20 steps is +0.11 (t = 7.4) colocated and split (the
-same rewards: only the placement differs), and +0.10 fully async.
+same rewards: only the placement differs), and +0.10 fully async. The split run is
+short: it learns what the colocated run learns if its rewards are the same, step for
+step, so it is checked for that over its first SPLIT_STEPS steps.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow  # each trains a whole run (about a minute)
 
 STEPS = 20
 N = 4  # samples per prompt
+SPLIT_STEPS = 5
 MIN_RISE = 0.05  # measured: +0.11 (t = 7.4) sync, +0.10 async over 20 steps
 
 
@@ -37,7 +40,7 @@ def grpo_colocated(tmp_path_factory: pytest.TempPathFactory) -> Trained:
 @pytest.fixture(scope="module")
 def grpo_split(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     tmp = tmp_path_factory.mktemp("split")
-    return train(critic_free_job("grpo", "split", total_steps=STEPS, checkpoint_dir=tmp))
+    return train(critic_free_job("grpo", "split", total_steps=SPLIT_STEPS, checkpoint_dir=tmp))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def grpo_async(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     return train(critic_free_job("grpo", "async", total_steps=STEPS, checkpoint_dir=tmp))
 
 
-@pytest.fixture(scope="module", params=["grpo_colocated", "grpo_split", "grpo_async"])
+@pytest.fixture(scope="module", params=["grpo_colocated", "grpo_async"])
 def grpo(request: pytest.FixtureRequest) -> Trained:
     result: Trained = request.getfixturevalue(request.param)
     return result
@@ -68,8 +71,9 @@ def test_grpo_learns_the_toy_task_with_no_critic_anywhere(grpo: Trained) -> None
 def test_split_grpo_trains_the_same_policy_as_colocated(
     grpo_colocated: Trained, grpo_split: Trained
 ) -> None:
-    rewards = [s.reward_mean for s in grpo_colocated.steps]
+    rewards = [s.reward_mean for s in grpo_colocated.steps[:SPLIT_STEPS]]
     assert rewards == pytest.approx([s.reward_mean for s in grpo_split.steps])
+    assert all(s.critic is None for s in grpo_split.steps)
 
 
 def test_async_grpo_trains_each_group_once_whole_and_as_stale_as_its_oldest(

@@ -27,8 +27,8 @@ pytest.importorskip("ray", reason="the trainer stack (make install) is not insta
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
-TOTAL_STEPS = 6
-EVERY = 3
+TOTAL_STEPS = 4
+EVERY = 2
 RUN_TIMEOUT_S = 600  # generous: starting the roles takes about a minute on 2 cores
 TRAINER = [sys.executable, "-m", "rlhf_trainer"]
 STEP_LINE = re.compile(r"step (\d+)/\d+: reward ([-\d.]+)")
