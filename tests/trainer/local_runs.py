@@ -106,17 +106,24 @@ class EngineKiller:
             yield self
 
     def ours(self, process: psutil.Process) -> bool:
-        try:
-            return bool(process.environ().get(RUN_TAG) == self.tag)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            return False
+        return self.tag_of(process) == self.tag
 
     def __call__(self, step: StepResult) -> None:
         if self.killed or step.step < self.after_step:
             return
-        engines = [p for p in engine_cores(psutil.process_iter()) if self.ours(p)]
+        every = engine_cores(psutil.process_iter())
+        engines = [p for p in every if self.ours(p)]
         assert len(engines) <= 1, f"expected the rollout pool's one engine, found {engines}"
         if engines:
             engines[0].kill()
             self.killed.append(engines[0].pid)
-        assert self.killed or step.step < self.after_step + 2, "no vLLM engine found to kill"
+        assert self.killed or step.step < self.after_step + 2, (
+            f"no vLLM engine tagged {self.tag} found to kill among {every}: "
+            f"{[self.tag_of(p) for p in every]}"
+        )
+
+    def tag_of(self, process: psutil.Process) -> str | None:
+        try:
+            return process.environ().get(RUN_TAG)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess) as error:
+            return repr(error)

@@ -4,14 +4,14 @@ samples to the trainer pool.
 Runs of about a minute each: with stalenessThreshold 0 (synchronous and on-policy),
 with 0.5 and partial rollout (learning, version spans, no sample lost or duplicated),
 a run resumed from the checkpoint of another (its queue and its prompts in flight
-carry over), and a run whose vLLM engine is killed (the run fails rather than hangs).
+carry over), and a run whose vLLM engine is killed with no restart allowed (the run
+fails rather than hangs). The run with 0.5 has its engine killed after its first step:
+it is restarted in place, and the checks on that run (learning, nothing lost or
+trained twice, the staleness bound) hold across the restart.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.report import ConsoleReporter
 from tests.specs import local_async_job
 from tests.trainer.learning import assert_reward_rises
-from tests.trainer.local_runs import Trained, train, vllm_series
+from tests.trainer.local_runs import EngineKiller, Trained, train, vllm_series
 
 pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
 pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
@@ -57,14 +57,33 @@ MIN_RISE = 0.03  # measured: a fitted rise of +0.096 (t = 10.6); the CI run that
 
 
 @pytest.fixture(scope="module")
-def stale(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
+def killer() -> EngineKiller:
+    return EngineKiller(after_step=1)
+
+
+@pytest.fixture(scope="module")
+def stale(tmp_path_factory: pytest.TempPathFactory, killer: EngineKiller) -> Trained:
+    """60 steps with staleness 0.5; its vLLM engine is killed after the first one."""
     config = local_async_job(
         staleness=0.5,
         total_steps=STEPS,
         checkpoint_dir=tmp_path_factory.mktemp("stale"),
         every_steps=STEPS,
     )
-    yield train(config)
+    with killer.tagged():
+        return train(config, on_step=killer)
+
+
+def test_a_killed_engine_is_restarted_once_and_the_run_goes_on(
+    stale: Trained, killer: EngineKiller
+) -> None:
+    """The engine killed after step 1 was restarted in place (once), with the requests
+    it held run again on it: the other tests on this run check that nothing was lost
+    or trained twice, and that the reward still rose."""
+    assert len(killer.killed) == 1
+    [restarts] = vllm_series(stale.config, stale.metrics.registry, "rlhf_engine_restarts_total")
+    assert restarts == 1
+    assert [s.step for s in stale.steps] == list(range(1, STEPS + 1))
 
 
 def test_with_staleness_the_reward_still_rises(stale: Trained) -> None:
@@ -129,12 +148,11 @@ def test_a_resumed_run_trains_the_queued_and_in_flight_samples_once(tmp_path: Pa
 def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGKILL the rollout pool's vLLM engine after the first step. The trainer,
-    waiting for its next batch, gets the rollouter's report of the failure, so the job
-    fails (and its restart resumes from the checkpoint, see test_resume.py) instead of
-    waiting for samples that will never come."""
-    import psutil
-
+    """With generation.maxEngineRestarts 0, SIGKILL the rollout pool's vLLM engine after
+    the first step. The trainer, waiting for its next batch, gets the rollouter's report
+    of the failure, naming the engine, so the job fails (and its restart resumes from
+    the checkpoint, see test_resume.py) instead of waiting for samples that will never
+    come."""
     from rlhf_trainer.cluster.local import local_ray_cluster
     from rlhf_trainer.loop import fully_async as async_trainer
     from rlhf_trainer.loop.run import run_job
@@ -142,41 +160,19 @@ def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
 
     # Without the report the run would hit this instead (an hour by default).
     monkeypatch.setattr(async_trainer, "QUEUE_TIMEOUT_S", 300.0)
-    killed: list[int] = []
-    # Searched among all processes, not this one's children: how Ray parents its workers
-    # is its own business (a CI run once found no engine below pytest). The engine
-    # inherits this tag through the local cluster's raylets; another test worker's
-    # engines (tests run on two) do not have it.
-    run_tag = f"{os.getpid()}-{time.time()}"
-    monkeypatch.setenv("RLHF_TEST_RUN", run_tag)
-
-    def ours(process: psutil.Process) -> bool:
-        try:
-            return process.environ().get("RLHF_TEST_RUN") == run_tag
-        except (psutil.AccessDenied, psutil.NoSuchProcess):
-            return False
-
-    def kill_the_engine(step: StepResult) -> None:
-        if killed:
-            return
-        engines = [
-            p
-            for p in psutil.process_iter(["cmdline"])
-            if " ".join(p.info["cmdline"] or []).startswith("VLLM::EngineCore") and ours(p)
-        ]
-        assert len(engines) <= 1, f"expected the rollout pool's one engine, found {engines}"
-        if engines:
-            engines[0].kill()
-            killed.append(engines[0].pid)
-        assert killed or step.step < 3, "no vLLM engine process found to kill"
-
+    killer = EngineKiller(after_step=1)
     config = local_async_job(
         staleness=0.5, total_steps=30, checkpoint_dir=tmp_path, every_steps=100
     )
+    no_restarts = config.generation.model_copy(update={"max_engine_restarts": 0})
+    config = config.model_copy(update={"generation": no_restarts})
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
-    with pytest.raises(RolloutFailed, match="rollout rank 0"), local_ray_cluster(config):
-        run_job(config, "async", ConsoleReporter(every=1e9), metrics, on_step=kill_the_engine)
-    assert len(killed) == 1
+    named = (
+        r"rollout rank 0 \(pool rollout\): vLLM engine died .* generation.maxEngineRestarts is 0"
+    )
+    with pytest.raises(RolloutFailed, match=named), killer.tagged(), local_ray_cluster(config):
+        run_job(config, "async", ConsoleReporter(every=1e9), metrics, on_step=killer)
+    assert len(killer.killed) == 1
     # The dead engine breaks no scrape: its series keep the last counts it reported.
     scraped = generate_latest(metrics.registry).decode()
     assert 'rlhf_vllm_generation_tokens_total{engine="0",pool="rollout"}' in scraped
