@@ -39,16 +39,13 @@ the old version; the rollout's `version_spans` come from there.
 Processes and metrics: see `engine_settings`, which builds vLLM's engine.
 
 Restarts. An engine whose vLLM engine core dies is rebuilt in place, in this process,
-with the same settings and the weights it last loaded, at most `max_restarts` times
-(`engine_restart`). Every call runs on the live engine (`_alive`): one that sees the
-engine die waits for the restart and runs again on the new engine. So `generate_batch`
-generates the same batch again with the same seeds, and `generate` starts the request
-again (its partial tokens are lost and regenerated, on the current weights). To have
-weights to reload, the engine keeps the last payload it loaded: one serialized copy of
-the policy in host memory (its size in the rollout's dtype: ~3 GB for a 1.5B-parameter
-policy in bf16), and briefly a second while the next one loads; with `max_restarts` 0
-it keeps none. Before the first load the model directory's weights are current, and a
-new engine loads them anyway.
+at most `max_restarts` times (`engine_restart`). Every call runs on the live engine
+(`_alive`): one that sees the engine die waits for the restart and runs again on the
+new engine, so `generate_batch` generates its batch with the same seeds, and `generate`
+starts its request again (partial tokens are regenerated, on the current weights). The
+new engine reloads the last weights loaded, which the engine keeps: one serialized copy
+of the policy in host memory (~3 GB for 1.5B parameters in bf16; none if
+`max_restarts` is 0). Before any load the model directory's weights are current.
 """
 
 from __future__ import annotations
@@ -73,7 +70,7 @@ from rlhf_trainer.rollout.engine_restart import (
     utility,
 )
 from rlhf_trainer.rollout.engine_settings import build_llm, engine_settings, sampling_params
-from rlhf_trainer.rollout.engine_weights import serialize_weights
+from rlhf_trainer.rollout.engine_weights import payload_of
 from rlhf_trainer.telemetry.engine_stats import EngineStats, across_restarts, read_engine_stats
 
 T = TypeVar("T")
@@ -139,7 +136,9 @@ class RolloutEngine:
         )
         self._llm: Any = build_llm(self._settings)
         self.policy_version = initial_version
-        self.recovery = EngineRecovery(name, max_restarts, self._restart, self._version)
+        self.recovery = EngineRecovery(
+            name, max_restarts, self._restart, lambda: self.policy_version
+        )
         self._latest: tuple[bytes, int] | None = None  # the weights to reload, if any
         self._paused = False  # as the callers left it (pause, resume): a new engine keeps it
         self.retired: EngineStats | None = None  # the counts of the engines that died
@@ -148,9 +147,6 @@ class RolloutEngine:
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm", daemon=True)
         self._thread.start()
         self.call(self._llm.update_weight_version(str(initial_version)))
-
-    def _version(self) -> int:
-        return self.policy_version
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine's loop and wait for its result (from any other
@@ -352,13 +348,13 @@ class RolloutEngine:
         (computed with the old weights) and re-prefill their prefix with the new
         weights on resume; the tokens they generate from then on count as `version`.
         """
-        payload = _payload(weights)
+        payload = payload_of(weights)
         await self._alive(lambda llm: self._swap_weights(llm, payload, version, pause=False))
 
     def load_weights(self, weights: Weights, version: int) -> None:
         """Load new policy weights and wait (from any other thread). A paused engine
         stays paused; a running one pauses for the update and resumes on the new weights."""
-        payload = _payload(weights)  # here, not on the engine's loop
+        payload = payload_of(weights)  # here, not on the engine's loop
         self.call(self._alive(lambda llm: self._swap_weights(llm, payload, version, pause=True)))
 
     async def _swap_weights(self, llm: Any, payload: bytes, version: int, *, pause: bool) -> None:
@@ -393,10 +389,6 @@ class RolloutEngine:
             self.call(_cancel_tasks())  # vLLM's output handler, requests left behind
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
-
-
-def _payload(weights: Weights) -> bytes:
-    return weights if isinstance(weights, bytes) else serialize_weights(dict(weights))
 
 
 async def _cancel_tasks() -> None:

@@ -10,7 +10,7 @@ is `weight_sync`'s business; this module is the last hop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from safetensors.torch import load as load_safetensors
@@ -41,6 +41,11 @@ def engine_weights(state: Mapping[str, Tensor], tied: bool) -> dict[str, Tensor]
 
 def serialize_weights(weights: Mapping[str, Tensor]) -> bytes:
     return save_safetensors({name: tensor.cpu() for name, tensor in weights.items()})
+
+
+def payload_of(weights: Iterable[tuple[str, Tensor]] | bytes) -> bytes:
+    """Weights as the engine's worker takes them: safetensors bytes."""
+    return weights if isinstance(weights, bytes) else serialize_weights(dict(weights))
 
 
 def deserialize_weights(payload: bytes) -> dict[str, Tensor]:
