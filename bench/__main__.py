@@ -21,6 +21,7 @@ BENCHES = {  # name -> module
     "operator": "bench.operator.run",
     "real_model": "bench.real_model.run",
     "gpu_train_step": "bench.gpu_train_step.run",
+    "contention": "bench.contention.run",
 }
 HEADLINES = {  # name -> the figures its summary shows
     "split": [
@@ -35,12 +36,14 @@ HEADLINES = {  # name -> the figures its summary shows
         "async.idle.rollout",
         "async.idle.train",
         "async.driver_share",
+        "pipeline_efficiency",
         "estimate_error",
     ],
     "algorithms": ["grpo_speedup", "ppo.samples_per_s", "grpo.samples_per_s"],
     "weight_sync": ["broadcast_of_memcpy", "broadcast.gb_per_s", "object_store.gb_per_s"],
     "real_model": ["fp32.generation_tokens_per_s", "fp32.actor_training_tokens_per_s"],
     "gpu_train_step": ["actor_bf16.mfu", "actor_bf16.tokens_per_s", "autocast.tokens_per_s"],
+    "contention": ["slowdown"],
 }
 RESULTS = Path(__file__).with_name("results.jsonl")
 

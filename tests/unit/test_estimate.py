@@ -112,6 +112,14 @@ def test_pools_that_share_nodes_get_each_nodes_gpus_shared_out_anew() -> None:
     assert guess.step_seconds == pytest.approx(240 * 30 / (40 * 3) + 0.5 + 1, rel=1e-6)
 
 
+def test_a_smaller_critic_costs_its_share_of_the_actors_rate() -> None:
+    small_critic = PROFILE.model_copy(update={"role_cost": {"critic": 0.25}})
+    guess = estimate(job_config([two_gpus("a")], ALL_ON_A), small_critic)
+    assert guess.phase_seconds[Phase.VALUES] == pytest.approx(48 / 4)
+    assert guess.phase_seconds[Phase.UPDATE_CRITIC] == pytest.approx(96 / 4)
+    assert guess.phase_seconds[Phase.UPDATE_ACTOR] == pytest.approx(96)
+
+
 def test_a_synchronous_batch_waits_for_its_longest_response() -> None:
     config = job_config([two_gpus("a")], ALL_ON_A)  # maxResponseLength: see tests/specs.py
     longest = config.data.max_response_length

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
-from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, PlacementPlan, plan_placement
 from rlhf_trainer.api.rules import SpecModel
 
@@ -70,6 +70,13 @@ class CostProfile(SpecModel):
     )
     driver_seconds: float = Field(
         0.0, ge=0, description="The driver's own seconds a step (packing, advantages, rules)."
+    )
+    role_cost: dict[Role, float] = Field(
+        default_factory=dict,
+        description=(
+            "A role's cost per token against the actor's model (e.g. critic: 0.1 for a 0.5B "
+            "critic beside a 7B actor); 1 for a role not named."
+        ),
     )
     concurrent_slowdown: float = Field(
         1.0, ge=1, description="How much slower a phase runs beside another pool's work."
@@ -133,7 +140,8 @@ def alone_seconds(
                 profile.model_gigabytes / profile.weight_sync_gigabytes_per_second / every
             )
         elif role.pool != DRIVER:  # a rule-based reward is the driver's own time
-            seconds[phase] = work[phase] / (rate[phase] * role.gpus)
+            cost = profile.role_cost.get(PHASE_ROLE[phase], 1.0)
+            seconds[phase] = cost * work[phase] / (rate[phase] * role.gpus)
     longest = config.data.max_response_length
     if profile.decode_tokens_per_second_per_sequence and not plan.background:
         floor = longest / profile.decode_tokens_per_second_per_sequence
