@@ -99,7 +99,7 @@ def compare(run: dict[str, Measurement]) -> Measurement:
     unused = Path("unused")
     alone = run["alone"]
     bound = min(alone["rollout_samples_per_s"], alone["train_samples_per_s"])
-    streamed = alone["rollout_samples_per_s"] * alone["response_tokens"]  # one rollout GPU
+    streamed = alone["rollout_tokens_per_s"]  # one rollout GPU
     predicted = predicted_step(job(False, unused), run["sync"], job(True, unused), streamed)
     return {
         "ratio": run["async"]["samples_per_s"] / run["sync"]["samples_per_s"],
