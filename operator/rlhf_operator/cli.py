@@ -24,7 +24,7 @@ from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
 from rlhf_operator.render import JobRef, render_children
 from rlhf_operator.render_network import NetworkAccess
 from rlhf_operator.validation import InvalidJob, load_documents, parse_job, unmounted_paths
-from rlhf_trainer.api.estimate import CostProfile, describe_estimate, load_profile
+from rlhf_trainer.api.estimate import describe_estimate, load_profile
 from rlhf_trainer.api.plan import describe, plan_placement
 
 
@@ -59,8 +59,13 @@ def validate_files(paths: list[Path]) -> int:
     return 1 if failed else 0
 
 
-def print_plans(paths: list[Path], profile: CostProfile | None = None) -> int:
-    """Each job's plan, and with a cost profile its estimate."""
+def print_plans(paths: list[Path], profile_name: str | None = None) -> int:
+    """Each job's plan, and with a cost profile (a bundled name or a file) its estimate."""
+    try:
+        profile = load_profile(profile_name) if profile_name is not None else None
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 1
     for path in paths:
         jobs, problems = read_jobs(path)
         if problems:
@@ -167,14 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render_peering_yaml() if args.peering else render_crd_yaml())
         return 0
     if args.command == "plan":
-        if not args.estimate:
-            return print_plans(args.files)
-        try:
-            profile = load_profile(args.profile)
-        except ValueError as error:
-            print(error, file=sys.stderr)
-            return 1
-        return print_plans(args.files, profile)
+        return print_plans(args.files, args.profile if args.estimate else None)
     if args.command == "render":
         return print_children(args.file, args.namespace)
     if args.command == "train":
