@@ -35,8 +35,8 @@ from rlhf_trainer.loop.sync import Batch
 from rlhf_trainer.rollout.queue import Sample
 from rlhf_trainer.telemetry.report import ConsoleReporter
 
-BATCHES = 6  # admitted for the generation measurement; STEPS of them are trained after
-STEPS = 4
+BATCHES = 6  # admitted after the run's first admission, to keep the engines full
+STEPS = 4  # trained on samples drawn from everything admitted
 
 
 def measure_alone(job: Callable[[Path], JobConfig]) -> Measurement:
@@ -111,10 +111,9 @@ def generated_tokens(streaming: AsyncPPOTrainer) -> int:
     return sum(s.generation_tokens for s in stats if s is not None)
 
 
-def wait_for_depth(streaming: AsyncPPOTrainer, samples: int) -> int:
-    while (depth := queue_depth(streaming)) < samples:
+def wait_for_depth(streaming: AsyncPPOTrainer, samples: int) -> None:
+    while queue_depth(streaming) < samples:
         time.sleep(0.05)
-    return depth
 
 
 def queue_depth(streaming: AsyncPPOTrainer) -> int:
