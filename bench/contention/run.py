@@ -1,11 +1,11 @@
 """Benchmark: what these 2 cores cost two ranks that compute at once, with no product code.
 
 The split bench sees every phase run 1.1-1.3x slower beside the other pool than alone.
-This bench asks how much of that is the machine: one process trains a small transformer
-(the split bench's model: qwen2, hidden 256, 4 layers, a batch of 16 x 32 tokens, one
-torch thread, as each role rank has) alone, then two such processes train at once. No
-Ray, no vLLM, no driver: slowdown = time side by side / time alone is the machine's
-(shared caches, memory bandwidth, the hypervisor's scheduling of these vCPUs).
+This bench asks how much of that is the machine: one process trains the split bench's
+model, built as the trainer builds it (qwen2, hidden 256, 4 layers; a batch of 16 x 32
+tokens, one torch thread, as each role rank has), alone, then two such processes train
+at once. No Ray, no vLLM, no driver: slowdown = time side by side / time alone is the
+machine's (shared caches, memory bandwidth, the hypervisor's scheduling of these vCPUs).
 
 Interleaved (alone, side by side) 3 times by default; median and min-max. Run:
 make bench-contention (about a minute). Argument, optional: repeats.
@@ -26,19 +26,13 @@ REPEATS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 def train_seconds(iterations: int = ITERATIONS) -> float:
     """Seconds for `iterations` forward-backward-step passes, after one warm-up pass."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from bench.split_placement.run import MODEL
+    from rlhf_trainer.api.sections import TinyModel
+    from rlhf_trainer.models import build_tiny_model
 
     torch.set_num_threads(1)  # as each role rank (rlhf_trainer.worker.CPU_THREADS_PER_RANK)
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = build_tiny_model(TinyModel.model_validate(MODEL)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tokens = torch.randint(0, 64, (16, 32))
     started = 0.0

@@ -38,6 +38,9 @@ WARMUP_STEPS = 3  # vLLM's first generations and the allocators warm up
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
 REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 
+# Actor and critic (its backbone plus a value head) of about equal cost; the contention
+# bench trains the same model.
+MODEL = {"architecture": "qwen2", "hiddenSize": 256, "numLayers": 4, "numHeads": 4, "vocabSize": 64}
 POLICY_ROLES = {"actor": "policy", "rollout": "policy", "ref": "policy"}
 
 
@@ -45,13 +48,12 @@ def job(split: bool, checkpoints: Path) -> JobConfig:
     pools = [{"name": "policy", "replicas": 1, "gpusPerNode": 1}]
     if split:
         pools.append({"name": "value", "replicas": 1, "gpusPerNode": 1})
-    tiny = {"architecture": "qwen2", "hiddenSize": 256, "numLayers": 4, "numHeads": 4}
     return JobConfig.model_validate(
         {
             "pools": pools,
             "roles": {**POLICY_ROLES, "critic": "value" if split else "policy"},
             "models": {
-                "actor": {"tiny": {**tiny, "vocabSize": 64}},
+                "actor": {"tiny": MODEL},
                 "reward": {"function": "toy_copy"},
             },
             "data": {"train": "toy:copy", "maxPromptLength": 16, "maxResponseLength": 16},

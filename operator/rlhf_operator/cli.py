@@ -72,11 +72,12 @@ def print_plans(paths: list[Path], profile_name: str | None = None) -> int:
             print("\n".join(problems))
             return 1
         for job in jobs:
+            config = job.spec.job_config()
             print(f"{job.metadata.name} ({path})")
-            print(describe(plan_placement(job.spec.job_config())))
+            print(describe(plan_placement(config)))
             if profile is not None:
                 share_nodes = job.spec.separation is Separation.GPU
-                print(describe_estimate(job.spec.job_config(), profile, share_nodes))
+                print(describe_estimate(config, profile, share_nodes))
     return 0
 
 

@@ -133,14 +133,15 @@ def alone_seconds(
     work = dict.fromkeys(rate, tokens) | {Phase.GENERATE: samples * profile.response_tokens}
     seconds: dict[Phase, float] = {}
     for phase in plan.phases():
-        role = plan.roles[PHASE_ROLE[phase]]
+        role_name = PHASE_ROLE[phase]
+        role = plan.roles[role_name]
         if phase is Phase.SYNC_WEIGHTS:
             every = config.async_.trigger_parameter_sync_step if config.async_ else 1
             seconds[phase] = (
                 profile.model_gigabytes / profile.weight_sync_gigabytes_per_second / every
             )
         elif role.pool != DRIVER:  # a rule-based reward is the driver's own time
-            cost = profile.role_cost.get(PHASE_ROLE[phase], 1.0)
+            cost = profile.role_cost.get(role_name, 1.0)
             seconds[phase] = cost * work[phase] / (rate[phase] * role.gpus)
     longest = config.data.max_response_length
     if profile.decode_tokens_per_second_per_sequence and not plan.background:
@@ -268,7 +269,7 @@ def calibrate(
 def describe_estimate(config: JobConfig, profile: CostProfile, share_nodes: bool = False) -> str:
     """The estimate as a person reads it, and the split to try (`share_nodes`: the
     pools split each node's GPUs, as with `separation: gpu`)."""
-    guess = estimate(config, profile)
+    guess, lanes = estimate(config, profile), plan_placement(config).lanes()
     lines = [
         f"estimate (rates: {profile.source}):",
         f"  step {guess.step_seconds:.3g} s, {guess.samples_per_second:.3g} samples/s",
@@ -276,7 +277,7 @@ def describe_estimate(config: JobConfig, profile: CostProfile, share_nodes: bool
     for pool, share in guess.busy.items():
         phases = [
             f"{p} {guess.phase_seconds[p]:.3g} s"
-            for lane in plan_placement(config).lanes()
+            for lane in lanes
             if lane.pool == pool
             for p in lane.phases
         ]
