@@ -10,13 +10,14 @@ pools together and joins them when it needs the results: that is split placement
 
 A rank runs its calls one at a time, in order, on one thread. Every rank also answers
 on a second thread (the TELEMETRY concurrency group), while it is busy in a call:
-`alive` (who did not answer, `cluster.hangs`) and, for an engine, `engine_stats`
-(see `cluster.engine_stats`).
+`alive` (who did not answer, `cluster.hangs`), `drain_calls` (the timeline) and, for an
+engine, `engine_stats` (see `cluster.engine_stats`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ class RankHost:
         self._build = (worker_cls, args, kwargs)
         self.worker: Worker | None = None
         self.calls: list[tuple[str, float, float]] = []  # (method, start, end), wall clock
+        self.calls_lock = threading.Lock()  # calls are timed on one thread, drained on another
 
     def whereabouts(self) -> Whereabouts:
         import ray
@@ -116,12 +118,16 @@ class RankHost:
         try:
             return getattr(self.worker, method)(*args, **kwargs)
         finally:
-            self.calls.append((phase or method, start, time.time()))
+            with self.calls_lock:
+                self.calls.append((phase or method, start, time.time()))
 
     def drain_calls(self) -> list[tuple[str, float, float]]:
         """The calls timed since the last drain: what the timeline shows of this rank,
-        with what the worker did in the background, if it says (`drain_activity`)."""
-        calls, self.calls = self.calls, []
+        with what the worker did in the background, if it says (`drain_activity`).
+        Runs in the TELEMETRY group: a rank still in a call (an engine loading weights)
+        answers at once, and the next drain has that call."""
+        with self.calls_lock:
+            calls, self.calls = self.calls, []
         background = getattr(self.worker, "drain_activity", None)
         return calls + (background() if background is not None else [])
 
@@ -275,9 +281,10 @@ class WorkerGroup:
             record(ref, RankCall(self.role, self.pool, rank, method, host))
         return refs
 
-    def drain_calls(self) -> list[list[tuple[str, float, float]]]:
-        """Per rank, the calls it ran since the last drain (see RankHost.drain_calls)."""
-        return join([h.drain_calls.remote() for h in self.hosts])
+    def drain_calls(self) -> list[ObjectRef[list[tuple[str, float, float]]]]:
+        """Per rank, a future of the calls it ran since the last drain (see
+        RankHost.drain_calls); a rank busy in a call answers beside it."""
+        return [h.drain_calls.options(concurrency_group=TELEMETRY).remote() for h in self.hosts]
 
     def engine_stats(self, rank: int) -> ObjectRef[EngineStats | None]:
         """Ask rank `rank` for its engine's stats; it answers even while busy in a call."""

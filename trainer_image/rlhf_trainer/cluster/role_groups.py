@@ -81,6 +81,12 @@ class RoleGroups:
     def get(self, role: Role) -> WorkerGroup | None:
         return self.groups.get(role)
 
+    def drain_calls(self) -> dict[Role, list[list[tuple[str, float, float]]]]:
+        """Per role and rank, the calls run since the last drain. Every rank is asked at
+        once: one round trip, not one per role, between a step's end and the next's."""
+        asked = {role: group.drain_calls() for role, group in self.groups.items()}
+        return {role: join(futures) for role, futures in asked.items()}
+
     def shutdown(self) -> None:
         for group in self.groups.values():
             group.shutdown()

@@ -3,7 +3,7 @@ train on whatever has finished.
 
     rollouter (rollout pool) ──sample by sample──▶ queue ──B at a time──▶ train_on
           ▲                                                                │
-          └──── every K steps: pause, broadcast weights, resume, admit ◀───┘
+          └──── every K steps: broadcast weights, load them, admit ◀──────┘
 
 Admission keeps generation at most `stalenessThreshold` ahead: after a weight sync the
 prompts still outstanding (in flight or queued, all of them now stale) count towards
@@ -76,7 +76,10 @@ class AsyncPPOTrainer:
         self.queue = queue
         self.metrics = metrics
         self.group_size = core.group_size
-        # The rollout side of the last sync (load, resume, admit): the trainer goes on
+        # Groups taken from the queue (to train, or dropped): admitted ones not taken
+        # are outstanding, queued or in flight, which no engine needs asking.
+        self.groups_taken = 0
+        # The rollout side of the last sync (load, admit): the trainer goes on
         # without waiting for it, and waits before it next pauses the engines.
         self.rollout_pending: list[Any] = []
 
@@ -91,12 +94,15 @@ class AsyncPPOTrainer:
             self.admission.restore(resumed.admission)
             join([self.queue.restore.remote(resumed.queued)])
             self.admit_again(resumed.in_flight)
-            outstanding = len(resumed.queued) + len(resumed.in_flight)
-            self.admission.on_weight_sync(outstanding // self.group_size)
+            outstanding = (len(resumed.queued) + len(resumed.in_flight)) // self.group_size
+            self.groups_taken = self.admission.admitted_total - outstanding
+            self.admission.on_weight_sync(outstanding)
         self.admit()
 
     def step(self, step: int) -> StepResult:
         started = time.time()
+        # Read as the step starts, set as it ends: the answer is in by then (no wait).
+        depth = self.queue.depth.remote()
         samples, scores, dropped = self.take_batch(step)
         version = self.core.policy_version
         lags = group_staleness(samples, version, self.group_size)
@@ -107,7 +113,7 @@ class AsyncPPOTrainer:
         self.core.policy_version += 1
         if step % self.sync_every == 0:
             self.sync_weights()
-        self.metrics.queue_depth.set(join([self.queue.depth.remote()])[0])
+        self.metrics.queue_depth.set(join([depth])[0])
         return replace(
             result,
             seconds=time.time() - started,
@@ -146,6 +152,7 @@ class AsyncPPOTrainer:
         samples: list[Sample] | None = join([taken])[0]
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
+        self.groups_taken += groups
         return samples
 
     def prompts_of(self, samples: Sequence[Sample]) -> list[Prompt]:
@@ -178,7 +185,7 @@ class AsyncPPOTrainer:
 
     def wait_for_rollout(self) -> None:
         """Wait for the rollout side of the last sync (raising what it raised): the
-        engines' loads, then their resume and admissions, which return at once."""
+        engines' loads, then the admissions, which return at once."""
         pending, self.rollout_pending = self.rollout_pending, []
         join(pending, self.core.weight_sync.timeout_s)
 
@@ -192,26 +199,20 @@ class AsyncPPOTrainer:
         if not self.config.async_.partial_rollout:
             self.wait_for_rollout()
             join(rollout.run("drain"))
-        outstanding = self.push_weights()
+        self.push_weights()
         self.metrics.weight_sync_seconds.observe(time.time() - started)
-        self.admission.on_weight_sync(outstanding // self.group_size)
-        self.admit()
+        self.admission.on_weight_sync(self.admission.admitted_total - self.groups_taken)
+        self.admit()  # once the engines have the new weights (after their loads)
 
-    def push_weights(self) -> int:
-        """Pause the engines, broadcast the actor's weights into them, resume. Returns
-        the samples outstanding (queued or in flight; whole groups), counted while paused.
+    def push_weights(self) -> None:
+        """Broadcast the actor's weights into the engines. They generate meanwhile, and
+        each pauses only to load them (`RolloutEngine.load_weights`).
 
-        Waits only until the actor has sent: the engines load and resume while the
-        trainer starts on its next batch, which the sync does not change.
+        Waits only until the actor has sent: the engines load while the trainer starts
+        on its next batch, which the sync does not change.
         """
-        rollout = self.core.groups[Role.ROLLOUT]
         self.wait_for_rollout()
-        join(rollout.run("pause"))
-        in_flight = sum(join(rollout.run("in_flight_count")))  # all finished ones queued
-        outstanding: int = in_flight + join([self.queue.depth.remote()])[0]
-        loads = self.core.weight_sync.push(self.core.policy_version)
-        self.rollout_pending = rollout.run("resume", after=loads)
-        return outstanding
+        self.rollout_pending = self.core.weight_sync.push(self.core.policy_version)
 
     def checkpoint_state(self) -> AsyncState:
         """Pause, and take the queue and the prompts in flight (call between steps)."""

@@ -255,10 +255,11 @@ class PPOTrainer:
     def record_spans(self, since: float) -> dict[str, float]:
         """Put every rank's timed calls on the timeline; returns each phase's busy
         seconds since `since` (the union of its spans over ranks, clipped to it)."""
-        for role, group in self.groups.groups.items():
-            for rank_calls in group.drain_calls():
+        for role, ranks in self.groups.drain_calls().items():
+            pool = self.groups[role].pool
+            for rank_calls in ranks:
                 for phase, start, end in rank_calls:  # named by the phase, else the method
-                    self.timeline.record(group.pool, role, phase, start, end)
+                    self.timeline.record(pool, role, phase, start, end)
         by_phase: dict[str, list[tuple[float, float]]] = {}
         for span in self.timeline.spans():
             if span.end > since:  # clipped: async generation runs across steps

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.weight_sync import WeightSpec
 from rlhf_trainer.rollout.worker import EngineWorker
 from rlhf_trainer.worker import RankInfo, derive_seed
 
@@ -38,12 +40,25 @@ class StreamingRollout(EngineWorker):
         self.paused = False
         self.busy_since: float | None = None  # generating since (requests in flight)
         self.activity: list[tuple[str, float, float]] = []  # generating spans, for the timeline
+        # Marked on the loop, drained from Ray's telemetry thread (never waiting on the loop).
+        self.activity_lock = threading.Lock()
         self.delivering: list[Any] = []  # queue.put futures not yet confirmed
 
     def admit(self, prompts: Sequence[Admitted]) -> None:
         """Start generating each prompt; returns at once."""
         for admitted in prompts:
             self.engine.spawn(self._generate(admitted))
+
+    def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
+        """As EngineWorker's; a failed load is also reported to the queue. The trainer
+        does not wait for the load (it trains on meanwhile), but for its next batch:
+        without word it would wait there until the queue timeout."""
+        try:
+            super().receive_weights(specs, bucket_bytes, version)
+        except Exception as error:
+            log.exception("rollout rank %d: loading weights v%d failed", self.info.rank, version)
+            self.queue.fail.remote(f"rollout rank {self.info.rank}, weights v{version}: {error!r}")
+            raise
 
     async def _generate(self, admitted: Admitted) -> None:
         uid, index, token_ids = admitted
@@ -76,22 +91,22 @@ class StreamingRollout(EngineWorker):
         """Open or close the current generating span (on the loop thread)."""
         now = time.time() if now is None else now
         busy = bool(self.in_flight) and not self.paused
-        if busy and self.busy_since is None:
-            self.busy_since = now
-        elif not busy and self.busy_since is not None:
-            self.activity.append((Phase.GENERATE, self.busy_since, now))
-            self.busy_since = None
+        with self.activity_lock:
+            if busy and self.busy_since is None:
+                self.busy_since = now
+            elif not busy and self.busy_since is not None:
+                self.activity.append((Phase.GENERATE, self.busy_since, now))
+                self.busy_since = None
 
     def drain_activity(self) -> list[tuple[str, float, float]]:
-        """The generating spans since the last drain (an open one is cut at now)."""
-        return self.engine.call(self._drain_activity())
-
-    async def _drain_activity(self) -> list[tuple[str, float, float]]:
+        """The generating spans since the last drain (an open one is cut at now). Any
+        thread: it does not wait for the engine's loop, which may be busy loading."""
         now = time.time()
-        if self.busy_since is not None:
-            self.activity.append((Phase.GENERATE, self.busy_since, now))
-            self.busy_since = now
-        activity, self.activity = self.activity, []
+        with self.activity_lock:
+            if self.busy_since is not None:
+                self.activity.append((Phase.GENERATE, self.busy_since, now))
+                self.busy_since = now
+            activity, self.activity = self.activity, []
         return activity
 
     def drain(self) -> None:
@@ -123,7 +138,3 @@ class StreamingRollout(EngineWorker):
         delivering, self.delivering = self.delivering, []
         await asyncio.gather(*delivering)
         return sorted(self.in_flight.values())
-
-    def in_flight_count(self) -> int:
-        """Requests not finished, once every finished one has reached the queue."""
-        return len(self.snapshot())

@@ -162,7 +162,9 @@ class TrainerMetrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "rlhf_queue_depth", "Finished samples waiting for the trainer (fully async)", registry=r
+            "rlhf_queue_depth",
+            "Finished samples waiting for the trainer as a step starts (fully async)",
+            registry=r,
         )
         self.weight_sync_seconds = Histogram(
             "rlhf_weight_sync_seconds",
