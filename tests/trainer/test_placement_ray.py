@@ -229,11 +229,12 @@ def wait_until_dead(host: Any, timeout_s: float = 60) -> None:
     raise AssertionError("the killed rank still answers")
 
 
-def test_engines_report_their_stats_while_busy_and_a_dead_one_loses_its_series(
+def test_engines_report_their_stats_and_calls_while_busy_and_a_dead_one_loses_its_series(
     ray_pools: RayPools,
 ) -> None:
     """The rollout ranks answer on their telemetry thread while their working thread
-    sleeps in a call; each engine's series carry its pool and rank."""
+    sleeps in a call: each engine's stats, with its pool and rank on the series, and the
+    calls it finished for the timeline (the one in progress comes with a later drain)."""
     group = WorkerGroup.spawn(ray_pools.plan, Role.ROLLOUT, ray_pools.groups["policy"], BusyEngine)
     join(group.ready)
     metrics = TrainerMetrics()
@@ -244,10 +245,13 @@ def test_engines_report_their_stats_while_busy_and_a_dead_one_loses_its_series(
         return metrics.registry.get_sample_value("rlhf_vllm_generation_tokens_total", labels)
 
     try:
-        busy = group.run("sleep", 120.0)
+        join(group.run("sleep", 0.0, phase="short"))
+        busy = group.run("sleep", 120.0, phase="long")
         poller.poll(timeout_s=60)
+        drained = join(group.drain_calls(), timeout_s=60)
         assert ray.wait(busy, timeout=0)[0] == [], "the ranks answered after their call"
         assert (group.world_size, generated("0"), generated("1")) == (2, 100, 101)
+        assert [[phase for phase, _, _ in calls] for calls in drained] == [["short"], ["short"]]
         ray.kill(group.hosts[1])
         wait_until_dead(group.hosts[1])
         poller.poll(timeout_s=60)
