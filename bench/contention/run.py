@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import time
+from typing import Any
 
 from bench.harness import Measurement, run_bench
 
@@ -23,8 +24,10 @@ ITERATIONS = 20
 REPEATS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 
 
-def train_seconds(iterations: int = ITERATIONS) -> float:
-    """Seconds for `iterations` forward-backward-step passes, after one warm-up pass."""
+def train_seconds(barrier: Any, results: Any, iterations: int = ITERATIONS) -> None:
+    """Put the seconds a forward-backward-step pass takes into `results`: timed over
+    `iterations` passes after a warm-up one, from when every process is ready (the
+    imports take seconds, and unsynchronised processes would barely overlap)."""
     import torch
 
     from bench.split_placement.run import MODEL
@@ -35,21 +38,30 @@ def train_seconds(iterations: int = ITERATIONS) -> float:
     model = build_tiny_model(TinyModel.model_validate(MODEL)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     tokens = torch.randint(0, 64, (16, 32))
-    started = 0.0
     for i in range(iterations + 1):
         if i == 1:
+            barrier.wait()
             started = time.perf_counter()
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return (time.perf_counter() - started) / iterations
+    results.put((time.perf_counter() - started) / iterations)
 
 
 def in_processes(count: int) -> list[float]:
-    """Each of `count` processes' seconds a pass, started together."""
-    with multiprocessing.get_context("spawn").Pool(count) as pool:
-        return pool.map(train_seconds, [ITERATIONS] * count)
+    """Each of `count` processes' seconds a pass, timed from the same moment."""
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(count), context.Queue()
+    processes = [
+        context.Process(target=train_seconds, args=(barrier, results)) for _ in range(count)
+    ]
+    for process in processes:
+        process.start()
+    times = [results.get() for _ in processes]
+    for process in processes:
+        process.join()
+    return times
 
 
 def alone() -> Measurement:
