@@ -180,6 +180,22 @@ def test_gae_matches_reference(seed: int, gamma: float, lam: float) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("chunk", [1, 3, ppo.GAE_CHUNK])
+def test_gae_over_rows_longer_than_a_chunk_matches_reference(seed: int, chunk: int) -> None:
+    """The sums carried from chunk to chunk: rows of 20 to 163 tokens, with holes."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, length = 3, 20 + 13 * seed
+    mask = random_mask(generator, batch, length).double()
+    rewards, values = (
+        torch.randn(batch, length, generator=generator, dtype=torch.float64) for _ in range(2)
+    )
+    advantages, returns = ppo.gae(rewards, values, mask, 0.99, 0.95, chunk=chunk)
+    expected_adv, expected_ret = ref_gae(rows(rewards), rows(values), rows(mask), 0.99, 0.95)
+    assert_rows_close(advantages, expected_adv)
+    assert_rows_close(returns, expected_ret)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_whiten_matches_reference(seed: int) -> None:
     case = random_case(seed)
     whitened = ppo.whiten(case["advantages"], case["mask"])

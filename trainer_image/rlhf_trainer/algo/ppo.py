@@ -47,8 +47,11 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) 
     return whitened * mask
 
 
+GAE_CHUNK = 64  # tokens per matrix product in `discounted_reverse_cumsum`
+
+
 def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float, chunk: int = GAE_CHUNK
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the response tokens.
 
@@ -60,20 +63,45 @@ def gae(
     the last response token (the episode ends there). Masked positions are skipped:
     the "next" token of t is the next position where mask is 1, and their rewards are
     ignored. returns = A + V, the critic's regression target (λ-return).
+
+    Each row's counted tokens are moved to its front, in order, so the recursion runs
+    over them alone; then A is a discounted sum of the δs ahead, taken `chunk` tokens at
+    a time (`discounted_reverse_cumsum`): T / chunk steps rather than one per token.
     """
-    batch, length = rewards.shape
-    next_value = rewards.new_zeros(batch)  # (B,) V(s_{t+1}) of the next counted token
-    next_advantage = rewards.new_zeros(batch)  # (B,) A_{t+1}
-    advantages = torch.zeros_like(rewards)  # (B, T)
-    for t in reversed(range(length)):
-        counted = mask[:, t].bool()
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * next_advantage
-        next_value = torch.where(counted, values[:, t], next_value)
-        next_advantage = torch.where(counted, advantage, next_advantage)
-        advantages[:, t] = torch.where(counted, advantage, 0.0)
+    order = torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)  # (B, T)
+    counted = (mask.gather(1, order) != 0).to(rewards.dtype)  # (B, T): a prefix of each row
+    r = rewards.gather(1, order) * counted
+    v = values.gather(1, order) * counted
+    next_v = torch.cat([v[:, 1:], v.new_zeros(len(v), 1)], dim=1)  # 0 past the last token
+    deltas = (r + gamma * next_v - v) * counted
+    advantages = torch.zeros_like(rewards).scatter(
+        1, order, discounted_reverse_cumsum(deltas, gamma * lam, chunk)
+    )
     returns = (advantages + values) * mask
     return advantages, returns
+
+
+def discounted_reverse_cumsum(x: Tensor, discount: float, chunk: int = GAE_CHUNK) -> Tensor:
+    """y_t = Σ_{j ≥ t} discount^(j - t) x_j along the last dimension of (B, T).
+
+    Within a chunk of c tokens this is one product with the (c, c) matrix of
+    discount^(j - t) for j ≥ t; the chunks after add discount^(end - t) times the sum
+    already taken at the next chunk's first token, end being that token's position.
+    """
+    steps = torch.arange(chunk, dtype=x.dtype, device=x.device)
+    lag = steps[:, None] - steps[None, :]  # (c, c): j - t
+    weights = torch.where(lag >= 0, discount ** lag.clamp(min=0), torch.zeros_like(lag))
+    carry_weights = discount ** (steps + 1)  # discount^1 … discount^c
+    out = torch.empty_like(x)
+    carry = x.new_zeros(x.shape[:-1])  # (B,) y at the next chunk's first token
+    for start in reversed(range(0, x.shape[-1], chunk)):
+        n = min(chunk, x.shape[-1] - start)
+        y = x[..., start : start + n] @ weights[:n, :n] + carry[..., None] * carry_weights[:n].flip(
+            0
+        )
+        out[..., start : start + n] = y
+        carry = y[..., 0]
+    return out
 
 
 def last_token_index(mask: Tensor) -> Tensor:
