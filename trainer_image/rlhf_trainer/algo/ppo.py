@@ -96,9 +96,8 @@ def discounted_reverse_cumsum(x: Tensor, discount: float, chunk: int = GAE_CHUNK
     carry = x.new_zeros(x.shape[:-1])  # (B,) y at the next chunk's first token
     for start in reversed(range(0, x.shape[-1], chunk)):
         n = min(chunk, x.shape[-1] - start)
-        y = x[..., start : start + n] @ weights[:n, :n] + carry[..., None] * carry_weights[:n].flip(
-            0
-        )
+        from_later = carry[..., None] * carry_weights[:n].flip(0)  # discount^(n - t) y_end
+        y = x[..., start : start + n] @ weights[:n, :n] + from_later
         out[..., start : start + n] = y
         carry = y[..., 0]
     return out

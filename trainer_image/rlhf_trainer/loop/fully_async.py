@@ -80,7 +80,7 @@ class AsyncPPOTrainer:
         # are outstanding, queued or in flight, which no engine needs asking.
         self.groups_taken = 0
         # The rollout side of the last sync (load, admit): the trainer goes on
-        # without waiting for it, and waits before it next pauses the engines.
+        # without waiting for it, and waits before its next sync.
         self.rollout_pending: list[Any] = []
 
     @property
