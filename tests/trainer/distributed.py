@@ -50,5 +50,8 @@ def _rank_main(
     try:
         result = fn(rank, *args)
         torch.save(result, results / f"rank-{rank}.pt")
+        # No rank closes its connections while a peer may still be finishing the last
+        # collective (one rank died of SIGABRT in gloo once, in CI, without this).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
