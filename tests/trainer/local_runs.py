@@ -8,7 +8,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,8 +119,17 @@ class EngineKiller:
             self.killed.append(engines[0].pid)
         assert self.killed or step.step < self.after_step + 2, (
             f"no vLLM engine tagged {self.tag} found to kill among {every}: "
-            f"{[self.tag_of(p) for p in every]}"
+            f"{[self.tag_of(p) for p in every]}; the run's processes: {self.tagged_processes()}"
         )
+
+    def tagged_processes(self) -> list[str]:
+        """What a failed search saw of the run (a CI run once found no engine at all)."""
+        seen = []
+        for process in psutil.process_iter():
+            with suppress(psutil.Error):
+                if self.ours(process):
+                    seen.append(f"{process.pid} {process.status()} {process.cmdline()[:3]}")
+        return seen
 
     def tag_of(self, process: psutil.Process) -> str | None:
         try:

@@ -170,6 +170,19 @@ def test_groups_on_different_pools_run_at_the_same_time(groups: dict[Role, Worke
     assert max(start for start, _ in intervals) < min(end for _, end in intervals)
 
 
+def test_a_call_after_another_roles_starts_once_it_ends_and_fails_with_it(
+    groups: dict[Role, WorkerGroup],
+) -> None:
+    actor, ref = groups[Role.ACTOR], groups[Role.REF]  # colocated: they take turns
+    first = actor.run("sleep", 0.5)
+    second = ref.run("sleep", 0.0, after=first)  # sent at once, started after
+    for (_, first_end), (second_start, _) in zip(join(first), join(second), strict=True):
+        assert second_start >= first_end
+    failed = actor.run("fail", "the actor ran out of memory")
+    with pytest.raises(ray.exceptions.RayTaskError, match="the actor ran out of memory"):
+        join(ref.run("sleep", 0.0, after=failed))
+
+
 def test_a_pool_the_cluster_cannot_hold_times_out_naming_it(ray_pools: RayPools) -> None:
     manifest = job_manifest()
     manifest["spec"]["pools"][1]["gpusPerNode"] = 4  # the value node has 1 GPU

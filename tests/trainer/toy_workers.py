@@ -45,6 +45,9 @@ class PartialSums(Worker):
         time.sleep(seconds)
         return start, time.time()
 
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
     def die_in_all_reduce(self, dying_rank: int) -> float:
         """Every rank joins an all_reduce but `dying_rank` exits first: the others are
         left waiting in the collective for a peer that will never come."""

@@ -104,16 +104,27 @@ class RankHost:
         self.worker = worker_cls(self.info, *args, **kwargs)
 
     def call(
-        self, method: str, *args: Any, after: Any = None, phase: str | None = None, **kwargs: Any
+        self,
+        method: str,
+        *args: Any,
+        after: Sequence[ObjectRef[Any]] = (),
+        phase: str | None = None,
+        **kwargs: Any,
     ) -> Any:
-        """Run the worker's `method`. `after` is only there to be waited for: Ray runs
-        the call once that future (another role's call on this GPU) is done. `phase`
-        names the call on the timeline (the method's name if not given)."""
+        """Run the worker's `method`, once the calls in `after` (another role's on this
+        GPU) are done; it raises what they raised. They come in a list, which Ray does
+        not resolve before sending the call: its arguments travel while the other role
+        computes, and it starts without a round trip through the driver. `phase` names
+        the call on the timeline (the method's name if not given)."""
         if self.worker is None:
             raise RuntimeError(
                 f"{self.info.role} rank {self.info.rank} has no worker: its setup failed "
                 "(the error is in WorkerGroup.ready)"
             )
+        if after:
+            import ray
+
+            ray.get(list(after))
         start = time.time()
         try:
             return getattr(self.worker, method)(*args, **kwargs)
@@ -265,9 +276,7 @@ class WorkerGroup:
         after: Sequence[ObjectRef[Any]] | None,
         phase: str | None,
     ) -> list[ObjectRef[Any]]:
-        waits: Sequence[ObjectRef[Any] | None] = (
-            after if after is not None else [None] * self.world_size
-        )
+        waits = [[ref] for ref in after] if after is not None else [[]] * self.world_size
         if len(waits) != self.world_size or len(rank_args) != self.world_size:
             raise ValueError(
                 f"{self.role} has {self.world_size} ranks: got {len(rank_args)} argument "
