@@ -123,7 +123,7 @@ class EngineKiller:
         )
 
     def tagged_processes(self) -> list[str]:
-        """What a failed search saw of the run (a CI run once found no engine at all)."""
+        """What a failed search saw of the run (a run here once found no engine at all)."""
         seen = []
         for process in psutil.process_iter():
             with suppress(psutil.Error):
