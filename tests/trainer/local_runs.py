@@ -72,14 +72,23 @@ RUN_TAG = "RLHF_TEST_RUN"  # environment variable: which test run a process belo
 
 
 def engine_cores(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
-    """The vLLM engine-core processes among `processes`."""
+    """The vLLM engine-core processes among `processes`.
+
+    vLLM titles them VLLM::EngineCore, but full runs here found one untitled, twice,
+    with the command line multiprocessing's spawn gave it: so a spawned child of a
+    rank host (the rollout rank starts its engine core) counts too."""
     found = []
     for process in processes:
-        try:
-            if " ".join(process.cmdline()).startswith("VLLM::EngineCore"):
+        with suppress(psutil.Error):
+            command = " ".join(process.cmdline())
+            parent = process.parent()
+            spawned_by_rank = (
+                "spawn_main" in command
+                and parent is not None
+                and " ".join(parent.cmdline()).startswith("ray::RankHost")
+            )
+            if command.startswith("VLLM::EngineCore") or spawned_by_rank:
                 found.append(process)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
     return found
 
 
