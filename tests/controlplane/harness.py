@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -205,14 +206,29 @@ def kwok_stage_files() -> list[Path]:
 # --------------------------------------------------------------------------- helpers
 
 
+LOWEST_PORT = 10000
+
+
 def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (held open together so none repeats)."""
-    socks = []
+    """Distinct free loopback ports (held open together so none repeats), below the
+    kernel's ephemeral range: it hands those to outgoing connections, and one (the
+    apiserver's or Ray's) once took kwok's port between its pick and kwok's bind."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = random.sample(range(LOWEST_PORT, ephemeral_low), ephemeral_low - LOWEST_PORT)
+    socks: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for port in candidates:
+            if len(socks) == count:
+                break
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                s.close()
+                continue
             socks.append(s)
+        if len(socks) < count:
+            raise RuntimeError(f"fewer than {count} free ports in {LOWEST_PORT}-{ephemeral_low}")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
