@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlhf_operator.validation import load_documents, parse_job
+from rlhf_operator.api.validation import load_documents, parse_job
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.estimate import CostProfile, alone_seconds, estimate, load_profile
 from rlhf_trainer.api.plan import Phase, plan_placement

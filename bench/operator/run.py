@@ -25,9 +25,9 @@ import yaml
 from kubernetes import watch
 from urllib3.exceptions import ProtocolError
 
-from rlhf_operator.kube import Kube
-from rlhf_operator.render import JobRef, render_rayjob
-from rlhf_operator.validation import parse_job
+from rlhf_operator.api.validation import parse_job
+from rlhf_operator.controller.kube import Kube
+from rlhf_operator.render.children import JobRef, render_rayjob
 from tests.controlplane.harness import ControlPlane
 from tests.controlplane.operator_process import OperatorProcess
 

@@ -12,7 +12,7 @@ import logging
 
 import kopf
 
-import rlhf_operator.main  # noqa: F401  (registers the handlers)
+import rlhf_operator.app.handlers  # noqa: F401  (registers the handlers)
 
 
 def main(argv: list[str] | None = None) -> None:

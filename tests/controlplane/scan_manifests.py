@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from rlhf_operator.render_network import ENV as NETWORK_ENV
+from rlhf_operator.render.network import ENV as NETWORK_ENV
 
 from .harness import BIN_DIR, REPO_ROOT
 

@@ -19,8 +19,8 @@ import yaml
 
 from monitoring.dashboards import DASHBOARDS
 from monitoring.grafana import to_json
-from rlhf_operator.kube import KINDS
-from rlhf_operator.main import CHILD_KINDS
+from rlhf_operator.app.handlers import CHILD_KINDS
+from rlhf_operator.controller.kube import KINDS
 
 from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rlhf_operator.crd import PEERING_NAME
+from rlhf_operator.api.crd import PEERING_NAME
 
 from .harness import REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess

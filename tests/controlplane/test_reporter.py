@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rlhf_operator.render import JobRef, render_reporter_rbac
+from rlhf_operator.render.children import JobRef, render_reporter_rbac
 from rlhf_trainer.api.config import TrainingProgress
 from rlhf_trainer.telemetry.report import ApiServer, StatusReporter
 

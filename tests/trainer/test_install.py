@@ -144,7 +144,7 @@ def test_the_wheel_holds_every_file_of_the_packages(wheel: Path) -> None:
 
 PROBE = """
 import json, sys
-import rlhf_operator.api  # reads schemas/affinity.json, the package data, on import
+import rlhf_operator.api.job  # reads schemas/affinity.json, the package data, on import
 import rlhf_trainer.__main__
 print(json.dumps({
     "rlhf_operator": rlhf_operator.__file__,

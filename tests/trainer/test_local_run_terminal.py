@@ -113,7 +113,7 @@ def tiny_manifest(tmp_path: Path) -> Path:
 def test_ctrl_c_checkpoints_and_the_same_command_resumes(
     terminal: Terminal, tmp_path: Path
 ) -> None:
-    command = [sys.executable, "-m", "rlhf_operator.cli", "train", str(tiny_manifest(tmp_path))]
+    command = [sys.executable, "-m", "rlhf_operator.app.cli", "train", str(tiny_manifest(tmp_path))]
     run = tmp_path / "runs" / "tiny"  # the default run folder, under the working directory
 
     terminal.run(command)

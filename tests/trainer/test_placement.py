@@ -143,7 +143,7 @@ def test_a_plain_worker_runs_without_ray() -> None:
 def test_the_operator_uses_the_placement_names_without_ray_or_torch() -> None:
     # The operator image has neither: importing its renderer must not pull them in.
     code = (
-        "import sys, rlhf_operator.main, rlhf_trainer.api.plan, rlhf_trainer.api.names; "
+        "import sys, rlhf_operator.app.handlers, rlhf_trainer.api.plan, rlhf_trainer.api.names; "
         "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from rlhf_operator.render import JobRef, render_rayjob
-from rlhf_operator.validation import parse_job
+from rlhf_operator.api.validation import parse_job
+from rlhf_operator.render.children import JobRef, render_rayjob
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement

@@ -13,7 +13,7 @@ from typing import Any
 
 import celpy
 
-from rlhf_operator.crd import build_crd
+from rlhf_operator.api.crd import build_crd
 
 
 def crd_schema() -> dict[str, Any]:

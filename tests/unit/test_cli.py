@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_operator.cli import main, run_in_foreground
+from rlhf_operator.app.cli import main, run_in_foreground
 from tests.unit.conftest import EXAMPLES, load
 
 

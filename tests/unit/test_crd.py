@@ -10,7 +10,7 @@ import celpy
 import pytest
 import yaml
 
-from rlhf_operator.crd import build_crd, render_crd_yaml, render_peering_yaml
+from rlhf_operator.api.crd import build_crd, render_crd_yaml, render_peering_yaml
 
 COMMITTED = Path(__file__).parents[2] / "crds" / "rlhfjobs.yaml"
 VERSION = build_crd()["spec"]["versions"][0]

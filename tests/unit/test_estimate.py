@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_operator.cli import main
+from rlhf_operator.app.cli import main
 from rlhf_trainer.api.estimate import (
     CostProfile,
     bundled_profiles,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_operator.validation import parse_job
+from rlhf_operator.api.validation import parse_job
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Mode, plan_placement
 from tests.unit.celcheck import cel_errors

@@ -7,8 +7,8 @@ import asyncio
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import REGISTRY
 
-from rlhf_operator.api import Phase, PoolStatus, RLHFJobStatus
-from rlhf_operator.metrics import JobGauges, health_app
+from rlhf_operator.api.job import Phase, PoolStatus, RLHFJobStatus
+from rlhf_operator.app.metrics import JobGauges, health_app
 
 
 def sample(name: str, **labels: str) -> float | None:
@@ -71,7 +71,7 @@ def test_probes_and_metrics_endpoint() -> None:
 def test_an_unreachable_api_server_is_reported_as_such() -> None:
     from kubernetes import client
 
-    from rlhf_operator.kube import Kube
+    from rlhf_operator.controller.kube import Kube
     from tests.controlplane.harness import free_ports
 
     port = free_ports(1)[0]  # nothing listens there

@@ -10,8 +10,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from pydantic import ValidationError
 
-from rlhf_operator.api import RLHFJob
-from rlhf_operator.validation import InvalidJob, parse_job
+from rlhf_operator.api.job import RLHFJob
+from rlhf_operator.api.validation import InvalidJob, parse_job
 from rlhf_trainer.api.rules import RuleViolations, dotted
 from tests.unit.celcheck import cel_errors
 from tests.unit.strategies import damaged_jobs, rule_damaged_jobs, valid_jobs

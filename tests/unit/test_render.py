@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 import yaml
 
-from rlhf_operator.render import JobRef, render_children, render_rayjob
-from rlhf_operator.render_network import NetworkAccess
-from rlhf_operator.validation import parse_job
+from rlhf_operator.api.validation import parse_job
+from rlhf_operator.render.children import JobRef, render_children, render_rayjob
+from rlhf_operator.render.network import NetworkAccess
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from tests.unit.conftest import EXAMPLES, load
@@ -228,7 +228,7 @@ def test_reporter_may_patch_only_this_jobs_status() -> None:
 
 
 def test_the_ray_version_given_to_kuberay_is_the_one_the_image_installs() -> None:
-    from rlhf_operator.render import RAY_VERSION
+    from rlhf_operator.render.children import RAY_VERSION
 
     lock = (Path(__file__).parents[2] / "trainer_image" / "requirements-cpu.txt").read_text()
     assert f"ray=={RAY_VERSION}" in lock.splitlines()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_operator import crd
+from rlhf_operator.api import crd
 from rlhf_trainer.api.config import TrainingProgress
 from rlhf_trainer.telemetry import report
 from rlhf_trainer.telemetry.report import (

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from rlhf_operator.api import Phase, RestartPolicy, RLHFJobStatus
-from rlhf_operator.restarts import Action, attempt_failure, decide
-from rlhf_operator.status import Observed, compute_status, finished
-from rlhf_operator.validation import parse_job
+from rlhf_operator.api.job import Phase, RestartPolicy, RLHFJobStatus
+from rlhf_operator.api.validation import parse_job
+from rlhf_operator.controller.restarts import Action, attempt_failure, decide
+from rlhf_operator.controller.status import Observed, compute_status, finished
 from tests.unit.conftest import EXAMPLES, load
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from rlhf_operator.api import Phase, RLHFJobStatus
-from rlhf_operator.status import Observed, compute_status, finished, invalid_status
-from rlhf_operator.validation import parse_job
+from rlhf_operator.api.job import Phase, RLHFJobStatus
+from rlhf_operator.api.validation import parse_job
+from rlhf_operator.controller.status import Observed, compute_status, finished, invalid_status
 from rlhf_trainer.api.config import TrainingProgress
 from tests.unit.conftest import EXAMPLES, load
 

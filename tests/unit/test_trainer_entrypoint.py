@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_operator.validation import parse_job
+from rlhf_operator.api.validation import parse_job
 from rlhf_trainer.__main__ import main, with_local_checkpoints
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.telemetry.run_folder import RunFolder

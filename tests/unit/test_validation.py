@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rlhf_operator.validation import InvalidJob, parse_job, parse_spec
+from rlhf_operator.api.validation import InvalidJob, parse_job, parse_spec
 from tests.unit.celcheck import cel_errors
 
 Job = dict[str, Any]

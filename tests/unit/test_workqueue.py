@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rlhf_operator.reconcile import _replica_ops
-from rlhf_operator.workqueue import WorkQueue
+from rlhf_operator.controller.reconcile import _replica_ops
+from rlhf_operator.controller.workqueue import WorkQueue
 
 
 def test_a_key_waits_once_however_often_it_is_added() -> None:

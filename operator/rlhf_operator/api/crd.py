@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from rlhf_operator.api import (
+from rlhf_operator.api.job import (
     GROUP,
     JOB_NAME_PATTERN,
     KIND,

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from rlhf_operator.api import RLHFJob, RLHFJobSpec
+from rlhf_operator.api.job import RLHFJob, RLHFJobSpec
 from rlhf_trainer.api.rules import FieldError, field_errors
 
 

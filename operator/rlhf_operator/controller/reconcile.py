@@ -16,19 +16,19 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from rlhf_operator.api import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStatus
-from rlhf_operator.kube import JSON_PATCH, Kube, Obj
-from rlhf_operator.render import JOB_LABEL, JobRef, render_children
-from rlhf_operator.render_network import NetworkAccess
-from rlhf_operator.restarts import Action, decide
-from rlhf_operator.status import (
+from rlhf_operator.api.job import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStatus
+from rlhf_operator.api.validation import InvalidJob, parse_spec
+from rlhf_operator.controller.kube import JSON_PATCH, Kube, Obj
+from rlhf_operator.controller.restarts import Action, decide
+from rlhf_operator.controller.status import (
     UNSCHEDULABLE,
     Observed,
     compute_status,
     finished,
     invalid_status,
 )
-from rlhf_operator.validation import InvalidJob, parse_spec
+from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
+from rlhf_operator.render.network import NetworkAccess
 from rlhf_trainer.api.names import POOL_LABEL
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from rlhf_operator.api import (
+from rlhf_operator.api.job import (
     AttemptFailure,
     Condition,
     Phase,
@@ -18,7 +18,7 @@ from rlhf_operator.api import (
     RLHFJobSpec,
     RLHFJobStatus,
 )
-from rlhf_operator.restarts import Action, Decision
+from rlhf_operator.controller.restarts import Action, Decision
 from rlhf_trainer.api.names import POOL_LABEL
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)

@@ -18,12 +18,13 @@ from typing import Any
 import kopf
 from aiohttp import web
 
-from rlhf_operator import api, metrics
-from rlhf_operator.kube import Kube, load_config
-from rlhf_operator.reconcile import Reconciler
-from rlhf_operator.render import JOB_LABEL
-from rlhf_operator.render_network import NetworkAccess
-from rlhf_operator.workqueue import Key, WorkQueue
+from rlhf_operator.api import job as api
+from rlhf_operator.app import metrics
+from rlhf_operator.controller.kube import Kube, load_config
+from rlhf_operator.controller.reconcile import Reconciler
+from rlhf_operator.controller.workqueue import Key, WorkQueue
+from rlhf_operator.render.children import JOB_LABEL
+from rlhf_operator.render.network import NetworkAccess
 
 log = logging.getLogger("rlhf_operator")
 

@@ -14,7 +14,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from rlhf_operator.api import AttemptFailure, Phase, RestartPolicy, RLHFJobStatus
+from rlhf_operator.api.job import AttemptFailure, Phase, RestartPolicy, RLHFJobStatus
 
 FAILED_DEPLOYMENTS = ("Failed", "ValidationFailed")  # KubeRay's jobDeploymentStatus
 

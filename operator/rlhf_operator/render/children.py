@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_operator.api import (
+from rlhf_operator.api.job import (
     API_VERSION,
     GROUP,
     KIND,
@@ -19,9 +19,9 @@ from rlhf_operator.api import (
     RLHFJobSpec,
     Separation,
 )
-from rlhf_operator.podspec import PodResources
-from rlhf_operator.render_network import NetworkAccess, render_network_policy
-from rlhf_operator.render_pod import (
+from rlhf_operator.api.podspec import PodResources
+from rlhf_operator.render.network import NetworkAccess, render_network_policy
+from rlhf_operator.render.pod import (
     SPEC_MOUNT,
     container_resources,
     container_security,

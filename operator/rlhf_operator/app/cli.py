@@ -19,11 +19,11 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_operator.api import RLHFJob, Separation
-from rlhf_operator.crd import render_crd_yaml, render_peering_yaml
-from rlhf_operator.render import JobRef, render_children
-from rlhf_operator.render_network import NetworkAccess
-from rlhf_operator.validation import InvalidJob, load_documents, parse_job, unmounted_paths
+from rlhf_operator.api.crd import render_crd_yaml, render_peering_yaml
+from rlhf_operator.api.job import RLHFJob, Separation
+from rlhf_operator.api.validation import InvalidJob, load_documents, parse_job, unmounted_paths
+from rlhf_operator.render.children import JobRef, render_children
+from rlhf_operator.render.network import NetworkAccess
 from rlhf_trainer.api.estimate import describe_estimate, load_profile
 from rlhf_trainer.api.plan import describe, plan_placement
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints
 
-from rlhf_operator.podspec import (
+from rlhf_operator.api.podspec import (
     Affinity,
     NodeSelector,
     PodResources,

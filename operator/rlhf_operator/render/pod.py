@@ -2,7 +2,7 @@
 resources, the operator's own mounts and variables, and the job's pod settings
 (`spec.pods`: volumes, env, pull secrets, priority, labels and annotations).
 
-Pure, like render.py. Secrets appear only as references (secretKeyRef, secretRef, a
+Pure, like children.py. Secrets appear only as references (secretKeyRef, secretRef, a
 secret volume): the operator never reads one, and nothing here copies a value.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf_operator.api import RLHFJobSpec
-from rlhf_operator.podspec import PodResources, Quantity, Toleration
+from rlhf_operator.api.job import RLHFJobSpec
+from rlhf_operator.api.podspec import PodResources, Quantity, Toleration
 
 Obj = dict[str, Any]
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
-from rlhf_operator.api import Phase, RLHFJobStatus
+from rlhf_operator.api.job import Phase, RLHFJobStatus
 
 JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase", ["phase"])
 RECONCILE_SECONDS = Histogram(

@@ -13,7 +13,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from rlhf_operator.api import API_VERSION, PLURAL
+from rlhf_operator.api.job import API_VERSION, PLURAL
 
 Obj = dict[str, Any]
 
