@@ -160,6 +160,15 @@ def test_user_affinity_is_kept_and_merged_with_separation() -> None:
     assert job.spec.pools[0].affinity == {"nodeAffinity": node_affinity}  # the spec is not mutated
 
 
+def kuberay_head_service_ports(container: dict) -> dict[str, int]:
+    """The head Service's ports as KubeRay derives them (getServicePorts in its
+    common/service.go): its defaults only when the container declares no port at all,
+    and "metrics" added when missing."""
+    declared = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    defaults = {"client": 10001, "gcs-server": 6379, "dashboard": 8265, "serve": 8000}
+    return {"metrics": 8080, **(declared or defaults)}
+
+
 def test_head_runs_the_driver_on_cpu_with_the_mounted_spec() -> None:
     objects = render("local-cpu.yaml")
     rayjob = objects["RayJob"]["spec"]
@@ -172,7 +181,13 @@ def test_head_runs_the_driver_on_cpu_with_the_mounted_spec() -> None:
     assert head["rayStartParams"] == {"num-cpus": "0"}
     container = head["template"]["spec"]["containers"][0]
     assert not any("gpu" in k for k in container["resources"]["limits"])
-    assert container["ports"] == [{"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
+    assert kuberay_head_service_ports(container) == {
+        "gcs-server": 6379,
+        "dashboard": 8265,  # where KubeRay submits the job: without it, no submitter
+        "client": 10001,
+        "metrics": 8080,  # Ray's own, where KubeRay's stock monitors look
+        "trainer-metrics": 9400,
+    }
     assert {"name": "spec", "mountPath": "/etc/rlhf", "readOnly": True} in container["volumeMounts"]
     handed_over = JobConfig.model_validate_json(objects["ConfigMap"]["data"]["spec.json"])
     assert handed_over == parse_job(load(EXAMPLES[0].parent / "local-cpu.yaml")).spec.job_config()
@@ -414,3 +429,48 @@ def test_a_queued_job_hands_kueue_its_rayjob_suspended_with_the_queue_label() ->
     unqueued = render("split-8gpu-4-4.yaml")["RayJob"]
     assert "kueue.x-k8s.io/queue-name" not in unqueued["metadata"]["labels"]
     assert unqueued["spec"]["suspend"] is False
+
+
+def ray_pod_templates(rayjob: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    return {
+        "head": cluster["headGroupSpec"]["template"],
+        "submitter": rayjob["spec"]["submitterPodTemplate"],
+        **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]},
+    }
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_ray_pod_requests_cpu_and_memory(path: Path) -> None:
+    """Without them a pod is Burstable with no memory request (the first evicted), and
+    KubeRay gives Ray no --num-cpus/--memory, so Ray counts the whole node's."""
+    for name, template in ray_pod_templates(render(path.name)["RayJob"]).items():
+        resources = template["spec"]["containers"][0]["resources"]
+        assert {"cpu", "memory"} <= set(resources["requests"]), name
+        assert resources["requests"] == resources["limits"], name  # Guaranteed QoS
+
+
+def test_pool_resources_default_per_gpu_and_per_field() -> None:
+    manifest = load(EXAMPLES[0].parent / "colocated.yaml")
+    pool = manifest["spec"]["pools"][0]
+    pool.pop("resources", None)
+    pool["gpusPerNode"] = 2
+    worker = render_children(JobRef("j", "ns", "u"), parse_job(manifest).spec)[-1]
+    requests = ray_pod_templates(worker)[pool["name"]]["spec"]["containers"][0]["resources"]
+    assert requests["limits"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"}
+    pool["resources"] = {"cpu": 3}  # memory still defaults
+    worker = render_children(JobRef("j", "ns", "u"), parse_job(manifest).spec)[-1]
+    requests = ray_pod_templates(worker)[pool["name"]]["spec"]["containers"][0]["resources"]
+    assert requests["limits"] == {"cpu": "3", "memory": "64Gi", "nvidia.com/gpu": "2"}
+
+
+def test_a_cpu_pool_asks_for_no_gpu_and_ray_sees_a_logical_gpu_per_slot() -> None:
+    manifest = load(EXAMPLES[0].parent / "colocated.yaml")
+    pool = manifest["spec"]["pools"][0]
+    pool.pop("resources", None)
+    pool.update(device="cpu", gpusPerNode=4)
+    rayjob = render_children(JobRef("j", "ns", "u"), parse_job(manifest).spec)[-1]
+    group = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"cpu": "4", "memory": "16Gi"}
+    assert group["resources"] == {"GPU": "4", f"rlhf-pool-{pool['name']}": "4"}

@@ -64,9 +64,28 @@ SHM_SIZE_DESCRIPTION = (
 )
 
 
+class Device(StrEnum):
+    GPU = "gpu"
+    CPU = "cpu"  # a slot per rank, computing on CPU cores: try the operator on any cluster
+
+
+# What each GPU (or CPU slot) of a pool gets when the pool sets no resources: without cpu
+# and memory a pod is Burstable with no memory request (the first evicted), and Ray counts
+# the whole node's. Modest for GPU nodes, so that they fit; raise them in pools[].resources.
+RESOURCES_PER_DEVICE = {Device.GPU: (4, 32), Device.CPU: (1, 4)}  # (CPUs, GiB) each
+
+
 class Pool(PoolConfig):
     """A GPU pool: one KubeRay worker group, pinned to its own node group."""
 
+    device: Device = Field(
+        Device.GPU,
+        description=(
+            "gpu: each of gpusPerNode is a GPU (gpuResource). cpu: each is a slot of CPU "
+            "cores, and the pool asks for no GPU; Ray still sees one logical GPU per slot, so "
+            "roles place and colocate as on GPUs, and compute on CPU (a trial on any cluster)."
+        ),
+    )
     gpu_resource: str = Field(
         "nvidia.com/gpu",
         max_length=253,
@@ -79,13 +98,27 @@ class Pool(PoolConfig):
     tolerations: list[Toleration] | None = Field(
         None, max_length=32, description="Tolerations of this pool's pods (e.g. the GPU taint)."
     )
-    resources: PodResources | None = Field(None, description="CPU and memory of each node's pod.")
+    resources: PodResources | None = Field(
+        None,
+        description=(
+            "CPU and memory of each node's pod. Unset (either of them): 4 CPUs and 32Gi per "
+            "GPU, or 1 CPU and 4Gi per CPU slot."
+        ),
+    )
     extra_resources: dict[ResourceName, Quantity] | None = Field(
         None,
         max_length=8,
         description="More resources each node's pod requests, e.g. {rdma/hca_shared_devices_a: 1}.",
     )
     shm_size: Quantity | None = Field(None, description=SHM_SIZE_DESCRIPTION)
+
+    def pod_resources(self) -> PodResources:
+        """CPU and memory of each of the pool's pods: the spec's, else the defaults."""
+        cpus, gib = RESOURCES_PER_DEVICE[self.device]
+        defaults = PodResources(
+            cpu=cpus * self.gpus_per_node, memory=f"{gib * self.gpus_per_node}Gi"
+        )
+        return (self.resources or PodResources()).filled(defaults)
 
     rules = (
         *PoolConfig.rules,

@@ -108,6 +108,13 @@ class PodResources(SpecModel):
     cpu: Quantity | None = Field(None, description="CPU cores, e.g. 16 or '15500m'.")
     memory: Quantity | None = Field(None, description="Memory, e.g. '128Gi'.")
 
+    def filled(self, defaults: PodResources) -> PodResources:
+        """These resources, with what they leave unset taken from `defaults`."""
+        return PodResources(
+            cpu=defaults.cpu if self.cpu is None else self.cpu,
+            memory=defaults.memory if self.memory is None else self.memory,
+        )
+
 
 # A DNS-1123 label (volume names) and subdomain (object names), as the API server checks.
 DnsLabel = Annotated[

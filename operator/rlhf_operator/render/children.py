@@ -15,12 +15,18 @@ from rlhf_operator.api.job import (
     GROUP,
     KIND,
     PLURAL,
+    Device,
     Pool,
     RLHFJobSpec,
     Separation,
 )
 from rlhf_operator.api.podspec import PodResources
-from rlhf_operator.render.network import NetworkAccess, render_network_policy
+from rlhf_operator.render.network import (
+    RAY_DASHBOARD_PORT,
+    RAY_METRICS_PORT,
+    NetworkAccess,
+    render_network_policy,
+)
 from rlhf_operator.render.pod import (
     SPEC_MOUNT,
     container_resources,
@@ -42,6 +48,16 @@ SPEC_FILE = "spec.json"
 # The driver runs in the head pod (KubeRay submits the entrypoint there) and serves
 # the trainer's metrics on this port.
 TRAINER_METRICS_PORT = 9400
+# KubeRay adds its default head ports only to a container that declares none, and finds
+# the dashboard (where it submits the job) by its port's name: without "dashboard" the
+# RayJob never leaves Initializing. "metrics" is Ray's own, as KubeRay's monitors expect.
+HEAD_PORTS = {
+    "gcs-server": 6379,
+    "dashboard": RAY_DASHBOARD_PORT,
+    "client": 10001,
+    "metrics": RAY_METRICS_PORT,
+    "trainer-metrics": TRAINER_METRICS_PORT,
+}
 ENTRYPOINT = (
     f"python -m rlhf_trainer --spec {SPEC_MOUNT}/{SPEC_FILE} --metrics-port {TRAINER_METRICS_PORT}"
 )
@@ -212,9 +228,12 @@ def _head_group(job: JobRef, spec: RLHFJobSpec) -> Obj:
                 "imagePullPolicy": spec.image_pull_policy,
                 **ray_environment(job.name, spec),
                 "ports": [
-                    {"name": "metrics", "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"}
+                    {"name": name, "containerPort": port, "protocol": "TCP"}
+                    for name, port in HEAD_PORTS.items()
                 ],
-                "resources": container_resources(head.resources or HEAD_DEFAULTS),
+                "resources": container_resources(
+                    (head.resources or PodResources()).filled(HEAD_DEFAULTS)
+                ),
                 "securityContext": container_security(),
                 "volumeMounts": mounts(spec),
             }
@@ -242,7 +261,9 @@ def _head_group(job: JobRef, spec: RLHFJobSpec) -> Obj:
 def _worker_group(job: JobRef, spec: RLHFJobSpec, pool: Pool) -> Obj:
     pod_labels = {**labels(job, "worker"), POOL_LABEL: pool.name}
     gpus = str(pool.gpus_per_node)
-    extra = {**(pool.extra_resources or {}), pool.gpu_resource: gpus}
+    extra = dict(pool.extra_resources or {})
+    if pool.device is Device.GPU:
+        extra[pool.gpu_resource] = gpus
     pod: Obj = {
         "automountServiceAccountToken": False,  # workers never talk to the API server
         "securityContext": pod_security(),
@@ -252,7 +273,7 @@ def _worker_group(job: JobRef, spec: RLHFJobSpec, pool: Pool) -> Obj:
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
                 **ray_environment(job.name, spec),
-                "resources": container_resources(pool.resources or PodResources(), extra),
+                "resources": container_resources(pool.pod_resources(), extra),
                 "securityContext": container_security(),
                 "volumeMounts": mounts(spec),
             }
@@ -268,8 +289,8 @@ def _worker_group(job: JobRef, spec: RLHFJobSpec, pool: Pool) -> Obj:
         "maxReplicas": pool.replicas,
         "numOfHosts": 1,
         "rayStartParams": {},
-        # Ray sees the pool's GPUs and a resource named after the pool, so the trainer
-        # can place each role's workers onto the pool it is mapped to.
+        # Ray sees the pool's GPUs (logical ones on a CPU pool) and a resource named
+        # after the pool, so the trainer places each role's workers onto its pool.
         "resources": {"GPU": gpus, pool_resource(pool.name): gpus},
         "labels": {POOL_LABEL: pool.name},
         "template": {"metadata": pod_metadata(spec, pod_labels), "spec": pod},
