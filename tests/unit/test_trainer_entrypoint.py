@@ -103,7 +103,7 @@ def test_local_checkpoints_go_to_the_run_folder_unless_the_spec_names_a_path(
 ) -> None:
     folder = RunFolder(tmp_path / "run")
     default = JobConfig.model_validate_json(handed_over_spec(tmp_path).read_text())
-    assert default.trainer.checkpoint.path == "/checkpoints"  # the spec's default
+    assert default.trainer.checkpoint.path is None  # no claim: the job keeps none
     moved = with_local_checkpoints(default, folder)
     assert moved.trainer.checkpoint.path == str(tmp_path / "run" / "checkpoints")
     assert moved.trainer.checkpoint.every_steps == default.trainer.checkpoint.every_steps

@@ -129,6 +129,21 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
     ("checkpoint-claim-over-the-spec",
      lambda j: (_set("spec.checkpointClaim", "ckpt")(j), _set("spec.trainer.checkpoint.path", "/etc/rlhf/c")(j)),
      "spec.trainer.checkpoint.path", "outside /etc/rlhf and /dev/shm when checkpointClaim", True),
+    ("checkpoint-default-over-a-volume",
+     lambda j: (_set("spec.checkpointClaim", "ckpt")(j),
+                _set("spec.pods", {"volumes": [{"name": "m", "mountPath": "/checkpoints", "emptyDir": {}}]})(j)),
+     "spec.pods.volumes", "no volume may be mounted at trainer.checkpoint.path", True),
+    ("checkpoint-path-on-no-volume", _set("spec.trainer.checkpoint.path", "/checkpoints"),
+     "spec.trainer.checkpoint.path", "without checkpointClaim, must lie on a persistentVolumeClaim", True),
+    ("checkpoint-path-on-a-pod-scratch",
+     lambda j: (_set("spec.trainer.checkpoint.path", "/cache/ckpt")(j),
+                _set("spec.pods", {"volumes": [{"name": "c", "mountPath": "/cache", "emptyDir": {}}]})(j)),
+     "spec.trainer.checkpoint.path", "every pod must see the same volume", True),
+    ("checkpoint-path-on-a-read-only-claim",
+     lambda j: (_set("spec.trainer.checkpoint.path", "/shared/ckpt")(j),
+                _set("spec.pods", {"volumes": [{"name": "s", "mountPath": "/shared", "readOnly": True,
+                                                "persistentVolumeClaim": {"claimName": "s"}}]})(j)),
+     "spec.trainer.checkpoint.path", "that is not read-only", True),
     ("checkpoint-claim-bad-name", _set("spec.checkpointClaim", "My_Claim"), "spec.checkpointClaim",
      "should match pattern", False),
     ("restarts-without-checkpoints", _set("spec.restartPolicy", {"maxRestarts": 2}),
@@ -243,3 +258,18 @@ def test_parse_spec_prefixes_paths_with_spec(local_job: Job) -> None:
 def test_a_non_mapping_is_rejected(manifest: Any) -> None:
     with pytest.raises(InvalidJob, match="expected a mapping"):
         parse_job(manifest)
+
+
+def test_a_checkpoint_path_on_a_writable_claim_of_the_pods_is_accepted(local_job: Job) -> None:
+    _set("spec.trainer.checkpoint.path", "/shared/ckpt")(local_job)
+    claim = {"name": "s", "mountPath": "/shared", "persistentVolumeClaim": {"claimName": "s"}}
+    _set("spec.pods", {"volumes": [claim]})(local_job)
+    spec = parse_job(local_job).spec
+    assert cel_errors(local_job) == []
+    assert spec.job_config().trainer.checkpoint.path == "/shared/ckpt"
+
+
+def test_checkpoints_go_to_the_claim_by_default_and_nowhere_without_one(local_job: Job) -> None:
+    assert parse_job(local_job).spec.job_config().trainer.checkpoint.path is None
+    _set("spec.checkpointClaim", "ckpt")(local_job)
+    assert parse_job(local_job).spec.job_config().trainer.checkpoint.path == "/checkpoints"

@@ -21,7 +21,6 @@ from pydantic import ValidationError
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import describe, plan_placement
 from rlhf_trainer.api.rules import field_errors
-from rlhf_trainer.api.sections import CheckpointConfig
 
 if TYPE_CHECKING:
     from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -132,10 +131,9 @@ def port_problem(port: int, error: OSError) -> str:
 
 
 def with_local_checkpoints(config: JobConfig, folder: RunFolder) -> JobConfig:
-    """The checkpoints go into the run folder unless the spec names their path: the
-    default, /checkpoints, is the job's shared volume on a cluster."""
+    """The checkpoints go into the run folder unless the spec names their path."""
     checkpoint = config.trainer.checkpoint
-    if checkpoint.path != CheckpointConfig().path:
+    if checkpoint.path is not None:
         return config
     checkpoint = checkpoint.model_copy(update={"path": str(folder.checkpoints)})
     trainer = config.trainer.model_copy(update={"checkpoint": checkpoint})

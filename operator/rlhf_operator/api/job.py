@@ -20,6 +20,7 @@ from rlhf_operator.api.podspec import (
     PodSettings,
     Quantity,
     Toleration,
+    Volume,
 )
 from rlhf_trainer.api.config import (
     POOLS_DESCRIPTION,
@@ -171,6 +172,19 @@ _SHARED_NODE_CEL = (
 )
 
 
+# Where checkpointClaim is mounted when trainer.checkpoint.path is unset.
+CHECKPOINT_MOUNT = "/checkpoints"
+_CEL_CHECKPOINT_PATH = (
+    f"(has(self.trainer.checkpoint.path) ? self.trainer.checkpoint.path : '{CHECKPOINT_MOUNT}')"
+)
+
+
+def _holds(volume: Volume, path: str) -> bool:
+    """Whether `volume` is a writable claim that `path` lies on (so every pod sees it)."""
+    on_it = path == volume.mount_path or path.startswith(volume.mount_path + "/")
+    return on_it and volume.persistent_volume_claim is not None and not volume.read_only
+
+
 def _can_share_nodes(a: Pool, b: Pool) -> bool:
     if a.gpu_resource != b.gpu_resource:
         return False
@@ -233,10 +247,10 @@ class RLHFJobSpec(JobConfig):
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         max_length=253,
         description=(
-            "A ReadWriteMany PersistentVolumeClaim mounted at trainer.checkpoint.path on "
-            "the head and every worker: every rank writes its shard of a checkpoint there, "
-            "and a restarted job resumes from it. Without one, checkpoints stay on each "
-            "pod's own disk and a new Ray cluster starts training over."
+            "A ReadWriteMany PersistentVolumeClaim mounted at trainer.checkpoint.path "
+            "(default /checkpoints) on the head and every worker: every rank writes its "
+            "shard of a checkpoint there, and a restarted job resumes from it. Without one "
+            "(or a path on a claim of pods.volumes) the job keeps no checkpoints."
         ),
     )
 
@@ -246,27 +260,45 @@ class RLHFJobSpec(JobConfig):
             "trainer.checkpoint.path",
             "must be an absolute path outside /etc/rlhf and /dev/shm when checkpointClaim "
             "mounts a volume there",
-            "!has(self.checkpointClaim) || (self.trainer.checkpoint.path.startsWith('/') && "
-            "!self.trainer.checkpoint.path.startsWith('/etc/rlhf') && "
-            "!self.trainer.checkpoint.path.startsWith('/dev/shm'))",
+            f"!has(self.checkpointClaim) || ({_CEL_CHECKPOINT_PATH}.startsWith('/') && "
+            f"!{_CEL_CHECKPOINT_PATH}.startsWith('/etc/rlhf') && "
+            f"!{_CEL_CHECKPOINT_PATH}.startsWith('/dev/shm'))",
             lambda s: (
-                s.checkpoint_claim is None
+                s.checkpoint_path is None
+                or s.checkpoint_claim is None
                 or (
-                    s.trainer.checkpoint.path.startswith("/")
-                    and not s.trainer.checkpoint.path.startswith(("/etc/rlhf", "/dev/shm"))
+                    s.checkpoint_path.startswith("/")
+                    and not s.checkpoint_path.startswith(("/etc/rlhf", "/dev/shm"))
                 )
             ),
-            lambda s: f"got {s.trainer.checkpoint.path!r}",
+            lambda s: f"got {s.checkpoint_path!r}",
         ),
         Rule(
             "pods.volumes",
             "no volume may be mounted at trainer.checkpoint.path when checkpointClaim is",
             "!has(self.checkpointClaim) || !has(self.pods) || !has(self.pods.volumes) || "
-            "self.pods.volumes.all(v, v.mountPath != self.trainer.checkpoint.path)",
+            f"self.pods.volumes.all(v, v.mountPath != {_CEL_CHECKPOINT_PATH})",
             lambda s: (
                 s.checkpoint_claim is None
-                or all(v.mount_path != s.trainer.checkpoint.path for v in s.pods.volumes or [])
+                or all(v.mount_path != s.checkpoint_path for v in s.pods.volumes or [])
             ),
+        ),
+        Rule(
+            "trainer.checkpoint.path",
+            "without checkpointClaim, must lie on a persistentVolumeClaim of pods.volumes "
+            "that is not read-only: every rank writes its shard there, so every pod must "
+            "see the same volume (set checkpointClaim, or leave path unset: no checkpoints)",
+            "has(self.checkpointClaim) || !has(self.trainer.checkpoint.path) || "
+            "(has(self.pods.volumes) && self.pods.volumes.exists(v, "
+            "has(v.persistentVolumeClaim) && !(has(v.readOnly) && v.readOnly) && "
+            "(self.trainer.checkpoint.path == v.mountPath || "
+            "self.trainer.checkpoint.path.startsWith(v.mountPath + '/'))))",
+            lambda s: (
+                s.checkpoint_claim is not None
+                or s.trainer.checkpoint.path is None
+                or any(_holds(v, s.trainer.checkpoint.path) for v in s.pods.volumes or [])
+            ),
+            lambda s: f"got {s.trainer.checkpoint.path!r}",
         ),
         Rule(
             "restartPolicy.maxRestarts",
@@ -289,11 +321,19 @@ class RLHFJobSpec(JobConfig):
         ),
     )
 
+    @property
+    def checkpoint_path(self) -> str | None:
+        """Where every rank writes its checkpoints; None: the job keeps none."""
+        path = self.trainer.checkpoint.path
+        return path if path is not None or not self.checkpoint_claim else CHECKPOINT_MOUNT
+
     def job_config(self) -> JobConfig:
         """The trainer-facing part, as the trainer will read it from its ConfigMap."""
         fields = {name: getattr(self, name) for name in JobConfig.model_fields}
         # Dumping through JobConfig keeps only its fields (a Pool dumps as a PoolConfig).
         wire = JobConfig.model_construct(**fields).model_dump(by_alias=True, exclude_none=True)
+        if self.checkpoint_path is not None:
+            wire["trainer"]["checkpoint"]["path"] = self.checkpoint_path
         return JobConfig.model_validate(wire)
 
 

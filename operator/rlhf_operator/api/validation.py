@@ -44,8 +44,8 @@ def unmounted_paths(spec: RLHFJobSpec) -> list[FieldError]:
     """Absolute model and data paths that no volume of the job mounts: valid, but the
     pods will not find them (a warning, not an error: the image may carry them)."""
     mounted = [v.mount_path for v in spec.pods.volumes or []]
-    if spec.checkpoint_claim:
-        mounted.append(spec.trainer.checkpoint.path)
+    if spec.checkpoint_claim and spec.checkpoint_path:
+        mounted.append(spec.checkpoint_path)
     models = spec.models
     named = {
         "spec.models.actor.path": models.actor.path,

@@ -101,7 +101,7 @@ def mounts(spec: RLHFJobSpec) -> list[Obj]:
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
     if spec.checkpoint_claim:
-        found.append({"name": "checkpoints", "mountPath": spec.trainer.checkpoint.path})
+        found.append({"name": "checkpoints", "mountPath": spec.checkpoint_path})
     for volume in spec.pods.volumes or []:
         mount = {"name": volume.name, "mountPath": volume.mount_path}
         found.append(mount | ({"readOnly": True} if volume.read_only else {}))

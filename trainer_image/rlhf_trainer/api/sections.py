@@ -279,8 +279,15 @@ class GenerationConfig(SpecModel):
 class CheckpointConfig(SpecModel):
     """Where and how often to checkpoint; a restarted job resumes from the latest."""
 
-    path: str = Field(
-        "/checkpoints", min_length=1, description="Directory for checkpoints (a shared volume)."
+    path: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Directory for checkpoints, one place that every pod shares. Unset: /checkpoints "
+            "on checkpointClaim when the job has one, else no checkpoints (a local run: its "
+            "run folder). Set without checkpointClaim, it must lie on a persistentVolumeClaim "
+            "of pods.volumes."
+        ),
     )
     every_steps: int = Field(50, ge=1, description="Checkpoint every this many steps.")
     keep: int = Field(2, ge=1, le=1000, description="How many recent checkpoints to keep.")

@@ -50,14 +50,17 @@ class Run:
     last_checkpoint: str | None = None
 
     @property
-    def checkpoint_root(self) -> Path:
-        return Path(self.config.trainer.checkpoint.path)
+    def checkpoint_root(self) -> Path | None:
+        """None: this job keeps no checkpoints (on a cluster, no shared volume for them)."""
+        path = self.config.trainer.checkpoint.path
+        return Path(path) if path is not None else None
 
     def start(self) -> None:
         """Continue from the latest committed checkpoint, if there is one, and start
         the rollouter in fully-async mode."""
         self.trainer.weight_sync.open()
-        latest = checkpoint.latest(self.checkpoint_root)
+        root = self.checkpoint_root
+        latest = checkpoint.latest(root) if root is not None else None
         resumed = self.resume(latest) if latest is not None else None
         if self.streaming is not None:
             self.streaming.start(resumed)
@@ -85,8 +88,12 @@ class Run:
         return AsyncState.from_json(checkpoint.load_json(latest, ASYNC_STATE))
 
     def save(self) -> None:
-        """Write a checkpoint of everything the run needs, atomically."""
-        staging = checkpoint.staging_dir(self.checkpoint_root, self.step)
+        """Write a checkpoint of everything the run needs, atomically (nothing when the
+        job keeps no checkpoints)."""
+        root = self.checkpoint_root
+        if root is None:
+            return
+        staging = checkpoint.staging_dir(root, self.step)
         saves = [group.run("save", str(staging / role)) for role, group in self.checkpointed()]
         join([ref for refs in saves for ref in refs])
         if self.streaming is not None:
@@ -95,8 +102,8 @@ class Run:
         epoch, position = self.trainer.prompts.position()
         state = TrainerState(self.step, self.trainer.policy_version, epoch, position, capture_rng())
         checkpoint.save_trainer_state(staging, state)
-        final = checkpoint.commit(self.checkpoint_root, self.step)
-        checkpoint.prune(self.checkpoint_root, self.config.trainer.checkpoint.keep)
+        final = checkpoint.commit(root, self.step)
+        checkpoint.prune(root, self.config.trainer.checkpoint.keep)
         self.last_checkpoint = str(final)
 
     def progress(self, result: StepResult | None) -> TrainingProgress:
