@@ -138,6 +138,11 @@ def test_example_runs_each_pool_on_its_own_node_group(
         )
         assert set(pool_status["nodes"]) == nodes_by_pool[pool_status["name"]]
     assert status["rayJob"] == name and status["rayCluster"] == cluster
+    # KubeRay submits the driver through the head Service's dashboard port: without it
+    # the RayJob stays Initializing and no submitter is ever made.
+    eventually(lambda: get(cp, "job", name, namespace), "KubeRay's submitter Job")
+    deployment = (get(cp, "rayjob", name, namespace) or {})["status"]["jobDeploymentStatus"]
+    assert deployment != "Initializing"
 
     cp.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=true")
     eventually(lambda: get(cp, "rayjob", name, namespace) is None and not worker_pods(cp, name, namespace),

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from rlhf_operator.api.validation import parse_job
+from rlhf_operator.controller.kuberay import pruned_fields
 from rlhf_operator.render.children import JobRef, render_children, render_rayjob
 from rlhf_operator.render.network import NetworkAccess
 from rlhf_trainer.api.config import JobConfig
@@ -32,41 +33,11 @@ def render(
     return {o["kind"]: o for o in render_children(ref, job.spec, network)}
 
 
-def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
-    """Fields the schema does not declare: the API server would prune them silently."""
-    if isinstance(value, list) and "items" in schema:
-        return [
-            f
-            for i, v in enumerate(value)
-            for f in unknown_fields(schema["items"], v, f"{path}[{i}]")
-        ]
-    if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
-        return []
-    if "properties" not in schema:
-        extra = schema.get("additionalProperties")
-        return (
-            [f for k, v in value.items() for f in unknown_fields(extra, v, f"{path}.{k}")]
-            if isinstance(extra, dict)
-            else []
-        )
-    found = [
-        f"{path}.{k}"
-        for k in value
-        if k not in schema["properties"] and k not in ("apiVersion", "kind", "metadata")
-    ]
-    return found + [
-        f
-        for k, v in value.items()
-        if k in schema["properties"]
-        for f in unknown_fields(schema["properties"][k], v, f"{path}.{k}")
-    ]
-
-
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_rayjob_matches_kuberay_schema(path: Path) -> None:
     rayjob = render(path.name)["RayJob"]
     jsonschema.Draft4Validator(RAYJOB_SCHEMA).validate(rayjob)
-    assert unknown_fields(RAYJOB_SCHEMA, rayjob) == []
+    assert pruned_fields(RAYJOB_SCHEMA, rayjob) == []
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -24,8 +24,10 @@ class Kind:
     plural: str
 
     def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        """`namespace` "" for a cluster-scoped kind."""
         root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
-        parts = [root, "namespaces", namespace, self.plural, name, subresource]
+        scope = ["namespaces", namespace] if namespace else []
+        parts = [root, *scope, self.plural, name, subresource]
         return "/".join(p for p in parts if p)
 
 
@@ -41,6 +43,7 @@ KINDS = {
     "RayCluster": Kind("ray.io/v1", "rayclusters"),
     "RLHFJob": Kind(API_VERSION, PLURAL),
     "Workload": Kind("kueue.x-k8s.io/v1beta2", "workloads"),
+    "CustomResourceDefinition": Kind("apiextensions.k8s.io/v1", "customresourcedefinitions"),
 }
 
 MERGE_PATCH = "application/merge-patch+json"

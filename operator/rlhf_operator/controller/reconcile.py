@@ -19,13 +19,16 @@ from kubernetes.client.exceptions import ApiException
 from rlhf_operator.api.job import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.api.validation import InvalidJob, parse_spec
 from rlhf_operator.controller.kube import JSON_PATCH, Kube, Obj
+from rlhf_operator.controller.kuberay import RECHECK_SECONDS, KubeRayCheck
 from rlhf_operator.controller.restarts import Action, decide
 from rlhf_operator.controller.status import (
-    UNSCHEDULABLE,
+    KUBERAY_INCOMPATIBLE,
     Observed,
+    blocked_status,
     compute_status,
     finished,
     invalid_status,
+    warnings,
 )
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess
@@ -72,6 +75,7 @@ class Reconciler:
         self.kube = kube
         self.now = now
         self.network = network  # give each job a NetworkPolicy (the chart's choice)
+        self.kuberay = KubeRayCheck(kube)
         self.fanout = ThreadPoolExecutor(CHILD_REQUESTS, thread_name_prefix="children")
 
     def reconcile(self, namespace: str, name: str) -> Reconciled:
@@ -97,7 +101,15 @@ class Reconciler:
         restart = None if finished(old) else decide(spec.restart_policy, rayjob, old, now)
         workload = None
         if restart is not None and restart.action is Action.NONE:
-            rayjob = self._ensure_children(ref, spec, rayjob)
+            children = render_children(ref, spec, self.network)
+            # Before anything is created: a KubeRay that would drop fields (or cannot
+            # probe the pods) would leave the job waiting for ever.
+            blocked = self.kuberay.problem(children[-1]) if rayjob is None else None
+            if blocked is not None:
+                new = blocked_status(old, generation, KUBERAY_INCOMPATIBLE, blocked, now)
+                self._write_status(job, old, new)
+                return Reconciled(new, requeue_after=RECHECK_SECONDS)
+            rayjob = self._ensure_children(ref, spec, children, rayjob)
             workload = self._sync_workload(spec, rayjob)
         elif restart is not None and restart.action is Action.DELETE and restart.failure:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
@@ -110,8 +122,10 @@ class Reconciler:
             wait = QUEUED_RECHECK_SECONDS
         return Reconciled(new, requeue_after=wait)
 
-    def _ensure_children(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
-        *dependencies, desired_rayjob = render_children(ref, spec, self.network)
+    def _ensure_children(
+        self, ref: JobRef, spec: RLHFJobSpec, children: list[Obj], rayjob: Obj | None
+    ) -> Obj | None:
+        *dependencies, desired_rayjob = children
         # No RayJob means a new job (or one whose children were wiped): try creating
         # first, which saves a read per child on the path users wait on. The RayJob's
         # pods need the others (their ServiceAccount, the ConfigMap), which need nothing
@@ -213,9 +227,10 @@ class Reconciler:
             warning = bool(invalid) or new.phase in WARNING_PHASES
             reason = "InvalidSpec" if invalid else new.phase.value
             self._post_event(job, reason, invalid or _phase_message(new), warning)
-        unscheduled = _unscheduled_message(new)
-        if unscheduled and unscheduled != _unscheduled_message(old):
-            self._post_event(job, UNSCHEDULABLE, unscheduled, warning=True)
+        said = warnings(old)
+        for reason, message in warnings(new).items():
+            if said.get(reason) != message:
+                self._post_event(job, reason, message, warning=True)
 
     def _post_event(self, job: Obj, reason: str, message: str, warning: bool) -> None:
         meta = job["metadata"]
@@ -279,12 +294,6 @@ def _phase_message(status: RLHFJobStatus) -> str:
         )
         message += f"; restart {status.restarts}: the next attempt {start}"
     return message
-
-
-def _unscheduled_message(status: RLHFJobStatus) -> str | None:
-    """PoolsReady's message while the scheduler cannot place a pool's pod."""
-    pools = next((c for c in status.conditions if c.type == "PoolsReady"), None)
-    return pools.message if pools and pools.reason == UNSCHEDULABLE else None
 
 
 def _invalid_message(status: RLHFJobStatus) -> str | None:

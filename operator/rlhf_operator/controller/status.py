@@ -26,6 +26,10 @@ TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
 # why, as the scheduler said it on the pod).
 UNSCHEDULABLE = "Unschedulable"
 QUEUED = "Queued"  # ... and while Kueue has not admitted the job (its message: Kueue's reason)
+# Ready's reason while the installed KubeRay cannot run the job (nothing is created).
+KUBERAY_INCOMPATIBLE = "KubeRayIncompatible"
+# Conditions whose (type, reason) is news the user must see: each new message is an Event.
+WARNING_CONDITIONS = {("PoolsReady", UNSCHEDULABLE), ("Ready", KUBERAY_INCOMPATIBLE)}
 MAX_SCHEDULER_MESSAGE = 300
 
 # KubeRay's RayJob.status.jobDeploymentStatus -> our phase (Complete is resolved by
@@ -65,6 +69,23 @@ def invalid_status(
     return old.model_copy(
         update={"phase": Phase.FAILED, "observed_generation": generation, "conditions": conditions}
     )
+
+
+def blocked_status(
+    old: RLHFJobStatus, generation: int | None, reason: str, message: str, now: datetime
+) -> RLHFJobStatus:
+    """A valid job that cannot start, and waits (Pending) for what `message` names."""
+    conditions = _set_condition(old.conditions, "Ready", False, reason, message, now, generation)
+    return old.model_copy(
+        update={"phase": Phase.PENDING, "observed_generation": generation, "conditions": conditions}
+    )
+
+
+def warnings(status: RLHFJobStatus) -> dict[str, str]:
+    """reason -> message of the conditions in WARNING_CONDITIONS."""
+    return {
+        c.reason: c.message for c in status.conditions if (c.type, c.reason) in WARNING_CONDITIONS
+    }
 
 
 def compute_status(
