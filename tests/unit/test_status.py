@@ -225,3 +225,55 @@ def test_an_admitted_job_follows_kuberay_and_a_suspended_one_is_suspended() -> N
     assert queued_status(True, None, suspended).phase is Phase.SUSPENDED
     # Without a queue, a suspended RayJob is the user's suspension, not a queue.
     assert queued_status(True, None, SPEC).phase is Phase.SUSPENDED
+
+
+def with_container(
+    pool: str | None, name: str, state: dict[str, Any], **extra: Any
+) -> dict[str, Any]:
+    failing = pod(pool or "", ready=False)
+    if pool is None:  # the head or the submitter: no pool label
+        failing["metadata"]["labels"] = {}
+    failing["metadata"]["name"] = name
+    failing["status"]["containerStatuses"] = [{"name": "ray", "state": state, **extra}]
+    return failing
+
+
+def test_a_pod_that_cannot_start_says_why_by_pod_and_container() -> None:
+    pull = {"waiting": {"reason": "ErrImagePull", "message": 'pull "rlhf-trainer:9": not found'}}
+    crash = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}}
+    last = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+    pods = [
+        pod("policy"),
+        with_container(None, "job-head-x", pull),
+        with_container("value", "job-value-y", crash, lastState=last),
+        with_container("value", "job-value-z", {"waiting": {"reason": "ContainerCreating"}}),
+    ]
+    pools_ready = next(
+        c
+        for c in status(Observed(rayjob("Initializing"), pods)).conditions
+        if c.type == "PoolsReady"
+    )
+    assert (pools_ready.status, pools_ready.reason) == ("False", "PodsFailing")
+    assert pools_ready.message == (
+        "1/2 pools have all their GPUs; "
+        'pod job-head-x container ray: ErrImagePull: pull "rlhf-trainer:9": not found; '
+        "pod job-value-y container ray: CrashLoopBackOff: back-off 10s "
+        "(last exit: OOMKilled, exit code 137)"
+    )
+
+
+def test_a_container_that_ended_in_error_is_named_and_one_that_succeeded_is_not() -> None:
+    failed = {"terminated": {"reason": "Error", "exitCode": 1, "message": "Traceback ..."}}
+    done = {"terminated": {"reason": "Completed", "exitCode": 0}}
+    pods = [pod("policy"), pod("value"), with_container(None, "submitter", done)]
+    assert (
+        next(
+            c for c in status(Observed(rayjob(), pods)).conditions if c.type == "PoolsReady"
+        ).reason
+        == "PoolsReady"
+    )
+    pods.append(with_container(None, "worker", failed))
+    message = next(
+        c for c in status(Observed(rayjob(), pods)).conditions if c.type == "PoolsReady"
+    ).message
+    assert message.endswith("pod worker container ray: Error, exit code 1: Traceback ...")

@@ -32,7 +32,6 @@ from rlhf_operator.controller.status import (
 )
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess
-from rlhf_trainer.api.names import POOL_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ class Reconciler:
         elif restart is not None and restart.action is Action.DELETE and restart.failure:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
-        pods = self.kube.list("Pod", namespace, f"{JOB_LABEL}={name},{POOL_LABEL}")
+        pods = self.kube.list("Pod", namespace, f"{JOB_LABEL}={name}")  # head, pools, submitter
         new = compute_status(spec, generation, Observed(rayjob, pods, workload), old, now, restart)
         self._write_status(job, old, new)
         wait = restart.wait_seconds if restart and restart.action in WAITING else None

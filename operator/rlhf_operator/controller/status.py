@@ -18,6 +18,7 @@ from rlhf_operator.api.job import (
     RLHFJobSpec,
     RLHFJobStatus,
 )
+from rlhf_operator.controller.pods import pod_problems
 from rlhf_operator.controller.restarts import Action, Decision
 from rlhf_trainer.api.names import POOL_LABEL
 
@@ -26,10 +27,16 @@ TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
 # why, as the scheduler said it on the pod).
 UNSCHEDULABLE = "Unschedulable"
 QUEUED = "Queued"  # ... and while Kueue has not admitted the job (its message: Kueue's reason)
+# ... and while a pod's container cannot start or ends in error (its message: the kubelet's).
+PODS_FAILING = "PodsFailing"
 # Ready's reason while the installed KubeRay cannot run the job (nothing is created).
 KUBERAY_INCOMPATIBLE = "KubeRayIncompatible"
 # Conditions whose (type, reason) is news the user must see: each new message is an Event.
-WARNING_CONDITIONS = {("PoolsReady", UNSCHEDULABLE), ("Ready", KUBERAY_INCOMPATIBLE)}
+WARNING_CONDITIONS = {
+    ("PoolsReady", UNSCHEDULABLE),
+    ("PoolsReady", PODS_FAILING),
+    ("Ready", KUBERAY_INCOMPATIBLE),
+}
 MAX_SCHEDULER_MESSAGE = 300
 
 # KubeRay's RayJob.status.jobDeploymentStatus -> our phase (Complete is resolved by
@@ -100,6 +107,7 @@ def compute_status(
     pools = [_pool_status(spec, pool.name, observed.pods) for pool in spec.pools]
     ready_pools = sum(p.ready_gpus == p.desired_gpus for p in pools)
     unscheduled = [w for pool in pools if (w := _unscheduled(pool, observed.pods))]
+    failing = pod_problems(observed.pods)
     restarting = restart is not None and restart.action is not Action.NONE
     if finished(old):  # a finished job keeps its outcome, even once its RayJob is gone
         phase = old.phase
@@ -111,10 +119,12 @@ def compute_status(
 
     queued = [_queued(spec, observed.workload)] if phase is Phase.QUEUED else []
     pools_reason = "PoolsReady" if all_ready else "PoolsNotReady"
+    if failing and phase not in TERMINAL:
+        pools_reason = PODS_FAILING
     if unscheduled or queued:
         pools_reason = QUEUED if queued else UNSCHEDULABLE
     pools_message = "; ".join(
-        [f"{ready_pools}/{len(pools)} pools have all their GPUs", *unscheduled, *queued]
+        [f"{ready_pools}/{len(pools)} pools have all their GPUs", *unscheduled, *queued, *failing]
     )
     ready_message = queued[0] if queued else _phase_message(phase, failure)
     conditions = old.conditions
