@@ -46,11 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     cp = ControlPlane()
     try:
         cp.start()
-        timings = {"startup_seconds": round(cp.startup_seconds, 2), "phases": cp.phase_seconds}
+        timings = {
+            "startup_seconds": round(cp.startup_seconds, 2),
+            "phases": cp.phase_seconds,
+            "real_node": cp.real_node.name if cp.real_node else cp.real_node_absent,
+        }
         if args.measure:
             print(json.dumps(timings))
             return 0
         print(f"control plane up in {cp.startup_seconds:.1f}s; logs in {cp.logs_dir}")
+        if cp.real_node:
+            print(f"real node {cp.real_node.name} at {cp.real_node.node_ip} (pods run there "
+                  "only if they tolerate its taint: see tests/controlplane/node.py)")  # fmt: skip
+        else:
+            print(f"no real node: {cp.real_node_absent}")
         print(f"\n    export KUBECONFIG={cp.kubeconfig}")
         print(f"    export PATH={BIN_DIR}:$PATH   # kubectl, helm\n")
         print("Ctrl-C stops it.", flush=True)

@@ -5,7 +5,9 @@
 #
 #   make controlplane   build etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 #                       kubectl, kwok, helm, KubeRay's operator, Kueue's manager and kube-score into tests/controlplane/bin/,
-#                       and unpack Debian's Prometheus there (the dashboards' tests query it)
+#                       and unpack Debian's Prometheus there (the dashboards' tests query it);
+#                       for the real node: kubelet, kube-proxy, CoreDNS, the pause and nettool
+#                       programs, and (as root) Debian's containerd, runc and CNI plugins
 #   make cluster        start that control plane for a person; prints KUBECONFIG; Ctrl-C stops it
 #
 # Binaries are rebuilt only when a module's go.mod/go.sum is newer than them, and the
@@ -35,24 +37,30 @@ CP_KUBE_LDFLAGS := \
 	-X k8s.io/client-go/pkg/version.gitMinor=36 \
 	-X k8s.io/client-go/pkg/version.gitTreeState=clean
 
-CP_KUBE_BINS := $(addprefix $(CP_BIN)/,kube-apiserver kube-controller-manager kube-scheduler kubectl)
+CP_KUBE_BINS := $(addprefix $(CP_BIN)/,kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 CP_TOOLS_BINS := $(addprefix $(CP_BIN)/,kwok helm)
+# The real node's own programs, run as its images (static: the images hold nothing else).
+CP_NODE_PROGRAMS := $(addprefix $(CP_BIN)/,pause nettool)
+CP_NODE_DEBS := containerd runc containernetworking-plugins iptables
 CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kueue-manager \
 	$(CP_BIN)/kube-score \
-	$(CP_BIN)/prometheus
+	$(CP_BIN)/prometheus \
+	$(CP_BIN)/coredns $(CP_NODE_PROGRAMS) $(CP_BIN)/.node-packages
 
 .PHONY: controlplane cluster
 
 controlplane: $(CP_BINARIES)  ## build the test control plane (kube, etcd, kwok, helm, KubeRay, Kueue) from pinned Go modules
 
-# Grouped target (&:): one `go build` makes all four, sharing compiled packages.
+# Grouped target (&:): one `go build` makes all six, sharing compiled packages.
 $(CP_KUBE_BINS) &: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
 	cd $(CP_GO)/kube && $(GO) build -ldflags '$(CP_KUBE_LDFLAGS)' -o $(abspath $(CP_BIN))/ \
 		k8s.io/kubernetes/cmd/kube-apiserver \
 		k8s.io/kubernetes/cmd/kube-controller-manager \
 		k8s.io/kubernetes/cmd/kube-scheduler \
-		k8s.io/kubernetes/cmd/kubectl
+		k8s.io/kubernetes/cmd/kubectl \
+		k8s.io/kubernetes/cmd/kubelet \
+		k8s.io/kubernetes/cmd/kube-proxy
 	@touch $(CP_KUBE_BINS)
 
 # etcd at the version k8s.io/kubernetes itself requires (go.etcd.io/etcd/server/v3 is a main package).
@@ -84,6 +92,35 @@ $(CP_BIN)/prometheus: $(CP_MK)
 	dpkg-deb --fsys-tarfile $(CP_DIR)/.deb/prometheus_*.deb | \
 		tar -x -C $(CP_BIN) --strip-components=3 ./usr/bin/prometheus ./usr/bin/promtool
 	@touch $@
+
+# CoreDNS with only the plugins the cluster DNS uses (go/coredns/main.go).
+$(CP_BIN)/coredns: $(CP_GO)/coredns/go.mod $(CP_GO)/coredns/go.sum $(CP_GO)/coredns/main.go $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/coredns && $(GO) build -o $(abspath $@) .
+	@touch $@
+
+# Static and reproducible (-trimpath, no build ID): the same source makes the same image.
+$(CP_NODE_PROGRAMS) &: $(CP_GO)/node/go.mod $(wildcard $(CP_GO)/node/*/*.go) $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/node && CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w -buildid=' \
+		-o $(abspath $(CP_BIN))/ ./pause ./nettool
+	@touch $(CP_NODE_PROGRAMS)
+
+# Debian's container runtime and CNI plugins, for the real node. Installing needs root;
+# elsewhere the node does not start (and its tests skip), so this only says so.
+# No service is started here: the tests run containerd with a configuration of their own.
+$(CP_BIN)/.node-packages: $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	@if command -v containerd >/dev/null && command -v runc >/dev/null && [ -x /usr/lib/cni/bridge ]; then \
+		touch $@; \
+	elif [ "$$(id -u)" != 0 ]; then \
+		echo "not root: $(CP_NODE_DEBS) not installed, so the tests' real node will not start"; \
+	else \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq --no-install-recommends $(CP_NODE_DEBS) || \
+			{ apt-get update -qq && apt-get install -y -qq --no-install-recommends $(CP_NODE_DEBS); } && \
+		touch $@; \
+	fi
 
 $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)

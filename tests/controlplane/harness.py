@@ -7,9 +7,12 @@ Every component is the upstream program, built from the pinned Go modules under
                            -> KubeRay CRDs + our CRDs (crds/) -> KubeRay operator
                            -> fake nodes (managed by kwok)
                            -> Kueue's manager, on request (start_kueue)
+                           -> a real node where it can run (node.py), beside kwok's
 
 Nothing is faked except the machines: kwok plays the kubelets of fake nodes, so
-pods are really scheduled by kube-scheduler and marked Running by kwok.
+pods are really scheduled by kube-scheduler and marked Running by kwok. The real node
+(kubelet, kube-proxy, containerd, CoreDNS) really runs the pods sent to it; with it, the
+API server listens on the node's private address instead of loopback, so pods reach it.
 
 Needs only the standard library, PyYAML, the ``kubernetes`` client and the
 ``openssl`` command (certificates are made on the fly, per run).
@@ -35,8 +38,12 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from .node import RealNode
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent.parent
@@ -340,9 +347,10 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_pki(pki: Path) -> None:
-    """A throw-away CA, the API server's serving cert, an admin client cert
-    (group system:masters) and the service-account signing key pair."""
+def make_pki(pki: Path, api_ips: Sequence[str] = ()) -> None:
+    """A throw-away CA, the API server's serving cert (for loopback, the `kubernetes`
+    Service and `api_ips`), an admin client cert (group system:masters) and the
+    service-account signing key pair."""
     pki.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     _openssl(
@@ -371,6 +379,7 @@ def make_pki(pki: Path) -> None:
         [
             "IP:127.0.0.1",
             "IP:10.0.0.1",
+            *[f"IP:{ip}" for ip in api_ips],
             "DNS:localhost",
             "DNS:kubernetes",
             "DNS:kubernetes.default",
@@ -525,7 +534,11 @@ class ControlPlane:
         self.logs_dir = self.run_dir / "logs"
         self.kubeconfig = self.run_dir / "kubeconfig"
         self.ca_file = self.pki / "ca.crt"  # the cluster CA, for clients that use tokens
-        self.server = ""  # https://127.0.0.1:<port>, known once started
+        self.server = ""  # https://<api_host>:<port>, known once started
+        # Loopback, or the real node's address (pods cannot reach loopback).
+        self.api_host = "127.0.0.1"
+        self.real_node: RealNode | None = None  # None where it cannot run (see below)
+        self.real_node_absent = ""  # why there is no real node
         self.processes: list[Process] = []
         self.phase_seconds: dict[str, float] = {}
         self.startup_seconds: float | None = None
@@ -550,10 +563,12 @@ class ControlPlane:
         atexit.register(self.stop)
         began = time.monotonic()
         try:
+            self._phase("real node host", self._start_real_node_host)
             self._phase("certificates", self._prepare)
             self._phase("etcd", self._start_etcd)
             self._phase("kube-apiserver", self._start_apiserver)
             self._phase("controllers", self._start_controllers)
+            self._phase("real node agents", self._start_real_node_agents)
             self._phase("create crds", self._create_crds)
             self._phase("nodes", self._create_nodes)
             # KubeRay's operator exits if its kinds are not served yet.
@@ -567,6 +582,8 @@ class ControlPlane:
         return self
 
     def stop(self) -> None:
+        if self.real_node:  # first: its kubelet and kube-proxy are the API server's clients
+            self.real_node.stop()
         # Reverse order: clients first, etcd last, so shutdown is quiet and quick.
         while self.processes:
             self.processes.pop().stop()
@@ -593,9 +610,23 @@ class ControlPlane:
         self.processes.append(proc)
         return proc
 
+    def _start_real_node_host(self) -> None:
+        """The real node's host side (network, containerd), before the API server binds
+        its address. Where it cannot start, the control plane runs without it."""
+        from .node import start_real_node
+
+        node_dir = self.run_dir / "node"
+        self.real_node, self.real_node_absent = start_real_node(node_dir, self.logs_dir, self.pki)
+        if self.real_node:
+            self.api_host = self.real_node.node_ip
+
+    def _start_real_node_agents(self) -> None:
+        if self.real_node:
+            self.real_node.start_agents(self.kubeconfig)
+
     def _prepare(self) -> None:
         """Certificates, ports and the kubeconfig: everything known before any start."""
-        make_pki(self.pki)
+        make_pki(self.pki, [self.api_host])
         names = [
             "etcd",
             "etcd-peer",
@@ -607,7 +638,7 @@ class ControlPlane:
             "kuberay-probe",
         ]
         self._ports = dict(zip(names, free_ports(len(names)), strict=True))
-        self.server = f"https://127.0.0.1:{self._ports['apiserver']}"
+        self.server = f"https://{self.api_host}:{self._ports['apiserver']}"
         self.kubeconfig.write_text(kubeconfig_yaml(self.server, self.pki))
         self._client_tls = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
         self._client_tls.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
@@ -648,8 +679,8 @@ class ControlPlane:
             [
                 BIN_DIR / "kube-apiserver",
                 f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.api_host}",
+                f"--advertise-address={self.api_host}",
                 f"--secure-port={self._ports['apiserver']}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}",
                 f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -670,8 +701,14 @@ class ControlPlane:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                # Endpoints may not point at loopback, and no pod could reach it anyway.
-                "--endpoint-reconciler-type=none",
+                # Endpoints may not point at loopback, and no pod could reach it anyway;
+                # with the real node, the `kubernetes` Service leads to its address.
+                f"--endpoint-reconciler-type={'lease' if self.real_node else 'none'}",
+                # Logs and exec reach a kubelet as admin, at its node's address (a real
+                # node's hostname resolves nowhere).
+                f"--kubelet-client-certificate={pki / 'admin.crt'}",
+                f"--kubelet-client-key={pki / 'admin.key'}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--allow-privileged=true",
                 "--profiling=false",
                 f"--cert-dir={self.run_dir / 'apiserver-certs'}",
@@ -832,6 +869,8 @@ class ControlPlane:
             self._wait(name, check, by_name[name], timeout=60)
         nodes = [n for g in self.node_groups for n in g.node_names()]
         self._wait("nodes Ready", lambda: self._nodes_ready(nodes), by_name["kwok"], timeout=60)
+        if self.real_node:
+            self._phase("real node ready", self._wait_real_node)
         # Pods are refused until the service-account controller made "default".
         self._wait(
             "default service account",
@@ -839,6 +878,16 @@ class ControlPlane:
             by_name["kube-controller-manager"],
             timeout=60,
         )
+
+    def _wait_real_node(self) -> None:
+        node = self.real_node
+        assert node is not None
+        procs = {p.name: p for p in node.processes}
+        for name, check in node.ready_checks().items():
+            self._wait(name, check, procs[name], timeout=60)
+        self._wait(f"node {node.name} Ready", lambda: self._nodes_ready([node.name]),
+                   procs["kubelet"], timeout=60)  # fmt: skip
+        node.after_ready()
 
     # ----- waiting
 
