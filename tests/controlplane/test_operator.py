@@ -20,7 +20,8 @@ from .util import eventually, get_json, kubectl_as
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
-CLUSTER_EXAMPLES = [p for p in EXAMPLES if p.name != "local-cpu.yaml"]
+# cpu-cluster trains for real on the real node (test_real_job.py).
+CLUSTER_EXAMPLES = [p for p in EXAMPLES if p.name not in ("local-cpu.yaml", "cpu-cluster.yaml")]
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -16,6 +16,7 @@ EXPECTED = {
     "asymmetric-3-5.yaml": (Mode.SPLIT, {"policy": 3, "value": 5}),
     "asymmetric-6-2.yaml": (Mode.SPLIT, {"policy": 6, "value": 2}),
     "colocated.yaml": (Mode.COLOCATED, {"all": 8}),
+    "cpu-cluster.yaml": (Mode.SPLIT, {"policy": 1, "value": 1}),
     "fully-async.yaml": (Mode.ASYNC, {"rollout": 8, "trainer": 8}),
     "grpo-split.yaml": (Mode.SPLIT, {"train": 8, "generate": 8}),
     "local-cpu.yaml": (Mode.SPLIT, {"policy": 1, "value": 1}),
