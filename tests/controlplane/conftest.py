@@ -4,6 +4,9 @@
         controlplane.kubectl("get", "nodes")
         v1 = kubernetes.client.CoreV1Api(controlplane.api_client())
 
+    def test_y(real_node):  # skipped, with the reason, where no real node runs
+        real_node.load_image(archive)  # then pods with on_real_node(spec) run it
+
 When a test fails, the last lines of every component's log are added to its report.
 """
 
@@ -16,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from .harness import RUN_ROOT, ControlPlane, build_binaries, missing_binaries
+from .node import RealNode
 from .operator_process import OperatorProcess
 from .util import provide_example_claims, remove_example_claims
 
@@ -54,11 +58,21 @@ def controlplane(request: pytest.FixtureRequest):
         f"control plane started in {cp.startup_seconds:.1f}s {cp.phase_seconds}; "
         f"KUBECONFIG={cp.kubeconfig}",
     )
+    if cp.real_node is None:
+        _say(request.config, f"no real node: {cp.real_node_absent}")
     try:
         yield cp
     finally:
         cp.stop()
         _running = None
+
+
+@pytest.fixture(scope="session")
+def real_node(controlplane: ControlPlane) -> RealNode:
+    """The control plane's real node (see node.py); skips where none could start."""
+    if controlplane.real_node is None:
+        pytest.skip(f"no real node: {controlplane.real_node_absent}")
+    return controlplane.real_node
 
 
 @pytest.fixture(scope="module")

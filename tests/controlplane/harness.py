@@ -582,11 +582,15 @@ class ControlPlane:
         return self
 
     def stop(self) -> None:
-        if self.real_node:  # first: its kubelet and kube-proxy are the API server's clients
-            self.real_node.stop()
+        # The real node's agents first (clients of the API server), its address last: the
+        # API server takes 10 s to stop once the address it listens on is gone.
+        if self.real_node:
+            self.real_node.stop_agents()
         # Reverse order: clients first, etcd last, so shutdown is quiet and quick.
         while self.processes:
             self.processes.pop().stop()
+        if self.real_node:
+            self.real_node.stop()
         shutil.rmtree(self.run_dir / "etcd-data", ignore_errors=True)
         atexit.unregister(self.stop)
 

@@ -194,14 +194,19 @@ class RealNode:
         """The kubelet is past its start: give the machine its kernel settings back."""
         write_sysctls({k: v for k, v in self._saved_sysctls.items() if k != IP_FORWARD})
 
+    def stop_agents(self) -> None:
+        """Stop the API server's clients (kubelet, kube-proxy, CoreDNS); containerd and
+        the node's address stay, for the API server to shut down cleanly."""
+        while self.processes and self.processes[-1].name != "containerd":
+            self.processes.pop().stop()
+
     def stop(self) -> None:
         """Undo everything start_host and start_agents did; every step runs even if one
         before it failed, and the failures are raised together at the end."""
         if not self._host_changed:
             return
         errors: list[str] = []
-        while self.processes and self.processes[-1].name != "containerd":
-            self.processes.pop().stop()
+        self.stop_agents()
         for step in (
             self._clean_runtime,
             lambda: teardown_network(self.layout, NODE_LINK),
