@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -283,8 +284,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.list:
         print("\n".join(IMAGES[name].ref for name in names))
         return
-    for ref in ensure(names).values():
-        print(ref)
+    try:
+        refs = ensure(names)
+    except subprocess.CalledProcessError as error:
+        parser.exit(1, f"{shlex.join(error.cmd)}: exit status {error.returncode}\n")
+    print("\n".join(refs.values()))
 
 
 if __name__ == "__main__":
