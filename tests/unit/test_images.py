@@ -96,7 +96,8 @@ def shell_commands(arguments: str) -> list[list[str]]:
     """The simple commands of a RUN instruction (split at &&, ||, ; and |)."""
     lexer = shlex.shlex(arguments, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
-    commands, command = [], []
+    commands: list[list[str]] = []
+    command: list[str] = []
     for word in [*lexer, ";"]:
         if word in ("&&", "||", ";", "|"):
             commands.append(command)
