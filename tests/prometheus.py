@@ -54,12 +54,36 @@ class Target:
     honor_labels: bool = False  # keep the target's own namespace label (the operator's)
 
 
+def kubernetes_pods_job(api_server: str, pki: Path) -> dict[str, Any]:
+    """A scrape job that finds the pods annotated `prometheus.io/scrape` through the API
+    server (Kubernetes service discovery, as an admin), and names a job's series `rlhfjob`
+    as the chart's PodMonitor does."""
+    tls = {"ca_file": str(pki / "ca.crt"), "cert_file": str(pki / "admin.crt"),
+           "key_file": str(pki / "admin.key")}  # fmt: skip
+    return {
+        "job_name": "kubernetes-pods",
+        "kubernetes_sd_configs": [{"role": "pod", "api_server": api_server, "tls_config": tls}],
+        "relabel_configs": [
+            {"source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"],
+             "action": "keep", "regex": "true"},
+            {"source_labels": ["__meta_kubernetes_pod_ip",
+                               "__meta_kubernetes_pod_annotation_prometheus_io_port"],
+             "separator": ":", "target_label": "__address__"},
+            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+            {"source_labels": ["__meta_kubernetes_pod_label_rlhf_dev_job"],
+             "target_label": "rlhfjob"},
+        ],
+    }  # fmt: skip
+
+
 @dataclass
 class Prometheus:
     workdir: Path
     targets: list[Target]
     port: int = field(default_factory=lambda: free_ports(1)[0])
     proc: subprocess.Popen[bytes] | None = None
+    discovery: list[dict[str, Any]] = field(default_factory=list)  # more scrape jobs
 
     def __enter__(self) -> Prometheus:
         config = {
@@ -73,7 +97,8 @@ class Prometheus:
                     ],
                 }
                 for index, target in enumerate(self.targets)
-            ],
+            ]
+            + self.discovery,
         }
         (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = self.workdir / "prometheus.log"

@@ -66,6 +66,8 @@ JOB_LABEL = f"{GROUP}/job"
 SCHEDULER_LABEL = "ray.io/scheduler-name"  # KubeRay: the batch scheduler of the pods
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue: the LocalQueue that admits the RayJob
 HEAD_DEFAULTS = PodResources(cpu=2, memory="8Gi")
+# `ray job submit`, then following the driver's log: little, so a small node fits a job.
+SUBMITTER_RESOURCES = PodResources(cpu="200m", memory="512Mi")
 
 
 @dataclass(frozen=True)
@@ -334,7 +336,7 @@ def _submitter_template(job: JobRef, spec: RLHFJobSpec) -> Obj:
                     "name": "ray-job-submitter",
                     "image": spec.image,
                     "imagePullPolicy": spec.image_pull_policy,
-                    "resources": container_resources(PodResources(cpu="500m", memory="512Mi")),
+                    "resources": container_resources(SUBMITTER_RESOURCES),
                     "securityContext": container_security(),
                 }
             ],
