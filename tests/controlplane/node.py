@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +183,7 @@ class RealNode:
         config.write_text(corefile(self.layout, kubeconfig, self._ports["dns-ready"]))
         self._spawn("coredns", [BIN_DIR / "coredns", "-conf", config])
 
-    def ready_checks(self) -> dict[str, Any]:
+    def ready_checks(self) -> dict[str, Callable[[], bool]]:
         """Health checks of the agents (name -> callable returning True when ready)."""
         return {
             "kubelet": lambda: _http_ok(f"http://127.0.0.1:{self._ports['kubelet']}/healthz"),
@@ -342,9 +343,6 @@ class RealNode:
         saved.write_text(json.dumps(values))
         return values
 
-    def log_tails(self, lines: int = 25) -> dict[str, str]:
-        return {p.name: tail(p.log_path, lines) for p in self.processes}
-
 
 def _env() -> dict[str, str]:
     return {"PATH": f"{os.environ.get('PATH', '')}:{SBIN_PATH}"}
@@ -355,7 +353,7 @@ def _http_ok(url: str) -> bool:
         return bool(resp.status == 200)
 
 
-def _wait(what: str, check: Any, proc: Process, timeout: float) -> None:
+def _wait(what: str, check: Callable[[], bool], proc: Process, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:

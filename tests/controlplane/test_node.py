@@ -142,7 +142,7 @@ def _run_client(cp: ControlPlane, namespace: str, checks: list[str]) -> dict[str
         pod = _pod(cp, namespace, "client")
         return pod if pod["status"].get("phase") in ("Succeeded", "Failed") else None
 
-    pod = eventually(finished, "the client pod to finish its checks")
+    pod: dict[str, Any] = eventually(finished, "the client pod to finish its checks")
     assert pod["status"]["phase"] == "Succeeded", pod["status"]
     return pod
 
