@@ -83,9 +83,10 @@ def recreated(
 
 
 def node_pools(cp: ControlPlane) -> dict[str, str]:
+    """kwok's nodes by pool (the real node, where it runs, is in none)."""
     return {
         n["metadata"]["name"]: n["metadata"]["labels"]["pool"]
-        for n in get_json(cp, "nodes")["items"]
+        for n in get_json(cp, "nodes", "-l", "type=kwok")["items"]
     }
 
 
