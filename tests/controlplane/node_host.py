@@ -106,10 +106,13 @@ def routes(layout: NodeLayout) -> list[str]:
 
 def guard_rules(layout: NodeLayout) -> dict[str, list[list[str]]]:
     """The filter table's guard chains: FORWARD keeps pod traffic inside the cluster's
-    ranges; INPUT lets the node's address be reached from this machine and its pods only."""
+    ranges, and the machine from routing anything but its pods' packets (ip_forward is on
+    while the node runs); INPUT lets the node's address be reached from this machine and
+    its pods only."""
     pods, bridge = layout.cluster_pod_cidr, layout.bridge
     return {
         "FORWARD": [
+            ["!", "-i", bridge, "!", "-o", bridge, "-j", "DROP"],
             ["-s", pods, "!", "-d", pods, "-j", "DROP"],
             ["-d", pods, "!", "-s", pods, "-j", "DROP"],
         ],
