@@ -120,11 +120,27 @@ def rules_of(manifests: list[Manifest]) -> list[Manifest]:
             for rule in r["rules"]]  # fmt: skip
 
 
+# In both modes: `get` on the RayJob CRD alone (the operator checks KubeRay's version).
+CRD_READ = {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+            "resourceNames": ["rayjobs.ray.io"], "verbs": ["get"]}  # fmt: skip
+
+
+def crd_read_only(manifests: list[dict[str, Any]]) -> bool:
+    """The ClusterRole that may read the RayJob CRD and nothing else, and its binding."""
+    (role,) = [
+        r
+        for r in of_kind(manifests, "ClusterRole")
+        if r["metadata"]["name"].endswith("-kuberay-crd")
+    ]
+    (binding,) = [b for b in of_kind(manifests, "ClusterRoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]]  # fmt: skip
+    return bool(role["rules"] == [CRD_READ] and binding["subjects"])
+
+
 def test_by_default_one_cluster_role_without_wildcards_or_secrets() -> None:
     manifests = render()
-    assert [m["kind"] for m in manifests if "Role" in m["kind"]] == [
-        "ClusterRole", "ClusterRoleBinding"
-    ]  # fmt: skip
+    kinds = sorted(m["kind"] for m in manifests if "Role" in m["kind"])
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding"]
+    assert crd_read_only(manifests)
     for rule in rules_of(manifests):
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[field], rule
@@ -138,7 +154,10 @@ def test_by_default_one_cluster_role_without_wildcards_or_secrets() -> None:
 
 def test_watched_namespaces_get_a_role_each_and_nothing_cluster_wide() -> None:
     manifests = render("--set-json", 'watchNamespaces=["a","b"]')
-    assert not of_kind(manifests, "ClusterRole") and not of_kind(manifests, "ClusterRoleBinding")
+    assert crd_read_only(manifests)  # the one cluster-wide grant
+    assert (
+        len(of_kind(manifests, "ClusterRole")) == len(of_kind(manifests, "ClusterRoleBinding")) == 1
+    )
     for kind in ("Role", "RoleBinding"):
         assert sorted(r["metadata"]["namespace"] for r in of_kind(manifests, kind)) == ["a", "b"]
     args = deployment(manifests)["containers"][0]["args"]
@@ -375,12 +394,15 @@ def test_upgrade_follows_the_values_and_uninstall_leaves_no_orphans(
     cp.helm("install", name, str(CHART), "-n", namespace, "--create-namespace")
     assert sorted(k.split("/")[0] for k in released(cp, name) if "role" in k) == [
         "clusterrole.rbac.authorization.k8s.io",
+        "clusterrole.rbac.authorization.k8s.io",  # the RayJob CRD's, in both modes
+        "clusterrolebinding.rbac.authorization.k8s.io",
         "clusterrolebinding.rbac.authorization.k8s.io",
     ]
     cp.helm("upgrade", name, str(CHART), "-n", namespace, "--set", "replicas=2",
             "--set-json", f'watchNamespaces=["{release.other}"]')  # fmt: skip
     now = released(cp, name)
-    assert not [k for k in now if k.startswith("clusterrole")], now  # narrowed to a Role
+    cluster_wide = [k for k in now if k.startswith("clusterrole")]
+    assert all(k.endswith("-kuberay-crd") for k in cluster_wide), now  # narrowed to a Role
     for kind in ("role.", "rolebinding.", "poddisruptionbudget.", "kopfpeering."):
         assert any(k.startswith(kind) for k in now), (kind, now)
     cp.helm("uninstall", name, "-n", namespace, "--wait")

@@ -60,6 +60,11 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.gauges = metrics.JobGauges()
     memo.failures = {}
     memo.executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="reconcile")
+    # KubeRay's version, said at once; each job's own fields are checked before its RayJob.
+    loop = asyncio.get_running_loop()
+    problem = await loop.run_in_executor(memo.executor, memo.reconciler.kuberay.problem, {})
+    if problem is not None:
+        log.warning("%s; jobs wait (Pending, KubeRayIncompatible) until it is", problem)
     memo.workers = [asyncio.create_task(_work(memo)) for _ in range(WORKERS)]
 
     async def alive() -> bool:
