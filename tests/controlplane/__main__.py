@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 
+from . import demo
 from .harness import BIN_DIR, ControlPlane, build_binaries, missing_binaries
 
 
@@ -56,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"control plane up in {cp.startup_seconds:.1f}s; logs in {cp.logs_dir}")
         if cp.real_node:
-            print(f"real node {cp.real_node.name} at {cp.real_node.node_ip} (pods run there "
-                  "only if they tolerate its taint: see tests/controlplane/node.py)")  # fmt: skip
+            print("loading the images into the real node (first time: a few minutes) ...")
+            demo.prepare(cp)
+            print(f"real node {cp.real_node.name} at {cp.real_node.node_ip}: the pods of "
+                  f"namespaces {demo.OPERATOR_NAMESPACE} and {demo.JOBS_NAMESPACE} run there "
+                  "(tests/controlplane/demo.py)")  # fmt: skip
         else:
             print(f"no real node: {cp.real_node_absent}")
         print(f"\n    export KUBECONFIG={cp.kubeconfig}")

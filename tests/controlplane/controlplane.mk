@@ -5,7 +5,7 @@
 #
 #   make controlplane   build etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 #                       kubectl, kwok, helm, KubeRay's operator, Kueue's manager and kube-score into tests/controlplane/bin/,
-#                       and unpack Debian's Prometheus there (the dashboards' tests query it);
+#                       and Prometheus with Kubernetes discovery (the dashboards' tests query it);
 #                       for the real node: kubelet, kube-proxy, CoreDNS, the pause and nettool
 #                       programs, and (as root) Debian's containerd, runc and CNI plugins
 #   make cluster        start that control plane for a person; prints KUBECONFIG; Ctrl-C stops it
@@ -83,14 +83,15 @@ $(CP_BIN)/kube-score: $(CP_GO)/lint/go.mod $(CP_GO)/lint/go.sum $(CP_MK)
 	cd $(CP_GO)/lint && $(GO) build -o $(abspath $@) github.com/zegl/kube-score/cmd/kube-score
 	@touch $@
 
-# Debian's build of Prometheus, unpacked rather than installed: no service starts, and
-# nothing outside the checkout changes. `apt-get update` only if the package lists lack it.
-$(CP_BIN)/prometheus: $(CP_MK)
-	@mkdir -p $(CP_BIN) $(CP_DIR)/.deb
-	cd $(CP_DIR)/.deb && rm -f prometheus_*.deb && \
-		{ apt-get download prometheus || { apt-get update -qq && apt-get download prometheus; }; }
-	dpkg-deb --fsys-tarfile $(CP_DIR)/.deb/prometheus_*.deb | \
-		tar -x -C $(CP_BIN) --strip-components=3 ./usr/bin/prometheus ./usr/bin/promtool
+# Prometheus from its module, with Kubernetes service discovery and no other (the build
+# tags leave out every cloud SDK): the tests' Prometheus finds pods through the API server.
+# Debian's build has no Kubernetes discovery. Prometheus 3.16.0 (module v0.316.0).
+CP_PROMETHEUS_VERSION := 3.16.0
+$(CP_BIN)/prometheus: $(CP_GO)/prometheus/go.mod $(CP_GO)/prometheus/go.sum $(CP_MK)
+	@mkdir -p $(CP_BIN)
+	cd $(CP_GO)/prometheus && $(GO) build -tags remove_all_sd,enable_kubernetes_sd \
+		-ldflags '-X github.com/prometheus/common/version.Version=$(CP_PROMETHEUS_VERSION)' \
+		-o $(abspath $@) github.com/prometheus/prometheus/cmd/prometheus
 	@touch $@
 
 # CoreDNS with only the plugins the cluster DNS uses (go/coredns/main.go).

