@@ -58,12 +58,13 @@ def real_node_namespace(cp: ControlPlane, name: str) -> None:
     cp.wait_for_default_service_account(name)
 
 
-def checkpoint_claim(cp: ControlPlane, node: RealNode, namespace: str) -> Path:
-    """The CPU example's claim in `namespace`, bound to a directory of the real node that
-    the trainer image's user (uid 1000) may write. A local volume: every pod of a job on
-    this one node shares it, as pods on many nodes share a ReadWriteMany volume."""
-    directory = node.layout.data_dir / "volumes" / f"{namespace}-{CHECKPOINT_CLAIM}"
-    directory.mkdir(parents=True, exist_ok=True)
+def checkpoint_claim(cp: ControlPlane, namespace: str) -> Path:
+    """The CPU example's claim in `namespace`, bound to a new directory of this run (on
+    the real node's machine) that the trainer image's user (uid 1000) may write: every
+    pod of a job on this one node shares it, as pods on many nodes share a ReadWriteMany
+    volume. New, so that a job does not resume from another run's checkpoints."""
+    directory = cp.run_dir / "volumes" / f"{namespace}-{CHECKPOINT_CLAIM}"
+    directory.mkdir(parents=True)
     directory.chmod(0o777)
     volume = f"{namespace}-{CHECKPOINT_CLAIM}"
     objects = [
@@ -89,4 +90,4 @@ def prepare(cp: ControlPlane) -> None:
     load_images(cp.real_node)
     for namespace in (OPERATOR_NAMESPACE, JOBS_NAMESPACE):
         real_node_namespace(cp, namespace)
-    checkpoint_claim(cp, cp.real_node, JOBS_NAMESPACE)
+    checkpoint_claim(cp, JOBS_NAMESPACE)

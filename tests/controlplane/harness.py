@@ -813,6 +813,10 @@ class ControlPlane:
                 f"--health-probe-bind-address=127.0.0.1:{self._ports['kuberay-probe']}",
                 "--enable-leader-election=false",
                 "--log-stdout-encoder=console",
+                # KubeRay runs outside the cluster here, where a head Service's DNS name
+                # and ClusterIP mean nothing: it asks each head's dashboard (a job's
+                # status) through the API server's service proxy instead.
+                "--use-kubernetes-proxy",
             ],
             env={"KUBECONFIG": str(self.kubeconfig)},
         )

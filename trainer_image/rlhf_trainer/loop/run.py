@@ -166,7 +166,10 @@ class Run:
                 if not saved:
                     self.save()
                 raise Interrupted(self.step, str(self.last_checkpoint))
-        return self.progress(result)
+        final = self.progress(result)
+        if result is None:  # resumed at the last step: nothing to train, but say so
+            self.reporter.report(final, final=True)
+        return final
 
 
 class Interrupted(Exception):
