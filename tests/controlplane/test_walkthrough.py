@@ -119,7 +119,6 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
             output, _ = waiting.communicate(timeout=1500)
             result.waited = subprocess.CompletedProcess(wait, waiting.returncode, output)
             result.status = status_of(cp)
-            result.empty_panels = prometheus.panels_without_data(TRAINING)
             result.listed = shell(listing, env)
         finally:
             watch.stopped.set()
@@ -136,12 +135,17 @@ def kill_a_worker_after_the_first_checkpoint(
         return (status_of(cp).get("training") or {}).get("lastCheckpoint")
 
     result.checkpoint_before_kill = eventually(checkpointed, "the first checkpoint", timeout=900)
-    query = f'rlhf_policy_version{{rlhfjob="{JOB}"}}'
-    result.head_series = prometheus.wait_for(query, timeout=60)
     # The value pool's worker goes, and with its Ray node the critic's rank.
     pool = f"rlhf.dev/job={JOB},rlhf.dev/pool=value"
     cp.kubectl("delete", "pods", "-n", NAMESPACE, "-l", pool, "--wait=false")
     eventually(lambda: status_of(cp).get("restarts") == 1, "the next attempt", timeout=300)
+    # The next attempt's driver, as Prometheus finds it, while it trains: a target that
+    # goes is marked stale at once, and its series leave every query. Rates need a few
+    # scrapes.
+    query = f'rlhf_policy_version{{rlhfjob="{JOB}"}}'
+    result.head_series = prometheus.wait_for(query, timeout=600)
+    prometheus.wait_for(f"count_over_time({query}[1m]) >= 5", timeout=60)
+    result.empty_panels = prometheus.panels_without_data(TRAINING)
 
 
 def test_the_job_trains_to_succeeded_reporting_from_its_head_pod(run: Run) -> None:

@@ -105,3 +105,28 @@ def test_without_restarts_a_failure_is_final_at_once() -> None:
 
 def ready_message(status: RLHFJobStatus) -> str:
     return next(c.message for c in status.conditions if c.type == "Ready")
+
+
+def test_kuberays_long_failure_keeps_its_first_line_and_the_logs_end() -> None:
+    """KubeRay's message carries up to 20,000 characters of the driver's logs: status
+    keeps the first line and the end (the error); the Ready condition the first line."""
+    logs = "\n".join(f"log line {i}" for i in range(3000))
+    message = f"Job entrypoint command failed with exit code 1, last logs:\n{logs}\nActorDiedError"
+    rayjob = attempt("a", "Failed", reason="AppFailed", message=message)
+    failure = attempt_failure(rayjob, T0)
+    assert failure is not None and len(failure.message) <= 1024
+    assert failure.message.startswith("Job entrypoint command failed with exit code 1")
+    assert failure.message.endswith("log line 2999\nActorDiedError")
+    policy = RestartPolicy(max_restarts=1, backoff_seconds=0)
+    status = compute_status(
+        SPEC,
+        1,
+        Observed(rayjob, []),
+        RLHFJobStatus(),
+        T0,
+        decide(policy, rayjob, RLHFJobStatus(), T0),
+    )
+    assert ready_message(status) == (
+        "the job is restarting after its attempt failed (AppFailed: "
+        "Job entrypoint command failed with exit code 1, last logs:)"
+    )

@@ -17,6 +17,8 @@ from typing import Any
 from rlhf_operator.api.job import AttemptFailure, Phase, RestartPolicy, RLHFJobStatus
 
 FAILED_DEPLOYMENTS = ("Failed", "ValidationFailed")  # KubeRay's jobDeploymentStatus
+MAX_FAILURE_MESSAGE = 1024  # of an attempt's failure, kept in status.lastFailure
+FIRST_LINE = 300  # of it, in the Ready condition and the Restarting event
 
 
 class Action(StrEnum):
@@ -44,10 +46,19 @@ def attempt_failure(rayjob: dict[str, Any] | None, now: datetime) -> AttemptFail
         return None
     return AttemptFailure(
         reason=status.get("reason") or deployment,
-        message=(status.get("message") or "")[:1024],
+        message=head_and_tail(status.get("message") or ""),
         time=now,
         ray_job_uid=rayjob["metadata"]["uid"],
     )
+
+
+def head_and_tail(text: str, limit: int = MAX_FAILURE_MESSAGE) -> str:
+    """KubeRay's message carries up to 20,000 characters of the driver's last logs: keep
+    its first line (what failed) and the end of the logs (the error), `limit` in all."""
+    if len(text) <= limit:
+        return text
+    first = text.split("\n", 1)[0][:FIRST_LINE]
+    return f"{first}\n...\n{text[len(text) - (limit - len(first) - 5) :]}"
 
 
 def decide(

@@ -19,7 +19,7 @@ from rlhf_operator.api.job import (
     RLHFJobStatus,
 )
 from rlhf_operator.controller.pods import pod_problems
-from rlhf_operator.controller.restarts import Action, Decision
+from rlhf_operator.controller.restarts import FIRST_LINE, Action, Decision
 from rlhf_trainer.api.names import POOL_LABEL
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
@@ -154,7 +154,8 @@ def compute_status(
 
 def _phase_message(phase: Phase, failure: AttemptFailure | None) -> str:
     if failure is not None and phase in (Phase.FAILED, Phase.RESTARTING):
-        what = f"{failure.reason}: {failure.message}" if failure.message else failure.reason
+        said = failure.message.split("\n", 1)[0][:FIRST_LINE]  # the logs stay in lastFailure
+        what = f"{failure.reason}: {said}" if said else failure.reason
         return f"the job is {phase.value.lower()} after its attempt failed ({what})"
     return f"the job is {phase.value.lower()}"
 
