@@ -22,6 +22,7 @@ from tests.images.load import load
 
 from .harness import ControlPlane
 from .node import REAL_NODE_LABEL_KEY, REAL_NODE_TOLERATION, RealNode
+from .util import bound_claim
 
 OPERATOR_NAMESPACE = "rlhf-system"
 JOBS_NAMESPACE = "demo"
@@ -66,18 +67,7 @@ def checkpoint_claim(cp: ControlPlane, namespace: str) -> Path:
     directory = cp.run_dir / "volumes" / f"{namespace}-{CHECKPOINT_CLAIM}"
     directory.mkdir(parents=True)
     directory.chmod(0o777)
-    volume = f"{namespace}-{CHECKPOINT_CLAIM}"
-    objects = [
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                  "storageClassName": "", "persistentVolumeReclaimPolicy": "Retain",
-                  "hostPath": {"path": str(directory), "type": "Directory"},
-                  "claimRef": {"namespace": namespace, "name": CHECKPOINT_CLAIM}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-         "metadata": {"name": CHECKPOINT_CLAIM, "namespace": namespace},
-         "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": volume,
-                  "resources": {"requests": {"storage": "1Gi"}}}},
-    ]  # fmt: skip
+    objects = bound_claim(namespace, CHECKPOINT_CLAIM, str(directory), "ReadWriteMany")
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
     return directory
 

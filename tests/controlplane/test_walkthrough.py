@@ -135,14 +135,15 @@ def kill_a_worker_after_the_first_checkpoint(
         return (status_of(cp).get("training") or {}).get("lastCheckpoint")
 
     result.checkpoint_before_kill = eventually(checkpointed, "the first checkpoint", timeout=900)
-    # The value pool's worker goes, and with its Ray node the critic's rank.
+    # The value pool's worker goes, and with its Ray node the critic's rank: at once, as
+    # with a lost node (in the default 30 s of grace, Ray drains the node and trains on).
     pool = f"rlhf.dev/job={JOB},rlhf.dev/pool=value"
-    cp.kubectl("delete", "pods", "-n", NAMESPACE, "-l", pool, "--wait=false")
+    cp.kubectl("delete", "pods", "-n", NAMESPACE, "-l", pool, "--grace-period=1", "--wait=false")
     eventually(lambda: status_of(cp).get("restarts") == 1, "the next attempt", timeout=300)
-    # The next attempt's driver, as Prometheus finds it, while it trains: a target that
-    # goes is marked stale at once, and its series leave every query. Rates need a few
-    # scrapes.
-    query = f'rlhf_policy_version{{rlhfjob="{JOB}"}}'
+    # The next attempt's driver, as Prometheus finds it, once it trains (the diagnostics
+    # come with the first step) and while it does: a target that goes is marked stale at
+    # once, and its series leave every query. Rates need a few scrapes.
+    query = f'rlhf_actor_policy_loss{{rlhfjob="{JOB}"}}'
     result.head_series = prometheus.wait_for(query, timeout=600)
     prometheus.wait_for(f"count_over_time({query}[1m]) >= 5", timeout=60)
     result.empty_panels = prometheus.panels_without_data(TRAINING)

@@ -58,24 +58,31 @@ def example_claims() -> list[str]:
     )
 
 
+def bound_claim(namespace: str, claim: str, path: str, access: str) -> list[dict[str, Any]]:
+    """A PersistentVolumeClaim and the hostPath volume made for it (named
+    `<namespace>-<claim>`, labelled with its namespace): the test cluster has no storage
+    provisioner, and a pod whose claim is unbound never schedules."""
+    volume = f"{namespace}-{claim}"
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolume",
+         "metadata": {"name": volume, "labels": {CLAIM_LABEL: namespace}},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [access],
+                  "storageClassName": "", "persistentVolumeReclaimPolicy": "Retain",
+                  "hostPath": {"path": path}, "claimRef": {"namespace": namespace, "name": claim}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+         "metadata": {"name": claim, "namespace": namespace},
+         "spec": {"accessModes": [access], "storageClassName": "", "volumeName": volume,
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ]  # fmt: skip
+
+
 def provide_example_claims(cp: ControlPlane, namespace: str) -> None:
-    """The examples' claims in `namespace`, each bound to a volume made for it: the test
-    cluster has no storage provisioner, and a pod whose claim is unbound never schedules."""
-    objects = []
-    for claim in example_claims():
-        volume = f"{namespace}-{claim}"
-        objects += [
-            {"apiVersion": "v1", "kind": "PersistentVolume",
-             "metadata": {"name": volume, "labels": {CLAIM_LABEL: namespace}},
-             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
-                      "storageClassName": "", "persistentVolumeReclaimPolicy": "Retain",
-                      "hostPath": {"path": f"/tmp/{volume}"},
-                      "claimRef": {"namespace": namespace, "name": claim}}},
-            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-             "metadata": {"name": claim, "namespace": namespace},
-             "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
-                      "resources": {"requests": {"storage": "1Gi"}}}},
-        ]  # fmt: skip
+    """The examples' claims in `namespace`, each bound to a volume made for it."""
+    objects = [
+        o
+        for claim in example_claims()
+        for o in bound_claim(namespace, claim, f"/tmp/{namespace}-{claim}", "ReadOnlyMany")
+    ]
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
 
 
