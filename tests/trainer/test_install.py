@@ -138,7 +138,7 @@ def test_the_wheel_holds_every_file_of_the_packages(wheel: Path) -> None:
         for path in package.rglob("*")
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
     }
-    assert "rlhf_operator/schemas/affinity.json" in sources
+    assert "rlhf_operator/api/schemas/affinity.json" in sources
     assert sources - set(zipfile.ZipFile(wheel).namelist()) == set()
 
 
