@@ -63,6 +63,21 @@ def test_a_group_of_two_gets_plus_and_minus_one_from_grpo_and_the_difference_fro
     torch.testing.assert_close(rloo, torch.tensor([1.0, -1.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("n", [3, 5, 8])
+@pytest.mark.parametrize("reward", [0.1, 0.7, 1 / 3])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++-baseline"])
+@pytest.mark.parametrize("divide", [True, False])
+def test_a_group_of_equal_rewards_gets_exactly_zero_whatever_their_float(
+    n: int, reward: float, estimator: str, divide: bool
+) -> None:
+    # float32's mean of n copies of 0.7 or 1/3 can be off by one ulp; divided by
+    # std + eps, that once gave the whole group a uniform advantage of up to ~0.1.
+    scores = torch.tensor([reward] * n + [0.0] * (n - 1) + [1.0], dtype=torch.float32)
+    shaped = estimators.outcome_scores(scores, estimator, n, divide)  # type: ignore[arg-type]
+    assert shaped[:n].tolist() == [0.0] * n
+    assert shaped[n:].abs().sum() > 0  # the informative group keeps its advantage
+
+
 def test_informative_groups_are_those_whose_rewards_differ() -> None:
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     assert estimators.informative_groups(scores, 2).tolist() == [False, True, False]

@@ -24,7 +24,7 @@ from torch import Tensor
 from rlhf_trainer.algo.ppo import gae, kl_penalty, token_rewards, whiten
 from rlhf_trainer.api.sections import AdvantageEstimator, AlgorithmConfig
 
-GROUP_STD_EPS = 1e-6  # a group whose rewards are all equal gets 0 / eps = 0, not NaN
+GROUP_STD_EPS = 1e-6  # keeps the division finite; all-equal groups are zeroed apart
 
 
 def grouped(scores: Tensor, group_size: int) -> Tensor:
@@ -43,7 +43,19 @@ def group_normalized(scores: Tensor, group_size: int, divide_by_std: bool = True
     if divide_by_std:
         std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred)
         centred = centred / (std + GROUP_STD_EPS)
-    return centred.reshape(-1)
+    return zero_where_all_equal(centred, groups).reshape(-1)
+
+
+def zero_where_all_equal(advantages: Tensor, groups: Tensor) -> Tensor:
+    """(G, n) advantages, exactly 0 in groups whose scores are all equal. Their float mean
+    can be off by one ulp (0.7 or 1/3 in float32), and dividing that by std + eps would
+    give the whole group a uniform advantage of up to ~0.1 instead of none."""
+    return advantages.masked_fill(~_informative(groups).unsqueeze(1), 0.0)
+
+
+def _informative(groups: Tensor) -> Tensor:
+    """(G, n) -> (G,) bool: the groups whose scores are not all equal."""
+    return groups.amax(dim=1) > groups.amin(dim=1)
 
 
 def leave_one_out(scores: Tensor, group_size: int) -> Tensor:
@@ -53,14 +65,13 @@ def leave_one_out(scores: Tensor, group_size: int) -> Tensor:
         raise ValueError(f"a leave-one-out baseline needs groups of 2 or more, got {group_size}")
     groups = grouped(scores, group_size)  # (G, n)
     others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - others).reshape(-1)
+    return zero_where_all_equal(groups - others, groups).reshape(-1)
 
 
 def informative_groups(scores: Tensor, group_size: int) -> Tensor:
     """(G,) bool: groups whose scores are not all equal. The others have zero advantage
     under every group baseline, so they teach nothing (DAPO's dynamic sampling drops them)."""
-    groups = grouped(scores, group_size)
-    return groups.amax(dim=1) > groups.amin(dim=1)
+    return _informative(grouped(scores, group_size))
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:

@@ -176,7 +176,17 @@ class AlgorithmConfig(SpecModel):
         True,
         description="grpo: divide by the group's reward std (false = Dr. GRPO, mean only).",
     )
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    gamma: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description=(
+            "Discount factor of the per-token rewards (the outcome on the last token, KL "
+            "penalties in reward). gae: GAE's discount. Critic-free estimators: each token's "
+            "advantage is its discounted return-to-go, so below 1 earlier tokens get less of "
+            "the outcome; 1 gives every token the same, as verl's outcome estimators do."
+        ),
+    )
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     clip_ratio: float = Field(0.2, gt=0, le=1, description="PPO policy clip range epsilon.")
     clip_ratio_low: float | None = Field(
