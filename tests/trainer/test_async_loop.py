@@ -25,8 +25,6 @@ from tests.specs import local_async_job
 from tests.trainer.learning import assert_reward_rises
 from tests.trainer.local_runs import EngineKiller, Trained, train, vllm_series
 
-pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
-pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 BATCH = 32  # samples a step: the local example's batchSize

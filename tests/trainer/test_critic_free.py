@@ -21,8 +21,6 @@ from tests.specs import critic_free_job
 from tests.trainer.learning import assert_reward_rises
 from tests.trainer.local_runs import Trained, train
 
-pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
-pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = pytest.mark.slow  # each trains a whole run (about a minute)
 
 STEPS = 20

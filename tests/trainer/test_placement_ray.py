@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import ray
 import torch
+from ray import cluster_utils
 
 from rlhf_operator.api.validation import parse_job
 from rlhf_operator.render.children import JobRef, render_rayjob
@@ -42,9 +44,6 @@ from rlhf_trainer.loop.weights import WeightSync, group_timeout_s
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.trainer.toy_workers import BusyEngine, PartialSums, StoppingReceiver, WeightSender
 from tests.unit.conftest import EXAMPLES, load
-
-ray = pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
-cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 READY_TIMEOUT_S = 120  # generous: other test runs share this machine's two cores
 

@@ -17,8 +17,6 @@ from tests.real_model import DONE, real_model_dir, real_model_job, sums_dataset
 from tests.trainer import rewards
 from tests.trainer.local_runs import Trained, train
 
-pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
-pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = pytest.mark.slow
 
 QUESTIONS = 16

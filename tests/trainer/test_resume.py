@@ -23,8 +23,6 @@ import pytest
 from rlhf_trainer.roles import checkpoint
 from tests.specs import local_job
 
-pytest.importorskip("ray", reason="the trainer stack (make install) is not installed")
-pytest.importorskip("vllm", reason="the trainer stack (make install) is not installed")
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 TOTAL_STEPS = 4

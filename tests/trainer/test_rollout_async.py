@@ -28,12 +28,9 @@ from rlhf_trainer.algo.experience import Rollout, tokens_per_version
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tiny_model, build_tokenizer, token_log_probs, write_tiny_model
+from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from tests.trainer.test_rollout_vllm import train_towards
-
-pytest.importorskip("vllm", reason="the trainer stack (make install-trainer) is not installed")
-
-from rlhf_trainer.rollout.engine import RolloutEngine
 
 TINY = TinyModel(architecture="qwen2", hidden_size=128, num_layers=2, num_heads=4, vocab_size=64)
 # float32 on both sides; what is left is kernel-order rounding (the sync engine: ~1e-6).

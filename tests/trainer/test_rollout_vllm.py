@@ -29,8 +29,6 @@ from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.telemetry.engine_stats import read_engine_stats
 from tests.trainer.local_runs import engine_cores
 
-pytest.importorskip("vllm", reason="the trainer stack (make install-trainer) is not installed")
-
 TINY = TinyModel(architecture="qwen2", hidden_size=128, num_layers=2, num_heads=4, vocab_size=64)
 # float32 on both sides; what is left is kernel-order rounding (measured: ~1e-5).
 LOG_PROB_TOLERANCE = 1e-3
