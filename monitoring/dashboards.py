@@ -168,6 +168,13 @@ TRAINING = Dashboard(
                     *step_gauges(("rlhf_kl", "to reference"), ("rlhf_actor_approx_kl", "update")),
                 ),
                 chart(
+                    "KL coefficient",
+                    "The KL penalty's coefficient: klCoef throughout with a fixed "
+                    "klController; with an adaptive one, it rises while the KL is above "
+                    "targetKL and falls while below.",
+                    *step_gauges(("rlhf_kl_coef", "coefficient")),
+                ),
+                chart(
                     "Policy version",
                     "The version of the policy being trained: one per actor update.",
                     *step_gauges(("rlhf_policy_version", "version")),

@@ -126,7 +126,7 @@ def test_trainer_state_round_trips_and_restores_the_next_random_numbers(
     torch.manual_seed(5)
     random.gauss(0, 1)  # leaves a cached second normal in Python's state
     state = TrainerState(
-        step=7, policy_version=6, data_epoch=1, data_position=32, rng=capture_rng()
+        step=7, policy_version=6, data_epoch=1, data_position=32, rng=capture_rng(), kl_coef=0.03
     )
     expected = (random.random(), random.gauss(0, 1), torch.rand(3))
 

@@ -5,7 +5,8 @@ The first run (`python -m rlhf_trainer --local`, the command a user runs) is kil
 with SIGKILL, process group and all, a step or two after a checkpoint. The second run
 must start from that checkpoint and replay the steps the first run made past it with
 the same rewards, to the last digit: weights, optimizers, data position and sampling
-seeds all came back.
+seeds all came back. The run's KL coefficient is adaptive, so it moves every step: a
+resumed run that started again from klCoef would log other coefficients, and other KLs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.roles import checkpoint
 from tests.specs import local_job
 
@@ -29,11 +31,15 @@ TOTAL_STEPS = 4
 EVERY = 2
 RUN_TIMEOUT_S = 600  # generous: starting the roles takes about a minute on 2 cores
 TRAINER = [sys.executable, "-m", "rlhf_trainer"]
-STEP_LINE = re.compile(r"step (\d+)/\d+: reward ([-\d.]+)")
+STEP_LINE = re.compile(r"step (\d+)/\d+: reward ([-\d.]+), kl ([-\d.]+) \(coef ([-\d.e]+)\)")
+# A target far from the toy run's KL and a horizon under one step: the coefficient moves
+# by 20% every step.
+ADAPTIVE_KL = {"type": "adaptive", "targetKL": 1e-6, "horizon": 1}
 
 
-def rewards(log: str) -> dict[int, str]:
-    return {int(step): reward for step, reward in STEP_LINE.findall(log)}
+def rewards(log: str) -> dict[int, tuple[str, str, str]]:
+    """step -> (reward, KL, KL coefficient), as logged."""
+    return {int(step): (reward, kl, coef) for step, reward, kl, coef in STEP_LINE.findall(log)}
 
 
 def start(spec: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -64,9 +70,11 @@ def kill_after_a_step_past_a_checkpoint(run: subprocess.Popen[bytes], root: Path
 
 def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    config = local_job(
+    spec = local_job(
         colocated=True, total_steps=TOTAL_STEPS, checkpoint_dir=root, every_steps=EVERY
-    )
+    ).to_dict()
+    spec["algorithm"]["klController"] = ADAPTIVE_KL
+    config = JobConfig.model_validate(spec)
     spec = tmp_path / "spec.json"
     spec.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
 
@@ -85,3 +93,5 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
     assert replayed, "the first run made no step past its checkpoint"
     assert {s: resumed[s] for s in replayed} == {s: first[s] for s in replayed}
     assert checkpoint.latest(root) == root / f"step-{TOTAL_STEPS:08d}"
+    coefficients = [float(first[s][2]) for s in sorted(first)]
+    assert len(set(coefficients)) == len(coefficients), coefficients

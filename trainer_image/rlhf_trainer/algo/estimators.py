@@ -109,11 +109,13 @@ def compute_advantages(
     mask: Tensor,
     algorithm: AlgorithmConfig,
     group_size: int = 1,
+    kl_coef: float | None = None,
 ) -> Advantages:
     """Scores (B,) and the scoring phase's per-token tensors (B, T) -> advantages, as
     `algorithm.advantageEstimator` says (module doc). `values` are the critic's (gae
     only). With `klMode: reward` the KL to the reference is a per-token reward penalty
-    here; with `klMode: loss` it is left to the actor's loss and only reported."""
+    here, weighted by `kl_coef` (an adaptive controller's; unset: `algorithm.klCoef`);
+    with `klMode: loss` it is left to the actor's loss and only reported."""
     estimator = algorithm.advantage_estimator
     if (values is None) == algorithm.uses_critic:
         raise ValueError(f"{estimator} {'needs' if algorithm.uses_critic else 'takes no'} values")
@@ -124,7 +126,8 @@ def compute_advantages(
     )
     in_reward = algorithm.kl_mode == "reward" and ref_log_probs is not None
     shaped = outcome_scores(scores, estimator, group_size, algorithm.normalize_group_std)
-    rewards = token_rewards(shaped, mask, kl if in_reward else None, algorithm.kl_coef)
+    coef = algorithm.kl_coef if kl_coef is None else kl_coef
+    rewards = token_rewards(shaped, mask, kl if in_reward else None, coef)
     if values is not None:
         advantages, returns = gae(rewards, values, mask, algorithm.gamma, algorithm.lam)
         if algorithm.whiten_advantages:

@@ -348,6 +348,9 @@ class TrainingProgress(SpecModel):
     policy_version: int = Field(0, ge=0, description="Version of the policy being trained.")
     reward_mean: float | None = Field(None, description="Mean reward of the last step.")
     kl: float | None = Field(None, description="KL to the reference policy, last step.")
+    kl_coef: float | None = Field(
+        None, ge=0, description="The KL penalty's coefficient, last step (see klController)."
+    )
     entropy: float | None = Field(None, description="The policy's entropy, last step.")
     actor_grad_norm: float | None = Field(
         None, description="The actor's gradient norm before clipping, last step."

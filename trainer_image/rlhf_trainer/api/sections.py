@@ -161,6 +161,47 @@ class DynamicSampling(SpecModel):
     )
 
 
+class KLController(SpecModel):
+    """How the KL penalty's coefficient moves from step to step: fixed at klCoef, or
+    adapted so that the KL to the reference stays near a target (Ziegler et al. 2019)."""
+
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description=(
+            "fixed: klCoef throughout. adaptive: starts at klCoef and, after each step, is "
+            "multiplied by 1 + clip(KL / targetKL - 1, -0.2, 0.2) x samples / horizon."
+        ),
+    )
+    target_kl: float | None = Field(
+        None,
+        alias="targetKL",
+        gt=0,
+        le=1000,
+        description=(
+            "adaptive: the KL to hold, in the units of the reported KL (per response, "
+            "tokens summed, averaged over the batch)."
+        ),
+    )
+    horizon: int = Field(
+        10000,
+        ge=1,
+        le=100_000_000,
+        description=(
+            "adaptive: samples over which a KL persistently off target moves the "
+            "coefficient by about 20% (a step moves it by at most that)."
+        ),
+    )
+
+    rules = (
+        Rule(
+            "targetKL",
+            "is required when type is adaptive",
+            "self.type != 'adaptive' || has(self.targetKL)",
+            lambda c: c.type != "adaptive" or c.target_kl is not None,
+        ),
+    )
+
+
 class AlgorithmConfig(SpecModel):
     """The RL algorithm: the advantage estimator and the policy-gradient loss."""
 
@@ -207,7 +248,17 @@ class AlgorithmConfig(SpecModel):
     value_clip: float | None = Field(
         0.2, gt=0, le=100, description="Value-loss clip range; unset disables value clipping."
     )
-    kl_coef: float = Field(0.05, ge=0, le=10, description="KL penalty coefficient; 0 = no ref.")
+    kl_coef: float = Field(
+        0.05,
+        ge=0,
+        le=10,
+        description="KL penalty coefficient (the first one with an adaptive klController); "
+        "0 = no ref.",
+    )
+    kl_controller: KLController = Field(
+        default_factory=KLController,
+        description="Fixed or adaptive KL coefficient (adaptive needs klMode: reward).",
+    )
     kl_mode: Literal["reward", "loss"] = Field(
         "reward", description="Apply KL as a per-token reward penalty, or as a loss term."
     )
@@ -239,6 +290,19 @@ class AlgorithmConfig(SpecModel):
         description=(
             "Set to drop groups whose rewards are all equal and generate more "
             "(needs generation.samplesPerPrompt >= 2); unset = train on every group."
+        ),
+    )
+
+    rules = (
+        Rule(
+            "klController.type",
+            "adaptive needs klMode: reward and klCoef > 0 (the coefficient it starts from)",
+            "self.klController.type != 'adaptive' || "
+            "(self.klMode == 'reward' && self.klCoef > 0.0)",
+            lambda a: (
+                a.kl_controller.type != "adaptive" or (a.kl_mode == "reward" and a.kl_coef > 0)
+            ),
+            lambda a: f"klMode {a.kl_mode}, klCoef {a.kl_coef}",
         ),
     )
 

@@ -81,6 +81,8 @@ class Run:
         restore_rng(state.rng)
         self.step = state.step
         self.trainer.policy_version = state.policy_version
+        if state.kl_coef is not None:
+            self.trainer.kl_coef = state.kl_coef
         self.last_checkpoint = str(latest)
         log.info("resuming from %s at step %d", latest, self.step)
         if self.streaming is None:
@@ -100,7 +102,14 @@ class Run:
             # The samples not trained yet: queued, and the prompts still generating.
             checkpoint.save_json(staging, ASYNC_STATE, self.streaming.checkpoint_state().to_json())
         epoch, position = self.trainer.prompts.position()
-        state = TrainerState(self.step, self.trainer.policy_version, epoch, position, capture_rng())
+        state = TrainerState(
+            self.step,
+            self.trainer.policy_version,
+            epoch,
+            position,
+            capture_rng(),
+            self.trainer.kl_coef,
+        )
         checkpoint.save_trainer_state(staging, state)
         final = checkpoint.commit(root, self.step)
         checkpoint.prune(root, self.config.trainer.checkpoint.keep)
@@ -121,6 +130,7 @@ class Run:
                 "samples_per_second": self.config.samples_per_step / result.seconds,
                 "reward_mean": result.reward_mean,
                 "kl": result.kl,
+                "kl_coef": result.kl_coef,
                 "entropy": result.actor.entropy,
                 "actor_grad_norm": result.actor.grad_norm,
                 "critic_grad_norm": critic.grad_norm if critic else None,
@@ -137,6 +147,7 @@ class Run:
         m.samples_trained.inc(self.config.samples_per_step)
         m.dropped_groups.inc(result.dropped_groups)
         m.kl.set(result.kl)
+        m.kl_coef.set(result.kl_coef)
         m.observe_diagnostics(result.actor, result.critic, result.responses)
         progress = self.progress(result)
         m.observe_progress(progress)
@@ -185,7 +196,7 @@ def log_step(result: StepResult, total: int) -> None:
     actor, critic, responses = result.actor, result.critic, result.responses
     parts = [
         f"step {result.step}/{total}: reward {result.reward_mean:.6f}",
-        f"kl {result.kl:.4f}",
+        f"kl {result.kl:.4f} (coef {result.kl_coef:.6g})",
         f"policy loss {actor.policy_loss:.4f}",
         f"clipped {actor.clip_fraction:.3f}",
         f"entropy {actor.entropy:.3f}",

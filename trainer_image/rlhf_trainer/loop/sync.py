@@ -22,6 +22,7 @@ import torch
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
 from rlhf_trainer.algo.estimators import compute_advantages
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
+from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
@@ -73,6 +74,7 @@ class StepResult:
     staleness: list[int] = field(default_factory=list)
     sample_uids: list[int] = field(default_factory=list)  # fully async: which samples
     dropped_groups: int = 0  # dynamic sampling: groups with all rewards equal, regenerated
+    kl_coef: float = 0.0  # the KL penalty's coefficient this step used (klController)
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class PPOTrainer:
         self.reward = reward_function(config.models.reward)
         self.group_size = config.generation.samples_per_prompt
         self.policy_version = 0  # the actor's weights: bumped by every update
+        self.kl_coef = config.algorithm.kl_coef  # moved by an adaptive klController
         # opened by the run
         self.weight_sync = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
 
@@ -171,6 +174,7 @@ class PPOTrainer:
             mask,
             self.config.algorithm,
             self.group_size,
+            self.kl_coef,
         )
         experience = Experience.of(
             batch,
@@ -183,11 +187,14 @@ class PPOTrainer:
 
         # Update: actor and critic at once.
         updates = self.run_stage("update", experience, step)
+        kl, kl_coef = mean_kl(advantages.kl, mask), self.kl_coef
+        self.kl_coef = next_kl_coef(kl_coef, kl, self.config.algorithm.kl_controller, len(mask))
         return StepResult(
             step=step,
             seconds=0.0,
             reward_mean=float(scores.mean()),
-            kl=mean_kl(advantages.kl, mask),
+            kl=kl,
+            kl_coef=kl_coef,
             response_tokens=int(mask.sum()),
             rollout_log_prob_diff=max_abs_diff(old_log_probs, batch.rollout_log_probs, mask),
             actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),

@@ -215,6 +215,7 @@ class TrainerState:
     data_epoch: int  # passes over the prompts begun
     data_position: int  # prompts of this epoch consumed
     rng: RngState
+    kl_coef: float | None = None  # the next step's (adaptive klController); None: klCoef
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -223,6 +224,7 @@ class TrainerState:
             "data_epoch": self.data_epoch,
             "data_position": self.data_position,
             "rng": dict(self.rng),
+            "kl_coef": self.kl_coef,
         }
 
     @classmethod
@@ -234,6 +236,7 @@ class TrainerState:
             data_epoch=int(data["data_epoch"]),
             data_position=int(data["data_position"]),
             rng={"python": list(rng["python"]), "torch": [int(b) for b in rng["torch"]]},
+            kl_coef=data.get("kl_coef"),  # absent from checkpoints written before it
         )
 
 

@@ -144,6 +144,9 @@ class TrainerMetrics:
         )
         self.reward_mean = Gauge("rlhf_reward_mean", "Mean reward of the last step", registry=r)
         self.kl = Gauge("rlhf_kl", "Mean KL to the reference policy in the last step", registry=r)
+        self.kl_coef = Gauge(
+            "rlhf_kl_coef", "The KL penalty's coefficient the last step used", registry=r
+        )
         # Registered at the first step that reports them: a critic-free job exports no
         # rlhf_critic_* at all (a gauge stuck at 0 would read as a real value).
         self.diagnostics: dict[str, dict[str, Gauge]] = {}
