@@ -11,7 +11,7 @@ import torch
 
 from rlhf_trainer.algo import estimators
 from rlhf_trainer.algo.estimators import compute_advantages
-from rlhf_trainer.api.sections import AlgorithmConfig
+from rlhf_trainer.api.algorithm import AlgorithmConfig
 
 SEEDS = range(8)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf_trainer.algo.kl_control import next_kl_coef
-from rlhf_trainer.api.sections import KLController
+from rlhf_trainer.api.algorithm import KLController
 
 ADAPTIVE = KLController(type="adaptive", target_kl=2.0, horizon=64)
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rlhf_trainer.algo.ppo import gae, kl_penalty, token_rewards, whiten
-from rlhf_trainer.api.sections import AdvantageEstimator, AlgorithmConfig
+from rlhf_trainer.api.algorithm import AdvantageEstimator, AlgorithmConfig
 
 GROUP_STD_EPS = 1e-6  # keeps the division finite; all-equal groups are zeroed apart
 

@@ -4,7 +4,7 @@ AdaptiveKLController): a KL above the target raises the coefficient, one below l
 
 from __future__ import annotations
 
-from rlhf_trainer.api.sections import KLController
+from rlhf_trainer.api.algorithm import KLController
 
 ERROR_CLIP = 0.2  # the proportional error's bound, as in the paper
 

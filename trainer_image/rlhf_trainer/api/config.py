@@ -13,10 +13,9 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 from pydantic.config import JsonDict
 
+from rlhf_trainer.api.algorithm import GROUP_ESTIMATORS, AlgorithmConfig
 from rlhf_trainer.api.rules import Rule, SpecModel
 from rlhf_trainer.api.sections import (
-    GROUP_ESTIMATORS,
-    AlgorithmConfig,
     DataConfig,
     GenerationConfig,
     ModelsConfig,
