@@ -4,8 +4,10 @@ run with dynamic sampling. (Dynamic sampling's cap: test_dynamic_sampling.py.)
 
 8 prompts x 4 responses a step (the samples of the PPO tests' 32 prompts). Measured on
 2 cores: GRPO's fitted rise over 20 steps is +0.11 (t = 7.4) colocated and split (the
-same rewards: only the placement differs), and +0.10 fully async. The split run is
-short: it learns what the colocated run learns if its rewards are the same, step for
+same rewards: only the placement differs), and +0.10 fully async. The fully-async run
+takes log π_old from the rollout engine (`oldLogProbs: rollout`, as verl's does): its
+actor never scores a batch before updating on it, and it learns all the same. The split
+run is short: it learns what the colocated run learns if its rewards are the same, step for
 step, so it is checked for that over its first SPLIT_STEPS steps.
 """
 
@@ -44,7 +46,15 @@ def grpo_split(tmp_path_factory: pytest.TempPathFactory) -> Trained:
 @pytest.fixture(scope="module")
 def grpo_async(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     tmp = tmp_path_factory.mktemp("async")
-    return train(critic_free_job("grpo", "async", total_steps=STEPS, checkpoint_dir=tmp))
+    return train(
+        critic_free_job(
+            "grpo",
+            "async",
+            total_steps=STEPS,
+            checkpoint_dir=tmp,
+            algorithm={"oldLogProbs": "rollout"},
+        )
+    )
 
 
 @pytest.fixture(scope="module", params=["grpo_colocated", "grpo_async"])
@@ -58,6 +68,10 @@ def test_grpo_learns_the_toy_task_with_no_critic_anywhere(grpo: Trained) -> None
     assert all(s.critic is None for s in grpo.steps)
     phases = {e["name"] for e in grpo.trace["traceEvents"] if e["ph"] == "X"}
     assert Phase.UPDATE_ACTOR in phases
+    # π_old recomputed by the actor, or taken from the rollout (the fully-async run)
+    rollout_log_probs = grpo.config.algorithm.old_log_probs == "rollout"
+    assert (Phase.ACTOR_LOG_PROB not in phases) == rollout_log_probs
+    assert all(s.rollout_log_prob_diff == 0 for s in grpo.steps) == rollout_log_probs
     assert not phases & {Phase.VALUES, Phase.UPDATE_CRITIC}
     roles = {e["args"].get("role") for e in grpo.trace["traceEvents"] if "args" in e}
     assert Role.CRITIC not in roles

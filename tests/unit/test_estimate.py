@@ -72,6 +72,18 @@ def test_split_lanes_overlap_and_slow_each_other_down() -> None:
     assert guess.busy["b"] == pytest.approx(2 * 96 * 1.5 / guess.step_seconds)
 
 
+def test_the_rollouts_log_probs_as_pi_old_save_the_actors_scoring_pass() -> None:
+    config = fully_async(1, 1)
+    rollout = config.model_copy(
+        update={"algorithm": config.algorithm.model_copy(update={"old_log_probs": "rollout"})}
+    )
+    guess = estimate(rollout, PROFILE)
+    assert Phase.ACTOR_LOG_PROB not in guess.phase_seconds
+    # the fully-async step below less the actor's 48 s of log-probs
+    assert guess.step_seconds == pytest.approx(48 + 96 + 96 + 0.5 / 2 + 1)
+    assert estimate(config, PROFILE).step_seconds - guess.step_seconds == pytest.approx(48)
+
+
 def test_fully_async_step_is_the_slower_of_training_and_generation() -> None:
     guess = estimate(fully_async(1, 1), PROFILE)
     # trainer: log-probs and values on one pool (48 + 48), both updates (96 + 96), a

@@ -144,6 +144,16 @@ class AlgorithmConfig(SpecModel):
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="How per-token losses are averaged into one number."
     )
+    old_log_probs: Literal["recompute", "rollout"] = Field(
+        "recompute",
+        description=(
+            "Where the PPO ratio's log π_old comes from. recompute: the actor scores the "
+            "batch again before its update (a forward pass on the train pool). rollout: "
+            "the log-probs the rollout engine sampled with, so the actor skips that pass; "
+            "they match the actor's up to numerics (and, fully async, are the behaviour "
+            "policy of each token)."
+        ),
+    )
     importance_cap: float = Field(
         2.0,
         ge=1,

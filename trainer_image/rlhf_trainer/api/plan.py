@@ -168,8 +168,10 @@ def plan_placement(config: JobConfig) -> PlacementPlan:
     )  # fmt: skip
     background: tuple[Lane, ...] = ()
     stages = []
+    # With the rollout's log-probs as log π_old, the actor does not score the batch.
+    skipped = {Phase.ACTOR_LOG_PROB} if config.algorithm.old_log_probs == "rollout" else set()
     for name, stage_phases in STEP_STAGES:
-        phases = [p for p in stage_phases if PHASE_ROLE[p] in roles]
+        phases = [p for p in stage_phases if PHASE_ROLE[p] in roles and p not in skipped]
         if mode is Mode.ASYNC and Phase.GENERATE in phases:
             background = (Lane(roles[Role.ROLLOUT].pool, (Phase.GENERATE,)),)
             continue

@@ -63,7 +63,8 @@ class StepResult:
     kl: float
     response_tokens: int
     # max |log π_actor - log π_rollout| over the batch's tokens: the engine samples with
-    # the weights the actor has (before its update), up to numerics
+    # the weights the actor has (before its update), up to numerics (0 when the rollout's
+    # log-probs are log π_old: oldLogProbs rollout)
     rollout_log_prob_diff: float
     actor: ActorStats
     critic: CriticStats | None  # None for the critic-free estimators
@@ -162,7 +163,8 @@ class PPOTrainer:
         scoring = self.run_stage("score", batch, skip=(Phase.REWARD,) if scores is not None else ())
         if scores is None:
             scores = self.score(sampled.prompts, sampled.rollouts, scoring)
-        old_log_probs = gather(scoring[Phase.ACTOR_LOG_PROB])
+        recomputed = gather_if(scoring, Phase.ACTOR_LOG_PROB)  # unless oldLogProbs: rollout
+        old_log_probs = batch.rollout_log_probs if recomputed is None else recomputed
         values = gather_if(scoring, Phase.VALUES)
         ref_log_probs = gather_if(scoring, Phase.REF_LOG_PROB)
         mask = batch.response_mask
