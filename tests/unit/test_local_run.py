@@ -39,6 +39,7 @@ def step_result(step: int, reward: float = 0.5, critic: CriticStats | None = CRI
         seconds=0.5,
         reward_mean=reward,
         kl=0.001 * step,
+        kl_coef=0.05,
         response_tokens=400,
         rollout_log_prob_diff=0.0,
         actor=ACTOR,
@@ -56,6 +57,7 @@ def test_a_step_record_has_the_step_its_speed_and_each_pools_busy_share() -> Non
     assert line["step"] == 3
     assert line["reward_mean"] == 0.25
     assert line["kl"] == 0.003
+    assert line["kl_coef"] == 0.05
     assert line["samples_per_second"] == 64.0  # 32 samples in 0.5 s
     assert line["seconds"] == 0.5
     assert line["pool_busy"] == {"policy": 0.5, "value": 0.25}

@@ -36,6 +36,8 @@ class StepOutcome(Protocol):
     @property
     def kl(self) -> float: ...
     @property
+    def kl_coef(self) -> float: ...
+    @property
     def actor(self) -> ActorStats: ...
     @property
     def critic(self) -> CriticStats | None: ...
@@ -57,6 +59,7 @@ class StepRecord:
     responses: ResponseStats
     # busy time over wall time since the trainer started, per pool (pool_busy_ratios)
     pool_busy: dict[str, float]
+    kl_coef: float = 0.0  # the KL penalty's coefficient the step used (0: before it was kept)
 
     @classmethod
     def of(cls, result: StepOutcome, samples: int, pool_busy: dict[str, float]) -> StepRecord:
@@ -71,6 +74,7 @@ class StepRecord:
             critic=result.critic,
             responses=result.responses,
             pool_busy=dict(pool_busy),
+            kl_coef=result.kl_coef,
         )
 
     def to_json(self) -> str:
