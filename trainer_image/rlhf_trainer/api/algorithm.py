@@ -64,7 +64,8 @@ class KLController(SpecModel):
         Rule(
             "targetKL",
             "is required when type is adaptive",
-            "self.type != 'adaptive' || has(self.targetKL)",
+            # has(): the API server also checks the rules on the schema's defaults ({})
+            "!has(self.type) || self.type != 'adaptive' || has(self.targetKL)",
             lambda c: c.type != "adaptive" or c.target_kl is not None,
         ),
     )
@@ -175,8 +176,10 @@ class AlgorithmConfig(SpecModel):
         Rule(
             "klController.type",
             "adaptive needs klMode: reward and klCoef > 0 (the coefficient it starts from)",
+            "!has(self.klController) || !has(self.klController.type) || "
             "self.klController.type != 'adaptive' || "
-            "(self.klMode == 'reward' && self.klCoef > 0.0)",
+            "((!has(self.klMode) || self.klMode == 'reward') && "
+            "(!has(self.klCoef) || self.klCoef > 0.0))",
             lambda a: (
                 a.kl_controller.type != "adaptive" or (a.kl_mode == "reward" and a.kl_coef > 0)
             ),
