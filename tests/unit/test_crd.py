@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from rlhf_operator.api.crd import build_crd, render_crd_yaml, render_peering_yaml
+from tests.unit.celcheck import default_errors
 
 COMMITTED = Path(__file__).parents[2] / "crds" / "rlhfjobs.yaml"
 VERSION = build_crd()["spec"]["versions"][0]
@@ -89,6 +90,12 @@ def test_nested_sections_default_to_objects_so_the_server_fills_their_defaults()
     for section in ("algorithm", "generation", "trainer", "head"):
         assert spec[section]["default"] == {}
     assert spec["trainer"]["properties"]["batchSize"]["default"] == 64
+
+
+def test_every_default_passes_the_rules_as_the_api_server_checks_it_at_creation() -> None:
+    # A rule that reads a key the default lacks fails there, and the API server refuses
+    # the whole CRD ("no such key"): every rule below a default must guard with has().
+    assert default_errors(SCHEMA) == []
 
 
 @pytest.mark.parametrize("rule", [r for _, n in nodes(SCHEMA) for r in n.get("x-kubernetes-validations", [])],
