@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rlhf_operator.render.children import JobRef, render_reporter_rbac
-from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.telemetry.report import ApiServer, StatusReporter
 
 from .harness import REPO_ROOT, ControlPlane

@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 
-from rlhf_trainer.api.config import JobConfig, TrainingProgress
+from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase
+from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.specs import local_job

@@ -14,7 +14,7 @@ import pytest
 
 from rlhf_trainer.api.sections import DataConfig
 from rlhf_trainer.data.prompts import PromptStream, prompt_tokenizer
-from rlhf_trainer.data.sources import load_prompt_rows
+from rlhf_trainer.data.sources import Source, load_prompt_rows
 from rlhf_trainer.data.tasks import check_reward_arguments, math_answer, toy_copy
 from rlhf_trainer.loop.sync import rule_rewards
 from rlhf_trainer.models import build_tokenizer
@@ -132,12 +132,17 @@ def test_overlong_prompts_fail_the_job_at_start_when_asked(tmp_path: Path) -> No
         ("t.csv", "question\na\n", r"t.csv: unknown format; expected .parquet, .jsonl, .json"),
     ],
 )  # fmt: skip
-def test_bad_data_fails_naming_file_row_and_column(
-    tmp_path: Path, name: str, content: str, message: str
+@pytest.mark.parametrize("source", ["train", "eval"])
+def test_bad_data_fails_naming_the_source_file_row_and_column(
+    tmp_path: Path, name: str, content: str, message: str, source: Source
 ) -> None:
+    path = str(tmp_path / name)
     (tmp_path / name).write_text(content)
-    with pytest.raises(ValueError, match=message):
-        load_prompt_rows(DataConfig(train=str(tmp_path / name), prompt_key="question"), seed=0)
+    data = DataConfig(
+        train=path if source == "train" else "toy:copy", eval=path, prompt_key="question"
+    )
+    with pytest.raises(ValueError, match=f"^data.{source}: {tmp_path}/.*{message}"):
+        load_prompt_rows(data, seed=0, source=source)
 
 
 def test_toy_tasks_and_missing_paths() -> None:
@@ -145,6 +150,18 @@ def test_toy_tasks_and_missing_paths() -> None:
     assert str(rows[0].prompt).endswith(" =") and rows[0].fields == {} and len(rows) == 4096
     with pytest.raises(ValueError, match=r"data.train: /nowhere/p.parquet does not exist"):
         load_prompt_rows(DataConfig(train="/nowhere/p.parquet"), seed=0)
+    data = DataConfig(train="toy:copy", eval="/nowhere/e.jsonl")
+    with pytest.raises(ValueError, match=r"data.eval: /nowhere/e.jsonl does not exist"):
+        load_prompt_rows(data, seed=0, source="eval")
+
+
+def test_the_toy_task_holds_out_prompts_it_never_trains_on() -> None:
+    data = DataConfig(train="toy:copy", eval="toy:copy:heldout")
+    train = {row.prompt for row in load_prompt_rows(data, seed=0)}
+    held_out = [row.prompt for row in load_prompt_rows(data, seed=0, source="eval")]
+    assert len(held_out) == len(set(held_out)) == 64  # 1 in 8 of the 512 letter strings
+    assert len(train) == 512 - 64  # 4096 draws see every other string
+    assert not train & set(held_out)
 
 
 def test_the_rows_other_columns_reach_the_reward_function(tmp_path: Path) -> None:
@@ -155,12 +172,12 @@ def test_the_rows_other_columns_reach_the_reward_function(tmp_path: Path) -> Non
     responses = ["2 + 3 = 5</s>", "so 1,000 or -2"]
     assert rule_rewards(math_answer, prompts, responses) == [1.0, 1.0]
     assert rule_rewards(math_answer, prompts, ["6", "2"]) == [0.0, 0.0]
-    check_reward_arguments(math_answer, ["answer"])
+    check_reward_arguments(math_answer, ["answer"], "data.train")
 
 
 def test_a_reward_function_that_cannot_take_the_columns_fails_at_start() -> None:
     with pytest.raises(
-        ValueError, match=r"toy_copy does not take the dataset's columns \['answer'\]"
+        ValueError, match=r"toy_copy does not take the columns \['answer'\] of data.eval"
     ):
-        check_reward_arguments(toy_copy, ["answer"])
-    check_reward_arguments(toy_copy, [])
+        check_reward_arguments(toy_copy, ["answer"], "data.eval")
+    check_reward_arguments(toy_copy, [], "data.train")

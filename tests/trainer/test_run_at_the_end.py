@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.loop.run import Run
 from tests.specs import local_job
 

@@ -14,6 +14,7 @@ from PIL import Image
 from rich.console import Console
 
 from rlhf_trainer.algo.diagnostics import CriticStats, ResponseStats
+from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.loop.interrupt import stop_on_interrupt
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.charts import (
@@ -50,6 +51,18 @@ def step_result(step: int, reward: float = 0.5, critic: CriticStats | None = CRI
 
 def record(step: int, reward: float = 0.5, busy: float = 0.5) -> StepRecord:
     return StepRecord.of(step_result(step, reward), 32, {"policy": busy, "value": busy / 2})
+
+
+def evaluation(step: int, reward: float = 0.5) -> EvalProgress:
+    return EvalProgress(
+        step=step,
+        policy_version=step,
+        prompts=64,
+        samples_per_prompt=1,
+        reward_mean=reward,
+        pass_at_1=reward / 2,
+        response_length_mean=4.0,
+    )
 
 
 def test_a_step_record_has_the_step_its_speed_and_each_pools_busy_share() -> None:
@@ -95,6 +108,17 @@ def test_the_folder_keeps_one_line_per_step_across_a_resume(tmp_path: Path) -> N
     assert len(folder.metrics.read_text().splitlines()) == 5
 
 
+def test_the_folder_keeps_one_line_per_evaluation_across_a_resume(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    folder.create()
+    for step in (0, 2, 4):
+        folder.append_eval(evaluation(step))
+    folder.forget_after(2)  # resumed from the checkpoint of step 2: evaluated again at 4
+    folder.append_eval(evaluation(4, reward=0.75))
+    assert folder.evaluations() == [evaluation(0), evaluation(2), evaluation(4, reward=0.75)]
+    assert json.loads(folder.evals.read_text().splitlines()[0])["passAt1"] == 0.25
+
+
 def test_an_unwritable_run_folder_names_the_path_and_the_os_error(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -114,6 +138,15 @@ def test_the_reward_chart_draws_reward_and_kl_over_the_steps() -> None:
     assert list(reward.get_ydata()) == pytest.approx([0.1, 0.2, 0.3])
 
 
+def test_the_reward_chart_draws_the_held_out_reward_beside_the_training_reward() -> None:
+    records = [record(step) for step in (1, 2, 3)]
+    figure = reward_kl_figure(records, [evaluation(0, 0.125), evaluation(3, 0.625)])
+    (reward_axes, _) = figure.axes
+    lines = {line.get_label(): line for line in reward_axes.get_lines()}
+    assert list(lines["held-out reward"].get_xdata()) == [0, 3]
+    assert list(lines["held-out reward"].get_ydata()) == [0.125, 0.625]
+
+
 def test_the_busy_chart_draws_one_line_per_pool_in_percent() -> None:
     figure = pool_busy_figure([record(1, busy=0.25), record(2, busy=0.5)])
     lines = {line.get_label(): list(line.get_ydata()) for line in figure.axes[0].get_lines()}
@@ -122,18 +155,21 @@ def test_the_busy_chart_draws_one_line_per_pool_in_percent() -> None:
 
 def test_the_charts_are_pngs_of_the_expected_size(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path)
-    write_charts(folder, [record(1), record(2)])
+    folder.append(record(1))
+    folder.append(record(2))
+    write_charts(folder)
     for chart in (folder.reward_chart, folder.busy_chart):
         with Image.open(chart) as image:
             assert image.format == "PNG"
             assert image.size == (SIZE_INCHES[0] * DPI, SIZE_INCHES[1] * DPI)
             image.verify()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool_busy.png", "reward_kl.png"]
+    charts = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".png")
+    assert charts == ["pool_busy.png", "reward_kl.png"]
 
 
 def test_charts_of_no_steps_yet_are_still_images(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path)
-    write_charts(folder, [])  # interrupted before the first step
+    write_charts(folder)  # interrupted before the first step
     with Image.open(folder.busy_chart) as image:
         assert image.format == "PNG"
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rlhf_operator.api import crd
-from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.telemetry import report
 from rlhf_trainer.telemetry.report import (
     ApiServer,

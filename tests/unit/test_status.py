@@ -10,7 +10,7 @@ import pytest
 from rlhf_operator.api.job import Phase, RLHFJobStatus
 from rlhf_operator.api.validation import parse_job
 from rlhf_operator.controller.status import Observed, compute_status, finished, invalid_status
-from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.progress import TrainingProgress
 from tests.unit.conftest import EXAMPLES, load
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
-from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.telemetry.metrics import (
     IntervalUnion,
     TrainerMetrics,

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.api.rules import SpecModel
 
 

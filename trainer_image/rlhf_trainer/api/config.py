@@ -304,6 +304,12 @@ class JobConfig(SpecModel):
             "!has(self.async) || self.roles.rollout != self.roles.actor",
             lambda c: c.async_ is None or c.roles.rollout != c.roles.actor,
         ),
+        Rule(
+            "trainer.evalEverySteps",
+            "needs data.eval (the held-out prompts it scores)",
+            "!has(self.trainer.evalEverySteps) || has(self.data.eval)",
+            lambda c: c.trainer.eval_every_steps is None or c.data.eval is not None,
+        ),
         *_critic_rules(),
         *_group_rules(),
         Rule(
@@ -336,34 +342,3 @@ class JobConfig(SpecModel):
     def samples_per_step(self) -> int:
         """The samples a step trains on: batchSize prompts x samplesPerPrompt responses."""
         return self.trainer.batch_size * self.generation.samples_per_prompt
-
-
-class TrainingProgress(SpecModel):
-    """Progress the trainer reports into the RLHFJob's status."""
-
-    step: int = Field(0, ge=0, description="PPO steps completed.")
-    total_steps: int = Field(0, ge=0, description="PPO steps to run.")
-    samples_per_second: float | None = Field(None, ge=0, description="Recent throughput.")
-    policy_version: int = Field(0, ge=0, description="Version of the policy being trained.")
-    reward_mean: float | None = Field(None, description="Mean reward of the last step.")
-    kl: float | None = Field(None, description="KL to the reference policy, last step.")
-    kl_coef: float | None = Field(
-        None, ge=0, description="The KL penalty's coefficient, last step (see klController)."
-    )
-    entropy: float | None = Field(None, description="The policy's entropy, last step.")
-    actor_grad_norm: float | None = Field(
-        None, description="The actor's gradient norm before clipping, last step."
-    )
-    critic_grad_norm: float | None = Field(
-        None, description="The critic's gradient norm before clipping, last step."
-    )
-    explained_variance: float | None = Field(
-        None, description="How much of the returns' variance the critic's values explain."
-    )
-    response_length_mean: float | None = Field(
-        None, ge=0, description="Mean response length in tokens, last step."
-    )
-    truncated_ratio: float | None = Field(
-        None, ge=0, le=1, description="Share of responses cut at maxResponseLength, last step."
-    )
-    last_checkpoint: str | None = Field(None, description="Path of the newest checkpoint.")

@@ -139,6 +139,44 @@ class DataConfig(SpecModel):
         512, ge=1, le=131072, description="Generated tokens per response, at most."
     )
     shuffle: bool = Field(True, description="Shuffle prompts every epoch (seeded).")
+    eval: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Held-out prompts, scored before training, every trainer.evalEverySteps steps "
+            "and at the end (see generation.eval): the same sources and columns as train; "
+            "'toy:<task>:heldout' for a built-in task's held-out split."
+        ),
+    )
+
+
+class EvalGeneration(SpecModel):
+    """How the held-out prompts (data.eval) are answered and judged."""
+
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Responses per held-out prompt (k of pass@k); above 1 needs temperature.",
+    )
+    temperature: float = Field(
+        0.0, ge=0, le=10, description="Sampling temperature; 0 answers greedily."
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+    pass_reward: float = Field(
+        1.0,
+        description="A response passes (pass@1, pass@k) when its reward is at least this.",
+    )
+
+    rules = (
+        Rule(
+            "samplesPerPrompt",
+            "above 1 needs temperature > 0 (greedy answers to one prompt are all the same)",
+            "!has(self.samplesPerPrompt) || self.samplesPerPrompt == 1 || "
+            "(has(self.temperature) && self.temperature > 0.0)",
+            lambda e: e.samples_per_prompt == 1 or e.temperature > 0,
+        ),
+    )
 
 
 class GenerationConfig(SpecModel):
@@ -171,6 +209,10 @@ class GenerationConfig(SpecModel):
             "the next death fails the job. Each engine keeps a copy of the policy weights "
             "in host memory for it; 0 keeps none."
         ),
+    )
+    eval: EvalGeneration = Field(
+        default_factory=EvalGeneration,
+        description="Sampling of the held-out prompts (data.eval): greedy by default.",
     )
 
 
@@ -248,6 +290,14 @@ class TrainerConfig(SpecModel):
             "How long forming the weight-sync group, or one transfer of the weights into "
             "every engine, may take. Past it the job fails, naming each rank that did not "
             "answer (stopped, hung or lost) and those left waiting for it."
+        ),
+    )
+    eval_every_steps: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Score data.eval every this many steps (also before training and at the "
+            "end); unset: only before training and at the end. Needs data.eval."
         ),
     )
     checkpoint: CheckpointConfig = Field(

@@ -346,6 +346,13 @@ def join(
     return list(ray.get(list(refs)))
 
 
+def finished(refs: Sequence[ObjectRef[Any]]) -> bool:
+    """Whether every one of the futures has its result (or its error); never waits."""
+    import ray
+
+    return not ray.wait(list(refs), num_returns=len(refs), timeout=0)[1]
+
+
 def gather(refs: Sequence[ObjectRef[BatchT]]) -> BatchT:
     """Wait for the ranks' batch results and re-join them in rank order."""
     return concat_batches(join(refs))

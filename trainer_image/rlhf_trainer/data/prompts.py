@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_trainer.api.sections import DataConfig
-from rlhf_trainer.data.sources import PromptInput, load_prompt_rows
+from rlhf_trainer.data.sources import PromptInput, Source, load_prompt_rows
 
 log = logging.getLogger(__name__)
 
@@ -63,25 +63,8 @@ class PromptStream:
 
     @classmethod
     def load(cls, data: DataConfig, seed: int, tokenize: Tokenize) -> PromptStream:
-        """Tokenise every prompt; one over `maxPromptLength` tokens is dropped (counted
-        and logged), truncated to its last tokens, or an error, as data.overlongPrompts says."""
-        prompts, dropped, limit = [], 0, data.max_prompt_length
-        for number, row in enumerate(load_prompt_rows(data, seed)):
-            text, ids = tokenize(row.prompt)
-            if len(ids) > limit and data.overlong_prompts == "error":
-                raise ValueError(
-                    f"{data.train}: row {number} has {len(ids)} prompt tokens, over "
-                    f"maxPromptLength {limit} (data.overlongPrompts: error)"
-                )
-            if len(ids) > limit and data.overlong_prompts == "drop":
-                dropped += 1
-                continue
-            prompts.append(Prompt(text, ids[-limit:], row.fields))  # the end: question, turn
-        if dropped:
-            log.warning("dropped %d of %d prompts over maxPromptLength %d tokens",
-                        dropped, dropped + len(prompts), limit)  # fmt: skip
-        if not prompts:
-            raise ValueError(f"{data.train}: every prompt is over maxPromptLength {limit} tokens")
+        """The training prompts (data.train), tokenised (see `load_prompts`)."""
+        prompts, dropped = load_prompts(data, seed, tokenize, "train")
         return cls(prompts, seed, data.shuffle, dropped=dropped)
 
     def order(self, epoch: int) -> list[int]:
@@ -116,3 +99,30 @@ class PromptStream:
         if not 0 <= index <= len(self.prompts):
             raise ValueError(f"data position {index} is outside 0..{len(self.prompts)}")
         self.epoch, self.index = epoch, index
+
+
+def load_prompts(
+    data: DataConfig, seed: int, tokenize: Tokenize, source: Source
+) -> tuple[list[Prompt], int]:
+    """Tokenise every prompt of `data.<source>`; one over `maxPromptLength` tokens is
+    dropped (counted and logged), truncated to its last tokens, or an error, as
+    data.overlongPrompts says. Returns the prompts and how many were dropped."""
+    prompts, dropped, limit = [], 0, data.max_prompt_length
+    where = f"data.{source}: {data.train if source == 'train' else data.eval}"
+    for number, row in enumerate(load_prompt_rows(data, seed, source)):
+        text, ids = tokenize(row.prompt)
+        if len(ids) > limit and data.overlong_prompts == "error":
+            raise ValueError(
+                f"{where}: row {number} has {len(ids)} prompt tokens, over "
+                f"maxPromptLength {limit} (data.overlongPrompts: error)"
+            )
+        if len(ids) > limit and data.overlong_prompts == "drop":
+            dropped += 1
+            continue
+        prompts.append(Prompt(text, ids[-limit:], row.fields))  # the end: question, turn
+    if dropped:
+        log.warning("%s: dropped %d of %d prompts over maxPromptLength %d tokens",
+                    where, dropped, dropped + len(prompts), limit)  # fmt: skip
+    if not prompts:
+        raise ValueError(f"{where}: every prompt is over maxPromptLength {limit} tokens")
+    return prompts, dropped

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rlhf_trainer.api.sections import DataConfig
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 PromptInput = str | list[Message]
+Source = Literal["train", "eval"]  # which of the spec's data sources
 
 TOY_PROMPTS = 4096  # prompts a toy task generates (an epoch)
 FORMATS = ".parquet, .jsonl, .json, or a directory saved by HF datasets (save_to_disk)"
@@ -29,34 +30,37 @@ class PromptRow:
     fields: dict[str, Any] = field(default_factory=dict)  # the row's other columns
 
 
-def load_prompt_rows(data: DataConfig, seed: int) -> list[PromptRow]:
-    """The prompts of `data.train`, in file order."""
-    if data.train.startswith("toy:"):
+def load_prompt_rows(data: DataConfig, seed: int, source: Source = "train") -> list[PromptRow]:
+    """The prompts of `data.train` (or of `data.eval`: source "eval"), in file order."""
+    location = data.train if source == "train" else data.eval
+    assert location is not None, f"data.{source} is unset"
+    where = f"data.{source}: {location}"
+    if location.startswith("toy:"):
         from rlhf_trainer.data.tasks import toy_prompts
 
-        return [PromptRow(p.text) for p in toy_prompts(data.train, TOY_PROMPTS, seed)]
-    path = Path(data.train)
+        return [PromptRow(p.text) for p in toy_prompts(location, TOY_PROMPTS, seed)]
+    path = Path(location)
     if not path.exists():
-        raise ValueError(f"data.train: {path} does not exist (expected 'toy:<task>' or {FORMATS})")
-    rows = read_rows(path)
+        raise ValueError(f"{where} does not exist (expected 'toy:<task>' or {FORMATS})")
+    rows = read_rows(path, where)
     if not rows:
-        raise ValueError(f"{path}: the dataset has no rows")
+        raise ValueError(f"{where}: the dataset has no rows")
     key = data.prompt_key
     return [
-        PromptRow(prompt_of(row, key, path, number), {k: v for k, v in row.items() if k != key})
+        PromptRow(prompt_of(row, key, where, number), {k: v for k, v in row.items() if k != key})
         for number, row in enumerate(rows)
     ]
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Every row of the dataset at `path`, as a dict of its columns."""
+def read_rows(path: Path, where: str) -> list[dict[str, Any]]:
+    """Every row of the dataset at `path`, as a dict of its columns (errors say `where`)."""
     import pyarrow as pa
     import pyarrow.json as pa_json
     import pyarrow.parquet as pq
 
     try:
         if path.is_dir():
-            table = _saved_dataset(path)
+            table = _saved_dataset(path, where)
         elif path.suffix == ".parquet":
             table = pq.read_table(path)
         elif path.suffix == ".jsonl":
@@ -64,10 +68,10 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         elif path.suffix == ".json":
             table = _json_file(path)
         else:
-            raise ValueError(f"data.train: {path}: unknown format; expected {FORMATS}")
+            raise ValueError(f"{where}: unknown format; expected {FORMATS}")
     except (pa.ArrowException, OSError, json.JSONDecodeError) as error:
         raise ValueError(
-            f"{path}: cannot read it as {path.suffix or 'a dataset'}: {error}"
+            f"{where}: cannot read it as {path.suffix or 'a dataset'}: {error}"
         ) from error
     rows: list[dict[str, Any]] = table.to_pylist()
     return rows
@@ -87,7 +91,7 @@ def _json_file(path: Path) -> Any:
     return pa_json.read_json(path)
 
 
-def _saved_dataset(path: Path) -> Any:
+def _saved_dataset(path: Path, where: str) -> Any:
     """A `Dataset.save_to_disk` directory (Arrow stream files), or a DatasetDict's, whose
     `train` split is taken."""
     import pyarrow as pa
@@ -96,7 +100,7 @@ def _saved_dataset(path: Path) -> Any:
         path = path / "train"
     files = sorted(path.glob("*.arrow"))
     if not files:
-        raise ValueError(f"data.train: {path} holds no .arrow files; expected {FORMATS}")
+        raise ValueError(f"{where}: {path} holds no .arrow files; expected {FORMATS}")
     tables = []
     for file in files:
         with pa.memory_map(str(file)) as source:
@@ -104,10 +108,10 @@ def _saved_dataset(path: Path) -> Any:
     return pa.concat_tables(tables)
 
 
-def prompt_of(row: dict[str, Any], key: str, path: Path, number: int) -> PromptInput:
-    where = f"{path}: row {number}, column {key!r}"
+def prompt_of(row: dict[str, Any], key: str, source: str, number: int) -> PromptInput:
+    where = f"{source}: row {number}, column {key!r}"
     if key not in row:
-        raise ValueError(f"{path}: no column {key!r} (data.promptKey); it has {sorted(row)}")
+        raise ValueError(f"{source}: no column {key!r} (data.promptKey); it has {sorted(row)}")
     value = row[key]
     if isinstance(value, str):
         return value

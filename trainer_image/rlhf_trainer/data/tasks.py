@@ -1,7 +1,9 @@
 """Built-in toy tasks (`data.train: toy:<task>`) and rule-based rewards, made from a seed.
 
 toy:copy - the prompt is three random letters from a-h and "=": `<s> c a f =`. The
-ideal response copies the letters in order and stops: `c a f </s>`.
+ideal response copies the letters in order and stops: `c a f </s>`. One letter string
+in 8 is held out: training never shows it, and `toy:copy:heldout` is those 64 prompts,
+for data.eval (a model that only memorised its training prompts fails them).
 
 Reward `toy_copy` (in [0, 1]): the targets are the k prompt letters, then the end of
 sequence (k + 1 targets). Response token i earns, against target i:
@@ -29,10 +31,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import random
 import re
 import string
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +46,7 @@ from rlhf_trainer.models import BOS, EOS, SEPARATOR
 LETTERS = string.ascii_lowercase  # every letter earns the "a letter" credit
 COPY_ALPHABET = LETTERS[:8]  # the letters prompts are made of
 COPY_LENGTH = 3  # letters per prompt: short enough to learn in minutes on a CPU
+HELD_OUT_EVERY = 8  # toy:copy:heldout: 1 in 8 letter strings (64 of the 512), never trained
 
 # (prompt text, response text, **the dataset row's other columns) -> score. The response
 # is decoded with special tokens kept (one that stopped ends in the EOS token).
@@ -57,14 +62,35 @@ class TaskPrompt:
 def copy_prompts(
     count: int, seed: int, length: int = COPY_LENGTH, alphabet: str = COPY_ALPHABET
 ) -> list[TaskPrompt]:
-    """`count` toy:copy prompts of `length` random letters; the same seed, the same list."""
+    """`count` toy:copy prompts of `length` random letters, none of them held out; the
+    same seed, the same list."""
     rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
+    prompts: list[TaskPrompt] = []
+    while len(prompts) < count:
         letters = [rng.choice(alphabet) for _ in range(length)]
-        text = " ".join([*letters, SEPARATOR])
-        prompts.append(TaskPrompt(text=text, ideal_response=" ".join([*letters, EOS])))
+        if not is_held_out(letters):
+            prompts.append(copy_prompt(letters))
     return prompts
+
+
+def copy_held_out_prompts(
+    length: int = COPY_LENGTH, alphabet: str = COPY_ALPHABET
+) -> list[TaskPrompt]:
+    """toy:copy:heldout - every letter string that training never shows, in order."""
+    strings = itertools.product(alphabet, repeat=length)
+    return [copy_prompt(list(letters)) for letters in strings if is_held_out(letters)]
+
+
+def is_held_out(letters: Sequence[str]) -> bool:
+    """One letter string in HELD_OUT_EVERY, by a stable hash (not by position, which
+    would hold out, say, every string ending in one letter)."""
+    return zlib.crc32(" ".join(letters).encode()) % HELD_OUT_EVERY == 0
+
+
+def copy_prompt(letters: Sequence[str]) -> TaskPrompt:
+    return TaskPrompt(
+        text=" ".join([*letters, SEPARATOR]), ideal_response=" ".join([*letters, EOS])
+    )
 
 
 def prompt_letters(prompt: str) -> list[str]:
@@ -108,9 +134,10 @@ def math_answer(prompt: str, response: str, answer: str | float | int, **_: Any)
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {"toy_copy": toy_copy, "math_answer": math_answer}
 
 
-def check_reward_arguments(reward: RewardFunction, columns: Iterable[str]) -> None:
-    """Fail at start, not at the first step, when the dataset's columns cannot be passed
-    to the reward function (they go as keyword arguments)."""
+def check_reward_arguments(reward: RewardFunction, columns: Iterable[str], source: str) -> None:
+    """Fail at start, not at the first step, when the columns of the dataset `source`
+    (data.train, data.eval) cannot be passed to the reward function (they go as
+    keyword arguments)."""
     parameters = inspect.signature(reward).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
         return
@@ -119,20 +146,24 @@ def check_reward_arguments(reward: RewardFunction, columns: Iterable[str]) -> No
     if extra:
         name = getattr(reward, "__name__", repr(reward))
         raise ValueError(
-            f"models.reward.function: {name} does not take the dataset's columns {extra} "
+            f"models.reward.function: {name} does not take the columns {extra} of {source} "
             "(each row's other columns are passed as keyword arguments; add them or **kwargs)"
         )
 
 
 TASKS: dict[str, Callable[[int, int], list[TaskPrompt]]] = {"copy": copy_prompts}
+HELD_OUT: dict[str, Callable[[], list[TaskPrompt]]] = {"copy": copy_held_out_prompts}
 
 
-def toy_prompts(train: str, count: int, seed: int) -> list[TaskPrompt]:
-    """Prompts of a `toy:<task>` data source."""
-    kind, _, task = train.partition(":")
-    if kind != "toy" or task not in TASKS:
-        raise ValueError(f"not a built-in task: {train!r} (known: toy:{', toy:'.join(TASKS)})")
-    return TASKS[task](count, seed)
+def toy_prompts(source: str, count: int, seed: int) -> list[TaskPrompt]:
+    """Prompts of a `toy:<task>` data source: `count` of them, generated from `seed`;
+    or `toy:<task>:heldout`, the task's held-out split (every prompt of it, once)."""
+    kind, _, task = source.partition(":")
+    task, _, split = task.partition(":")
+    if kind != "toy" or task not in TASKS or split not in ("", "heldout"):
+        known = ", ".join(f"toy:{t}, toy:{t}:heldout" for t in TASKS)
+        raise ValueError(f"not a built-in task: {source!r} (known: {known})")
+    return HELD_OUT[task]() if split else TASKS[task](count, seed)
 
 
 def reward_function(source: RewardSource) -> RewardFunction | None:

@@ -8,17 +8,19 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rlhf_trainer.api.config import JobConfig, Role, TrainingProgress
+from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import plan_placement
+from rlhf_trainer.api.progress import EvalProgress, TrainingProgress
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups
-from rlhf_trainer.data.prompts import PromptStream, prompt_tokenizer
+from rlhf_trainer.data.prompts import PromptStream, load_prompts, prompt_tokenizer
 from rlhf_trainer.data.tasks import check_reward_arguments, reward_function
+from rlhf_trainer.loop.evaluation import Evaluator, eval_due
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer, AsyncState
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult
 from rlhf_trainer.models import load_tokenizer
@@ -46,6 +48,7 @@ class Run:
     metrics: TrainerMetrics
     reporter: Reporter
     streaming: AsyncPPOTrainer | None = None  # fully-async mode
+    evaluator: Evaluator | None = None  # with data.eval
     step: int = 0
     last_checkpoint: str | None = None
 
@@ -67,6 +70,8 @@ class Run:
         elif latest is not None:
             # The engines start from the initial weights.
             self.trainer.sync_weights(self.trainer.policy_version)
+        if self.evaluator is not None and self.evaluator.owed(self.step):
+            self.evaluator.start(self.step)
 
     def checkpointed(self) -> list[tuple[Role, WorkerGroup]]:
         """The trained roles of this job (no critic with a critic-free estimator)."""
@@ -83,6 +88,8 @@ class Run:
         self.trainer.policy_version = state.policy_version
         if state.kl_coef is not None:
             self.trainer.kl_coef = state.kl_coef
+        if self.evaluator is not None:
+            self.evaluator.last = state.last_eval
         self.last_checkpoint = str(latest)
         log.info("resuming from %s at step %d", latest, self.step)
         if self.streaming is None:
@@ -109,6 +116,7 @@ class Run:
             position,
             capture_rng(),
             self.trainer.kl_coef,
+            self.evaluator.last if self.evaluator else None,
         )
         checkpoint.save_trainer_state(staging, state)
         final = checkpoint.commit(root, self.step)
@@ -121,6 +129,7 @@ class Run:
             total_steps=self.config.trainer.total_steps,
             policy_version=self.trainer.policy_version,
             last_checkpoint=self.last_checkpoint,
+            eval=self.evaluator.last if self.evaluator else None,
         )
         if result is None:
             return progress
@@ -149,9 +158,21 @@ class Run:
         m.kl.set(result.kl)
         m.kl_coef.set(result.kl_coef)
         m.observe_diagnostics(result.actor, result.critic, result.responses)
+        for evaluation in result.evaluations:
+            m.observe_eval(evaluation)
         progress = self.progress(result)
         m.observe_progress(progress)
         self.reporter.report(progress, final=self.step == self.config.trainer.total_steps)
+
+    def evaluate(self, wait: bool) -> list[EvalProgress]:
+        """Start the held-out evaluation due after this step; returns those finished
+        meanwhile (with `wait`, all: a checkpoint records the last one reported)."""
+        if self.evaluator is None:
+            return []
+        done = self.evaluator.finish(wait=False)
+        if eval_due(self.config, self.step):
+            done += self.evaluator.start(self.step)
+        return done + self.evaluator.finish(wait=wait)
 
     def train(
         self,
@@ -168,6 +189,7 @@ class Run:
             result = (self.streaming or self.trainer).step(self.step)
             log_step(result, total)
             saved = self.step % every == 0 or self.step == total
+            result = replace(result, evaluations=tuple(self.evaluate(wait=saved)))
             if saved:
                 self.save()
             self.observe(result)
@@ -251,12 +273,18 @@ def open_run(
     metrics = metrics or TrainerMetrics(pools=[p.name for p in plan.pools])
     timeline = Timeline(listeners=[metrics.observe_span])
     tokenizer = load_tokenizer(config.models.actor)
-    prompts = PromptStream.load(
-        config.data, config.trainer.seed, prompt_tokenizer(tokenizer, config.data.chat_template)
+    tokenize = prompt_tokenizer(tokenizer, config.data.chat_template)
+    prompts = PromptStream.load(config.data, config.trainer.seed, tokenize)
+    held_out = (
+        load_prompts(config.data, config.trainer.seed, tokenize, "eval")[0]
+        if config.data.eval is not None
+        else []
     )
     reward = reward_function(config.models.reward)
     if reward is not None:  # before any role starts: a mismatch fails in seconds
-        check_reward_arguments(reward, prompts.prompts[0].fields)
+        check_reward_arguments(reward, prompts.prompts[0].fields, "data.train")
+        if held_out:
+            check_reward_arguments(reward, held_out[0].fields, "data.eval")
     started = time.time()
     queue = spawn_queue(config.generation.samples_per_prompt) if config.async_ else None
     workers = {Role.ROLLOUT: (StreamingRollout, (queue,))} if queue else {}
@@ -273,7 +301,8 @@ def open_run(
             timeline,
         )
         streaming = AsyncPPOTrainer(trainer, queue, metrics) if queue else None
-        yield Run(config, trainer, metrics, reporter, streaming)
+        evaluator = Evaluator(trainer, held_out) if held_out else None
+        yield Run(config, trainer, metrics, reporter, streaming, evaluator)
     finally:
         if trace is not None:
             timeline.write_chrome_trace(trace)

@@ -26,6 +26,7 @@ from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
+from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
@@ -76,6 +77,8 @@ class StepResult:
     sample_uids: list[int] = field(default_factory=list)  # fully async: which samples
     dropped_groups: int = 0  # dynamic sampling: groups with all rewards equal, regenerated
     kl_coef: float = 0.0  # the KL penalty's coefficient this step used (klController)
+    # held-out evaluations finished since the last step (one may have started earlier)
+    evaluations: tuple[EvalProgress, ...] = ()
 
 
 @dataclass(frozen=True)

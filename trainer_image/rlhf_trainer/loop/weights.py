@@ -15,6 +15,8 @@ can tell a stopped rank from its waiting peers, is the one that reports.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from rlhf_trainer.api.config import Role
@@ -22,6 +24,8 @@ from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.groups import join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSpec
+
+log = logging.getLogger(__name__)
 
 
 def group_timeout_s(timeout_s: float) -> float:
@@ -43,6 +47,9 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.specs: list[WeightSpec] | None = None  # what the actor sends, in order
+        # Engine calls the next push waits for (an evaluation): an engine busy in one
+        # would join the broadcast only after it, and be taken for a hung rank.
+        self.engines_busy: list[Any] = []
         # An engine beside the actor on its pool shares the actor's GPUs: NCCL will not
         # join two ranks on one device, so such a group goes through host memory.
         # (CUDA IPC would skip the copies; see the README's weight-sync notes.)
@@ -65,12 +72,22 @@ class WeightSync:
         paused."""
         if self.specs is None:
             raise RuntimeError("the weight sync is not open (call open first)")
+        busy, self.engines_busy = self.engines_busy, []
+        started = time.monotonic()
+        join(busy)  # no timeout: the engines answer at their pace, and would say if they died
+        if time.monotonic() - started > 1.0:
+            log.info("the weight push waited %.1f s for the engines' evaluation",
+                     time.monotonic() - started)  # fmt: skip
         sends = self.actor.run("send_weights", self.bucket_bytes, phase=Phase.SYNC_WEIGHTS)
         loads = self.rollout.run(
             "receive_weights", self.specs, self.bucket_bytes, version, phase=Phase.SYNC_WEIGHTS
         )
         join(sends, self.timeout_s, involved=loads)
         return loads
+
+    def wait_before_next_push(self, calls: list[Any]) -> None:
+        """Let the engines finish `calls` before the next push starts."""
+        self.engines_busy += calls
 
     def wait(self, loads: list[Any]) -> None:
         """Wait for the engines' loads of a push, within the timeout."""

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from rlhf_trainer.api.progress import EvalProgress
+
 COMMITTED_PREFIX = "step-"
 STAGING_PREFIX = ".tmp-"  # + the committed name
 DELETING_PREFIX = ".del-"  # + the committed name
@@ -216,6 +218,7 @@ class TrainerState:
     data_position: int  # prompts of this epoch consumed
     rng: RngState
     kl_coef: float | None = None  # the next step's (adaptive klController); None: klCoef
+    last_eval: EvalProgress | None = None  # the last held-out evaluation reported
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -225,6 +228,7 @@ class TrainerState:
             "data_position": self.data_position,
             "rng": dict(self.rng),
             "kl_coef": self.kl_coef,
+            "last_eval": self.last_eval.to_dict() if self.last_eval else None,
         }
 
     @classmethod
@@ -237,6 +241,9 @@ class TrainerState:
             data_position=int(data["data_position"]),
             rng={"python": list(rng["python"]), "torch": [int(b) for b in rng["torch"]]},
             kl_coef=data.get("kl_coef"),  # absent from checkpoints written before it
+            last_eval=EvalProgress.model_validate(data["last_eval"])
+            if data.get("last_eval")
+            else None,
         )
 
 

@@ -4,6 +4,7 @@ time (synchronous PPO); `streaming.StreamingRollout` streams (fully async)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -50,6 +51,29 @@ class EngineWorker(Worker):
         # The engine's model lives in its own process, so the weights are loaded in one
         # go after the broadcast.
         self.engine.load_weights(receive_copies(self.sync_group, specs, bucket_bytes), version)
+
+    def evaluate(self, prompts: list[list[int]], step: int) -> list[Rollout]:
+        """One response per prompt, sampled as generation.eval says, on the weights the
+        engine has now. Beside any other requests (fully async goes on generating), but
+        it holds this worker: the next weights load only after it (one version)."""
+        sampling = self.config.generation.eval
+        seed = derive_seed(self.config.trainer.seed, "eval", step, self.info.rank)
+
+        async def answer_all() -> list[Rollout]:
+            answers = (
+                self.engine.generate(
+                    f"eval-{step}-{i}",
+                    prompt,
+                    max_tokens=self.config.data.max_response_length,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    seed=seed + i,
+                )
+                for i, prompt in enumerate(prompts)
+            )
+            return list(await asyncio.gather(*answers))
+
+        return self.engine.call(answer_all())
 
     def engine_stats(self) -> EngineStats | None:
         """The engine's vLLM stats and restarts. Safe from any thread, at any time: it

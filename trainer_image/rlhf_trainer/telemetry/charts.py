@@ -11,18 +11,30 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.telemetry.run_folder import RunFolder, StepRecord
 
 SIZE_INCHES = (8.0, 4.5)
 DPI = 100  # 800 x 450 pixels
 
 
-def reward_kl_figure(records: Sequence[StepRecord]) -> Figure:
-    """Mean reward (left axis) and KL to the reference (right axis) over the steps."""
+def reward_kl_figure(
+    records: Sequence[StepRecord], evaluations: Sequence[EvalProgress] = ()
+) -> Figure:
+    """Mean reward on the training prompts and on the held-out ones (left axis) and KL
+    to the reference (right axis) over the steps."""
     figure = Figure(figsize=SIZE_INCHES, dpi=DPI)
     reward_axes = figure.add_subplot()
     steps = [r.step for r in records]
     reward_axes.plot(steps, [r.reward_mean for r in records], color="tab:blue", label="reward")
+    if evaluations:
+        reward_axes.plot(
+            [e.step for e in evaluations],
+            [e.reward_mean for e in evaluations],
+            color="tab:green",
+            marker="o",
+            label="held-out reward",
+        )
     reward_axes.set_xlabel("step")
     reward_axes.set_ylabel("mean reward")
     kl_axes = reward_axes.twinx()  # KL is orders of magnitude below the reward
@@ -58,6 +70,7 @@ def save_png(figure: Figure, path: Path) -> None:
     partial.replace(path)
 
 
-def write_charts(folder: RunFolder, records: Sequence[StepRecord]) -> None:
-    save_png(reward_kl_figure(records), folder.reward_chart)
+def write_charts(folder: RunFolder) -> None:
+    records = folder.records()
+    save_png(reward_kl_figure(records, folder.evaluations()), folder.reward_chart)
     save_png(pool_busy_figure(records), folder.busy_chart)

@@ -1,6 +1,6 @@
-"""Watching a local run: each step goes to the run folder's metrics.jsonl and to the
-live bar; the charts are redrawn every few steps (so an interrupted run has them) and
-at the end."""
+"""Watching a local run: each step goes to the run folder's metrics.jsonl (each held-out
+evaluation to eval.jsonl) and to the live bar; the charts are redrawn every few steps
+(so an interrupted run has them) and at the end."""
 
 from __future__ import annotations
 
@@ -35,12 +35,13 @@ class LocalRunWatch:
         busy = self.metrics.pool_busy_ratios()
         record = StepRecord.of(result, self.samples_per_step, busy)
         self.folder.append(record)
+        for evaluation in result.evaluations:
+            self.folder.append_eval(evaluation)
         self.progress.update(record)
         if result.step % self.chart_every == 0:
-            write_charts(self.folder, self.folder.records())
+            write_charts(self.folder)
 
     def finish(self) -> list[StepRecord]:
         """Draw the charts of every step so far; the records, for the summary."""
-        records = self.folder.records()
-        write_charts(self.folder, records)
-        return records
+        write_charts(self.folder)
+        return self.folder.records()

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
-from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.progress import EvalProgress, TrainingProgress
 from rlhf_trainer.telemetry.engine_stats import EngineSeries
 from rlhf_trainer.telemetry.timeline import Span
 
@@ -150,6 +150,7 @@ class TrainerMetrics:
         # Registered at the first step that reports them: a critic-free job exports no
         # rlhf_critic_* at all (a gauge stuck at 0 would read as a real value).
         self.diagnostics: dict[str, dict[str, Gauge]] = {}
+        self.eval_gauges: dict[str, Gauge] = {}  # rlhf_eval_*, likewise
         r.register(_PoolBusyRatio(self))
         # rlhf_vllm_*{pool,engine}: vLLM's own metrics, as each rollout engine reports
         # them to the driver (cluster.engine_stats).
@@ -189,6 +190,20 @@ class TrainerMetrics:
         self.policy_version.set(progress.policy_version)
         if progress.reward_mean is not None:
             self.reward_mean.set(progress.reward_mean)
+
+    def observe_eval(self, evaluation: EvalProgress) -> None:
+        """rlhf_eval_<field>: the last evaluation on the held-out prompts."""
+        for name, value in evaluation.model_dump().items():
+            if value is None:  # pass_at_k with one response per prompt
+                continue
+            gauge = self.eval_gauges.get(name)
+            if gauge is None:
+                doc = EvalProgress.model_fields[name].description
+                gauge = Gauge(
+                    f"rlhf_eval_{name}", f"Held-out evaluation: {doc}", registry=self.registry
+                )
+                self.eval_gauges[name] = gauge
+            gauge.set(value)
 
     def observe_diagnostics(
         self, actor: ActorStats, critic: CriticStats | None, responses: ResponseStats

@@ -26,7 +26,7 @@ from rich.progress import (
 from rich.table import Column, Table
 from rich.text import Text
 
-from rlhf_trainer.api.config import TrainingProgress
+from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.telemetry.run_folder import StepRecord
 
 STEP_LOG = "rlhf_trainer.steps"  # the loop's line per step, which the bar stands in for

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TextIO
 
-from rlhf_trainer.api.config import TrainingProgress
 from rlhf_trainer.api.names import GROUP, PLURAL, VERSION
+from rlhf_trainer.api.progress import TrainingProgress
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """A local run's folder: what a run on this machine leaves behind to look at.
 
 runs/<job>/metrics.jsonl    one line per step (StepRecord)
+runs/<job>/eval.jsonl       one line per held-out evaluation (EvalProgress), with data.eval
 runs/<job>/trace.json       the pools' timeline (Chrome trace; open in ui.perfetto.dev)
 runs/<job>/checkpoints/     unless the spec names its own checkpoint path
-runs/<job>/reward_kl.png    reward and KL over the steps
+runs/<job>/reward_kl.png    reward (training and held-out) and KL over the steps
 runs/<job>/pool_busy.png    each pool's busy share over the steps
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
+from rlhf_trainer.api.progress import EvalProgress
 
 DEFAULT_ROOT = Path("runs")
 
@@ -43,6 +45,8 @@ class StepOutcome(Protocol):
     def critic(self) -> CriticStats | None: ...
     @property
     def responses(self) -> ResponseStats: ...
+    @property
+    def evaluations(self) -> tuple[EvalProgress, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,10 @@ class RunFolder:
         return self.path / "metrics.jsonl"
 
     @property
+    def evals(self) -> Path:
+        return self.path / "eval.jsonl"
+
+    @property
     def trace(self) -> Path:
         return self.path / "trace.json"
 
@@ -148,14 +156,28 @@ class RunFolder:
         lines = self.metrics.read_text().splitlines()
         return [StepRecord.from_json(line) for line in lines if line.strip()]
 
+    def evaluations(self) -> list[EvalProgress]:
+        if not self.evals.is_file():
+            return []
+        lines = self.evals.read_text().splitlines()
+        return [EvalProgress.model_validate_json(line) for line in lines if line.strip()]
+
     def append(self, record: StepRecord) -> None:
         with self.metrics.open("a") as file:
             file.write(record.to_json() + "\n")
 
+    def append_eval(self, evaluation: EvalProgress) -> None:
+        with self.evals.open("a") as file:
+            file.write(json.dumps(evaluation.to_dict()) + "\n")
+
     def forget_after(self, step: int) -> None:
-        """Drop the records of steps after `step`: a resumed run trains them again, from
-        its checkpoint, so each step keeps one line."""
+        """Drop the records of steps (and evaluations) after `step`: a resumed run trains
+        them again, from its checkpoint, so each step keeps one line."""
         records = self.records()
         kept = [r for r in records if r.step <= step]
         if len(kept) < len(records):
             self.metrics.write_text("".join(r.to_json() + "\n" for r in kept))
+        evaluations = self.evaluations()
+        kept_evals = [e for e in evaluations if e.step <= step]
+        if len(kept_evals) < len(evaluations):
+            self.evals.write_text("".join(json.dumps(e.to_dict()) + "\n" for e in kept_evals))

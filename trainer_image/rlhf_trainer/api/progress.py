@@ -1,0 +1,62 @@
+"""What the trainer reports into the RLHFJob's status: its progress, and the last
+evaluation on the held-out prompts (also a line of the run folder's eval.jsonl)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlhf_trainer.api.rules import SpecModel
+
+
+class EvalProgress(SpecModel):
+    """One evaluation on the held-out prompts (data.eval)."""
+
+    step: int = Field(ge=0, description="Steps trained when it ran (0: before training).")
+    policy_version: int = Field(ge=0, description="The policy version that answered.")
+    prompts: int = Field(ge=1, description="Held-out prompts scored.")
+    samples_per_prompt: int = Field(ge=1, description="Responses per prompt (k of pass@k).")
+    reward_mean: float = Field(description="Mean reward over every response.")
+    pass_at_1: float = Field(
+        ge=0, le=1, description="Share of responses that pass (reward >= passReward)."
+    )
+    pass_at_k: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Share of prompts with at least one passing response (k > 1 only).",
+    )
+    response_length_mean: float = Field(ge=0, description="Mean response length in tokens.")
+
+
+class TrainingProgress(SpecModel):
+    """Progress the trainer reports into the RLHFJob's status."""
+
+    step: int = Field(0, ge=0, description="PPO steps completed.")
+    total_steps: int = Field(0, ge=0, description="PPO steps to run.")
+    samples_per_second: float | None = Field(None, ge=0, description="Recent throughput.")
+    policy_version: int = Field(0, ge=0, description="Version of the policy being trained.")
+    reward_mean: float | None = Field(None, description="Mean reward of the last step.")
+    kl: float | None = Field(None, description="KL to the reference policy, last step.")
+    kl_coef: float | None = Field(
+        None, ge=0, description="The KL penalty's coefficient, last step (see klController)."
+    )
+    entropy: float | None = Field(None, description="The policy's entropy, last step.")
+    actor_grad_norm: float | None = Field(
+        None, description="The actor's gradient norm before clipping, last step."
+    )
+    critic_grad_norm: float | None = Field(
+        None, description="The critic's gradient norm before clipping, last step."
+    )
+    explained_variance: float | None = Field(
+        None, description="How much of the returns' variance the critic's values explain."
+    )
+    response_length_mean: float | None = Field(
+        None, ge=0, description="Mean response length in tokens, last step."
+    )
+    truncated_ratio: float | None = Field(
+        None, ge=0, le=1, description="Share of responses cut at maxResponseLength, last step."
+    )
+    last_checkpoint: str | None = Field(None, description="Path of the newest checkpoint.")
+    eval: EvalProgress | None = Field(
+        None, description="The last evaluation on the held-out prompts (data.eval)."
+    )

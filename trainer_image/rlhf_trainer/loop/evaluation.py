@@ -1,0 +1,102 @@
+"""Evaluation on held-out prompts (data.eval): before training, every evalEverySteps
+steps, and at the end.
+
+The rollout engines answer, at a step boundary, on the policy version they hold then,
+beside whatever else they generate (fully async goes on streaming samples); the train
+pools do nothing for it. Each engine answers in one call that holds its worker, so
+the next weights load only after it: every response comes from one version. The
+driver does not wait for the answers until it must: the next weight push (so that no
+push waits in a collective on an engine that is busy answering), a checkpoint (so that
+a resumed run never repeats an evaluation it reported), or the next evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rlhf_trainer.algo.eval_scores import eval_scores
+from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.api.progress import EvalProgress
+from rlhf_trainer.api.sections import EvalGeneration
+from rlhf_trainer.cluster.groups import finished, join
+from rlhf_trainer.data.prompts import Prompt
+from rlhf_trainer.loop.sync import PPOTrainer, split_list
+
+log = logging.getLogger(__name__)
+
+
+def eval_due(config: JobConfig, step: int) -> bool:
+    """Whether the held-out prompts are scored after `step` steps (0: before training)."""
+    if config.data.eval is None:
+        return False
+    every, total = config.trainer.eval_every_steps, config.trainer.total_steps
+    return step in (0, total) or (every is not None and step % every == 0)
+
+
+class Evaluator:
+    """Starts evaluations on the rollout engines, and scores their answers."""
+
+    def __init__(self, trainer: PPOTrainer, prompts: list[Prompt]) -> None:
+        self.trainer = trainer
+        self.config = trainer.config
+        self.sampling = self.config.generation.eval
+        # (P·k,) each held-out prompt k times, a prompt's answers next to each other
+        self.asked = [p for p in prompts for _ in range(self.sampling.samples_per_prompt)]
+        self.pending: tuple[int, list[Any]] | None = None  # (step, one future per engine)
+        self.last: EvalProgress | None = None  # the last one reported
+
+    def owed(self, step: int) -> bool:
+        """Due after `step` and not reported: at a run's start, before training, or the
+        evaluation a checkpoint was taken without (the run was interrupted)."""
+        reported = self.last is not None and self.last.step >= step
+        return eval_due(self.config, step) and not reported
+
+    def start(self, step: int) -> list[EvalProgress]:
+        """Ask the engines for the held-out answers after `step` steps (once the last
+        weights pushed are loaded); returns the evaluation this one waited for, if any."""
+        done = self.finish(wait=True)
+        rollout = self.trainer.groups[Role.ROLLOUT]
+        shards = split_list([p.token_ids for p in self.asked], rollout.world_size)
+        answers = rollout.run_each("evaluate", shards, step)
+        self.trainer.weight_sync.wait_before_next_push(answers)
+        self.pending = (step, answers)
+        return done
+
+    def finish(self, wait: bool) -> list[EvalProgress]:
+        """The evaluation under way, scored, once its answers are in (at once with
+        `wait`); [] while there is none, or it is not done and `wait` is false."""
+        if self.pending is None or not (wait or finished(self.pending[1])):
+            return []
+        step, answers = self.pending
+        self.pending = None
+        rollouts = [r for engine in join(answers) for r in engine]
+        rewards = self.trainer.score_alone(self.asked, rollouts)
+        self.last = evaluation_of(step, rollouts, rewards, self.sampling)
+        log.info("held-out evaluation: %s", self.last.to_dict())
+        return [self.last]
+
+
+def evaluation_of(
+    step: int, rollouts: list[Rollout], rewards: torch.Tensor, sampling: EvalGeneration
+) -> EvalProgress:
+    """The report of an evaluation: rollouts and rewards (P·k,), a prompt's k together."""
+    versions = {v for r in rollouts for v in (r.policy_version, *(v for v, _ in r.version_spans))}
+    if len(versions) != 1:  # each engine answers in one call, between two loads
+        raise RuntimeError(f"the evaluation after step {step} spans versions {sorted(versions)}")
+    k = sampling.samples_per_prompt
+    lengths = torch.tensor([len(r.response_token_ids) for r in rollouts])
+    scores = eval_scores(rewards.reshape(-1, k), lengths.reshape(-1, k), sampling.pass_reward)
+    return EvalProgress(
+        step=step,
+        policy_version=versions.pop(),
+        prompts=len(rollouts) // k,
+        samples_per_prompt=k,
+        reward_mean=scores.reward_mean,
+        pass_at_1=scores.pass_at_1,
+        pass_at_k=scores.pass_at_k,
+        response_length_mean=scores.response_length_mean,
+    )
