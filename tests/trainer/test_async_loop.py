@@ -176,6 +176,19 @@ def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
     assert 'rlhf_vllm_generation_tokens_total{engine="0",pool="rollout"}' in scraped
 
 
+def test_the_held_out_prompts_are_answered_on_the_rollout_pool_by_the_steps_policy(
+    stale: Trained,
+) -> None:
+    """Every 20 steps, on the weights pushed after that step (one push a step here),
+    by the engines alone: the train pool spends no time on it."""
+    evaluations = [e for s in stale.steps for e in s.evaluations]
+    assert [(e.step, e.policy_version) for e in evaluations] == [(s, s) for s in (0, 20, 40, 60)]
+    events = stale.trace["traceEvents"]
+    pools = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    answering = [e for e in events if e["ph"] == "X" and e["name"] == "evaluate"]
+    assert answering and {pools[e["pid"]] for e in answering} == {"rollout"}
+
+
 def test_the_timeline_shows_generation_overlapping_training(stale: Trained) -> None:
     """The samples a batch did not need keep generating while the trainer scores it
     (with these short responses they are often done before scoring starts)."""

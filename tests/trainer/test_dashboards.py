@@ -33,13 +33,16 @@ NAMESPACE = "local"  # what a PodMonitor would add as the pod's namespace
 
 
 def jobs(tmp: Path) -> dict[str, JobConfig]:
+    fully_async = local_async_job(
+        staleness=1, total_steps=STEPS, checkpoint_dir=tmp / "async", every_steps=STEPS
+    ).to_dict()
+    # Two sampled answers to each held-out prompt: pass@2 as well as pass@1.
+    fully_async["generation"]["eval"] = {"samplesPerPrompt": 2, "temperature": 1.0}
     return {
         "sync-ppo": local_job(
             colocated=False, total_steps=STEPS, checkpoint_dir=tmp / "sync", every_steps=STEPS
         ),
-        "async-ppo": local_async_job(
-            staleness=1, total_steps=STEPS, checkpoint_dir=tmp / "async", every_steps=STEPS
-        ),
+        "async-ppo": JobConfig.model_validate(fully_async),
     }
 
 

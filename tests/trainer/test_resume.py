@@ -7,6 +7,7 @@ must start from that checkpoint and replay the steps the first run made past it 
 the same rewards, to the last digit: weights, optimizers, data position and sampling
 seeds all came back. The run's KL coefficient is adaptive, so it moves every step: a
 resumed run that started again from klCoef would log other coefficients, and other KLs.
+The held-out prompts are evaluated after every step: none is repeated or skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.roles import checkpoint
+from rlhf_trainer.telemetry.run_folder import RunFolder
 from tests.specs import local_job
 
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
@@ -32,6 +34,7 @@ EVERY = 2
 RUN_TIMEOUT_S = 600  # generous: starting the roles takes about a minute on 2 cores
 TRAINER = [sys.executable, "-m", "rlhf_trainer"]
 STEP_LINE = re.compile(r"step (\d+)/\d+: reward ([-\d.]+), kl ([-\d.]+) \(coef ([-\d.e]+)\)")
+EVAL_LINE = re.compile(r"held-out reward ([-\d.]+) at step (\d+)")
 # A target far from the toy run's KL and a horizon under one step: the coefficient moves
 # by 20% every step.
 ADAPTIVE_KL = {"type": "adaptive", "targetKL": 1e-6, "horizon": 1}
@@ -40,6 +43,13 @@ ADAPTIVE_KL = {"type": "adaptive", "targetKL": 1e-6, "horizon": 1}
 def rewards(log: str) -> dict[int, tuple[str, str, str]]:
     """step -> (reward, KL, KL coefficient), as logged."""
     return {int(step): (reward, kl, coef) for step, reward, kl, coef in STEP_LINE.findall(log)}
+
+
+def evaluations(log: str) -> dict[int, str]:
+    """step -> held-out reward, as logged; a repeated step would repeat its line."""
+    found = [(int(step), reward) for reward, step in EVAL_LINE.findall(log)]
+    assert len({step for step, _ in found}) == len(found), found
+    return dict(found)
 
 
 def start(spec: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -74,6 +84,7 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
         colocated=True, total_steps=TOTAL_STEPS, checkpoint_dir=root, every_steps=EVERY
     ).to_dict()
     spec["algorithm"]["klController"] = ADAPTIVE_KL
+    spec["trainer"]["evalEverySteps"] = 1  # the held-out prompts, after every step
     config = JobConfig.model_validate(spec)
     spec = tmp_path / "spec.json"
     spec.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
@@ -95,3 +106,14 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
     assert checkpoint.latest(root) == root / f"step-{TOTAL_STEPS:08d}"
     coefficients = [float(first[s][2]) for s in sorted(first)]
     assert len(set(coefficients)) == len(coefficients), coefficients
+
+    # The checkpoint holds the evaluations reported up to its step: the resumed run
+    # evaluates only after the steps it trains (again), with the same answers.
+    evaluated_first, evaluated_again = evaluations(first_log.read_text()), evaluations(output)
+    assert set(range(saved + 1)) <= set(evaluated_first)
+    assert sorted(evaluated_again) == list(range(saved + 1, TOTAL_STEPS + 1))
+    assert {s: evaluated_again[s] for s in evaluated_first if s > saved} == {
+        s: r for s, r in evaluated_first.items() if s > saved
+    }
+    folder = RunFolder(tmp_path / "run")
+    assert [e.step for e in folder.evaluations()] == list(range(TOTAL_STEPS + 1))

@@ -124,6 +124,7 @@ def test_validate_warns_of_a_path_no_volume_mounts(
         f"{path}: ok",
         f"{path}: warning: spec.models.reward.path: /weights/rm is under no volume the pods mount (spec.pods.volumes)",
         f"{path}: warning: spec.data.train: /data/prompts/train.parquet is under no volume the pods mount (spec.pods.volumes)",
+        f"{path}: warning: spec.data.eval: /data/prompts/eval.parquet is under no volume the pods mount (spec.pods.volumes)",
     ]
 
 

@@ -1,4 +1,5 @@
-"""pass@k and the held-out evaluation's scores, against naive versions."""
+"""The held-out evaluation: pass@k and its scores against naive versions, when it is
+due, and what it reports."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ import random
 
 import pytest
 import torch
+import yaml
 
 from rlhf_trainer.algo.eval_scores import eval_scores, pass_at_k
+from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.sections import DataConfig, EvalGeneration
+from rlhf_trainer.loop.evaluation import eval_due, evaluation_of
+from tests.specs import LOCAL_EXAMPLE
 
 
 def naive_pass_at_k(outcomes: list[bool], k: int) -> float:
@@ -49,3 +56,36 @@ def test_eval_scores_match_a_loop_over_prompts() -> None:
 def test_one_response_per_prompt_has_no_pass_at_k() -> None:
     scores = eval_scores(torch.tensor([[1.0], [0.0]]), torch.tensor([[3], [5]]), 1.0)
     assert scores.pass_at_1 == 0.5 and scores.pass_at_k is None
+
+
+def job(**trainer: int) -> JobConfig:
+    spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    spec["trainer"] = {
+        key: value for key, value in spec["trainer"].items() if key != "evalEverySteps"
+    }
+    spec["trainer"].update(trainer)
+    return JobConfig.model_validate(spec)
+
+
+def test_evaluations_are_due_before_training_every_n_steps_and_at_the_end() -> None:
+    due = [step for step in range(51) if eval_due(job(totalSteps=50, evalEverySteps=20), step)]
+    assert due == [0, 20, 40, 50]
+    assert [s for s in range(51) if eval_due(job(totalSteps=50), s)] == [0, 50]
+    no_eval = job(totalSteps=50).model_copy(update={"data": DataConfig(train="toy:copy")})
+    assert not any(eval_due(no_eval, step) for step in range(51))
+
+
+def answer(version_spans: tuple[tuple[int, int], ...], tokens: int = 3) -> Rollout:
+    return Rollout(
+        [1, 2], list(range(tokens)), [0.0] * tokens, True, version_spans[0][0], version_spans
+    )
+
+
+def test_an_evaluation_reports_its_policy_version_and_refuses_a_mixed_one() -> None:
+    sampling = EvalGeneration(samples_per_prompt=2, temperature=1.0, pass_reward=1.0)
+    answers = [answer(((4, 0),)), answer(((4, 0),), tokens=5)] * 2
+    report = evaluation_of(8, answers, torch.tensor([1.0, 0.0, 0.0, 0.0]), sampling)
+    assert (report.step, report.policy_version, report.prompts) == (8, 4, 2)
+    assert (report.pass_at_1, report.pass_at_k, report.response_length_mean) == (0.25, 0.5, 4.0)
+    with pytest.raises(RuntimeError, match=r"after step 8 spans versions \[4, 5\]"):
+        evaluation_of(8, [answer(((4, 0), (5, 2))), *answers[1:]], torch.zeros(4), sampling)

@@ -169,8 +169,10 @@ def train_locally(
             last_checkpoint = final.last_checkpoint
         except Interrupted as stopped:
             interrupted, last_checkpoint = stopped, stopped.checkpoint
+    records = watch.finish()
+    wall = time.time() - started
     summary = Summary(
-        watch.finish(), total, time.time() - started, folder.path.resolve(), last_checkpoint
+        records, total, wall, folder.path.resolve(), last_checkpoint, folder.evaluations()
     )
     console.print(summary.table())
     console.print(f"run folder: {folder.path.resolve()}", soft_wrap=True)

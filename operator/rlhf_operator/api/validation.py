@@ -53,6 +53,7 @@ def unmounted_paths(spec: RLHFJobSpec) -> list[FieldError]:
         "spec.models.critic.path": models.critic.path if models.critic else None,
         "spec.models.reward.path": models.reward.path,
         "spec.data.train": spec.data.train,
+        "spec.data.eval": spec.data.eval,
     }
     return [
         FieldError(field, f"{path} is under no volume the pods mount (spec.pods.volumes)")

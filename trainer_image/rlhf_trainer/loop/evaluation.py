@@ -25,6 +25,7 @@ from rlhf_trainer.api.sections import EvalGeneration
 from rlhf_trainer.cluster.groups import finished, join
 from rlhf_trainer.data.prompts import Prompt
 from rlhf_trainer.loop.sync import PPOTrainer, split_list
+from rlhf_trainer.telemetry.progress import eval_text
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class Evaluator:
         rollouts = [r for engine in join(answers) for r in engine]
         rewards = self.trainer.score_alone(self.asked, rollouts)
         self.last = evaluation_of(step, rollouts, rewards, self.sampling)
-        log.info("held-out evaluation: %s", self.last.to_dict())
+        done = self.last
+        log.info("held-out reward %s, policy v%d", eval_text(done), done.policy_version)
         return [self.last]
 
 

@@ -88,8 +88,9 @@ class Run:
         self.trainer.policy_version = state.policy_version
         if state.kl_coef is not None:
             self.trainer.kl_coef = state.kl_coef
-        if self.evaluator is not None:
+        if self.evaluator is not None and state.last_eval is not None:
             self.evaluator.last = state.last_eval
+            self.metrics.observe_eval(state.last_eval)  # the gauges show the last one
         self.last_checkpoint = str(latest)
         log.info("resuming from %s at step %d", latest, self.step)
         if self.streaming is None:

@@ -26,7 +26,7 @@ from rich.progress import (
 from rich.table import Column, Table
 from rich.text import Text
 
-from rlhf_trainer.api.progress import TrainingProgress
+from rlhf_trainer.api.progress import EvalProgress, TrainingProgress
 from rlhf_trainer.telemetry.run_folder import StepRecord
 
 STEP_LOG = "rlhf_trainer.steps"  # the loop's line per step, which the bar stands in for
@@ -115,6 +115,15 @@ class SilentReporter:
         return True
 
 
+def eval_text(evaluation: EvalProgress) -> str:
+    """One held-out evaluation, in a few words."""
+    k = evaluation.samples_per_prompt
+    passed = f"pass@1 {evaluation.pass_at_1:.2f}"
+    if evaluation.pass_at_k is not None:
+        passed += f", pass@{k} {evaluation.pass_at_k:.2f}"
+    return f"{evaluation.reward_mean:.3f} at step {evaluation.step} ({passed})"
+
+
 @dataclass(frozen=True)
 class Summary:
     """The end of a local run (or of its interruption)."""
@@ -124,6 +133,7 @@ class Summary:
     wall_seconds: float  # of this process
     run_folder: Path
     last_checkpoint: str | None
+    evaluations: Sequence[EvalProgress] = ()  # on the held-out prompts, in order
 
     def table(self) -> Table:
         table = Table(title="Run summary", show_header=False)
@@ -152,6 +162,9 @@ class Summary:
                 ("samples/s", f"{speed:.1f} (mean over steps)"),
             ]
             rows += [(f"pool {p} busy", f"{100 * s:.0f}%") for p, s in last.pool_busy.items()]
+        if self.evaluations:
+            first, final = self.evaluations[0], self.evaluations[-1]
+            rows.append(("held-out reward", f"{eval_text(first)} → {eval_text(final)}"))
         rows += [
             ("run folder", str(self.run_folder)),
             ("last checkpoint", self.last_checkpoint or "none"),

@@ -1,0 +1,156 @@
+"""Benchmark: does each placement learn as well as synchronous PPO, for the same samples?
+
+The local example's task (toy:copy, tiny qwen2, PPO with a critic, klCoef 0.01 fixed)
+trained for the same number of samples in six modes: synchronous colocated (one pool),
+split (the critic on a pool of its own), and fully async (the rollout on a pool of its
+own) with stalenessThreshold 0, 0.5 and 1, partial rollout on, and 0.5 with it off.
+The held-out prompts (toy:copy:heldout, 64 letter strings never trained on) are
+answered every EVAL_EVERY steps, 4 sampled answers each (temperature 1): the held-out
+reward is their mean reward, and pass@4 the share of prompts copied exactly at least once.
+
+Every mode runs once per seed (trainer.seed 0, 1, 2 by default), the modes interleaved
+within a seed. Reported per mode, as median (min-max) over the seeds:
+    final_held_out   the held-out reward after the last step
+    best_held_out    the highest held-out reward of the run
+    samples_per_s    training throughput over the steps after the first
+and, within each seed against synchronous colocated: the final held-out reward's
+difference, and the wall-clock (the steps' seconds, start-up left out) to reach
+TARGET held-out reward. A PNG draws the held-out reward against samples trained and
+against wall-clock, each mode's median over the seeds with its min-max band.
+
+Run: make bench-learning (about 40 minutes). Arguments, optional: steps (150), seeds (3),
+target held-out reward (0.3).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from bench.harness import Measurement, run_bench
+from bench.learning.chart import save_learning_chart
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.cluster.local import local_ray_cluster
+from rlhf_trainer.loop.run import run_job
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.report import ConsoleReporter
+from tests.specs import local_async_job, local_job
+
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 150
+SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+TARGET = float(sys.argv[3]) if len(sys.argv) > 3 else 0.3
+EVAL_EVERY = 25
+CHART = Path(__file__).parents[2] / "docs" / "bench-learning.png"
+
+Build = Callable[[Path], JobConfig]
+MODES: dict[str, Build] = {
+    "sync-colocated": partial(local_job, colocated=True),
+    "split": partial(local_job, colocated=False),
+    "async-s0": partial(local_async_job, staleness=0),
+    "async-s0.5": partial(local_async_job, staleness=0.5),
+    "async-s1": partial(local_async_job, staleness=1),
+    "async-s0.5-no-partial": partial(local_async_job, staleness=0.5, partial_rollout=False),
+}
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's held-out reward after each evaluated step."""
+
+    samples: list[int]  # trained before the evaluation
+    seconds: list[float]  # the steps' wall-clock before it (start-up left out)
+    reward: list[float]
+
+    def reached(self, target: float) -> float:
+        """Seconds until the held-out reward first reached `target`; NaN if never."""
+        return next(
+            (s for s, r in zip(self.seconds, self.reward, strict=True) if r >= target), math.nan
+        )
+
+
+CURVES: dict[str, list[Curve]] = {mode: [] for mode in MODES}
+
+
+def job(build: Build, seed: int, checkpoints: Path) -> JobConfig:
+    base = build(total_steps=STEPS, checkpoint_dir=checkpoints, every_steps=1_000_000)
+    spec = base.to_dict()
+    spec["trainer"].update(seed=seed, evalEverySteps=EVAL_EVERY)
+    spec["data"]["eval"] = "toy:copy:heldout"
+    spec["generation"]["eval"] = {"samplesPerPrompt": 4, "temperature": 1.0}
+    return JobConfig.model_validate(spec)
+
+
+def train(mode: str) -> Measurement:
+    """The mode's next seed: its held-out curve (kept for the chart) and figures."""
+    seed = len(CURVES[mode])
+    steps: list[StepResult] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = job(MODES[mode], seed, Path(tmp))
+        with local_ray_cluster(config):
+            run_job(config, "bench", ConsoleReporter(every=1e9), on_step=steps.append)
+    elapsed = [0.0]
+    for step in steps:
+        elapsed.append(elapsed[-1] + step.seconds)
+    evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
+    curve = Curve(
+        samples=[e.step * config.samples_per_step for e in evaluations],
+        seconds=[elapsed[e.step] for e in evaluations],
+        reward=[e.reward_mean for e in evaluations],
+    )
+    CURVES[mode].append(curve)
+    timed = steps[1:]  # after the engine's warm-up
+    return {
+        "final_held_out": curve.reward[-1],
+        "best_held_out": max(curve.reward),
+        "final_pass_at_4": evaluations[-1].pass_at_k or 0.0,
+        "samples_per_s": config.samples_per_step * len(timed) / sum(s.seconds for s in timed),
+    }
+
+
+def compare(run: dict[str, Measurement]) -> Measurement:
+    """Within one seed, every mode against synchronous colocated."""
+    base = run["sync-colocated"]
+    return {
+        f"{mode}.held_out_vs_sync": measured["final_held_out"] - base["final_held_out"]
+        for mode, measured in run.items()
+        if mode != "sync-colocated"
+    }
+
+
+def to_target_table() -> list[str]:
+    """Per mode: in how many seeds the held-out reward reached TARGET, and the median
+    wall-clock it took in those."""
+    lines = [f"held-out reward >= {TARGET}: seeds reaching it, median seconds (min-max)"]
+    for mode, curves in CURVES.items():
+        times = [t for t in (c.reached(TARGET) for c in curves) if not math.isnan(t)]
+        spread = (
+            f"{statistics.median(times):.1f} s ({min(times):.1f}-{max(times):.1f})"
+            if times
+            else "-"
+        )
+        lines.append(f"  {mode:<24} {len(times)}/{len(curves)}  {spread}")
+    return lines
+
+
+def main() -> None:
+    variants = {mode: partial(train, mode) for mode in MODES}
+    run_bench(
+        "learning", variants, SEEDS, compare, steps=STEPS, eval_every=EVAL_EVERY, target=TARGET
+    )
+    # On stderr: the record stays the last line of stdout (`python -m bench` reads it).
+    print("\n".join(to_target_table()), file=sys.stderr)
+    save_learning_chart(
+        {m: [(c.samples, c.seconds, c.reward) for c in curves] for m, curves in CURVES.items()},
+        CHART,
+    )
+    print(f"chart: {CHART}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
