@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rlhf_operator.render.children import JobRef, render_reporter_rbac
-from rlhf_trainer.api.progress import TrainingProgress
+from rlhf_trainer.api.progress import EvalProgress, TrainingProgress
 from rlhf_trainer.telemetry.report import ApiServer, StatusReporter
 
 from .harness import REPO_ROOT, ControlPlane
@@ -37,8 +37,23 @@ def test_the_reporter_patches_its_own_jobs_training_status_and_no_other(
     token = cp.kubectl("create", "token", job.reporter, "-n", namespace).stdout.strip()
     server = ApiServer(cp.server, lambda: token, cp.ca_file)
 
+    held_out = EvalProgress(
+        step=5,
+        policy_version=5,
+        prompts=64,
+        samples_per_prompt=4,
+        reward_mean=0.375,
+        pass_at_1=0.25,
+        pass_at_k=0.5,
+        response_length_mean=4.5,
+    )
     progress = TrainingProgress(
-        step=7, total_steps=500, samples_per_second=12.5, policy_version=7, reward_mean=0.25
+        step=7,
+        total_steps=500,
+        samples_per_second=12.5,
+        policy_version=7,
+        reward_mean=0.25,
+        eval=held_out,
     )
     assert StatusReporter(job.name, namespace, server).report(progress, final=True)
     status = get_json(cp, "rlhfjob", job.name, "-n", namespace).get("status", {})

@@ -189,6 +189,19 @@ def test_the_summary_compares_the_first_and_last_steps(tmp_path: Path) -> None:
     assert rows["pool policy busy"] == "75%"
     assert rows["run folder"] == str(tmp_path)
     assert rows["last checkpoint"] == "ckpt/step-2"
+    assert "held-out reward" not in rows  # no data.eval
+
+
+def test_the_summary_compares_the_first_and_last_evaluations(tmp_path: Path) -> None:
+    evaluations = [evaluation(0, reward=0.125), evaluation(20, reward=0.5)]
+    rows = dict(Summary([record(1)], 20, 1.0, tmp_path, None, evaluations).rows())
+    assert rows["held-out reward"] == "0.125 at step 0 → 0.500 at step 20"
+    assert rows["held-out pass@1"] == "0.06 → 0.25"
+    sampled = [
+        e.model_copy(update={"pass_at_k": 0.5, "samples_per_prompt": 4}) for e in evaluations
+    ]
+    rows = dict(Summary([record(1)], 20, 1.0, tmp_path, None, sampled).rows())
+    assert rows["held-out pass@4"] == "0.50 → 0.50"
 
 
 def test_ctrl_c_asks_to_stop_and_a_second_one_quits() -> None:

@@ -164,7 +164,14 @@ class Summary:
             rows += [(f"pool {p} busy", f"{100 * s:.0f}%") for p, s in last.pool_busy.items()]
         if self.evaluations:
             first, final = self.evaluations[0], self.evaluations[-1]
-            rows.append(("held-out reward", f"{eval_text(first)} → {eval_text(final)}"))
+            rows.append(("held-out reward", f"{first.reward_mean:.3f} at step {first.step} → "
+                         f"{final.reward_mean:.3f} at step {final.step}"))  # fmt: skip
+            rows.append(("held-out pass@1", f"{first.pass_at_1:.2f} → {final.pass_at_1:.2f}"))
+            if first.pass_at_k is not None and final.pass_at_k is not None:
+                k = final.samples_per_prompt
+                rows.append(
+                    (f"held-out pass@{k}", f"{first.pass_at_k:.2f} → {final.pass_at_k:.2f}")
+                )
         rows += [
             ("run folder", str(self.run_folder)),
             ("last checkpoint", self.last_checkpoint or "none"),
