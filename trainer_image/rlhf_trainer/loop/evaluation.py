@@ -29,6 +29,8 @@ from rlhf_trainer.telemetry.progress import eval_text
 
 log = logging.getLogger(__name__)
 
+ANSWER_TIMEOUT_S = 3600.0  # engines that take longer to answer are stuck: named, and fail
+
 
 def eval_due(config: JobConfig, step: int) -> bool:
     """Whether the held-out prompts are scored after `step` steps (0: before training)."""
@@ -63,7 +65,7 @@ class Evaluator:
         rollout = self.trainer.groups[Role.ROLLOUT]
         shards = split_list([p.token_ids for p in self.asked], rollout.world_size)
         answers = rollout.run_each("evaluate", shards, step)
-        self.trainer.weight_sync.wait_before_next_push(answers)
+        self.trainer.weight_sync.wait_before_next_push(answers, ANSWER_TIMEOUT_S)
         self.pending = (step, answers)
         return done
 
@@ -74,7 +76,7 @@ class Evaluator:
             return []
         step, answers = self.pending
         self.pending = None
-        rollouts = [r for engine in join(answers) for r in engine]
+        rollouts = [r for engine in join(answers, ANSWER_TIMEOUT_S) for r in engine]
         rewards = self.trainer.score_alone(self.asked, rollouts)
         self.last = evaluation_of(step, rollouts, rewards, self.sampling)
         done = self.last

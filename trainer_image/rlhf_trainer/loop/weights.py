@@ -49,7 +49,7 @@ class WeightSync:
         self.specs: list[WeightSpec] | None = None  # what the actor sends, in order
         # Engine calls the next push waits for (an evaluation): an engine busy in one
         # would join the broadcast only after it, and be taken for a hung rank.
-        self.engines_busy: list[Any] = []
+        self.engines_busy: list[tuple[list[Any], float]] = []  # (calls, their timeout)
         # An engine beside the actor on its pool shares the actor's GPUs: NCCL will not
         # join two ranks on one device, so such a group goes through host memory.
         # (CUDA IPC would skip the copies; see the README's weight-sync notes.)
@@ -74,7 +74,8 @@ class WeightSync:
             raise RuntimeError("the weight sync is not open (call open first)")
         busy, self.engines_busy = self.engines_busy, []
         started = time.monotonic()
-        join(busy)  # no timeout: the engines answer at their pace, and would say if they died
+        for calls, timeout_s in busy:
+            join(calls, timeout_s)  # past it: NoAnswer, naming the engines stuck in them
         if time.monotonic() - started > 1.0:
             log.info("the weight push waited %.1f s for the engines' evaluation",
                      time.monotonic() - started)  # fmt: skip
@@ -85,9 +86,9 @@ class WeightSync:
         join(sends, self.timeout_s, involved=loads)
         return loads
 
-    def wait_before_next_push(self, calls: list[Any]) -> None:
-        """Let the engines finish `calls` before the next push starts."""
-        self.engines_busy += calls
+    def wait_before_next_push(self, calls: list[Any], timeout_s: float) -> None:
+        """Let the engines finish `calls` (within `timeout_s`) before the next push."""
+        self.engines_busy.append((calls, timeout_s))
 
     def wait(self, loads: list[Any]) -> None:
         """Wait for the engines' loads of a push, within the timeout."""
