@@ -122,7 +122,7 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      lambda j: (_set("spec.algorithm.klController", {"type": "adaptive", "targetKL": 1})(j),
                 _set("spec.algorithm.klCoef", 0)(j), _set("spec.roles.ref", _DELETE)(j)),
      "spec.algorithm.klController.type", "adaptive needs klMode: reward and klCoef > 0", True),
-    ("eval-every-without-eval-data", _set("spec.trainer.evalEverySteps", 10),
+    ("eval-every-without-eval-data", _set("spec.data.eval", _DELETE),
      "spec.trainer.evalEverySteps", "needs data.eval (the held-out prompts it scores)", True),
     ("eval-every-zero",
      lambda j: (_set("spec.trainer.evalEverySteps", 0)(j), _set("spec.data.eval", "e.jsonl")(j)),
