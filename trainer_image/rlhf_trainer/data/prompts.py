@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_trainer.api.sections import DataConfig
-from rlhf_trainer.data.sources import PromptInput, Source, load_prompt_rows
+from rlhf_trainer.data.sources import PromptInput, Source, load_prompt_rows, source_name
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +107,12 @@ def load_prompts(
     """Tokenise every prompt of `data.<source>`; one over `maxPromptLength` tokens is
     dropped (counted and logged), truncated to its last tokens, or an error, as
     data.overlongPrompts says. Returns the prompts and how many were dropped."""
-    prompts, dropped, limit = [], 0, data.max_prompt_length
-    where = f"data.{source}: {data.train if source == 'train' else data.eval}"
+    prompts, dropped, limit, named = [], 0, data.max_prompt_length, source_name(data, source)
     for number, row in enumerate(load_prompt_rows(data, seed, source)):
         text, ids = tokenize(row.prompt)
         if len(ids) > limit and data.overlong_prompts == "error":
             raise ValueError(
-                f"{where}: row {number} has {len(ids)} prompt tokens, over "
+                f"{named}: row {number} has {len(ids)} prompt tokens, over "
                 f"maxPromptLength {limit} (data.overlongPrompts: error)"
             )
         if len(ids) > limit and data.overlong_prompts == "drop":
@@ -122,7 +121,7 @@ def load_prompts(
         prompts.append(Prompt(text, ids[-limit:], row.fields))  # the end: question, turn
     if dropped:
         log.warning("%s: dropped %d of %d prompts over maxPromptLength %d tokens",
-                    where, dropped, dropped + len(prompts), limit)  # fmt: skip
+                    named, dropped, dropped + len(prompts), limit)  # fmt: skip
     if not prompts:
-        raise ValueError(f"{where}: every prompt is over maxPromptLength {limit} tokens")
+        raise ValueError(f"{named}: every prompt is over maxPromptLength {limit} tokens")
     return prompts, dropped

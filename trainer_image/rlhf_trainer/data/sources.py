@@ -30,37 +30,42 @@ class PromptRow:
     fields: dict[str, Any] = field(default_factory=dict)  # the row's other columns
 
 
+def source_name(data: DataConfig, source: Source) -> str:
+    """How errors name a data source: its field and its value."""
+    return f"data.{source}: {data.train if source == 'train' else data.eval}"
+
+
 def load_prompt_rows(data: DataConfig, seed: int, source: Source = "train") -> list[PromptRow]:
     """The prompts of `data.train` (or of `data.eval`: source "eval"), in file order."""
     location = data.train if source == "train" else data.eval
     assert location is not None, f"data.{source} is unset"
-    where = f"data.{source}: {location}"
+    named = source_name(data, source)
     if location.startswith("toy:"):
         from rlhf_trainer.data.tasks import toy_prompts
 
         return [PromptRow(p.text) for p in toy_prompts(location, TOY_PROMPTS, seed)]
     path = Path(location)
     if not path.exists():
-        raise ValueError(f"{where} does not exist (expected 'toy:<task>' or {FORMATS})")
-    rows = read_rows(path, where)
+        raise ValueError(f"{named} does not exist (expected 'toy:<task>' or {FORMATS})")
+    rows = read_rows(path, named)
     if not rows:
-        raise ValueError(f"{where}: the dataset has no rows")
+        raise ValueError(f"{named}: the dataset has no rows")
     key = data.prompt_key
     return [
-        PromptRow(prompt_of(row, key, where, number), {k: v for k, v in row.items() if k != key})
+        PromptRow(prompt_of(row, key, named, number), {k: v for k, v in row.items() if k != key})
         for number, row in enumerate(rows)
     ]
 
 
-def read_rows(path: Path, where: str) -> list[dict[str, Any]]:
-    """Every row of the dataset at `path`, as a dict of its columns (errors say `where`)."""
+def read_rows(path: Path, named: str) -> list[dict[str, Any]]:
+    """Every row of the dataset at `path`, as a dict of its columns (errors say `named`)."""
     import pyarrow as pa
     import pyarrow.json as pa_json
     import pyarrow.parquet as pq
 
     try:
         if path.is_dir():
-            table = _saved_dataset(path, where)
+            table = _saved_dataset(path, named)
         elif path.suffix == ".parquet":
             table = pq.read_table(path)
         elif path.suffix == ".jsonl":
@@ -68,10 +73,10 @@ def read_rows(path: Path, where: str) -> list[dict[str, Any]]:
         elif path.suffix == ".json":
             table = _json_file(path)
         else:
-            raise ValueError(f"{where}: unknown format; expected {FORMATS}")
+            raise ValueError(f"{named}: unknown format; expected {FORMATS}")
     except (pa.ArrowException, OSError, json.JSONDecodeError) as error:
         raise ValueError(
-            f"{where}: cannot read it as {path.suffix or 'a dataset'}: {error}"
+            f"{named}: cannot read it as {path.suffix or 'a dataset'}: {error}"
         ) from error
     rows: list[dict[str, Any]] = table.to_pylist()
     return rows
@@ -91,7 +96,7 @@ def _json_file(path: Path) -> Any:
     return pa_json.read_json(path)
 
 
-def _saved_dataset(path: Path, where: str) -> Any:
+def _saved_dataset(path: Path, named: str) -> Any:
     """A `Dataset.save_to_disk` directory (Arrow stream files), or a DatasetDict's, whose
     `train` split is taken."""
     import pyarrow as pa
@@ -100,7 +105,7 @@ def _saved_dataset(path: Path, where: str) -> Any:
         path = path / "train"
     files = sorted(path.glob("*.arrow"))
     if not files:
-        raise ValueError(f"{where}: {path} holds no .arrow files; expected {FORMATS}")
+        raise ValueError(f"{named}: {path} holds no .arrow files; expected {FORMATS}")
     tables = []
     for file in files:
         with pa.memory_map(str(file)) as source:
