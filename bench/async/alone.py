@@ -99,7 +99,7 @@ def train_alone(streaming: AsyncPPOTrainer, samples: list[Sample]) -> float:
         core.train_on(step, Batch(streaming.prompts_of(taken), [s.rollout for s in taken]))
         core.policy_version += 1
         if step % streaming.sync_every == 0:  # into the paused engines, as a sync would
-            core.weight_sync.wait(core.weight_sync.push(core.policy_version))
+            core.weight_sync.push(core.policy_version)
     return STEPS * size / (time.time() - started)
 
 

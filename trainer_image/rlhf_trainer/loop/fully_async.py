@@ -79,8 +79,8 @@ class AsyncPPOTrainer:
         # Groups taken from the queue (to train, or dropped): admitted ones not taken
         # are outstanding, queued or in flight, which no engine needs asking.
         self.groups_taken = 0
-        # The rollout side of the last sync (load, admit): the trainer goes on
-        # without waiting for it, and waits before its next sync.
+        # The engines' admissions after the last sync: the trainer goes on without
+        # waiting for them, and waits before its next sync.
         self.rollout_pending: list[Any] = []
 
     @property
@@ -184,8 +184,8 @@ class AsyncPPOTrainer:
             )
 
     def wait_for_rollout(self) -> None:
-        """Wait for the rollout side of the last sync (raising what it raised): the
-        engines' loads, then the admissions, which return at once."""
+        """Wait for the admissions since the last sync (raising what they raised);
+        they return at once."""
         pending, self.rollout_pending = self.rollout_pending, []
         join(pending, self.core.weight_sync.timeout_s)
 
@@ -205,14 +205,10 @@ class AsyncPPOTrainer:
         self.admit()  # once the engines have the new weights (after their loads)
 
     def push_weights(self) -> None:
-        """Broadcast the actor's weights into the engines. They generate meanwhile, and
-        each pauses only to load them (`RolloutEngine.load_weights`).
-
-        Waits only until the actor has sent: the engines load while the trainer starts
-        on its next batch, which the sync does not change.
-        """
+        """Hand the actor's weights to the engines. Each pauses only while it loads
+        them (its requests in flight keep their tokens), then goes on with them."""
         self.wait_for_rollout()
-        self.rollout_pending = self.core.weight_sync.push(self.core.policy_version)
+        self.core.weight_sync.push(self.core.policy_version)
 
     def checkpoint_state(self) -> AsyncState:
         """Pause, and take the queue and the prompts in flight (call between steps)."""

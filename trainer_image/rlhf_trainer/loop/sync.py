@@ -261,7 +261,7 @@ class PPOTrainer:
 
     def sync_weights(self, version: int) -> None:
         """Hand the actor's weights to every rollout engine, and wait until they have them."""
-        self.weight_sync.wait(self.weight_sync.push(version))
+        self.weight_sync.push(version)
         self.policy_version = version
 
     def record_spans(self, since: float) -> dict[str, float]:

@@ -1,16 +1,18 @@
-"""How new policy weights reach the rollout engines, in both modes: the actor's rank 0
-broadcasts them in buckets over a sync group of its own (`rollout.weight_sync`), and
-every engine loads them as they arrive.
+"""How new policy weights reach the rollout engines, in both modes: through vLLM's
+weight-transfer API. The actor's rank 0 drives it (`Actor.send_weights`): it starts an
+update on every engine, hands them the weights bucket by bucket, and finishes the
+update with the new version; the engines pause meanwhile and resume on the new weights.
 
-    actor rank 0 ──broadcast, bucket by bucket──▶ engine 1 … engine N
+    actor rank 0 ──buckets (shared memory, gloo; NCCL or CUDA IPC on GPUs)──▶ engines
+         └──── start / update / finish (Ray calls: cluster.engine_client) ────▶
 
-The group is opened once, at the start of a run. The actor's other ranks take part
-only in gathering the full weights on rank 0 (an FSDP collective).
+The transfer is set up once, at the start of a run. The actor's other ranks take part
+only in gathering each tensor whole (an FSDP collective).
 
-No silent hangs: the driver waits `timeout_s` for the group to form and for each
-transfer, then fails naming the ranks that did not answer (`cluster.hangs`). The
-group's own collectives wait longer (`group_timeout_s`), so that the driver, which
-can tell a stopped rank from its waiting peers, is the one that reports.
+No silent hangs: each call to the engines waits `timeout_s`, then fails naming the
+engines that did not answer. The transfer's own collectives wait longer
+(`group_timeout_s`), so that the calls, which can tell a stopped rank from its waiting
+peers, are what report; the driver waits longer still.
 """
 
 from __future__ import annotations
@@ -21,20 +23,21 @@ from typing import Any
 
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import Phase
+from rlhf_trainer.cluster.engine_client import EngineGroupClient
 from rlhf_trainer.cluster.groups import join
 from rlhf_trainer.cluster.role_groups import RoleGroups
-from rlhf_trainer.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSpec
+from rlhf_trainer.rollout.weight_sync import DEFAULT_BUCKET_BYTES, TransferSetup
 
 log = logging.getLogger(__name__)
 
 
 def group_timeout_s(timeout_s: float) -> float:
-    """How long the sync group's collectives wait: well past the driver's own wait."""
+    """How long the transfer's collectives wait: well past the engine calls' own wait."""
     return 2 * timeout_s + 60
 
 
 class WeightSync:
-    """The driver's side of the weight sync between the actor and the rollout pool."""
+    """The driver's side of the weight transfer between the actor and the rollout pool."""
 
     def __init__(
         self,
@@ -46,31 +49,36 @@ class WeightSync:
         self.rollout = groups[Role.ROLLOUT]
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
-        self.specs: list[WeightSpec] | None = None  # what the actor sends, in order
+        self.opened = False
         # Engine calls the next push waits for (an evaluation): an engine busy in one
-        # would join the broadcast only after it, and be taken for a hung rank.
+        # would take the push's calls only after it, and be taken for a hung rank.
         self.engines_busy: list[tuple[list[Any], float]] = []  # (calls, their timeout)
-        # An engine beside the actor on its pool shares the actor's GPUs: NCCL will not
-        # join two ranks on one device, so such a group goes through host memory.
-        # (CUDA IPC would skip the copies; see the README's weight-sync notes.)
-        self.transport = "host" if self.actor.pool == self.rollout.pool else "accelerator"
 
     def open(self) -> None:
-        """Form the sync group: the actor's rank 0 and every engine."""
-        host, port = join([self.actor.hosts[0].rendezvous_address.remote()])[0]
-        group = (host, port, 1 + self.rollout.world_size, self.transport)
-        waits = group_timeout_s(self.timeout_s)
-        # Together: creating the group waits for every member.
-        opened = self.actor.run("open_weight_sync", *group, waits)
-        joined = self.rollout.run("open_weight_sync", *group, waits)
-        self.specs = join(opened + joined, self.timeout_s)[0]
+        """Set up the transfer: the actor's rank 0 and every engine."""
+        sender = self.actor.hosts[0]
+        (host, port), where = join(
+            [sender.rendezvous_address.remote(), sender.whereabouts.remote()]
+        )  # fmt: skip
+        engines = join([engine.whereabouts.remote() for engine in self.rollout.hosts])
+        remote = tuple(i for i, e in enumerate(engines) if e.node_id != where.node_id)
+        setup = TransferSetup(
+            host, port, self.rollout.world_size, remote, self.bucket_bytes,
+            group_timeout_s(self.timeout_s),
+        )  # fmt: skip
+        client = EngineGroupClient(self.rollout, self.timeout_s)
+        join(self.actor.run("open_weight_transfer", setup, client), self.driver_wait_s)
+        self.opened = True
 
-    def push(self, version: int) -> list[Any]:
-        """Broadcast the actor's weights into the engines as `version`. Waits until the
-        actor has sent them; returns the engines' loads (futures), which end once each
-        engine has its new weights (wait for them with `wait`). A paused engine stays
-        paused."""
-        if self.specs is None:
+    @property
+    def driver_wait_s(self) -> float:
+        """How long the driver waits for the actor's side: past the collectives' wait."""
+        return group_timeout_s(self.timeout_s) + self.timeout_s
+
+    def push(self, version: int) -> None:
+        """Hand the actor's weights to every engine as `version`; returns once they all
+        serve it. A paused engine stays paused."""
+        if not self.opened:
             raise RuntimeError("the weight sync is not open (call open first)")
         busy, self.engines_busy = self.engines_busy, []
         started = time.monotonic()
@@ -79,17 +87,9 @@ class WeightSync:
         if time.monotonic() - started > 1.0:
             log.info("the weight push waited %.1f s for the engines' evaluation",
                      time.monotonic() - started)  # fmt: skip
-        sends = self.actor.run("send_weights", self.bucket_bytes, phase=Phase.SYNC_WEIGHTS)
-        loads = self.rollout.run(
-            "receive_weights", self.specs, self.bucket_bytes, version, phase=Phase.SYNC_WEIGHTS
-        )
-        join(sends, self.timeout_s, involved=loads)
-        return loads
+        sends = self.actor.run("send_weights", version, phase=Phase.SYNC_WEIGHTS)
+        join(sends, self.driver_wait_s)
 
     def wait_before_next_push(self, calls: list[Any], timeout_s: float) -> None:
         """Let the engines finish `calls` (within `timeout_s`) before the next push."""
         self.engines_busy.append((calls, timeout_s))
-
-    def wait(self, loads: list[Any]) -> None:
-        """Wait for the engines' loads of a push, within the timeout."""
-        join(loads, self.timeout_s)

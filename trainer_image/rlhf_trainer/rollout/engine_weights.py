@@ -1,23 +1,13 @@
 """The policy's weights as a vLLM engine takes them: checkpoint (Hugging Face) names,
-safetensors bytes across the process boundary, and the extension vLLM mixes into each
-of its workers to reload them in place.
-
-The worker reloads through vLLM's own loader (`reload_weights`, checkpoint format),
-because on CPU the kernels repack parameters at start-up and a plain
-`model.load_weights` afterwards is wrong. How the weights reach the engine's process
-is `weight_sync`'s business; this module is the last hop.
-"""
+without a tied LM head, and the LM head's refresh after a reload. How they reach the
+engine is `transfer_engines`' business."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 from torch import Tensor, nn
-
-EXTENSION = f"{__name__}.WeightSyncExtension"  # vLLM's worker_extension_cls
 
 
 def rollout_state_dict(model: nn.Module) -> dict[str, Tensor]:
@@ -35,33 +25,12 @@ def engine_weights(state: Mapping[str, Tensor], tied: bool) -> dict[str, Tensor]
     return {
         name: tensor.detach().contiguous()
         for name, tensor in state.items()
-        if not (tied and name == "lm_head.weight")
+        if is_engine_weight(name, tied)
     }
 
 
-def serialize_weights(weights: Mapping[str, Tensor]) -> bytes:
-    return save_safetensors({name: tensor.cpu() for name, tensor in weights.items()})
-
-
-def payload_of(weights: Iterable[tuple[str, Tensor]] | bytes) -> bytes:
-    """Weights as the engine's worker takes them: safetensors bytes."""
-    return weights if isinstance(weights, bytes) else serialize_weights(dict(weights))
-
-
-def deserialize_weights(payload: bytes) -> dict[str, Tensor]:
-    return load_safetensors(payload)
-
-
-class WeightSyncExtension:
-    """Mixed into every vLLM worker (worker_extension_cls); called by collective_rpc."""
-
-    def load_serialized_weights(self, payload: bytes) -> int:
-        """Reload the model's weights in place from safetensors bytes; returns how many."""
-        weights = deserialize_weights(payload)
-        worker: Any = self  # the vLLM worker this class is mixed into
-        worker.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        refresh_tied_lm_head(worker.model_runner.get_model())
-        return len(weights)
+def is_engine_weight(name: str, tied: bool) -> bool:
+    return not (tied and name == "lm_head.weight")
 
 
 def refresh_tied_lm_head(model: nn.Module) -> bool:

@@ -21,7 +21,6 @@ from typing import Any
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.rollout.queue import Sample
-from rlhf_trainer.rollout.weight_sync import WeightSpec
 from rlhf_trainer.rollout.worker import EngineWorker
 from rlhf_trainer.worker import RankInfo, derive_seed
 
@@ -48,17 +47,6 @@ class StreamingRollout(EngineWorker):
         """Start generating each prompt; returns at once."""
         for admitted in prompts:
             self.engine.spawn(self._generate(admitted))
-
-    def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
-        """As EngineWorker's; a failed load is also reported to the queue. The trainer
-        does not wait for the load (it trains on meanwhile), but for its next batch:
-        without word it would wait there until the queue timeout."""
-        try:
-            super().receive_weights(specs, bucket_bytes, version)
-        except Exception as error:
-            log.exception("rollout rank %d: loading weights v%d failed", self.info.rank, version)
-            self.queue.fail.remote(f"rollout rank {self.info.rank}, weights v{version}: {error!r}")
-            raise
 
     async def _generate(self, admitted: Admitted) -> None:
         uid, index, token_ids = admitted

@@ -1,52 +1,47 @@
-"""Broadcast new policy weights from the trainer to the rollout engines, bucket by bucket.
+"""The data plane of the `host` weight transfer (`transfer_engines`): how new policy
+weights move from the actor's rank 0 into the rollout engines on CPU machines.
 
-After an update the actor's rank 0 holds the full weights (`sharding.full_state_dict`)
-and N rollout engines, each in its own process, need them (in both modes). They meet
-in a *sync group*: rank 0 is the sender (the actor's rank 0), ranks 1..N the engines.
-The group is standalone: it is built from its own `TCPStore`, hosted by the sender,
-and is never registered with torch.distributed, so it neither needs nor touches the
-default process group of either side (the actor ranks have one; an engine may too).
-It runs gloo on CPU and NCCL on GPU, and gloo through host memory for engines that
-share the sender's GPU (`sync_device`).
+    actor rank 0 ─copy─▶ ring (shared memory) ─copy─▶ vLLM worker of an engine on its node
+                          │
+                          └─gloo─▶ ring of an engine on another node ─copy─▶ its vLLM worker
 
-The weights travel in buckets (`plan_buckets`): the tensors of one dtype, in order,
-packed into flat runs of at most `bucket_bytes`. Each side allocates one byte buffer
-per transfer, as large as the largest bucket, and reuses it for every bucket (viewed
-as the bucket's dtype): the sender copies the bucket's tensors into it and broadcasts
-it; each receiver receives into it and hands (name, view) pairs to `load` (the
-engine's loader) before the next bucket overwrites it. The buffer is dropped when the
-transfer ends.
+The weights travel in buckets (`plan_buckets`): whole layers, packed in order into
+flat byte runs of at most `bucket_bytes` (a layer larger than that is a bucket of its
+own). Whole layers, because vLLM's layerwise reload keeps a layer's tensors until the
+layer is complete: a bucket never leaves a layer half loaded for the next one to
+overwrite.
 
-Peak extra memory, on each side: that one buffer, the largest bucket, which is at
-most `buffer_bound` = `max(bucket_bytes, nbytes of the largest tensor)` (a tensor
-larger than a bucket is sent alone), plus on a receiver whatever `load` keeps, plus
-a few bytes for the spec check. The sender also holds the weights it sends, which
-the caller already had. (One buffer is reused rather than one allocated per bucket
-because gloo may drop its reference to a broadcast tensor on its own thread a moment
-after `wait()` returns: a buffer per bucket could briefly have two alive.)
+The sender's ring is a shared-memory segment of `RING_SLOTS` slots, each as large as
+the largest bucket; bucket k goes to slot k % RING_SLOTS. An engine on the sender's
+node reads its bucket straight from there, so each byte is copied twice: into the
+ring, and from the ring into the engine's parameters. An engine on another node
+(another pod: /dev/shm is per pod) receives each bucket over a gloo group into a ring
+of its own, at the same offset, and its vLLM worker reads it there.
 
-The receivers must know the names, shapes and dtypes (`WeightSpec`s) in the sender's
-order. The caller passes them out of band (through Ray, say) or sends them in band
-with `send_specs`/`receive_specs`. Each transfer starts by checking that every rank
-has the same specs, and fails on every rank with a ValueError when they differ.
+Each bucket is described by a `Bucket` (the segment and offset to read, and each
+tensor's name, dtype, shape and offset in the bucket): that is the `update_info` that
+travels through vLLM's `update_weights`.
+
+Peak extra memory: on the sender, its ring (RING_SLOTS x the largest bucket); on an
+engine on another node, the same; on every engine, whatever vLLM's loader keeps, and
+with restarts allowed one copy of the model (`WeightStore`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch._C._distributed_c10d import (
-    Backend,
     PrefixStore,
     ProcessGroup,
     ProcessGroupGloo,
@@ -55,11 +50,38 @@ from torch._C._distributed_c10d import (
 )
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-SYNC_TIMEOUT = timedelta(minutes=10)  # every rank must join, and each collective end, by then
-SENDER = 0  # the sync group's rank 0 sends
+RING_SLOTS = 2  # the sender fills one slot while the engines read the other
+ALIGN = 64  # bytes: each tensor of a bucket starts on a cache line
+SHM_DIR = Path("/dev/shm")
+SENDER = 0  # the gloo group's rank 0 sends
+HOST_TRANSFER = "rlhf_host"  # the name of this transfer among vLLM's (transfer_engines)
 
-# What a receiver hands to the engine: the (name, tensor) views of one bucket.
-Loader = Callable[[list[tuple[str, Tensor]]], None]
+
+def transfer_backend(on_gpu: bool, beside_actor: bool) -> str:
+    """vLLM's weight-transfer backend for engines on GPUs (`beside_actor`: on the
+    actor's own GPUs: CUDA IPC; else NCCL) or on CPUs (this module's)."""
+    if not on_gpu:
+        return HOST_TRANSFER
+    return "ipc" if beside_actor else "nccl"
+
+
+@dataclass(frozen=True)
+class TransferSetup:
+    """What the driver tells the actor's ranks about a job's weight transfer: the
+    sender's address (for the backends that rendezvous), how many engines, and which
+    of them run on other nodes than the sender (the host transfer reaches those over
+    gloo). `timeout_s`: how long a collective of the transfer may wait."""
+
+    address: str
+    port: int
+    engines: int
+    remote_engines: tuple[int, ...]
+    bucket_bytes: int
+    timeout_s: float
+
+
+class TransferError(RuntimeError):
+    """A weight transfer could not start or go on; the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -82,171 +104,330 @@ class WeightSpec:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": _dtype_name(self.dtype)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> WeightSpec:
-        name, shape, dtype = data["name"], data["shape"], data["dtype"]
-        if not isinstance(name, str) or not isinstance(shape, list) or not isinstance(dtype, str):
-            raise ValueError(f"not a weight spec: {data!r}")
-        return cls(name, tuple(int(d) for d in shape), _dtype_from_name(dtype))
-
 
 def weight_specs(weights: Mapping[str, Tensor]) -> list[WeightSpec]:
     """The specs of named tensors, in the mapping's order (the order they are sent in)."""
     return [WeightSpec.of(name, tensor) for name, tensor in weights.items()]
 
 
-def plan_buckets(specs: Sequence[WeightSpec], bucket_bytes: int) -> list[list[WeightSpec]]:
-    """Pack the tensors into buckets, each one flat buffer of one dtype.
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket as an engine reads it: `segment` at `offset` holds the tensors, each
+    at its `offsets` entry (bytes from `offset`). `stored_at` is the bucket's place in
+    a copy of the whole model (`WeightStore`), `model_bytes` that copy's size. Travels
+    as a plain dict (vLLM's `update_info`)."""
 
-    The tensors are grouped by dtype (the dtypes in order of first appearance, each
-    group in the given order); within a group consecutive tensors fill a bucket until
-    the next would take it over `bucket_bytes`. A tensor larger than `bucket_bytes`
-    gets a bucket of its own, so every bucket holds at most
-    `max(bucket_bytes, largest tensor)` bytes. Every tensor is in exactly one bucket.
-    Sender and receivers call this with the same specs and get the same plan.
-    """
+    segment: str
+    offset: int
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    nbytes: int
+    stored_at: int = 0
+    model_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Bucket:
+        try:
+            return cls(**data)
+        except TypeError as error:
+            raise TransferError(f"not a weight bucket: {sorted(data)} ({error})") from error
+
+    def at(self, segment: str, offset: int) -> Bucket:
+        """The same bucket, read from elsewhere."""
+        return Bucket(**(self.to_dict() | {"segment": segment, "offset": offset}))
+
+    def specs(self) -> list[WeightSpec]:
+        return [
+            WeightSpec(name, tuple(shape), _dtype(dtype))
+            for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes, strict=True)
+        ]
+
+
+def plan_buckets(
+    specs: Sequence[WeightSpec], bucket_bytes: int, layers: Sequence[Sequence[str]]
+) -> list[Bucket]:
+    """Pack whole layers, in order, into buckets of at most `bucket_bytes` (a layer
+    larger than that gets a bucket of its own). `layers` partitions the names in
+    `specs` (vLLM's `layerwise_groups`). Sender and receivers use the same plan: it
+    travels in the buckets. `segment`/`offset` are left for the sender to fill."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    names = [spec.name for spec in specs]
-    if len(set(names)) != len(names):
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        raise ValueError(f"weight names must be unique, repeated: {duplicates}")
-    by_dtype: dict[torch.dtype, list[WeightSpec]] = {}
-    for spec in specs:
-        by_dtype.setdefault(spec.dtype, []).append(spec)
-    buckets: list[list[WeightSpec]] = []
-    for group in by_dtype.values():
-        bucket: list[WeightSpec] = []
-        size = 0
-        for spec in group:
-            if bucket and size + spec.nbytes > bucket_bytes:
-                buckets.append(bucket)
-                bucket, size = [], 0
-            bucket.append(spec)
-            size += spec.nbytes
-        if bucket:
-            buckets.append(bucket)
-    return buckets
+    by_name = {spec.name: spec for spec in specs}
+    if len(by_name) != len(specs):
+        names = [spec.name for spec in specs]
+        raise ValueError(f"weight names must be unique, repeated: {_repeated(names)}")
+    grouped = [name for layer in layers for name in layer]
+    if sorted(grouped) != sorted(by_name):
+        raise ValueError("the layers must hold every weight exactly once")
+    packed: list[list[WeightSpec]] = []
+    size = 0
+    for layer in layers:
+        layer_specs = [by_name[name] for name in layer]
+        layer_bytes = _packed_bytes(layer_specs)
+        if not packed or size + layer_bytes > bucket_bytes:
+            packed.append([])
+            size = 0
+        packed[-1].extend(layer_specs)
+        size += layer_bytes
+    buckets, stored_at = [], 0
+    for bucket_specs in packed:
+        offsets = _offsets(bucket_specs)
+        nbytes = _packed_bytes(bucket_specs)
+        buckets.append(
+            Bucket(
+                segment="",
+                offset=0,
+                names=[s.name for s in bucket_specs],
+                dtype_names=[_dtype_name(s.dtype) for s in bucket_specs],
+                shapes=[list(s.shape) for s in bucket_specs],
+                offsets=offsets,
+                nbytes=nbytes,
+                stored_at=stored_at,
+            )
+        )
+        stored_at += nbytes
+    return [Bucket(**(b.to_dict() | {"model_bytes": stored_at})) for b in buckets]
 
 
-def bucket_nbytes(bucket: Sequence[WeightSpec]) -> int:
-    return sum(spec.nbytes for spec in bucket)
+def slot_bytes(plan: Sequence[Bucket]) -> int:
+    """A ring slot's size: the largest bucket."""
+    return max((bucket.nbytes for bucket in plan), default=0)
 
 
-def buffer_bound(specs: Sequence[WeightSpec], bucket_bytes: int) -> int:
-    """The most bytes one bucket buffer takes: `max(bucket_bytes, largest tensor)`,
-    capped by the total (the bound on each side's extra memory, without `load`)."""
-    largest = max((spec.nbytes for spec in specs), default=0)
-    total = sum(spec.nbytes for spec in specs)
-    return min(max(bucket_bytes, largest), total)
+def bucket_views(memory: Tensor, bucket: Bucket) -> list[tuple[str, Tensor]]:
+    """(name, tensor) views of a bucket laid out at the start of `memory` (bytes)."""
+    views = []
+    for spec, start in zip(bucket.specs(), bucket.offsets, strict=True):
+        raw = memory[start : start + spec.nbytes]
+        views.append((spec.name, raw.view(spec.dtype).view(spec.shape)))
+    return views
 
 
-@dataclass(frozen=True)
-class SyncStats:
-    """What one transfer moved, on one rank."""
+def pack_bucket(memory: Tensor, bucket: Bucket, weights: Mapping[str, Tensor]) -> None:
+    """Copy the bucket's tensors into `memory` (casting to the bucket's dtypes: fp32
+    masters go straight into a bf16 bucket)."""
+    for name, view in bucket_views(memory, bucket):
+        view.copy_(weights[name])
 
-    tensors: int
-    buckets: int
-    bytes: int
-    buffer_bytes: int  # the one bucket buffer: the extra memory of the transfer
+
+class Segment:
+    """A named shared-memory file under /dev/shm, mapped as a flat uint8 tensor.
+
+    `create` allocates it whole (so a full /dev/shm fails here, naming the size, rather
+    than as a SIGBUS on a later write) and removes the file on `close`; `attach` maps
+    one that exists. Names are unique per creation: a mapping never outlives its file's
+    contents being replaced."""
+
+    def __init__(self, name: str, tensor: Tensor, owner: bool) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.owner = owner
+
+    @classmethod
+    def create(cls, prefix: str, nbytes: int) -> Segment:
+        name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                if nbytes:
+                    os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            path.unlink(missing_ok=True)
+            raise TransferError(
+                f"cannot create a shared-memory segment of {nbytes / 2**20:.1f} MiB in "
+                f"{SHM_DIR}: {error.strerror or error} (a pod's /dev/shm is its "
+                "memory-backed emptyDir: raise its size, or lower the bucket size)"
+            ) from error
+        return cls(name, _map(path, nbytes), owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        path = SHM_DIR / name
+        try:
+            nbytes = path.stat().st_size
+        except OSError as error:
+            raise TransferError(
+                f"no shared-memory segment {name} in {SHM_DIR}: {error.strerror} (is the "
+                "sender on another node or pod? Its engines take the weights over gloo)"
+            ) from error
+        return cls(name, _map(path, nbytes), owner=False)
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if self.owner:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+            self.owner = False
+
+
+def _map(path: Path, nbytes: int) -> Tensor:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+@dataclass
+class Segments:
+    """The segments one side has mapped, by name, attached on first use."""
+
+    mapped: dict[str, Segment] = field(default_factory=dict)
+
+    def region(self, bucket: Bucket) -> Tensor:
+        segment = self.mapped.get(bucket.segment)
+        if segment is None:
+            segment = self.mapped[bucket.segment] = Segment.attach(bucket.segment)
+        if bucket.offset + bucket.nbytes > segment.tensor.numel():
+            raise TransferError(f"bucket past the end of segment {bucket.segment}")
+        return segment.tensor[bucket.offset : bucket.offset + bucket.nbytes]
+
+    def read(self, bucket: Bucket) -> list[tuple[str, Tensor]]:
+        """The bucket's tensors, as views of the shared memory (no copy)."""
+        return bucket_views(self.region(bucket), bucket)
+
+    def close(self) -> None:
+        for segment in self.mapped.values():
+            segment.close()
+        self.mapped.clear()
+
+
+class Ring:
+    """`RING_SLOTS` slots of shared memory that buckets pass through, in turn."""
+
+    def __init__(self, prefix: str, slot: int) -> None:
+        self.slot = slot
+        self.segment = Segment.create(prefix, RING_SLOTS * slot)
+
+    def place(self, index: int, bucket: Bucket) -> Bucket:
+        """Bucket number `index` of a transfer, placed in its slot of this ring."""
+        if bucket.nbytes > self.slot:
+            raise TransferError(f"a bucket of {bucket.nbytes} bytes, slots of {self.slot}")
+        return bucket.at(self.segment.name, (index % RING_SLOTS) * self.slot)
+
+    def region(self, bucket: Bucket) -> Tensor:
+        return self.segment.tensor[bucket.offset : bucket.offset + bucket.nbytes]
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+class Relay:
+    """An engine on another node than the sender: it takes each bucket over the gloo
+    group into a ring of its own, at the sender's offset, for its vLLM worker to read."""
+
+    def __init__(self, group: SyncGroup, ring: Ring) -> None:
+        self.group = group
+        self.ring = ring
+
+    @classmethod
+    def join(cls, init_info: Mapping[str, Any], engine_rank: int) -> Relay | None:
+        """Join the sender's gloo group if `engine_rank` is among the remote engines of
+        `init_info` (the host transfer's worker init, `HostTrainerWeightTransferEngine`);
+        None for an engine on the sender's node. Returns once all have joined."""
+        remote = list(init_info["remote"])
+        if engine_rank not in remote:
+            return None
+        ring = Ring("rlhf-relay", int(init_info["slot_bytes"]))
+        try:
+            group = SyncGroup.create(
+                init_info["address"], int(init_info["port"]), 1 + remote.index(engine_rank),
+                1 + len(remote), timedelta(seconds=float(init_info["timeout_s"])),
+            )  # fmt: skip
+        except BaseException:
+            ring.close()
+            raise
+        return cls(group, ring)
+
+    def receive(self, bucket: Bucket) -> Bucket:
+        """Receive the bucket the sender broadcasts; returns where it is now."""
+        placed = bucket.at(self.ring.segment.name, bucket.offset)
+        self.group.broadcast(self.ring.region(placed))
+        return placed
+
+    def close(self) -> None:
+        self.group.close()
+        self.ring.close()
+
+
+class WeightStore:
+    """The last weights an engine loaded, whole, in a segment of its own: what a
+    restarted engine reloads before it serves. Filled bucket by bucket as the engine
+    loads them (`keep`), valid once a transfer is complete (`commit`)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.segment: Segment | None = None
+        self.incoming: list[Bucket] = []
+        self.latest: tuple[list[Bucket], int] | None = None  # (buckets, version)
+
+    def keep(self, bucket: Bucket, source: Tensor) -> None:
+        """Copy one bucket (its bytes in `source`) into the store."""
+        if self.segment is None or self.segment.tensor.numel() != bucket.model_bytes:
+            self.close()
+            self.segment = Segment.create(self.prefix, bucket.model_bytes)
+        place = bucket.at(self.segment.name, bucket.stored_at)
+        self.segment.tensor[place.offset : place.offset + place.nbytes].copy_(source)
+        self.incoming.append(place)
+
+    def fill(self, weights: Mapping[str, Tensor], layers: Sequence[Sequence[str]]) -> None:
+        """Put whole weights in the store as one transfer would (to load them)."""
+        for bucket in plan_buckets(weight_specs(weights), DEFAULT_BUCKET_BYTES, layers):
+            memory = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            pack_bucket(memory, bucket, weights)
+            self.keep(bucket, memory)
+
+    def commit(self, version: int) -> None:
+        self.latest, self.incoming = (self.incoming, version), []
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+        self.segment, self.latest, self.incoming = None, None, []
 
 
 class SyncGroup:
-    """A standalone process group: the sender (rank 0) and the rollout engines.
+    """A standalone gloo group: the sender (rank 0) and the engines on other nodes.
 
     Built from a `TCPStore` that rank 0 hosts on `port`, never registered with
-    torch.distributed: the default process group (if any) is neither used nor changed,
-    and `dist.*` functions do not see this group. Collectives go through `broadcast`.
+    torch.distributed: the default process group (if any) is neither used nor changed.
     """
 
-    def __init__(
-        self,
-        process_group: ProcessGroup,
-        store: Store,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, process_group: ProcessGroup, store: Store) -> None:
         self._pg: ProcessGroup | None = process_group
         self._store: Store | None = store
-        self.device = device
         self.rank = process_group.rank()
         self.world_size = process_group.size()
 
     @classmethod
     def create(
-        cls,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        device: torch.device | str = "cpu",
-        timeout: timedelta = SYNC_TIMEOUT,
+        cls, host: str, port: int, rank: int, world_size: int, timeout: timedelta
     ) -> SyncGroup:
-        """Join the group; every rank calls this and it returns once all have joined.
-
-        `host`/`port`: the sender's address; rank 0 listens there (pick the port with
-        `workers.free_port`), the others connect. `device`: "cpu" gives a gloo group,
-        a CUDA device an NCCL group on that device (the process's current device is
-        left alone; each collective runs under `torch.cuda.device(device)`).
-        """
+        """Join the group; every rank calls this and it returns once all have joined."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a group of {world_size}")
-        device = torch.device(device)
         tcp_store = TCPStore(
-            host,
-            port,
-            world_size,
-            is_master=rank == SENDER,
-            timeout=timeout,
+            host, port, world_size, is_master=rank == SENDER, timeout=timeout,
             wait_for_workers=False,
-        )
+        )  # fmt: skip
         store = PrefixStore("weight-sync/", tcp_store)
         pg = ProcessGroup(store, rank, world_size)
-        backend: Backend
-        if device.type == "cpu":
-            backend = ProcessGroupGloo(store, rank, world_size, timeout)
-            backend_type = ProcessGroup.BackendType.GLOO
-        elif device.type == "cuda":
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            from torch._C._distributed_c10d import ProcessGroupNCCL  # CUDA builds only
-
-            options = ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            backend = ProcessGroupNCCL(store, rank, world_size, options)
-            backend_type = ProcessGroup.BackendType.NCCL
-        else:
-            raise ValueError(f"weight sync runs on cpu (gloo) or cuda (nccl), not {device}")
+        backend = ProcessGroupGloo(store, rank, world_size, timeout)
         backend._set_sequence_number_for_group()
-        pg._set_default_backend(backend_type)
-        pg._register_backend(device, backend_type, backend)
-        return cls(pg, tcp_store, device)
-
-    @property
-    def is_sender(self) -> bool:
-        return self.rank == SENDER
-
-    @property
-    def process_group(self) -> ProcessGroup:
-        if self._pg is None:
-            raise RuntimeError("the sync group is closed")
-        return self._pg
+        pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+        return cls(pg, tcp_store)
 
     def broadcast(self, tensor: Tensor) -> None:
-        """Broadcast `tensor` (on this group's device) from the sender, in place."""
-        if tensor.device != self.device:
-            raise ValueError(f"tensor on {tensor.device}, the group runs on {self.device}")
-        with _on_device(self.device):
-            self.process_group.broadcast(tensor, SENDER).wait()
-
-    def all_agree(self, ok: bool) -> bool:
-        """Whether `ok` holds on every rank (a logical AND over the group)."""
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
-        with _on_device(self.device):
-            self.process_group.allreduce(flag, dist.ReduceOp.MIN).wait()
-        return bool(flag.item())
+        """Broadcast `tensor` (in host memory) from the sender, in place."""
+        if self._pg is None:
+            raise RuntimeError("the sync group is closed")
+        self._pg.broadcast(tensor, SENDER).wait()
 
     def close(self) -> None:
         """Leave the group and release its connections; idempotent."""
@@ -266,176 +447,35 @@ class SyncGroup:
         self.close()
 
 
-def sync_device(transport: str) -> torch.device:
-    """The device a rank's side of the group runs on: "host" is memory (gloo), for an
-    engine that shares the sender's GPU, where NCCL refuses two ranks on one device;
-    "accelerator" is this process's GPU (NCCL) when it has one, else memory (gloo)."""
-    if transport not in ("host", "accelerator"):
-        raise ValueError(f"weight-sync transport is 'host' or 'accelerator', not {transport!r}")
-    if transport == "host" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+def _packed_bytes(specs: Sequence[WeightSpec]) -> int:
+    """Bytes from the first tensor's start to the last one's end."""
+    if not specs:
+        return 0
+    return _offsets(specs)[-1] + specs[-1].nbytes
 
 
-def open_sync_group(
-    host: str, port: int, rank: int, world_size: int, transport: str, timeout_s: float
-) -> SyncGroup:
-    """Join the weight-sync group over `transport` (see `sync_device`); its collectives
-    wait at most `timeout_s`."""
-    wait = timedelta(seconds=timeout_s)
-    return SyncGroup.create(host, port, rank, world_size, sync_device(transport), wait)
+def _offsets(specs: Sequence[WeightSpec]) -> list[int]:
+    """Where each tensor starts, in bytes: in order, each aligned to ALIGN."""
+    offsets, offset = [], 0
+    for spec in specs:
+        offsets.append(offset)
+        offset = -(-(offset + spec.nbytes) // ALIGN) * ALIGN
+    return offsets
 
 
-def send_specs(group: SyncGroup, specs: Sequence[WeightSpec]) -> None:
-    """Send the specs in band (sender side of `receive_specs`): a length, then JSON."""
-    _require(group, sender=True)
-    payload = json.dumps([spec.to_json() for spec in specs]).encode()
-    group.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=group.device))
-    group.broadcast(torch.tensor(list(payload), dtype=torch.uint8, device=group.device))
-
-
-def receive_specs(group: SyncGroup) -> list[WeightSpec]:
-    """Receive the specs the sender passes to `send_specs`."""
-    _require(group, sender=False)
-    length = torch.zeros(1, dtype=torch.int64, device=group.device)
-    group.broadcast(length)
-    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
-    group.broadcast(payload)
-    data = json.loads(bytes(payload.cpu().tolist()).decode())
-    return [WeightSpec.from_json(item) for item in data]
-
-
-def send_weights(
-    group: SyncGroup,
-    weights: Mapping[str, Tensor],
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> SyncStats:
-    """Broadcast `weights` (on any device) to the receivers; the sender's side of
-    `receive_weights`, with the same `bucket_bytes`. Extra memory: one buffer on the
-    group's device, the largest bucket, at most `buffer_bound(weight_specs(weights), ...)`."""
-    _require(group, sender=True)
-    specs = weight_specs(weights)
-    _check_same_specs(group, specs)
-    plan = plan_buckets(specs, bucket_bytes)
-    buffer = _allocate(_largest_bucket(plan), group.device)
-    for bucket in plan:
-        flat = _bucket_view(buffer, bucket)
-        offset = 0
-        for spec in bucket:
-            # copy_ through a view: a strided or CPU tensor goes in without a temporary.
-            flat[offset : offset + spec.numel].view(spec.shape).copy_(weights[spec.name])
-            offset += spec.numel
-        _broadcast_bucket(group, buffer, bucket)
-    return _stats(specs, plan, buffer)
-
-
-def receive_weights(
-    group: SyncGroup,
-    specs: Sequence[WeightSpec],
-    bucket_bytes: int,
-    load: Loader,
-) -> SyncStats:
-    """Receive the weights the sender passes to `send_weights` (same `bucket_bytes`),
-    described by `specs` in the sender's order.
-
-    For each bucket, in plan order, `load` is called once with (name, view) pairs into
-    the transfer's buffer, on the group's device. The views are valid only during the
-    call (the next bucket overwrites them): `load` must copy what it keeps, as an
-    engine's `load_weights` copies into its parameters. Extra memory: one buffer, the
-    largest bucket, at most `buffer_bound(specs, bucket_bytes)`, plus what `load` keeps.
-    """
-    _require(group, sender=False)
-    _check_same_specs(group, specs)
-    plan = plan_buckets(specs, bucket_bytes)
-    buffer = _allocate(_largest_bucket(plan), group.device)
-    for bucket in plan:
-        _broadcast_bucket(group, buffer, bucket)
-        flat = _bucket_view(buffer, bucket)
-        views: list[tuple[str, Tensor]] = []
-        offset = 0
-        for spec in bucket:
-            views.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
-            offset += spec.numel
-        load(views)
-        del views
-    return _stats(specs, plan, buffer)
-
-
-def receive_copies(
-    group: SyncGroup, specs: Sequence[WeightSpec], bucket_bytes: int
-) -> list[tuple[str, Tensor]]:
-    """`receive_weights` into a copy of every tensor, for a receiver that loads them in
-    one go afterwards (it holds one full copy meanwhile)."""
-    received: list[tuple[str, Tensor]] = []
-    receive_weights(
-        group,
-        specs,
-        bucket_bytes,
-        lambda bucket: received.extend((n, t.clone()) for n, t in bucket),
-    )
-    return received
-
-
-def specs_digest(specs: Sequence[WeightSpec]) -> bytes:
-    """A fingerprint of the specs, order included (32 bytes)."""
-    payload = json.dumps([spec.to_json() for spec in specs]).encode()
-    return hashlib.sha256(payload).digest()
-
-
-def _check_same_specs(group: SyncGroup, specs: Sequence[WeightSpec]) -> None:
-    """The sender broadcasts its specs' digest; all ranks fail together on a mismatch
-    (a receiver alone failing would leave the others blocked in the next broadcast)."""
-    digest = torch.tensor(list(specs_digest(specs)), dtype=torch.uint8, device=group.device)
-    received = digest.clone()
-    group.broadcast(received)
-    if not group.all_agree(torch.equal(received, digest)):
-        raise ValueError(
-            "the sync group's ranks disagree on the weight specs (names, shapes, dtypes "
-            "or order): every receiver must pass the sender's specs in the sender's order"
-        )
-
-
-def _require(group: SyncGroup, *, sender: bool) -> None:
-    if group.is_sender != sender:
-        role = "the sender (rank 0)" if sender else "a receiver (rank > 0)"
-        raise ValueError(f"only {role} may call this; this is rank {group.rank}")
-
-
-def _allocate(nbytes: int, device: torch.device) -> Tensor:
-    """The transfer's one buffer, in bytes (one place, so a test can watch it)."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _largest_bucket(plan: Sequence[Sequence[WeightSpec]]) -> int:
-    return max((bucket_nbytes(bucket) for bucket in plan), default=0)
-
-
-def _bucket_view(buffer: Tensor, bucket: Sequence[WeightSpec]) -> Tensor:
-    """The start of the byte buffer as one flat tensor of the bucket's dtype."""
-    return buffer[: bucket_nbytes(bucket)].view(bucket[0].dtype)
-
-
-def _broadcast_bucket(group: SyncGroup, buffer: Tensor, bucket: Sequence[WeightSpec]) -> None:
-    nbytes = bucket_nbytes(bucket)
-    if nbytes:  # a bucket of empty tensors sends nothing, on every rank alike
-        group.broadcast(buffer[:nbytes])
-
-
-def _stats(specs: Sequence[WeightSpec], plan: Sequence[object], buffer: Tensor) -> SyncStats:
-    return SyncStats(len(specs), len(plan), sum(s.nbytes for s in specs), buffer.nbytes)
-
-
-def _on_device(device: torch.device) -> AbstractContextManager[object]:
-    """NCCL runs on the current CUDA device: make it the group's for one collective."""
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+def _repeated(names: Sequence[str]) -> list[str]:
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        counts[name] += 1
+    return sorted(name for name, count in counts.items() if count > 1)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
+def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
+        raise TransferError(f"not a torch dtype: {name!r}")
     return dtype

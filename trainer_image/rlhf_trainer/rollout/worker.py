@@ -1,25 +1,27 @@
 """The rollout role's workers: one vLLM engine per rank, which takes the actor's
-weights over the sync group (`weight_sync`). `RolloutWorker` generates a batch at a
-time (synchronous PPO); `streaming.StreamingRollout` streams (fully async)."""
+weights through vLLM's weight-transfer API (`transfer_engines`; the actor's side
+calls the methods named as vLLM's). `RolloutWorker` generates a batch at a time
+(synchronous PPO); `streaming.StreamingRollout` streams (fully async)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
-from rlhf_trainer.rollout.weight_sync import SyncGroup, WeightSpec, open_sync_group, receive_copies
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, Relay, Segments
 from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 
 class EngineWorker(Worker):
-    """A vLLM engine built from the spec, and the receiving end of the weight sync.
-    It needs no process group of its own (vLLM makes its own)."""
+    """A vLLM engine built from the spec, and the receiving end of the weight transfer:
+    the four calls of vLLM's `VLLMWeightSyncClient`, made by the actor's rank 0. It
+    needs no process group of its own (vLLM makes its own)."""
 
     needs_process_group = False
 
@@ -31,26 +33,50 @@ class EngineWorker(Worker):
             **asdict(EngineOptions.of(config)),
             name=f"rollout rank {info.rank} (pool {info.pool})",
         )
-        self.sync_group: SyncGroup | None = None
+        self.relay: Relay | None = None  # host transfer, on another node than the sender
+        self.segments = Segments()  # the rings this engine's buckets are in
 
-    def open_weight_sync(
-        self, host: str, port: int, world_size: int, device: str, timeout_s: float
-    ) -> None:
-        """Join the weight-sync group as rank 1 + this engine's rank (the actor's rank 0
-        is rank 0). `device`: see `weight_sync.sync_device`; `timeout_s`: how long its
-        collectives may wait."""
-        rank = 1 + self.info.rank
-        self.sync_group = open_sync_group(host, port, rank, world_size, device, timeout_s)
+    @property
+    def host_transfer(self) -> bool:
+        return self.engine.transfer_backend == HOST_TRANSFER
 
-    def receive_weights(self, specs: Sequence[WeightSpec], bucket_bytes: int, version: int) -> None:
-        """Take the new weights from the broadcast into the engine. A paused engine
-        stays paused (fully async resumes it later); a running one pauses meanwhile.
-        An engine that died is restarted with them (the broadcast reaches this process,
-        not vLLM's, so it never misses one)."""
-        assert self.sync_group is not None, "open_weight_sync first"
-        # The engine's model lives in its own process, so the weights are loaded in one
-        # go after the broadcast.
-        self.engine.load_weights(receive_copies(self.sync_group, specs, bucket_bytes), version)
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Set up the engine's side of the transfer. With the host transfer an engine
+        on another node than the sender joins its gloo group; with vLLM's, the engine
+        takes `init_info` as it is."""
+        if not self.host_transfer:
+            self.engine.init_transfer(init_info)
+            return
+        if self.relay is not None:
+            self.relay.close()
+        self.relay = Relay.join(init_info, self.info.rank)
+
+    def start_weight_update(self) -> None:
+        """Pause (a partial rollout: requests in flight keep their tokens) and open an
+        update. A paused engine stays paused until the update is done."""
+        self.engine.open_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Load one bucket (with the host transfer, from shared memory: the sender's
+        ring on its node, else this engine's own, filled over gloo first)."""
+        if not self.host_transfer:
+            self.engine.load_bucket(update_info)
+            return
+        bucket = Bucket.from_dict(update_info)
+        if self.relay is not None:
+            bucket = self.relay.receive(bucket)
+        kept = self.segments.region(bucket) if self.engine.store is not None else None
+        self.engine.load_bucket(bucket.to_dict(), kept)
+
+    def finish_weight_update(self, weight_version: int) -> None:
+        """Serve the new weights as `weight_version` (and resume, if the update paused
+        the engine). An engine that died meanwhile was restarted with them."""
+        self.engine.close_update(weight_version)
+        self.segments.close()
+
+    def weight_version(self) -> int:
+        """The version of the weights the engine serves."""
+        return self.engine.served_version()
 
     def evaluate(self, prompts: list[list[int]], step: int) -> list[Rollout]:
         """One response per prompt, sampled as generation.eval says, on the weights the
@@ -83,8 +109,9 @@ class EngineWorker(Worker):
 
     def close(self) -> None:
         self.engine.shutdown()
-        if self.sync_group is not None:
-            self.sync_group.close()
+        self.segments.close()
+        if self.relay is not None:
+            self.relay.close()
 
 
 class RolloutWorker(EngineWorker):

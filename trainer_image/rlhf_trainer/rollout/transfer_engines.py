@@ -1,0 +1,279 @@
+"""Weight transfer through vLLM's own API for RL: the trainer side builds a
+`TrainerWeightTransferEngine` with `WeightTransferTrainerFactory.trainer_init` and calls
+its `send_weights`; that drives every engine through `init_weight_transfer_engine`,
+`start_weight_update`, `update_weights` and `finish_weight_update(weight_version)`.
+
+The backend follows the placement (`transfer_backend`), and nothing else changes:
+
+    nccl       vLLM's: engines on GPUs of another pool, one NCCL broadcast
+    ipc        vLLM's: engines on the actor's own GPUs (CUDA IPC, no copy through the host)
+    rlhf_host  this module's, registered with both of vLLM's factories: CPU machines.
+               Buckets pass through shared memory to engines on the sender's node, and
+               over gloo to engines on other nodes (the data plane is `weight_sync`).
+
+vLLM builds the worker side of the backend inside its worker process (the engine's
+`weight_transfer_config`), so the backend must be registered there first: vLLM mixes
+`WorkerExtension` into every worker (`worker_extension_cls`), which imports this
+module, which registers the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar, Self
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+    layerwise_groups,
+)
+from vllm.distributed.weight_transfer.factory import (
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
+)
+
+from rlhf_trainer.rollout.engine_weights import is_engine_weight, refresh_tied_lm_head
+from rlhf_trainer.rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    HOST_TRANSFER,
+    Bucket,
+    Ring,
+    Segments,
+    SyncGroup,
+    TransferSetup,
+    WeightSpec,
+    pack_bucket,
+    plan_buckets,
+    slot_bytes,
+)
+
+HOST = HOST_TRANSFER
+
+
+def trainer_init_info(backend: str, rank: int, setup: TransferSetup) -> TrainerInitInfo:
+    """The trainer side's init info for `backend`, on actor rank `rank` (0 sends)."""
+    if backend == HOST:
+        return HostTrainerInitInfo(
+            setup.address, setup.port, list(setup.remote_engines), setup.bucket_bytes,
+            setup.timeout_s, rank=rank,
+        )  # fmt: skip
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(setup.address, setup.port, 1 + setup.engines, rank=rank)
+    if backend == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo(rank=rank)
+    raise ValueError(f"no weight-transfer backend {backend!r}: nccl, ipc or {HOST}")
+
+
+class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
+    """The policy as the engines load it: checkpoint (Hugging Face) names, the engines'
+    dtype, and without the LM head when it is tied to the embeddings (vLLM's loader has
+    no parameter of its own for it). Iterating gathers each sharded tensor whole on
+    every rank (`DTensor.full_tensor`, a collective), one tensor at a time."""
+
+    def __init__(self, model: nn.Module, tied: bool, dtype: torch.dtype) -> None:
+        self.model = model
+        self.tied = tied
+        self.dtype = dtype
+
+    def _named(self) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in self.model.state_dict().items():
+            if is_engine_weight(name, self.tied):
+                yield name, tensor
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, self.dtype, tuple(t.shape)) for name, t in self._named()]
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in self._named():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield name, full.detach().to(self.dtype)
+
+
+# --- the host backend: the worker side, in each vLLM worker ----------------------
+
+
+@dataclass
+class HostInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM is untyped here
+    """Nothing to rendezvous: each bucket names the segment it is in."""
+
+
+@dataclass
+class HostUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]  # vLLM is untyped here
+    bucket: Bucket
+
+
+class HostWeightTransferEngine(WeightTransferEngine[HostInitInfo, HostUpdateInfo]):  # type: ignore[misc]  # vLLM is untyped here
+    """Loads each bucket straight from shared memory into the model, through vLLM's
+    layerwise reload (the same loader as `reload_weights`: on CPU the kernels repack
+    the weights after loading, and a plain copy into the parameters would be wrong)."""
+
+    init_info_cls = HostInitInfo
+    update_info_cls = HostUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.segments = Segments()
+
+    def init_transfer_engine(self, init_info: HostInitInfo) -> None:
+        pass
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> HostUpdateInfo:
+        return HostUpdateInfo(Bucket.from_dict(update_dict))
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's base waits for the accelerator here; on CPU there is none.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: HostUpdateInfo) -> None:
+        self.model.load_weights(self.segments.read(update_info.bucket))
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_lm_head(self.model)
+        self.segments.close()  # a ring may be gone by the next update
+
+    def shutdown(self) -> None:
+        self.segments.close()
+
+
+# --- the host backend: the trainer side, in the actor's ranks ---------------------
+
+
+@dataclass
+class HostTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]  # vLLM is untyped here
+    """`remote_engines`: the engine ranks on other nodes than the sender's; they take
+    the buckets over a gloo group at `master_address:master_port`, in that order."""
+
+    backend: ClassVar[str] = HOST
+
+    master_address: str
+    master_port: int
+    remote_engines: list[int] = field(default_factory=list)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 600.0
+
+
+class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerInitInfo]):  # type: ignore[misc]  # vLLM is untyped here
+    """Fills the ring bucket by bucket and has the engines load each bucket while it
+    fills the next (two slots), broadcasting to the engines on other nodes meanwhile."""
+
+    init_info_cls = HostTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None,
+        init_info: HostTrainerInitInfo,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.plan: list[Bucket] = []
+        self.ring: Ring | None = None
+        self.group: SyncGroup | None = None
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: HostTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if source is None:
+            raise ValueError("the host weight transfer needs a WeightSource")
+        engine = cls(client=client, source=source, init_info=init_info)
+        if not engine.is_sender:
+            return engine
+        meta = source.metadata()
+        specs = [WeightSpec(m.name, m.shape, m.dtype) for m in meta]
+        layers = layerwise_groups([m.name for m in meta])
+        engine.plan = plan_buckets(specs, init_info.bucket_bytes, layers)
+        engine.ring = Ring("rlhf-weights", slot_bytes(engine.plan))
+        remote = init_info.remote_engines
+        worker_init = {"remote": remote, "slot_bytes": engine.ring.slot}
+        worker_init |= {"address": init_info.master_address, "port": init_info.master_port}
+        worker_init |= {"timeout_s": init_info.timeout_s}
+        # The engines on other nodes join the gloo group inside this call: together.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(client.init_weight_transfer_engine, worker_init)
+            if remote:
+                timeout = timedelta(seconds=init_info.timeout_s)
+                engine.group = SyncGroup.create(
+                    init_info.master_address, init_info.master_port, 0, 1 + len(remote), timeout
+                )
+            joined.result()
+        return engine
+
+    def send_weights(self) -> None:
+        assert self.source is not None
+        if not self.is_sender:
+            for _ in self.source:  # the other ranks' part of each gather
+                pass
+            return
+        assert self.ring is not None
+        self.client.start_weight_update()
+        layers = self.source.iter_groups()
+        loading: Future[None] | None = None
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for index, bucket in enumerate(self.plan):
+                placed = self.ring.place(index, bucket)
+                tensors: dict[str, Tensor] = {}
+                while len(tensors) < len(bucket.names):
+                    names, values = next(layers)
+                    tensors.update(zip(names, values, strict=True))
+                # The slot was last read two buckets ago, which has been loaded.
+                pack_bucket(self.ring.region(placed), placed, tensors)
+                if loading is not None:
+                    loading.result()
+                loading = pool.submit(self.client.update_weights, placed.to_dict())
+                if self.group is not None:
+                    self.group.broadcast(self.ring.region(placed))
+            if loading is not None:
+                loading.result()
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        if self.ring is not None:
+            self.ring.close()
+        self.group = self.ring = None
+
+
+class WorkerExtension:
+    """Mixed into every vLLM worker only so that vLLM imports this module there."""
+
+
+def register() -> None:
+    """Make the host backend known to vLLM's factories, in this process (idempotent)."""
+    if HOST not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(HOST, HostWeightTransferEngine)
+    if HOST not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(HOST, HostTrainerWeightTransferEngine)
+
+
+register()
