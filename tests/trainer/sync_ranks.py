@@ -1,154 +1,170 @@
-"""The processes of the weight-sync tests: one sender and two receivers over gloo.
+"""The processes of the weight-transfer tests: the actor's rank 0 with the host
+backend's trainer engine (`transfer_engines`), and two engines' receiving ends, one on
+the sender's node (it reads the sender's ring) and one on "another node" (it takes the
+buckets over gloo into a ring of its own).
 
-Kept apart from the test module so that each spawned process imports only torch and
-`weight_sync` (not transformers): the processes start in a few seconds on a small
-machine. Every function here runs in a child; results come back pickled.
+The engines' side is what `EngineWorker` does around vLLM (`Relay`, `Segments`), with a
+recorder in place of vLLM's loader. The sender reaches them through a client that
+speaks vLLM's `VLLMWeightSyncClient` over pipes, as `cluster.engine_client` does over
+Ray. Every function here runs in a child; results come back pickled.
 """
 
 from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from rlhf_trainer.rollout import weight_sync
-from rlhf_trainer.rollout.weight_sync import (
-    SyncGroup,
-    WeightSpec,
-    receive_specs,
-    receive_weights,
-    send_specs,
-    send_weights,
-)
+from rlhf_trainer.api.sections import TinyModel
+from rlhf_trainer.models import build_tiny_model
+from rlhf_trainer.rollout.weight_sync import Bucket, Relay, Segments, TransferSetup
 from rlhf_trainer.worker import free_port
 
-WORLD_SIZE = 3  # one sender, two receivers
-TIMEOUT = timedelta(seconds=60)  # a hung collective fails the test instead of hanging it
+TINY = TinyModel(hidden_size=64, num_layers=3, num_heads=2, vocab_size=32)
+ENGINES = 2
+REMOTE = (1,)  # engine 1 is on another node than the sender; engine 0 beside it
+
+
+def tiny_policy() -> tuple[torch.nn.Module, bool]:
+    model = build_tiny_model(TINY)
+    return model, bool(model.config.tie_word_embeddings)
 
 
 def spawn(fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """Run fn(rank, port, *args) in WORLD_SIZE processes; their results in rank order.
-    An exception in any of them fails the call with its traceback."""
+    """Run fn(rank, pipes, port, *args) in 1 + ENGINES processes (rank 0 the sender,
+    rank 1 + i engine i); their results in rank order. An exception in any fails it."""
+    pipes = [mp.Pipe() for _ in range(ENGINES)]
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as results:
         mp.spawn(
             _main,
-            args=(fn, free_port(), Path(results), args),
-            nprocs=WORLD_SIZE,
+            args=(fn, pipes, free_port(), Path(results), args),
+            nprocs=1 + ENGINES,
             join=True,
         )
         return [
             torch.load(Path(results) / f"rank-{rank}.pt", weights_only=False)
-            for rank in range(WORLD_SIZE)
+            for rank in range(1 + ENGINES)
         ]
 
 
-def _main(rank: int, fn: Callable[..., Any], port: int, results: Path, args: tuple[Any]) -> None:
-    torch.set_num_threads(1)
-    torch.save(fn(rank, port, *args), results / f"rank-{rank}.pt")
-
-
-class AllocationRecorder:
-    """Stands in for weight_sync._allocate and notes the size of every buffer."""
-
-    def __init__(self) -> None:
-        self.original = weight_sync._allocate
-        self.sizes: list[int] = []
-
-    def __call__(self, nbytes: int, device: torch.device) -> Tensor:
-        buffer = self.original(nbytes, device)
-        self.sizes.append(buffer.nbytes)
-        return buffer
-
-
-class RecordingLoader:
-    """An engine's loader: copies the weights and notes what each call brought."""
-
-    def __init__(self) -> None:
-        self.weights: dict[str, Tensor] = {}
-        self.calls: list[list[str]] = []
-        self.storages: set[tuple[int, int]] = set()  # (address, bytes) the views are in
-
-    def __call__(self, views: list[tuple[str, Tensor]]) -> None:
-        self.calls.append([name for name, _ in views])
-        for name, view in views:
-            storage = view.untyped_storage()
-            self.storages.add((storage.data_ptr(), storage.nbytes()))
-            self.weights[name] = view.clone()
-
-
-def sync_versions(
+def _main(
     rank: int,
+    fn: Callable[..., Any],
+    pipes: list[tuple[Connection, Connection]],
     port: int,
-    versions: list[dict[str, Tensor]],
-    specs: list[WeightSpec],
-    bucket_bytes: int,
+    results: Path,
+    args: tuple[Any],
+) -> None:
+    torch.set_num_threads(1)
+    ends = [pipe[0] for pipe in pipes] if rank == 0 else [pipes[rank - 1][1]]
+    torch.save(fn(rank, ends, port, *args), results / f"rank-{rank}.pt")
+
+
+class PipeClient:
+    """vLLM's `VLLMWeightSyncClient`, each call sent to every engine and answered."""
+
+    def __init__(self, engines: list[Connection]) -> None:
+        self.engines = engines
+        self.version = 0
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._all("init", init_info)
+
+    def start_weight_update(self) -> None:
+        self._all("start")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._all("update", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish", self.version)
+
+    def close(self) -> None:
+        self._all("close")
+
+    def _all(self, method: str, *args: Any) -> None:
+        for engine in self.engines:
+            engine.send((method, args))
+        for engine in self.engines:
+            answer = engine.recv()
+            if answer != "ok":
+                raise RuntimeError(answer)
+
+
+def send_versions(
+    rank: int, ends: list[Connection], port: int, versions: list[float], bucket_bytes: int
 ) -> dict[str, Any]:
-    """Several versions in a row on one group, with no default process group; the
-    receivers get the specs out of band (as arguments, as through Ray)."""
-    recorder = AllocationRecorder()
-    weight_sync._allocate = recorder
-    out: dict[str, Any] = {"loaders": [], "stats": []}
-    with SyncGroup.create("127.0.0.1", port, rank, WORLD_SIZE, timeout=TIMEOUT) as group:
-        for weights in versions:
-            if group.is_sender:
-                out["stats"].append(send_weights(group, weights, bucket_bytes))
-            else:
-                loader = RecordingLoader()
-                out["stats"].append(receive_weights(group, specs, bucket_bytes, loader))
-                out["loaders"].append(loader)
-    out["allocations"] = recorder.sizes
-    out["default_group"] = dist.is_initialized()
+    """The sender pushes the tiny policy scaled by each of `versions` (in bf16); an
+    engine records what it loads. Rank 0 returns what it sent and its ring's size."""
+    if rank != 0:
+        return _engine(rank - 1, ends[0])
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from rlhf_trainer.rollout.transfer_engines import PolicySource, trainer_init_info
+
+    model, tied = tiny_policy()
+    source = PolicySource(model, tied, torch.bfloat16)
+    setup = TransferSetup("127.0.0.1", port, ENGINES, REMOTE, bucket_bytes, 60.0)
+    client = PipeClient(ends)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        trainer_init_info("rlhf_host", 0, setup), client=client, source=source
+    )
+    sent, originals = [], {n: p.detach().clone() for n, p in model.named_parameters()}
+    for version, scale in enumerate(versions, start=1):
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                parameter.copy_(originals[name] * scale)
+        client.version = version
+        engine.send_weights()
+        sent.append(dict(source))
+    out = {"sent": sent, "ring_bytes": engine.ring.segment.tensor.numel()}
+    out["plan"] = [bucket.names for bucket in engine.plan]
+    out["ring"] = engine.ring.segment.name
+    engine.shutdown()
+    client.close()
     return out
 
 
-def sync_beside_default_group(
-    rank: int,
-    port: int,
-    weights: dict[str, Tensor],
-    specs: list[WeightSpec],
-    bucket_bytes: int,
-) -> dict[str, Any]:
-    """Each process first has a default group of its own (size 1, rank 0); the specs
-    go in band; then a receiver passes wrong specs, and then all sync once more."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    default = dist.group.WORLD
-    groups_before = list(dist.distributed_c10d._world.pg_map)
-    out: dict[str, Any] = {}
-    with SyncGroup.create("127.0.0.1", port, rank, WORLD_SIZE, timeout=TIMEOUT) as group:
-        out["sync_rank_size"] = (group.rank, group.world_size)
-        if group.is_sender:
-            send_specs(group, specs)
-            send_weights(group, weights, bucket_bytes)
-        else:
-            loader = RecordingLoader()
-            receive_weights(group, receive_specs(group), bucket_bytes, loader)
-            out["weights"] = loader.weights
+def _engine(index: int, sender: Connection) -> dict[str, Any]:
+    """One engine's receiving end: joins the gloo group if it is on another node, then
+    loads each bucket from shared memory, recording what it got and where it lay."""
+    relay: Relay | None = None
+    segments = Segments()
+    out: dict[str, Any] = {"loads": [], "versions": [], "segments": set(), "buckets": []}
+    loaded: dict[str, Tensor] = {}
+    while True:
+        method, args = sender.recv()
         try:
-            if group.is_sender:
-                send_weights(group, weights, bucket_bytes)
-            else:
-                wrong = specs[::-1] if rank == 2 else specs
-                receive_weights(group, wrong, bucket_bytes, RecordingLoader())
-        except ValueError as error:
-            out["mismatch"] = str(error)
-        if group.is_sender:
-            send_weights(group, weights, bucket_bytes)
-        else:
-            again = RecordingLoader()
-            receive_weights(group, specs, bucket_bytes, again)
-            out["again"] = again.weights
-        out["default_during"] = (dist.get_rank(), dist.get_world_size())
-    total = torch.tensor([rank + 1.0])
-    dist.all_reduce(total)  # the default group still works
-    out["default_after"] = (dist.get_rank(), dist.get_world_size(), float(total.item()))
-    out["same_default"] = dist.group.WORLD is default
-    out["groups_unchanged"] = list(dist.distributed_c10d._world.pg_map) == groups_before
-    dist.destroy_process_group()
+            if method == "init":
+                relay = Relay.join(args[0], index)
+            elif method == "start":
+                loaded = {}
+                out["buckets"].append([])
+            elif method == "update":
+                bucket = Bucket.from_dict(args[0])
+                if relay is not None:
+                    bucket = relay.receive(bucket)
+                out["segments"].add(bucket.segment)
+                out["buckets"][-1].append(bucket.names)
+                loaded.update((name, view.clone()) for name, view in segments.read(bucket))
+            elif method == "finish":
+                out["loads"].append(loaded)
+                out["versions"].append(args[0])
+                segments.close()
+            elif method == "close":
+                sender.send("ok")
+                break
+            sender.send("ok")
+        except Exception as error:
+            sender.send(f"engine {index}: {error!r}")
+            raise
+    out["relay_ring"] = relay.ring.segment.name if relay is not None else None
+    if relay is not None:
+        relay.close()
     return out

@@ -278,9 +278,10 @@ SYNC_TIMEOUT_S = 5.0
 def test_a_rank_stopped_in_a_weight_sync_is_named_once_the_timeout_passes(
     ray_pools: RayPools,
 ) -> None:
-    """Rollout rank 0 freezes (SIGSTOP) as a transfer starts. The driver does not hang:
-    after the timeout it fails, naming that rank as the one not answering and the
-    sender as alive and waiting, before the group's own collectives would time out."""
+    """Rollout rank 0 freezes (SIGSTOP) as an update starts. The transfer does not hang:
+    after the timeout the actor's rank 0, which drives it, fails naming that rank as the
+    one not answering (not rank 1, which answered), before the transfer's own
+    collectives would time out, and the driver gets that error."""
     manifest = job_manifest()
     manifest["spec"]["pools"] = [{"name": "sync", "gpusPerNode": 2}]
     manifest["spec"]["roles"] = {role: "sync" for role in ("actor", "rollout", "ref", "critic")}
@@ -301,14 +302,15 @@ def test_a_rank_stopped_in_a_weight_sync_is_named_once_the_timeout_passes(
         sync.open()
         started = time.monotonic()
         with pytest.raises(NoAnswer) as failure:
-            sync.wait(sync.push(version=1))
+            sync.push(version=1)
         waited = time.monotonic() - started
     finally:
         if frozen is not None:
             os.kill(frozen, signal.SIGKILL)  # a stopped process ends only this way
         groups.shutdown()
-    silent, _, waiting = str(failure.value).partition("alive, still waiting in their call:")
-    assert "not answering" in silent and "rollout rank 0 on pool sync (receive_weights)" in silent
-    assert "rank 1" not in silent and "actor" not in silent, silent
-    assert "actor rank 0 on pool sync (send_weights)" in waiting
+    message = str(failure.value)
+    assert "weight transfer, start_weight_update on every engine" in message
+    silent = message.partition("not answering (stopped, hung, dead or lost):")[2]
+    assert "rollout rank 0 on pool sync (start_weight_update)" in silent, message
+    assert "rollout rank 1" not in message and "actor rank" not in silent, message
     assert SYNC_TIMEOUT_S <= waited < group_timeout_s(SYNC_TIMEOUT_S)

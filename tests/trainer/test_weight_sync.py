@@ -1,45 +1,42 @@
-"""Weight sync: the bucket plan, and real broadcasts between processes over gloo.
+"""The host weight transfer (CPU): the bucket plan, shared-memory segments, and real
+transfers between processes through vLLM's trainer-side API, to an engine on the
+sender's node (shared memory) and one on another (gloo).
 
-The multi-process tests spawn one sender and two receivers, as the actor's rank 0 and
-two rollout engines would be, once without and once beside a default process group.
+The vLLM side of the same backend (loading into a running engine, its version, its
+restart) is tested with real engines in test_rollout_vllm.py and test_rollout_async.py.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import Tensor
 
-from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model
 from rlhf_trainer.rollout import weight_sync
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.rollout.weight_sync import (
-    SyncGroup,
+    ALIGN,
+    RING_SLOTS,
+    Bucket,
+    Segment,
+    TransferError,
     WeightSpec,
-    buffer_bound,
+    WeightStore,
+    bucket_views,
+    pack_bucket,
     plan_buckets,
-    receive_weights,
-    send_weights,
+    slot_bytes,
+    transfer_backend,
     weight_specs,
 )
-from rlhf_trainer.worker import free_port
-from tests.trainer.sync_ranks import (
-    TIMEOUT,
-    WORLD_SIZE,
-    RecordingLoader,
-    spawn,
-    sync_beside_default_group,
-    sync_versions,
-)
+from tests.trainer.sync_ranks import ENGINES, REMOTE, TINY, send_versions, spawn
 
-TINY = TinyModel(hidden_size=64, num_layers=2, num_heads=2, vocab_size=32)
-BUCKET_BYTES = 20 * 1024  # small: the MLP matrices (64 KiB) are oversized, norms share
-BF16_NAMES = ("model.layers.0.input_layernorm.weight", "model.layers.1.mlp.down_proj.weight")
+BUCKET_BYTES = 40 * 1024  # small: a decoder layer (~66 KiB in bf16) is a bucket of its own
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
 
@@ -48,35 +45,31 @@ def spec(name: str, numel: int, dtype: torch.dtype = F32) -> WeightSpec:
     return WeightSpec(name, (numel,), dtype)
 
 
+def names(plan: list[Bucket]) -> list[list[str]]:
+    return [bucket.names for bucket in plan]
+
+
 # --- the plan -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("specs", "bucket_bytes", "expected"),
+    ("specs", "layers", "bucket_bytes", "expected"),
     [
-        # consecutive tensors fill a bucket up to the limit, exactly
-        ([spec("a", 2), spec("b", 2), spec("c", 2)], 16, [["a", "b"], ["c"]]),
-        ([spec("a", 1), spec("b", 1), spec("c", 1)], 100, [["a", "b", "c"]]),
-        # a tensor larger than a bucket gets one of its own
-        ([spec("a", 1), spec("big", 10), spec("b", 1)], 8, [["a"], ["big"], ["b"]]),
-        ([spec("big", 10), spec("a", 1)], 8, [["big"], ["a"]]),
-        # dtypes in order of first appearance, each in its own buckets, order kept
-        (
-            [spec("a", 1), spec("x", 1, BF16), spec("b", 1), spec("y", 1, BF16)],
-            100,
-            [["a", "b"], ["x", "y"]],
-        ),
-        ([spec("x", 4, BF16), spec("a", 1), spec("y", 4, BF16)], 8, [["x"], ["y"], ["a"]]),
+        # whole layers fill a bucket up to the limit
+        ([spec("a", 2), spec("b", 2), spec("c", 2)], [["a"], ["b"], ["c"]], 72, [["a", "b"], ["c"]]),
+        # a layer is never split, even past the limit: it gets a bucket of its own
+        ([spec("a", 1), spec("b", 10), spec("c", 10)], [["a"], ["b", "c"]], 16, [["a"], ["b", "c"]]),
+        # layers in the layers' order, and dtypes mix within a bucket
+        ([spec("x", 1, BF16), spec("a", 1)], [["a"], ["x"]], 1000, [["a", "x"]]),
         # empty tensors and no tensors
-        ([spec("e", 0), spec("a", 2)], 8, [["e", "a"]]),
-        ([], 8, []),
+        ([spec("e", 0), spec("a", 2)], [["e", "a"]], 8, [["e", "a"]]),
+        ([], [], 8, []),
     ],
 )
 def test_plan_buckets_table(
-    specs: list[WeightSpec], bucket_bytes: int, expected: list[list[str]]
+    specs: list[WeightSpec], layers: list[list[str]], bucket_bytes: int, expected: list[list[str]]
 ) -> None:
-    plan = plan_buckets(specs, bucket_bytes)
-    assert [[s.name for s in bucket] for bucket in plan] == expected
+    assert names(plan_buckets(specs, bucket_bytes, layers)) == expected
 
 
 dtypes = st.sampled_from([F32, BF16, I64, torch.uint8])
@@ -86,147 +79,147 @@ spec_lists = st.lists(st.tuples(shapes, dtypes), max_size=30).map(
 )
 
 
-@given(spec_lists, st.integers(1, 400))
-def test_plan_buckets_properties(specs: list[WeightSpec], bucket_bytes: int) -> None:
-    plan = plan_buckets(specs, bucket_bytes)
-    flat = [s for bucket in plan for s in bucket]
-    # every tensor exactly once, in order within its dtype, dtypes by first appearance
-    dtype_order = list(dict.fromkeys(s.dtype for s in specs))
-    assert flat == sorted(specs, key=lambda s: dtype_order.index(s.dtype))  # stable sort
-    for i, bucket in enumerate(plan):
-        assert bucket, "no empty buckets"
-        assert len({s.dtype for s in bucket}) == 1, "one dtype per bucket"
-        size = weight_sync.bucket_nbytes(bucket)
-        assert size <= bucket_bytes or len(bucket) == 1, "only a lone tensor may be oversized"
-        assert size <= buffer_bound(specs, bucket_bytes)
-        # greedy: the next tensor of the same dtype did not fit
-        if i + 1 < len(plan) and plan[i + 1][0].dtype == bucket[0].dtype:
-            assert size + plan[i + 1][0].nbytes > bucket_bytes
+@given(spec_lists, st.integers(1, 400), st.integers(1, 4))
+def test_plan_buckets_properties(specs: list[WeightSpec], bucket_bytes: int, width: int) -> None:
+    layers = [[s.name for s in specs[i : i + width]] for i in range(0, len(specs), width)]
+    plan = plan_buckets(specs, bucket_bytes, layers)
+    # every tensor once, in the layers' order, and no layer split over two buckets
+    assert [n for bucket in plan for n in bucket.names] == [n for layer in layers for n in layer]
+    for layer in layers:
+        assert sum(any(n in b.names for n in layer) for b in plan) <= 1
+    stored_at = 0
+    for bucket in plan:
+        assert bucket.names, "no empty buckets"
+        assert bucket.stored_at == stored_at and bucket.model_bytes == plan[-1].stored_at + plan[-1].nbytes
+        stored_at += bucket.nbytes
+        ends = [o + s.nbytes for o, s in zip(bucket.offsets, bucket.specs(), strict=True)]
+        assert all(o % ALIGN == 0 for o in bucket.offsets)
+        assert all(e <= o for e, o in zip(ends, bucket.offsets[1:], strict=False)), "no overlap"
+        assert bucket.nbytes == ends[-1]
+        lone_layer = any(set(bucket.names) == set(layer) for layer in layers)
+        assert bucket.nbytes <= bucket_bytes or lone_layer
+    assert slot_bytes(plan) == max((b.nbytes for b in plan), default=0)
 
 
 def test_plan_buckets_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="positive"):
-        plan_buckets([spec("a", 1)], 0)
+        plan_buckets([spec("a", 1)], 0, [["a"]])
     with pytest.raises(ValueError, match=r"repeated: \['a'\]"):
-        plan_buckets([spec("a", 1), spec("b", 1), spec("a", 2)], 100)
+        plan_buckets([spec("a", 1), spec("b", 1), spec("a", 2)], 100, [["a", "b"]])
+    with pytest.raises(ValueError, match="every weight exactly once"):
+        plan_buckets([spec("a", 1), spec("b", 1)], 100, [["a"]])
 
 
-def test_weight_spec_round_trips_through_json() -> None:
-    specs = [WeightSpec("a.b", (3, 4), BF16), WeightSpec("c", (), I64), spec("d", 0)]
-    assert [WeightSpec.from_json(s.to_json()) for s in specs] == specs
-    assert specs[0].nbytes == 24 and specs[1].numel == 1
-    with pytest.raises(ValueError, match="not a torch dtype"):
-        WeightSpec.from_json({"name": "a", "shape": [1], "dtype": "Tensor"})
+def test_a_bucket_travels_as_a_dict_and_packs_its_tensors() -> None:
+    weights = {"a": torch.arange(3.0), "b": torch.ones(2, 2, dtype=BF16), "c": torch.tensor(7)}
+    specs = weight_specs(weights)
+    (bucket,) = plan_buckets(specs, 1000, [list(weights)])
+    assert Bucket.from_dict(bucket.to_dict()) == bucket
+    with pytest.raises(TransferError, match="not a weight bucket"):
+        Bucket.from_dict({"names": []})
+    memory = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    pack_bucket(memory, bucket, {n: t.float() for n, t in weights.items()})  # casts back
+    for (name, view), expected in zip(bucket_views(memory, bucket), weights.values(), strict=True):
+        assert view.dtype == expected.dtype and torch.equal(view, expected), name
 
 
-def policy_weights(version: int) -> dict[str, Tensor]:
-    """The tiny qwen2's weights as the engine loads them (tied lm_head left out),
-    two of them in bf16; each version differs from the last in every tensor."""
+def test_transfer_backend_follows_the_placement() -> None:
+    assert transfer_backend(on_gpu=False, beside_actor=True) == "rlhf_host"
+    assert transfer_backend(on_gpu=True, beside_actor=True) == "ipc"
+    assert transfer_backend(on_gpu=True, beside_actor=False) == "nccl"
+
+
+# --- shared memory ----------------------------------------------------------------
+
+
+def test_a_segment_is_shared_and_removed_by_its_owner() -> None:
+    segment = Segment.create("rlhf-test", 128)
+    other = Segment.attach(segment.name)
+    segment.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert other.tensor[:4].tolist() == [1, 2, 3, 4]  # the same memory
+    other.close()
+    assert (weight_sync.SHM_DIR / segment.name).exists(), "an attached one leaves the file"
+    segment.close()
+    assert not (weight_sync.SHM_DIR / segment.name).exists()
+    with pytest.raises(TransferError, match="no shared-memory segment"):
+        Segment.attach(segment.name)
+
+
+def test_a_segment_that_cannot_be_made_names_its_size_and_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(weight_sync, "SHM_DIR", tmp_path / "missing")
+    with pytest.raises(TransferError, match=r"segment of 2\.0 MiB .*No such file"):
+        Segment.create("rlhf-test", 2 * 2**20)
+
+
+def test_the_store_keeps_the_last_complete_weights() -> None:
     weights = rollout_state_dict(build_tiny_model(TINY))
-    for name in BF16_NAMES:
-        weights[name] = weights[name].to(BF16)
-    return {name: t * (version + 1) + version for name, t in weights.items()}
+    layers = [[name] for name in weights]
+    store = WeightStore("rlhf-test-store")
+    store.fill(weights, layers)
+    assert store.latest is None, "nothing complete before a commit"
+    store.commit(3)
+    assert store.latest is not None
+    buckets, version = store.latest
+    assert version == 3 and store.segment is not None
+    memory = store.segment.tensor
+    for bucket in buckets:
+        for name, view in bucket_views(memory[bucket.offset :], bucket):
+            assert torch.equal(view, weights[name]), name
+    store.close()
+    assert store.latest is None
 
 
-def test_the_test_weights_exercise_the_plan() -> None:
-    specs = weight_specs(policy_weights(0))
-    plan = plan_buckets(specs, BUCKET_BYTES)
-    assert {s.dtype for s in specs} == {F32, BF16}
-    assert any(len(b) == 1 and b[0].nbytes > BUCKET_BYTES for b in plan), "an oversized one"
-    assert any(len(b) > 1 for b in plan), "a shared bucket"
-    assert [b[0].dtype for b in plan].count(BF16) == 2, "bf16 buckets of their own"
-    assert buffer_bound(specs, BUCKET_BYTES) < sum(s.nbytes for s in specs)
-
-
-# --- real broadcasts --------------------------------------------------------------
+# --- real transfers ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def two_versions() -> tuple[list[dict[str, Tensor]], list[dict[str, Any]]]:
-    versions = [policy_weights(0), policy_weights(1)]
-    specs = weight_specs(versions[0])
-    return versions, spawn(sync_versions, versions, specs, BUCKET_BYTES)
+def two_pushes() -> list[dict[str, Any]]:
+    return spawn(send_versions, [1.0, -2.0], BUCKET_BYTES)
 
 
-def test_receivers_reconstruct_every_version_exactly(
-    two_versions: tuple[list[dict[str, Tensor]], list[dict[str, Any]]],
+def test_every_engine_loads_every_version_exactly_with_its_number(
+    two_pushes: list[dict[str, Any]],
 ) -> None:
-    versions, results = two_versions
-    for name in versions[0]:
-        assert not torch.equal(versions[0][name], versions[1][name]), name
-    assert not any(result["default_group"] for result in results)
-    for rank in (1, 2):
-        loaders: list[RecordingLoader] = results[rank]["loaders"]
-        assert len(loaders) == len(versions)
-        for sent, loader in zip(versions, loaders, strict=True):
-            assert loader.weights.keys() == sent.keys()
+    sender, *engines = two_pushes
+    first, second = sender["sent"]
+    assert all(t.dtype == BF16 for t in first.values()), "sent in the engines' dtype"
+    assert "lm_head.weight" not in first, "the tied head stays behind"
+    assert not any(torch.equal(first[n], second[n]) for n in first if first[n].any())
+    for index, engine in enumerate(engines):
+        assert engine["versions"] == [1, 2], index
+        for sent, loaded in zip(sender["sent"], engine["loads"], strict=True):
+            assert loaded.keys() == sent.keys()
             for name, tensor in sent.items():
-                got = loader.weights[name]
-                assert got.dtype == tensor.dtype and torch.equal(got, tensor), (rank, name)
+                got = loaded[name]
+                assert got.dtype == tensor.dtype and torch.equal(got, tensor), (index, name)
 
 
-def test_load_is_called_once_per_bucket_with_its_names(
-    two_versions: tuple[list[dict[str, Tensor]], list[dict[str, Any]]],
+def test_buckets_are_whole_layers_and_the_ring_is_two_of_them(
+    two_pushes: list[dict[str, Any]],
 ) -> None:
-    versions, results = two_versions
-    plan = [[s.name for s in b] for b in plan_buckets(weight_specs(versions[0]), BUCKET_BYTES)]
-    for rank in (1, 2):
-        for loader in results[rank]["loaders"]:
-            assert loader.calls == plan
-    for stats in (r["stats"] for r in results):
-        assert [s.buckets for s in stats] == [len(plan)] * len(versions)
+    sender, *engines = two_pushes
+    plan = sender["plan"]
+    assert 3 < len(plan) < 10, plan  # decoder layers apart; embeddings, norm
+    for layer in range(TINY.num_layers):
+        holding = [b for b in plan if any(f"layers.{layer}." in n for n in b)]
+        assert len(holding) == 1, (layer, holding)
+    for engine in engines:
+        assert engine["buckets"] == [plan, plan]
+    assert sender["ring_bytes"] % RING_SLOTS == 0
+    assert sender["ring_bytes"] // RING_SLOTS < sum(t.nbytes for t in sender["sent"][0].values())
 
 
-def test_each_side_holds_one_bucket_buffer(
-    two_versions: tuple[list[dict[str, Tensor]], list[dict[str, Any]]],
+def test_an_engine_beside_the_sender_reads_its_ring_and_one_elsewhere_its_own(
+    two_pushes: list[dict[str, Any]],
 ) -> None:
-    versions, results = two_versions
-    specs = weight_specs(versions[0])
-    bound = max(BUCKET_BYTES, max(s.nbytes for s in specs))
-    largest = max(weight_sync.bucket_nbytes(b) for b in plan_buckets(specs, BUCKET_BYTES))
-    assert largest <= bound == buffer_bound(specs, BUCKET_BYTES)
-    for rank, result in enumerate(results):
-        # one buffer per transfer, the size of the largest bucket
-        assert result["allocations"] == [largest] * len(versions), rank
-        assert [s.buffer_bytes for s in result["stats"]] == [largest] * len(versions)
-    for rank in (1, 2):
-        for loader in results[rank]["loaders"]:
-            # every view handed to load lies in that one buffer
-            assert len(loader.storages) == 1, rank
-            assert next(iter(loader.storages))[1] == largest
-
-
-def test_sync_beside_each_sides_default_group() -> None:
-    weights = policy_weights(0)
-    results = spawn(sync_beside_default_group, weights, weight_specs(weights), BUCKET_BYTES)
-    for rank, result in enumerate(results):
-        assert result["sync_rank_size"] == (rank, WORLD_SIZE)
-        assert result["default_during"] == (0, 1)
-        assert result["default_after"] == (0, 1, rank + 1.0)
-        assert result["same_default"] and result["groups_unchanged"], rank
-        assert "disagree on the weight specs" in result["mismatch"], rank
-        if rank:
-            for key in ("weights", "again"):
-                assert result[key].keys() == weights.keys()
-                for name, tensor in weights.items():
-                    assert torch.equal(result[key][name], tensor), (rank, key, name)
-
-
-def test_only_the_sender_sends() -> None:
-    port = free_port()
-    with SyncGroup.create("127.0.0.1", port, 0, 1, timeout=TIMEOUT) as group:
-        assert group.is_sender
-        with pytest.raises(ValueError, match="only a receiver"):
-            receive_weights(group, [], BUCKET_BYTES, RecordingLoader())
-        stats = send_weights(group, {"a": torch.ones(3)}, BUCKET_BYTES)  # nobody listens
-        assert (stats.tensors, stats.buckets, stats.bytes) == (1, 1, 12)
-    with pytest.raises(ValueError, match="rank 3 is not in a group of 2"):
-        SyncGroup.create("127.0.0.1", port, 3, 2)
-
-
-def test_an_engine_beside_the_actor_syncs_through_host_memory() -> None:
-    assert weight_sync.sync_device("host") == torch.device("cpu")
-    expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert weight_sync.sync_device("accelerator").type == expected
-    with pytest.raises(ValueError, match="'host' or 'accelerator', not 'nccl'"):
-        weight_sync.sync_device("nccl")
+    sender, *engines = two_pushes
+    for index, engine in enumerate(engines):
+        if index in REMOTE:
+            assert engine["segments"] == {engine["relay_ring"]} != {sender["ring"]}
+        else:
+            assert engine["segments"] == {sender["ring"]} and engine["relay_ring"] is None
+    assert len(engines) == ENGINES
+    leftovers = [p.name for p in weight_sync.SHM_DIR.glob("rlhf-weights-*")]
+    assert sender["ring"] not in leftovers, "the sender removes its ring"

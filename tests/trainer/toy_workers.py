@@ -5,18 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf_trainer.rollout.weight_sync import (
-    WeightSpec,
-    open_sync_group,
-    receive_copies,
-    send_weights,
-    weight_specs,
-)
+from rlhf_trainer.rollout.weight_sync import Bucket, Relay, Segments, TransferSetup
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import RankInfo, Worker
 
@@ -76,43 +72,61 @@ TOY_WEIGHTS = {"embed": torch.arange(12.0).reshape(3, 4), "head": torch.ones(4)}
 
 
 class WeightSender(Worker):
-    """Stands in for the actor in a weight sync: rank 0 sends TOY_WEIGHTS."""
+    """Stands in for the actor in a weight transfer: rank 0 sends TOY_WEIGHTS with the
+    host backend's trainer engine, through vLLM's factory, as the actor does."""
 
     needs_process_group = False
 
-    def open_weight_sync(
-        self, host: str, port: int, world_size: int, device: str, timeout_s: float
-    ) -> list[WeightSpec] | None:
-        if self.info.rank != 0:
-            return None
-        self.sync_group = open_sync_group(host, port, 0, world_size, device, timeout_s)
-        return weight_specs(TOY_WEIGHTS)
+    def open_weight_transfer(self, setup: TransferSetup, engines: Any) -> None:
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    def send_weights(self, bucket_bytes: int) -> None:
-        if self.info.rank == 0:
-            send_weights(self.sync_group, TOY_WEIGHTS, bucket_bytes)
+        from rlhf_trainer.rollout.transfer_engines import trainer_init_info
+
+        class ToySource(WeightSource):  # type: ignore[misc]
+            def metadata(self) -> list[Any]:
+                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in TOY_WEIGHTS.items()]
+
+            def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+                return iter(TOY_WEIGHTS.items())
+
+        info = trainer_init_info("rlhf_host", self.info.rank, setup)
+        self.engines = engines
+        self.transfer = WeightTransferTrainerFactory.trainer_init(
+            info, client=engines, source=ToySource()
+        )
+
+    def send_weights(self, version: int) -> None:
+        self.engines.version = version
+        self.transfer.send_weights()
 
 
 class StoppingReceiver(Worker):
-    """Stands in for a rollout engine in a weight sync. Rank `stopping_rank` stops its
-    own process (SIGSTOP) when a transfer starts, as a hung or frozen engine would."""
+    """Stands in for a rollout engine in a weight transfer. Rank `stopping_rank` stops
+    its own process (SIGSTOP) when an update starts, as a hung or frozen engine would."""
 
     needs_process_group = False
 
     def __init__(self, info: RankInfo, stopping_rank: int) -> None:
         super().__init__(info)
         self.stopping_rank = stopping_rank
+        self.segments = Segments()
 
     def pid(self) -> int:
         return os.getpid()
 
-    def open_weight_sync(
-        self, host: str, port: int, world_size: int, device: str, timeout_s: float
-    ) -> None:
-        rank = 1 + self.info.rank
-        self.sync_group = open_sync_group(host, port, rank, world_size, device, timeout_s)
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.relay = Relay.join(init_info, self.info.rank)
 
-    def receive_weights(self, specs: list[WeightSpec], bucket_bytes: int, version: int) -> None:
+    def start_weight_update(self) -> None:
         if self.info.rank == self.stopping_rank:
             os.kill(os.getpid(), signal.SIGSTOP)
-        receive_copies(self.sync_group, specs, bucket_bytes)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        bucket = Bucket.from_dict(update_info)
+        if self.relay is not None:
+            bucket = self.relay.receive(bucket)
+        self.segments.read(bucket)
+
+    def finish_weight_update(self, weight_version: int) -> None:
+        self.segments.close()

@@ -10,6 +10,7 @@ from typing import Any
 
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.groups import WorkerGroup, join
+from rlhf_trainer.cluster.hangs import NoAnswer
 
 
 class EngineGroupClient:
@@ -38,4 +39,7 @@ class EngineGroupClient:
 
     def _on_every_engine(self, method: str, *args: Any) -> None:
         calls = self.engines.run(method, *args, phase=Phase.SYNC_WEIGHTS)
-        join(calls, self.timeout_s)
+        try:
+            join(calls, self.timeout_s)
+        except NoAnswer as error:
+            raise NoAnswer(f"weight transfer, {method} on every engine: {error}") from None

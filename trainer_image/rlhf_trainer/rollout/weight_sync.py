@@ -164,18 +164,14 @@ def plan_buckets(
     grouped = [name for layer in layers for name in layer]
     if sorted(grouped) != sorted(by_name):
         raise ValueError("the layers must hold every weight exactly once")
-    packed: list[list[WeightSpec]] = []
-    size = 0
+    packed: list[list[WeightSpec]] = [[]]
     for layer in layers:
         layer_specs = [by_name[name] for name in layer]
-        layer_bytes = _packed_bytes(layer_specs)
-        if not packed or size + layer_bytes > bucket_bytes:
+        if packed[-1] and _packed_bytes(packed[-1] + layer_specs) > bucket_bytes:
             packed.append([])
-            size = 0
         packed[-1].extend(layer_specs)
-        size += layer_bytes
     buckets, stored_at = [], 0
-    for bucket_specs in packed:
+    for bucket_specs in packed if packed[-1] else []:
         offsets = _offsets(bucket_specs)
         nbytes = _packed_bytes(bucket_specs)
         buckets.append(
