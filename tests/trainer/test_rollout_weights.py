@@ -11,12 +11,8 @@ from torch import nn
 from rlhf_trainer.algo.experience import tokens_per_version
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model
-from rlhf_trainer.rollout.engine_weights import (
-    deserialize_weights,
-    refresh_tied_lm_head,
-    rollout_state_dict,
-    serialize_weights,
-)
+from rlhf_trainer.rollout.engine_weights import refresh_tied_lm_head, rollout_state_dict
+from rlhf_trainer.rollout.transfer_engines import PolicySource
 
 TINY = TinyModel(hidden_size=64, num_layers=1, num_heads=2, vocab_size=32)
 
@@ -30,12 +26,19 @@ def test_state_dict_for_the_engine_leaves_out_a_tied_lm_head() -> None:
     assert "lm_head.weight" in rollout_state_dict(model)
 
 
-def test_weights_round_trip_through_bytes() -> None:
-    weights = rollout_state_dict(build_tiny_model(TINY))
-    again = deserialize_weights(serialize_weights(weights))
-    assert again.keys() == weights.keys()
-    for name, tensor in weights.items():
-        assert torch.equal(again[name], tensor), name
+def test_the_policy_source_declares_and_sends_what_the_engine_loads_in_its_dtype() -> None:
+    model = build_tiny_model(TINY)
+    source = PolicySource(model, tied=True, dtype=torch.bfloat16)
+    expected = rollout_state_dict(model)
+    declared = [(m.name, m.dtype, m.shape) for m in source.metadata()]
+    assert declared == [(n, torch.bfloat16, tuple(t.shape)) for n, t in expected.items()]
+    for _ in range(2):  # a fresh pass each push
+        sent = dict(source)
+        assert sent.keys() == expected.keys()
+        for name, tensor in sent.items():
+            assert torch.equal(tensor, expected[name].to(torch.bfloat16)), name
+    grouped = [name for names, _ in source.iter_groups() for name in names]
+    assert sorted(grouped) == sorted(expected), "vLLM's layer groups cover every weight"
 
 
 class FakeVllmModel(nn.Module):

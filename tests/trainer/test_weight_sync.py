@@ -17,16 +17,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rlhf_trainer.models import build_tiny_model
-from rlhf_trainer.rollout import weight_sync
+from rlhf_trainer.rollout import transfer_memory
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
+from rlhf_trainer.rollout.transfer_memory import RING_SLOTS, Segment, WeightStore
 from rlhf_trainer.rollout.weight_sync import (
     ALIGN,
-    RING_SLOTS,
     Bucket,
-    Segment,
     TransferError,
     WeightSpec,
-    WeightStore,
     bucket_views,
     pack_bucket,
     plan_buckets,
@@ -56,9 +54,19 @@ def names(plan: list[Bucket]) -> list[list[str]]:
     ("specs", "layers", "bucket_bytes", "expected"),
     [
         # whole layers fill a bucket up to the limit
-        ([spec("a", 2), spec("b", 2), spec("c", 2)], [["a"], ["b"], ["c"]], 72, [["a", "b"], ["c"]]),
+        (
+            [spec("a", 2), spec("b", 2), spec("c", 2)],
+            [["a"], ["b"], ["c"]],
+            72,
+            [["a", "b"], ["c"]],
+        ),
         # a layer is never split, even past the limit: it gets a bucket of its own
-        ([spec("a", 1), spec("b", 10), spec("c", 10)], [["a"], ["b", "c"]], 16, [["a"], ["b", "c"]]),
+        (
+            [spec("a", 1), spec("b", 10), spec("c", 10)],
+            [["a"], ["b", "c"]],
+            16,
+            [["a"], ["b", "c"]],
+        ),
         # layers in the layers' order, and dtypes mix within a bucket
         ([spec("x", 1, BF16), spec("a", 1)], [["a"], ["x"]], 1000, [["a", "x"]]),
         # empty tensors and no tensors
@@ -90,7 +98,10 @@ def test_plan_buckets_properties(specs: list[WeightSpec], bucket_bytes: int, wid
     stored_at = 0
     for bucket in plan:
         assert bucket.names, "no empty buckets"
-        assert bucket.stored_at == stored_at and bucket.model_bytes == plan[-1].stored_at + plan[-1].nbytes
+        assert (
+            bucket.stored_at == stored_at
+            and bucket.model_bytes == plan[-1].stored_at + plan[-1].nbytes
+        )
         stored_at += bucket.nbytes
         ends = [o + s.nbytes for o, s in zip(bucket.offsets, bucket.specs(), strict=True)]
         assert all(o % ALIGN == 0 for o in bucket.offsets)
@@ -138,9 +149,9 @@ def test_a_segment_is_shared_and_removed_by_its_owner() -> None:
     segment.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
     assert other.tensor[:4].tolist() == [1, 2, 3, 4]  # the same memory
     other.close()
-    assert (weight_sync.SHM_DIR / segment.name).exists(), "an attached one leaves the file"
+    assert (transfer_memory.SHM_DIR / segment.name).exists(), "an attached one leaves the file"
     segment.close()
-    assert not (weight_sync.SHM_DIR / segment.name).exists()
+    assert not (transfer_memory.SHM_DIR / segment.name).exists()
     with pytest.raises(TransferError, match="no shared-memory segment"):
         Segment.attach(segment.name)
 
@@ -148,7 +159,7 @@ def test_a_segment_is_shared_and_removed_by_its_owner() -> None:
 def test_a_segment_that_cannot_be_made_names_its_size_and_why(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(weight_sync, "SHM_DIR", tmp_path / "missing")
+    monkeypatch.setattr(transfer_memory, "SHM_DIR", tmp_path / "missing")
     with pytest.raises(TransferError, match=r"segment of 2\.0 MiB .*No such file"):
         Segment.create("rlhf-test", 2 * 2**20)
 
@@ -221,5 +232,5 @@ def test_an_engine_beside_the_sender_reads_its_ring_and_one_elsewhere_its_own(
         else:
             assert engine["segments"] == {sender["ring"]} and engine["relay_ring"] is None
     assert len(engines) == ENGINES
-    leftovers = [p.name for p in weight_sync.SHM_DIR.glob("rlhf-weights-*")]
+    leftovers = [p.name for p in transfer_memory.SHM_DIR.glob("rlhf-weights-*")]
     assert sender["ring"] not in leftovers, "the sender removes its ring"

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf_trainer.rollout.weight_sync import Bucket, Relay, Segments, TransferSetup
+from rlhf_trainer.rollout.transfer_memory import Relay, Segments
+from rlhf_trainer.rollout.weight_sync import Bucket, TransferSetup
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import RankInfo, Worker
 
@@ -103,13 +104,15 @@ class WeightSender(Worker):
 
 class StoppingReceiver(Worker):
     """Stands in for a rollout engine in a weight transfer. Rank `stopping_rank` stops
-    its own process (SIGSTOP) when an update starts, as a hung or frozen engine would."""
+    its own process (SIGSTOP) when an update starts, as a hung or frozen engine would;
+    with `dies`, its process exits at the first bucket instead, as a crashed one would."""
 
     needs_process_group = False
 
-    def __init__(self, info: RankInfo, stopping_rank: int) -> None:
+    def __init__(self, info: RankInfo, stopping_rank: int, dies: bool = False) -> None:
         super().__init__(info)
         self.stopping_rank = stopping_rank
+        self.dies = dies
         self.segments = Segments()
 
     def pid(self) -> int:
@@ -119,10 +122,12 @@ class StoppingReceiver(Worker):
         self.relay = Relay.join(init_info, self.info.rank)
 
     def start_weight_update(self) -> None:
-        if self.info.rank == self.stopping_rank:
+        if self.info.rank == self.stopping_rank and not self.dies:
             os.kill(os.getpid(), signal.SIGSTOP)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        if self.info.rank == self.stopping_rank and self.dies:
+            os._exit(1)
         bucket = Bucket.from_dict(update_info)
         if self.relay is not None:
             bucket = self.relay.receive(bucket)

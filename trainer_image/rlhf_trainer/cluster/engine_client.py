@@ -43,3 +43,25 @@ class EngineGroupClient:
             join(calls, self.timeout_s)
         except NoAnswer as error:
             raise NoAnswer(f"weight transfer, {method} on every engine: {error}") from None
+        except Exception as error:
+            failed = ", ".join(self._failed(calls)) or "an engine"
+            raise TransferFailed(f"weight transfer, {method}: {failed} failed: {error}") from error
+
+    def _failed(self, calls: list[Any]) -> list[str]:
+        """The engines whose call has ended in an error, as 'rollout rank R on pool P'."""
+        import ray
+
+        ended = {ref.binary() for ref in ray.wait(calls, num_returns=len(calls), timeout=0)[0]}
+        failed = []
+        for rank, call in enumerate(calls):
+            if call.binary() in ended:
+                try:
+                    ray.get(call)
+                except Exception:
+                    pool = self.engines.slots[rank].pool
+                    failed.append(f"{self.engines.role.value} rank {rank} on pool {pool}")
+        return failed
+
+
+class TransferFailed(RuntimeError):
+    """An engine's part of a weight transfer failed (its process died, say)."""

@@ -143,9 +143,15 @@ class Actor(Trainable):
         info = trainer_init_info(backend, self.info.rank, setup)
         source = PolicySource(self.model, self.tied, self.engine_dtype)
         self.engines = engines
-        self.transfer = WeightTransferTrainerFactory.trainer_init(
-            info, client=engines, source=source
-        )
+        try:
+            self.transfer = WeightTransferTrainerFactory.trainer_init(
+                info, client=engines, source=source
+            )
+        except Exception as error:
+            raise RuntimeError(
+                f"the {backend} weight transfer from actor rank {self.info.rank} on pool "
+                f"{self.info.pool} to the rollout engines could not start: {error}"
+            ) from error
 
     def send_weights(self, version: int) -> None:
         """Hand the policy to every engine as `version`, and return once they serve it.

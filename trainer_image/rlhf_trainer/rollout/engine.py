@@ -83,7 +83,8 @@ from rlhf_trainer.rollout.engine_restart import (
     utility,
 )
 from rlhf_trainer.rollout.engine_settings import build_llm, engine_settings, sampling_params
-from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, WeightStore, transfer_backend
+from rlhf_trainer.rollout.transfer_memory import WeightStore
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, transfer_backend
 from rlhf_trainer.telemetry.engine_stats import EngineStats, across_restarts, read_engine_stats
 
 T = TypeVar("T")

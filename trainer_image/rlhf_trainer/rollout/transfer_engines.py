@@ -20,7 +20,7 @@ module, which registers the backend.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Self
@@ -45,13 +45,11 @@ from vllm.distributed.weight_transfer.factory import (
 )
 
 from rlhf_trainer.rollout.engine_weights import is_engine_weight, refresh_tied_lm_head
+from rlhf_trainer.rollout.transfer_memory import Ring, Segments, SyncGroup
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     HOST_TRANSFER,
     Bucket,
-    Ring,
-    Segments,
-    SyncGroup,
     TransferSetup,
     WeightSpec,
     pack_bucket,
@@ -217,15 +215,27 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
         worker_init = {"remote": remote, "slot_bytes": engine.ring.slot}
         worker_init |= {"address": init_info.master_address, "port": init_info.master_port}
         worker_init |= {"timeout_s": init_info.timeout_s}
-        # The engines on other nodes join the gloo group inside this call: together.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, worker_init)
-            if remote:
-                timeout = timedelta(seconds=init_info.timeout_s)
-                engine.group = SyncGroup.create(
-                    init_info.master_address, init_info.master_port, 0, 1 + len(remote), timeout
-                )
-            joined.result()
+        # The engines on other nodes join the gloo group inside the call: together, and
+        # whichever side fails first says why (the other would wait for its timeout).
+        pool = ThreadPoolExecutor(max_workers=2)
+        joining = [pool.submit(client.init_weight_transfer_engine, worker_init)]
+        if remote:
+            timeout = timedelta(seconds=init_info.timeout_s)
+            address, port = init_info.master_address, init_info.master_port
+            group = pool.submit(SyncGroup.create, address, port, 0, 1 + len(remote), timeout)
+            joining.append(group)
+        try:
+            for future in wait(joining, return_when=FIRST_EXCEPTION).done:
+                future.result()
+            for future in joining:
+                future.result()
+        except BaseException:
+            engine.shutdown()
+            raise
+        finally:
+            pool.shutdown(wait=False)
+        if remote:
+            engine.group = joining[1].result()
         return engine
 
     def send_weights(self) -> None:

@@ -13,7 +13,8 @@ from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
-from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, Relay, Segments
+from rlhf_trainer.rollout.transfer_memory import Relay, Segments
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket
 from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 

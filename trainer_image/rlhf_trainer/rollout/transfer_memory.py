@@ -1,0 +1,283 @@
+"""The memory the `rlhf_host` weight transfer's buckets pass through (`weight_sync`
+has their format): named shared-memory segments, the rings of two slots that buckets
+take turns in, the gloo group and relay that reach an engine on another node (another
+pod: /dev/shm is per pod), and the copy of the last weights an engine keeps for a
+restart.
+
+The sender's ring has `RING_SLOTS` slots, each as large as the largest bucket; bucket
+k goes to slot k % RING_SLOTS. An engine on the sender's node reads its bucket straight
+from there, so each byte is copied twice: into the ring, and from the ring into the
+engine's parameters. An engine on another node receives each bucket over the gloo
+group into a ring of its own, at the same offset, and its vLLM worker reads it there.
+
+Peak extra memory: on the sender, its ring (RING_SLOTS x the largest bucket); on an
+engine on another node, the same; on every engine, whatever vLLM's loader keeps, and
+with restarts allowed one copy of the model (`WeightStore`).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._C._distributed_c10d import (
+    PrefixStore,
+    ProcessGroup,
+    ProcessGroupGloo,
+    Store,
+    TCPStore,
+)
+
+from rlhf_trainer.rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    TransferError,
+    bucket_views,
+    pack_bucket,
+    plan_buckets,
+    weight_specs,
+)
+
+RING_SLOTS = 2  # the sender fills one slot while the engines read the other
+SHM_DIR = Path("/dev/shm")
+SENDER = 0  # the gloo group's rank 0 sends
+
+
+class Segment:
+    """A named shared-memory file under /dev/shm, mapped as a flat uint8 tensor.
+
+    `create` allocates it whole (so a full /dev/shm fails here, naming the size, rather
+    than as a SIGBUS on a later write) and removes the file on `close`; `attach` maps
+    one that exists. Names are unique per creation: a mapping never outlives its file's
+    contents being replaced."""
+
+    def __init__(self, name: str, tensor: Tensor, owner: bool) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.owner = owner
+
+    @classmethod
+    def create(cls, prefix: str, nbytes: int) -> Segment:
+        name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                if nbytes:
+                    os.posix_fallocate(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            path.unlink(missing_ok=True)
+            raise TransferError(
+                f"cannot create a shared-memory segment of {nbytes / 2**20:.1f} MiB in "
+                f"{SHM_DIR}: {error.strerror or error} (a pod's /dev/shm is its "
+                "memory-backed emptyDir: raise its size, or lower the bucket size)"
+            ) from error
+        return cls(name, _map(path, nbytes), owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        path = SHM_DIR / name
+        try:
+            nbytes = path.stat().st_size
+        except OSError as error:
+            raise TransferError(
+                f"no shared-memory segment {name} in {SHM_DIR}: {error.strerror} (is the "
+                "sender on another node or pod? Its engines take the weights over gloo)"
+            ) from error
+        return cls(name, _map(path, nbytes), owner=False)
+
+    def close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if self.owner:
+            (SHM_DIR / self.name).unlink(missing_ok=True)
+            self.owner = False
+
+
+def _map(path: Path, nbytes: int) -> Tensor:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+@dataclass
+class Segments:
+    """The segments one side has mapped, by name, attached on first use."""
+
+    mapped: dict[str, Segment] = field(default_factory=dict)
+
+    def region(self, bucket: Bucket) -> Tensor:
+        segment = self.mapped.get(bucket.segment)
+        if segment is None:
+            segment = self.mapped[bucket.segment] = Segment.attach(bucket.segment)
+        if bucket.offset + bucket.nbytes > segment.tensor.numel():
+            raise TransferError(f"bucket past the end of segment {bucket.segment}")
+        return segment.tensor[bucket.offset : bucket.offset + bucket.nbytes]
+
+    def read(self, bucket: Bucket) -> list[tuple[str, Tensor]]:
+        """The bucket's tensors, as views of the shared memory (no copy)."""
+        return bucket_views(self.region(bucket), bucket)
+
+    def close(self) -> None:
+        for segment in self.mapped.values():
+            segment.close()
+        self.mapped.clear()
+
+
+class Ring:
+    """`RING_SLOTS` slots of shared memory that buckets pass through, in turn."""
+
+    def __init__(self, prefix: str, slot: int) -> None:
+        self.slot = slot
+        self.segment = Segment.create(prefix, RING_SLOTS * slot)
+
+    def place(self, index: int, bucket: Bucket) -> Bucket:
+        """Bucket number `index` of a transfer, placed in its slot of this ring."""
+        if bucket.nbytes > self.slot:
+            raise TransferError(f"a bucket of {bucket.nbytes} bytes, slots of {self.slot}")
+        return bucket.at(self.segment.name, (index % RING_SLOTS) * self.slot)
+
+    def region(self, bucket: Bucket) -> Tensor:
+        return self.segment.tensor[bucket.offset : bucket.offset + bucket.nbytes]
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+class Relay:
+    """An engine on another node than the sender: it takes each bucket over the gloo
+    group into a ring of its own, at the sender's offset, for its vLLM worker to read."""
+
+    def __init__(self, group: SyncGroup, ring: Ring) -> None:
+        self.group = group
+        self.ring = ring
+
+    @classmethod
+    def join(cls, init_info: Mapping[str, Any], engine_rank: int) -> Relay | None:
+        """Join the sender's gloo group if `engine_rank` is among the remote engines of
+        `init_info` (the host transfer's worker init, `HostTrainerWeightTransferEngine`);
+        None for an engine on the sender's node. Returns once all have joined."""
+        remote = list(init_info["remote"])
+        if engine_rank not in remote:
+            return None
+        ring = Ring("rlhf-relay", int(init_info["slot_bytes"]))
+        try:
+            group = SyncGroup.create(
+                init_info["address"], int(init_info["port"]), 1 + remote.index(engine_rank),
+                1 + len(remote), timedelta(seconds=float(init_info["timeout_s"])),
+            )  # fmt: skip
+        except BaseException:
+            ring.close()
+            raise
+        return cls(group, ring)
+
+    def receive(self, bucket: Bucket) -> Bucket:
+        """Receive the bucket the sender broadcasts; returns where it is now."""
+        placed = bucket.at(self.ring.segment.name, bucket.offset)
+        self.group.broadcast(self.ring.region(placed))
+        return placed
+
+    def close(self) -> None:
+        self.group.close()
+        self.ring.close()
+
+
+class WeightStore:
+    """The last weights an engine loaded, whole, in a segment of its own: what a
+    restarted engine reloads before it serves. Filled bucket by bucket as the engine
+    loads them (`keep`), valid once a transfer is complete (`commit`)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.segment: Segment | None = None
+        self.incoming: list[Bucket] = []
+        self.latest: tuple[list[Bucket], int] | None = None  # (buckets, version)
+
+    def keep(self, bucket: Bucket, source: Tensor) -> None:
+        """Copy one bucket (its bytes in `source`) into the store."""
+        if self.segment is None or self.segment.tensor.numel() != bucket.model_bytes:
+            self.close()
+            self.segment = Segment.create(self.prefix, bucket.model_bytes)
+        place = bucket.at(self.segment.name, bucket.stored_at)
+        self.segment.tensor[place.offset : place.offset + place.nbytes].copy_(source)
+        self.incoming.append(place)
+
+    def fill(self, weights: Mapping[str, Tensor], layers: Sequence[Sequence[str]]) -> None:
+        """Put whole weights in the store as one transfer would (to load them)."""
+        for bucket in plan_buckets(weight_specs(weights), DEFAULT_BUCKET_BYTES, layers):
+            memory = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            pack_bucket(memory, bucket, weights)
+            self.keep(bucket, memory)
+
+    def commit(self, version: int) -> None:
+        self.latest, self.incoming = (self.incoming, version), []
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+        self.segment, self.latest, self.incoming = None, None, []
+
+
+class SyncGroup:
+    """A standalone gloo group: the sender (rank 0) and the engines on other nodes.
+
+    Built from a `TCPStore` that rank 0 hosts on `port`, never registered with
+    torch.distributed: the default process group (if any) is neither used nor changed.
+    """
+
+    def __init__(self, process_group: ProcessGroup, store: Store) -> None:
+        self._pg: ProcessGroup | None = process_group
+        self._store: Store | None = store
+        self.rank = process_group.rank()
+        self.world_size = process_group.size()
+
+    @classmethod
+    def create(
+        cls, host: str, port: int, rank: int, world_size: int, timeout: timedelta
+    ) -> SyncGroup:
+        """Join the group; every rank calls this and it returns once all have joined."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a group of {world_size}")
+        tcp_store = TCPStore(
+            host, port, world_size, is_master=rank == SENDER, timeout=timeout,
+            wait_for_workers=False,
+        )  # fmt: skip
+        store = PrefixStore("weight-sync/", tcp_store)
+        pg = ProcessGroup(store, rank, world_size)
+        backend = ProcessGroupGloo(store, rank, world_size, timeout)
+        backend._set_sequence_number_for_group()
+        pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+        return cls(pg, tcp_store)
+
+    def broadcast(self, tensor: Tensor) -> None:
+        """Broadcast `tensor` (in host memory) from the sender, in place."""
+        if self._pg is None:
+            raise RuntimeError("the sync group is closed")
+        self._pg.broadcast(tensor, SENDER).wait()
+
+    def close(self) -> None:
+        """Leave the group and release its connections; idempotent."""
+        pg, self._pg, self._store = self._pg, None, None
+        if pg is not None:
+            pg.shutdown()
+
+    def __enter__(self) -> SyncGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
