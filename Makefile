@@ -120,7 +120,7 @@ bench-algorithms: install  ## benchmark: PPO (critic) vs GRPO (no critic), same 
 bench-learning: install  ## benchmark: held-out reward of sync, split and fully async, same samples (~40 min)
 	$(PY) -m bench.learning.run
 
-bench-weight-sync: install  ## benchmark: handing a 325 MB policy to an engine, by transport, vs memcpy
+bench-weight-sync: install  ## benchmark: a 400 MB policy into one and two vLLM engines, end to end, vs memcpy
 	$(PY) -m bench.weight_sync.run
 
 bench-real-model: install real-model  ## benchmark: the real instruct model's generation and training tokens/s (about 10 minutes)

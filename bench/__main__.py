@@ -47,7 +47,12 @@ HEADLINES = {  # name -> the figures its summary shows
         "async-s0.5.samples_per_s",
         "sync-colocated.samples_per_s",
     ],
-    "weight_sync": ["broadcast_of_memcpy", "broadcast.gb_per_s", "object_store.gb_per_s"],
+    "weight_sync": [
+        "transfer_one_of_memcpy",
+        "end_to_end_one_of_memcpy",
+        "end_to_end_two_of_memcpy",
+        "memcpy.gb_per_s",
+    ],
     "real_model": ["fp32.generation_tokens_per_s", "fp32.actor_training_tokens_per_s"],
     "gpu_train_step": ["actor_bf16.mfu", "actor_bf16.tokens_per_s", "autocast.tokens_per_s"],
     "contention": ["slowdown"],

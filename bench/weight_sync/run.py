@@ -45,13 +45,15 @@ MODEL_DIR = Path("/tmp/rlhf-bench-weight-sync")
 
 
 class CopyingEnd:
-    """The receiving end of an engine without the engine: each bucket copied out."""
+    """The receiving end of an engine without the engine: each bucket copied out, into
+    tensors of its own that stay (as an engine's parameters do)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.relay: Relay | None = None
         self.segments = Segments()
         self.copied = 0
+        self.parameters: dict[str, torch.Tensor] = {}
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.relay = Relay.join(init_info, self.rank)
@@ -63,10 +65,11 @@ class CopyingEnd:
         bucket = Bucket.from_dict(update_info)
         if self.relay is not None:
             bucket = self.relay.receive(bucket)
-        self.copied += sum(view.clone().nbytes for _, view in self.segments.read(bucket))
+        for name, view in self.segments.read(bucket):
+            kept = self.parameters.setdefault(name, torch.empty_like(view))
+            self.copied += kept.copy_(view).nbytes
 
     def finish_weight_update(self, version: int) -> int:
-        self.segments.close()
         return self.copied
 
 
@@ -88,7 +91,6 @@ class Engine(CopyingEnd):
 
     def finish_weight_update(self, version: int) -> int:
         self.engine.close_update(version)
-        self.segments.close()
         return self.engine.served_version()
 
 

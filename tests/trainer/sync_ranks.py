@@ -157,7 +157,7 @@ def _engine(index: int, sender: Connection) -> dict[str, Any]:
             elif method == "finish":
                 out["loads"].append(loaded)
                 out["versions"].append(args[0])
-                segments.close()
+                segments.prune()
             elif method == "close":
                 sender.send("ok")
                 break

@@ -8,6 +8,7 @@ restart) is tested with real engines in test_rollout_vllm.py and test_rollout_as
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,22 @@ def test_a_segment_that_cannot_be_made_names_its_size_and_why(
     monkeypatch.setattr(transfer_memory, "SHM_DIR", tmp_path / "missing")
     with pytest.raises(TransferError, match=r"segment of 2\.0 MiB .*No such file"):
         Segment.create("rlhf-test", 2 * 2**20)
+
+
+def test_segments_of_processes_killed_outright_are_removed_by_the_next_create(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(transfer_memory, "SHM_DIR", tmp_path)
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    orphan = tmp_path / f"rlhf-weights-{exited.pid}-0123456789ab"
+    orphan.write_bytes(b"left behind")
+    alive = Segment.create("rlhf-test", 16)  # by this live process
+    again = Segment.create("rlhf-test", 16)
+    assert not orphan.exists() and (tmp_path / alive.name).exists()
+    assert (tmp_path / again.name).exists(), "a live process's segments stay"
+    alive.close()
+    again.close()
 
 
 def test_the_store_keeps_the_last_complete_weights() -> None:

@@ -134,4 +134,4 @@ class StoppingReceiver(Worker):
         self.segments.read(bucket)
 
     def finish_weight_update(self, weight_version: int) -> None:
-        self.segments.close()
+        self.segments.prune()

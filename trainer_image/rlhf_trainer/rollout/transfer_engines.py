@@ -138,6 +138,7 @@ class HostWeightTransferEngine(WeightTransferEngine[HostInitInfo, HostUpdateInfo
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
+        self.segments.prune()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base waits for the accelerator here; on CPU there is none.
@@ -151,7 +152,6 @@ class HostWeightTransferEngine(WeightTransferEngine[HostInitInfo, HostUpdateInfo
 
         finalize_layerwise_reload(self.model, self.model_config)
         refresh_tied_lm_head(self.model)
-        self.segments.close()  # a ring may be gone by the next update
 
     def shutdown(self) -> None:
         self.segments.close()

@@ -18,6 +18,7 @@ with restarts allowed one copy of the model (`WeightStore`).
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +48,9 @@ from rlhf_trainer.rollout.weight_sync import (
 )
 
 RING_SLOTS = 2  # the sender fills one slot while the engines read the other
-SHM_DIR = Path("/dev/shm")
+# Memory-backed on Linux (a pod's is an emptyDir of medium Memory); elsewhere a temp dir.
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+PREFIX = "rlhf-"  # every segment's name: PREFIX...-<creator's pid>-<random>
 SENDER = 0  # the gloo group's rank 0 sends
 
 
@@ -57,7 +60,8 @@ class Segment:
     `create` allocates it whole (so a full /dev/shm fails here, naming the size, rather
     than as a SIGBUS on a later write) and removes the file on `close`; `attach` maps
     one that exists. Names are unique per creation: a mapping never outlives its file's
-    contents being replaced."""
+    contents being replaced. A process killed outright leaves its files behind: each
+    `create` first removes those of processes that are gone."""
 
     def __init__(self, name: str, tensor: Tensor, owner: bool) -> None:
         self.name = name
@@ -66,6 +70,9 @@ class Segment:
 
     @classmethod
     def create(cls, prefix: str, nbytes: int) -> Segment:
+        if not prefix.startswith(PREFIX):
+            raise ValueError(f"a segment's name starts with {PREFIX!r}, not {prefix!r}")
+        remove_orphans()
         name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         path = SHM_DIR / name
         try:
@@ -103,6 +110,27 @@ class Segment:
             self.owner = False
 
 
+def remove_orphans() -> list[str]:
+    """Remove the segments whose creator is no longer alive; returns their names."""
+    removed = []
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        pid = path.name.rsplit("-", 2)[-2] if path.name.count("-") >= 2 else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
+
+
 def _map(path: Path, nbytes: int) -> Tensor:
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -111,7 +139,9 @@ def _map(path: Path, nbytes: int) -> Tensor:
 
 @dataclass
 class Segments:
-    """The segments one side has mapped, by name, attached on first use."""
+    """The segments one side has mapped, by name, attached on first use and kept from
+    one update to the next (a fresh mapping would fault every page in again); `prune`
+    drops those whose file is gone (a ring closed by its sender)."""
 
     mapped: dict[str, Segment] = field(default_factory=dict)
 
@@ -126,6 +156,10 @@ class Segments:
     def read(self, bucket: Bucket) -> list[tuple[str, Tensor]]:
         """The bucket's tensors, as views of the shared memory (no copy)."""
         return bucket_views(self.region(bucket), bucket)
+
+    def prune(self) -> None:
+        for name in [n for n in self.mapped if not (SHM_DIR / n).exists()]:
+            self.mapped.pop(name).close()
 
     def close(self) -> None:
         for segment in self.mapped.values():

@@ -55,6 +55,7 @@ class EngineWorker(Worker):
     def start_weight_update(self) -> None:
         """Pause (a partial rollout: requests in flight keep their tokens) and open an
         update. A paused engine stays paused until the update is done."""
+        self.segments.prune()
         self.engine.open_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -73,7 +74,6 @@ class EngineWorker(Worker):
         """Serve the new weights as `weight_version` (and resume, if the update paused
         the engine). An engine that died meanwhile was restarted with them."""
         self.engine.close_update(weight_version)
-        self.segments.close()
 
     def weight_version(self) -> int:
         """The version of the weights the engine serves."""
