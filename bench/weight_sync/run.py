@@ -34,7 +34,7 @@ from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model, write_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.transfer_memory import Relay, Segments
-from rlhf_trainer.rollout.weight_sync import Bucket, TransferSetup
+from rlhf_trainer.rollout.weight_sync import Bucket, EngineFanOut, TransferSetup
 from rlhf_trainer.worker import free_port
 
 REPEATS = 5
@@ -94,28 +94,16 @@ class Engine(CopyingEnd):
         return self.engine.served_version()
 
 
-class Client:
-    """vLLM's `VLLMWeightSyncClient` over the bench's engine actors."""
+class Client(EngineFanOut):
+    """vLLM's `VLLMWeightSyncClient` over the bench's engine actors; keeps the answers
+    of the last call (the finish: each engine's version, or what it copied)."""
 
     def __init__(self, engines: list[Any]) -> None:
         self.engines = engines
-        self.version = 0
         self.answers: list[Any] = []
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._all("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._all("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.answers = self._all("finish_weight_update", self.version)
-
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return list(ray.get([getattr(e, method).remote(*args) for e in self.engines]))
+    def _on_every_engine(self, method: str, *args: Any) -> None:
+        self.answers = ray.get([getattr(e, method).remote(*args) for e in self.engines])
 
 
 class Sender:

@@ -24,7 +24,7 @@ from torch import Tensor
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model
 from rlhf_trainer.rollout.transfer_memory import Relay, Segments
-from rlhf_trainer.rollout.weight_sync import Bucket, TransferSetup
+from rlhf_trainer.rollout.weight_sync import Bucket, EngineFanOut, TransferSetup
 from rlhf_trainer.worker import free_port
 
 TINY = TinyModel(hidden_size=64, num_layers=3, num_heads=2, vocab_size=32)
@@ -67,29 +67,16 @@ def _main(
     torch.save(fn(rank, ends, port, *args), results / f"rank-{rank}.pt")
 
 
-class PipeClient:
-    """vLLM's `VLLMWeightSyncClient`, each call sent to every engine and answered."""
+class PipeClient(EngineFanOut):
+    """vLLM's `VLLMWeightSyncClient` over pipes: each call sent to every engine."""
 
     def __init__(self, engines: list[Connection]) -> None:
         self.engines = engines
-        self.version = 0
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all("init", init_info)
-
-    def start_weight_update(self) -> None:
-        self._all("start")
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._all("update", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._all("finish", self.version)
 
     def close(self) -> None:
-        self._all("close")
+        self._on_every_engine("close")
 
-    def _all(self, method: str, *args: Any) -> None:
+    def _on_every_engine(self, method: str, *args: Any) -> None:
         for engine in self.engines:
             engine.send((method, args))
         for engine in self.engines:
@@ -142,19 +129,19 @@ def _engine(index: int, sender: Connection) -> dict[str, Any]:
     while True:
         method, args = sender.recv()
         try:
-            if method == "init":
+            if method == "init_weight_transfer_engine":
                 relay = Relay.join(args[0], index)
-            elif method == "start":
+            elif method == "start_weight_update":
                 loaded = {}
                 out["buckets"].append([])
-            elif method == "update":
+            elif method == "update_weights":
                 bucket = Bucket.from_dict(args[0])
                 if relay is not None:
                     bucket = relay.receive(bucket)
                 out["segments"].add(bucket.segment)
                 out["buckets"][-1].append(bucket.names)
                 loaded.update((name, view.clone()) for name, view in segments.read(bucket))
-            elif method == "finish":
+            elif method == "finish_weight_update":
                 out["loads"].append(loaded)
                 out["versions"].append(args[0])
                 segments.prune()

@@ -63,7 +63,9 @@ ResourceName = Annotated[
     ),
 ]
 SHM_SIZE_DESCRIPTION = (
-    "Size limit of the pod's /dev/shm (memory-backed: NCCL and Ray's object store use it; "
+    "Size limit of the pod's /dev/shm (memory-backed: NCCL and Ray's object store use it, "
+    "and on CPU pools the weight transfer: two buckets on the actor's pod and on each "
+    "engine's from another pod, and a copy of the policy per engine that may restart; "
     "it counts against the pod's memory). Unset: bounded by the memory limit only."
 )
 

@@ -11,31 +11,16 @@ from typing import Any
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.hangs import NoAnswer
+from rlhf_trainer.rollout.weight_sync import EngineFanOut
 
 
-class EngineGroupClient:
+class EngineGroupClient(EngineFanOut):
     """vLLM's `VLLMWeightSyncClient`, fanned out to the rollout group's engines."""
 
     def __init__(self, engines: WorkerGroup, timeout_s: float) -> None:
         # Without the driver's futures of the group (`ready`): only the handles travel.
         self.engines = WorkerGroup(engines.role, engines.slots, engines.hosts, [])
         self.timeout_s = timeout_s
-        # What the next finish_weight_update labels the weights (set before each
-        # send: vLLM's NCCL and IPC engines finish without a version).
-        self.version = 0
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._on_every_engine("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._on_every_engine("start_weight_update")
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._on_every_engine("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        version = self.version if weight_version is None else int(weight_version)
-        self._on_every_engine("finish_weight_update", version)
 
     def _on_every_engine(self, method: str, *args: Any) -> None:
         calls = self.engines.run(method, *args, phase=Phase.SYNC_WEIGHTS)
