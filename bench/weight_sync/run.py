@@ -102,8 +102,11 @@ class Client(EngineFanOut):
         self.engines = engines
         self.answers: list[Any] = []
 
-    def _on_every_engine(self, method: str, *args: Any) -> None:
-        self.answers = ray.get([getattr(e, method).remote(*args) for e in self.engines])
+    def submit(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(engine, method).remote(*args) for engine in self.engines]
+
+    def wait(self, sent: list[Any]) -> None:
+        self.answers = ray.get(sent)
 
 
 class Sender:

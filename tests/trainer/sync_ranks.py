@@ -74,11 +74,13 @@ class PipeClient(EngineFanOut):
         self.engines = engines
 
     def close(self) -> None:
-        self._on_every_engine("close")
+        self.wait(self.submit("close"))
 
-    def _on_every_engine(self, method: str, *args: Any) -> None:
+    def submit(self, method: str, *args: Any) -> None:
         for engine in self.engines:
             engine.send((method, args))
+
+    def wait(self, sent: None) -> None:
         for engine in self.engines:
             answer = engine.recv()
             if answer != "ok":

@@ -22,8 +22,11 @@ class EngineGroupClient(EngineFanOut):
         self.engines = WorkerGroup(engines.role, engines.slots, engines.hosts, [])
         self.timeout_s = timeout_s
 
-    def _on_every_engine(self, method: str, *args: Any) -> None:
-        calls = self.engines.run(method, *args, phase=Phase.SYNC_WEIGHTS)
+    def submit(self, method: str, *args: Any) -> tuple[str, list[Any]]:
+        return method, self.engines.run(method, *args, phase=Phase.SYNC_WEIGHTS)
+
+    def wait(self, sent: tuple[str, list[Any]]) -> None:
+        method, calls = sent
         try:
             join(calls, self.timeout_s)
         except NoAnswer as error:

@@ -19,8 +19,9 @@ module, which registers the backend.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Self
@@ -45,11 +46,12 @@ from vllm.distributed.weight_transfer.factory import (
 )
 
 from rlhf_trainer.rollout.engine_weights import is_engine_weight, refresh_tied_lm_head
-from rlhf_trainer.rollout.transfer_memory import Ring, Segments, SyncGroup
+from rlhf_trainer.rollout.transfer_memory import RING_SLOTS, Ring, Segments, SyncGroup
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     HOST_TRANSFER,
     Bucket,
+    EngineFanOut,
     TransferSetup,
     WeightSpec,
     pack_bucket,
@@ -176,7 +178,8 @@ class HostTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]  # vLLM is unt
 
 class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerInitInfo]):  # type: ignore[misc]  # vLLM is untyped here
     """Fills the ring bucket by bucket and has the engines load each bucket while it
-    fills the next (two slots), broadcasting to the engines on other nodes meanwhile."""
+    fills the next (two slots), broadcasting to the engines on other nodes meanwhile.
+    Its client is an `EngineFanOut`, whose calls can be sent ahead of their answers."""
 
     init_info_cls = HostTrainerInitInfo
 
@@ -245,26 +248,29 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
                 pass
             return
         assert self.ring is not None
-        self.client.start_weight_update()
+        client = self.client
+        if not isinstance(client, EngineFanOut):
+            raise TypeError(f"the {HOST} transfer needs an EngineFanOut client, not {client!r}")
+        client.start_weight_update()
         layers = self.source.iter_groups()
-        loading: Future[None] | None = None
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            for index, bucket in enumerate(self.plan):
-                placed = self.ring.place(index, bucket)
-                tensors: dict[str, Tensor] = {}
-                while len(tensors) < len(bucket.names):
-                    names, values = next(layers)
-                    tensors.update(zip(names, values, strict=True))
-                # The slot was last read two buckets ago, which has been loaded.
-                pack_bucket(self.ring.region(placed), placed, tensors)
-                if loading is not None:
-                    loading.result()
-                loading = pool.submit(self.client.update_weights, placed.to_dict())
-                if self.group is not None:
-                    self.group.broadcast(self.ring.region(placed))
-            if loading is not None:
-                loading.result()
-        self.client.finish_weight_update()
+        # Up to RING_SLOTS buckets in the engines' hands at once: each engine has the
+        # next one queued when it finishes one (its calls run in the order sent).
+        loading: deque[Any] = deque()
+        for index, bucket in enumerate(self.plan):
+            if len(loading) == RING_SLOTS:
+                client.wait(loading.popleft())  # this bucket's slot is free again
+            placed = self.ring.place(index, bucket)
+            tensors: dict[str, Tensor] = {}
+            while len(tensors) < len(bucket.names):
+                names, values = next(layers)
+                tensors.update(zip(names, values, strict=True))
+            pack_bucket(self.ring.region(placed), placed, tensors)
+            loading.append(client.submit("update_weights", placed.to_dict()))
+            if self.group is not None:
+                self.group.broadcast(self.ring.region(placed))
+        while loading:
+            client.wait(loading.popleft())
+        client.finish_weight_update()
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -56,26 +56,33 @@ class TransferSetup:
 
 class EngineFanOut:
     """vLLM's `VLLMWeightSyncClient` for a set of engines: each of its four calls made
-    on every engine (`_on_every_engine`: how, the subclass's business). `version` is
-    what the next `finish_weight_update` labels the weights: vLLM's NCCL and IPC engines
-    finish without one, so the sender sets it before each send."""
+    on every engine. A call can also be sent now and its answers awaited later
+    (`submit`, `wait`: how, the subclass's business); each engine runs the calls in the
+    order they were sent. `version` is what the next `finish_weight_update` labels
+    the weights: vLLM's NCCL and IPC engines finish without one, so the sender sets it
+    before each send."""
 
     version = 0
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._on_every_engine("init_weight_transfer_engine", init_info)
+        self.wait(self.submit("init_weight_transfer_engine", init_info))
 
     def start_weight_update(self) -> None:
-        self._on_every_engine("start_weight_update")
+        self.wait(self.submit("start_weight_update"))
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._on_every_engine("update_weights", update_info)
+        self.wait(self.submit("update_weights", update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         version = self.version if weight_version is None else int(weight_version)
-        self._on_every_engine("finish_weight_update", version)
+        self.wait(self.submit("finish_weight_update", version))
 
-    def _on_every_engine(self, method: str, *args: Any) -> Any:
+    def submit(self, method: str, *args: Any) -> Any:
+        """Send the call to every engine; returns what `wait` takes."""
+        raise NotImplementedError
+
+    def wait(self, sent: Any) -> Any:
+        """Wait for every engine's answer to a call `submit` sent; raise its failure."""
         raise NotImplementedError
 
 
