@@ -1,0 +1,162 @@
+"""How a rollout engine takes new weights, through vLLM's weight-transfer API
+(`transfer_engines`); mixed into `engine.RolloutEngine`.
+
+A weight update is `open_update()` -> `load_bucket()` per bucket -> `close_update(version)`:
+
+- `open_update` pauses a running engine with vLLM's
+  `pause_generation(mode="keep", clear_cache=False)`: the scheduler stops stepping and
+  in-flight requests stay where they are (tokens, log-probs, sampler state) - a partial
+  rollout, not an abort - then `start_weight_update`.
+- `load_bucket` is vLLM's `update_weights`: the transfer engine in vLLM's worker loads
+  the bucket into the model.
+- `close_update` is `finish_weight_update(weight_version=...)`, which labels the
+  engine's outputs with the new version, then
+  `reset_prefix_cache(reset_running_requests=True)`, then `resume_generation()` if
+  `open_update` paused the engine. An update that fails leaves the engine paused: it
+  never serves a half-loaded model.
+
+`load_weights` and `update_weights` take whole weights (tests, a local engine) through
+the same calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
+
+from torch import Tensor
+
+from rlhf_trainer.rollout.engine_restart import utility
+from rlhf_trainer.rollout.transfer_memory import WeightStore
+from rlhf_trainer.rollout.weight_sync import Bucket
+
+T = TypeVar("T")
+
+
+class WeightUpdates:
+    """The weight updates of `RolloutEngine`, which provides what is declared here."""
+
+    _llm: Any
+    store: WeightStore | None  # the weights a restarted engine reloads
+    policy_version: int
+    _transfer_init: dict[str, Any]
+    _updating: bool  # between open_update and close_update
+    _resume_after_update: bool  # open_update paused a running engine
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        raise NotImplementedError
+
+    async def _alive(self, operation: Callable[[Any], Awaitable[T]]) -> T:
+        raise NotImplementedError
+
+    async def _pause(self, llm: Any) -> None:
+        raise NotImplementedError
+
+    async def _resume(self, llm: Any) -> None:
+        raise NotImplementedError
+
+    def init_transfer(self, init_info: dict[str, Any]) -> None:
+        """Set up vLLM's weight-transfer engine (vLLM's `init_weight_transfer_engine`)."""
+        self._transfer_init = init_info
+        self.call(self._alive(self._init_transfer))
+
+    async def _init_transfer(self, llm: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        request = WeightTransferInitRequest(self._transfer_init)
+        await utility(llm, llm.init_weight_transfer_engine(request))
+
+    def open_update(self) -> None:
+        """Pause a running engine (its requests keep their tokens) and start an update."""
+
+        async def start(llm: Any) -> None:
+            if not await utility(llm, llm.is_paused()):
+                await self._pause(llm)
+                self._resume_after_update = True
+            await utility(llm, llm.start_weight_update())
+
+        self.call(self._alive(start))
+        self._updating = True
+
+    def load_bucket(self, update_info: dict[str, Any], memory: Tensor | None = None) -> None:
+        """Load one bucket of the update (vLLM's `update_weights`). `memory`: the
+        bucket's bytes here, for the store (a restarted engine reloads them)."""
+        if self.store is not None and memory is not None:
+            self.store.keep(Bucket.from_dict(update_info), memory)
+        self.call(self._alive(lambda llm: self._load_bucket(llm, update_info)))
+
+    def close_update(self, version: int) -> None:
+        """End the update: label what follows as `version`, drop the KV cache computed
+        with the old weights, and resume an engine that `open_update` paused."""
+        self.call(self._alive(lambda llm: self._finish(llm, version)))
+        self._updating = False
+        if self.store is not None:
+            self.store.commit(version)
+        if self._resume_after_update:
+            self._resume_after_update = False
+            self.call(self._alive(self._resume))
+
+    @staticmethod
+    async def _load_bucket(llm: Any, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await utility(llm, llm.update_weights(WeightTransferUpdateRequest(update_info)))
+
+    def served_version(self) -> int:
+        """The weight version vLLM labels its outputs with now."""
+        return int(self.call(self._alive(lambda llm: utility(llm, llm.get_weight_version()))))
+
+    async def _finish(self, llm: Any, version: int) -> None:
+        await utility(llm, llm.finish_weight_update(weight_version=str(version)))
+        if not await utility(llm, llm.reset_prefix_cache(reset_running_requests=True)):
+            raise RuntimeError("vLLM could not drop the KV cache of the old weights")
+        self.policy_version = version
+
+    async def _load(self, llm: Any, buckets: Sequence[Bucket], version: int | None) -> None:
+        """Load whole stored weights into `llm` (paused); `version` None: leave the
+        update open (it goes on)."""
+        await utility(llm, llm.start_weight_update())
+        for bucket in buckets:
+            await self._load_bucket(llm, bucket.to_dict())
+        if version is not None:
+            await self._finish(llm, version)
+
+    async def update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load whole new weights (checkpoint names). Call it between `pause` and
+        `resume`: in-flight requests lose their KV (computed with the old weights)
+        and re-prefill their prefix with the new weights on resume; the tokens they
+        generate from then on count as `version`."""
+        store = self._stored(weights)
+        buckets = store.incoming
+        llm = self._llm
+        if not await utility(llm, llm.is_paused()):
+            raise RuntimeError("update_weights needs a paused engine (call pause first)")
+        await self._alive(lambda llm: self._load(llm, buckets, version))
+        self._committed(store, version)
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load whole new weights and wait (from any other thread). A paused engine
+        stays paused; a running one pauses for the update and resumes on the new weights."""
+        store = self._stored(weights)
+        self.open_update()
+        for bucket in store.incoming:
+            self.load_bucket(bucket.to_dict())
+        self.close_update(version)  # commits the engine's own store
+        if store is not self.store:
+            store.close()
+
+    def _stored(self, weights: Iterable[tuple[str, Tensor]]) -> WeightStore:
+        """Whole weights as buckets in shared memory: the engine's store if it keeps
+        one, else one for this load."""
+        from vllm.distributed.weight_transfer.base import layerwise_groups
+
+        named = dict(weights)
+        store = self.store if self.store is not None else WeightStore("rlhf-load")
+        store.fill(named, layerwise_groups(list(named)))
+        return store
+
+    def _committed(self, store: WeightStore, version: int) -> None:
+        if store is self.store:
+            store.commit(version)
+        else:
+            store.close()
