@@ -26,12 +26,16 @@ from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
+from rlhf_trainer.rollout.transfer_engines import PolicySource
 from rlhf_trainer.telemetry.engine_stats import read_engine_stats
 from tests.trainer.local_runs import engine_cores
 
 TINY = TinyModel(architecture="qwen2", hidden_size=128, num_layers=2, num_heads=4, vocab_size=64)
 # float32 on both sides; what is left is kernel-order rounding (measured: ~1e-5).
 LOG_PROB_TOLERANCE = 1e-3
+# bfloat16 on both sides (8 bits of mantissa): vLLM's kernels and transformers' round
+# differently (measured: 1.1e-2 on the tiny model; stale weights: 3.2).
+BF16_LOG_PROB_TOLERANCE = 0.05
 MAX_TOKENS = 8
 
 
@@ -56,6 +60,13 @@ def engine(module_engine: RolloutEngine, model_dir: Path) -> RolloutEngine:
     original = AutoModelForCausalLM.from_pretrained(model_dir)
     module_engine.load_weights(rollout_state_dict(original).items(), version=0)
     return module_engine
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(model_dir: Path) -> Iterator[RolloutEngine]:
+    engine = RolloutEngine(model_dir, max_model_len=64, dtype="bfloat16", seed=0)
+    yield engine
+    engine.shutdown()
 
 
 def prompt_ids(count: int) -> list[list[int]]:
@@ -140,6 +151,27 @@ def test_sampled_log_probs_match_transformers_and_follow_a_weight_update(
             # ...and it learnt the copy: the update really reached the engine.
             assert rollout.response_token_ids == response
             assert rollout.finished
+
+
+def test_a_bf16_engine_takes_the_actors_weights_cast_by_the_sync_and_matches_them(
+    bf16_engine: RolloutEngine, model_dir: Path
+) -> None:
+    """trainer.precision bf16: the actor keeps fp32 masters and sends bf16 (the cast
+    happens as the sync packs its buckets); the engine runs in bf16. Its log-probs
+    match transformers' in bf16 on the new weights, and would not on the old ones."""
+    prompts = prompt_ids(6)
+    original = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    train_towards(policy, prompts, [[5, 6, 7, 8]] * len(prompts), steps=5)
+    sent = dict(PolicySource(policy, tied=True, dtype=torch.bfloat16))
+    assert {t.dtype for t in sent.values()} == {torch.bfloat16}
+    bf16_engine.load_weights(sent.items(), version=3)
+    rollouts = bf16_engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=1)
+    assert all(r.policy_version == 3 for r in rollouts)
+    diff = max_log_prob_diff(policy.to(torch.bfloat16), rollouts)
+    stale = max_log_prob_diff(original.to(torch.bfloat16), rollouts)
+    print(f"bf16 vLLM vs transformers log-prob max abs diff: {diff:.2e}; stale weights {stale:.2e}")
+    assert diff < BF16_LOG_PROB_TOLERANCE < stale
 
 
 def test_loading_the_original_weights_restores_the_original_outputs(
