@@ -46,7 +46,13 @@ from vllm.distributed.weight_transfer.factory import (
 )
 
 from rlhf_trainer.rollout.engine_weights import is_engine_weight, refresh_tied_lm_head
-from rlhf_trainer.rollout.transfer_memory import RING_SLOTS, Ring, Segments, SyncGroup
+from rlhf_trainer.rollout.transfer_memory import (
+    RING_SLOTS,
+    RelayInit,
+    Ring,
+    Segments,
+    SyncGroup,
+)
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     HOST_TRANSFER,
@@ -215,16 +221,14 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
         engine.plan = plan_buckets(specs, init_info.bucket_bytes, layers)
         engine.ring = Ring("rlhf-weights", slot_bytes(engine.plan))
         remote = init_info.remote_engines
-        worker_init = {"remote": remote, "slot_bytes": engine.ring.slot}
-        worker_init |= {"address": init_info.master_address, "port": init_info.master_port}
-        worker_init |= {"timeout_s": init_info.timeout_s}
+        address, port = init_info.master_address, init_info.master_port
+        relay = RelayInit(remote, address, port, engine.ring.slot, init_info.timeout_s)
         # The engines on other nodes join the gloo group inside the call: together, and
         # whichever side fails first says why (the other would wait for its timeout).
         pool = ThreadPoolExecutor(max_workers=2)
-        joining = [pool.submit(client.init_weight_transfer_engine, worker_init)]
+        joining = [pool.submit(client.init_weight_transfer_engine, relay.to_dict())]
         if remote:
             timeout = timedelta(seconds=init_info.timeout_s)
-            address, port = init_info.master_address, init_info.master_port
             group = pool.submit(SyncGroup.create, address, port, 0, 1 + len(remote), timeout)
             joining.append(group)
         try:

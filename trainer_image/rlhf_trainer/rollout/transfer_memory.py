@@ -21,7 +21,7 @@ import os
 import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -187,6 +187,22 @@ class Ring:
         self.segment.close()
 
 
+@dataclass(frozen=True)
+class RelayInit:
+    """What the sender tells every engine as the transfer is set up (vLLM's
+    `init_info`, as a dict): which engines are on other nodes (by rank), the sender's
+    gloo address, the ring's slot size, and how long the group's collectives wait."""
+
+    remote: list[int]
+    address: str
+    port: int
+    slot_bytes: int
+    timeout_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class Relay:
     """An engine on another node than the sender: it takes each bucket over the gloo
     group into a ring of its own, at the sender's offset, for its vLLM worker to read."""
@@ -198,16 +214,16 @@ class Relay:
     @classmethod
     def join(cls, init_info: Mapping[str, Any], engine_rank: int) -> Relay | None:
         """Join the sender's gloo group if `engine_rank` is among the remote engines of
-        `init_info` (the host transfer's worker init, `HostTrainerWeightTransferEngine`);
-        None for an engine on the sender's node. Returns once all have joined."""
-        remote = list(init_info["remote"])
-        if engine_rank not in remote:
+        `init_info` (a `RelayInit` as a dict); None for an engine on the sender's node.
+        Returns once all have joined."""
+        init = RelayInit(**init_info)
+        if engine_rank not in init.remote:
             return None
-        ring = Ring("rlhf-relay", int(init_info["slot_bytes"]))
+        ring = Ring("rlhf-relay", init.slot_bytes)
         try:
             group = SyncGroup.create(
-                init_info["address"], int(init_info["port"]), 1 + remote.index(engine_rank),
-                1 + len(remote), timedelta(seconds=float(init_info["timeout_s"])),
+                init.address, init.port, 1 + init.remote.index(engine_rank),
+                1 + len(init.remote), timedelta(seconds=init.timeout_s),
             )  # fmt: skip
         except BaseException:
             ring.close()
