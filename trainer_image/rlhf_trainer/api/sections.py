@@ -287,8 +287,8 @@ class TrainerConfig(SpecModel):
         ge=10,
         le=86_400,
         description=(
-            "How long forming the weight-sync group, or one transfer of the weights into "
-            "every engine, may take. Past it the job fails, naming each rank that did not "
+            "How long setting up the weight transfer, or each of its calls to the rollout "
+            "engines, may take. Past it the job fails, naming each rank that did not "
             "answer (stopped, hung or lost) and those left waiting for it."
         ),
     )

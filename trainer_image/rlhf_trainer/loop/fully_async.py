@@ -3,7 +3,7 @@ train on whatever has finished.
 
     rollouter (rollout pool) ──sample by sample──▶ queue ──B at a time──▶ train_on
           ▲                                                                │
-          └──── every K steps: broadcast weights, load them, admit ◀───────┘
+          └──── every K steps: hand over the weights, admit ◀─────────────┘
 
 Admission keeps generation at most `stalenessThreshold` ahead: after a weight sync the
 prompts still outstanding (in flight or queued, all of them now stale) count towards

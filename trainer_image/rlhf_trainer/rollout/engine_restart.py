@@ -9,8 +9,9 @@ the new engine (`RolloutEngine._alive`). A caller that saw an engine which has b
 replaced since does not restart the new one.
 
 The restart happens inside the rollout worker's process (its Ray actor): the same
-placement-group bundle, the same GPUs, the same weight-sync group (which belongs to
-this process, not to vLLM's engine core). Only vLLM's own engine is rebuilt.
+placement-group bundle, the same GPUs, the same relay of the weight transfer (which
+belongs to this process, not to vLLM's engine core). Only vLLM's own engine is rebuilt;
+it gets the weights this process keeps (`engine.RolloutEngine._restart`).
 
 Everything here runs on the engine's event loop, one coroutine at a time, so the
 bookkeeping needs no lock. vLLM is imported only where an engine exists (`engine_died`).
