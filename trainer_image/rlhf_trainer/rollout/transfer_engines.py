@@ -65,12 +65,10 @@ from rlhf_trainer.rollout.weight_sync import (
     slot_bytes,
 )
 
-HOST = HOST_TRANSFER
-
 
 def trainer_init_info(backend: str, rank: int, setup: TransferSetup) -> TrainerInitInfo:
     """The trainer side's init info for `backend`, on actor rank `rank` (0 sends)."""
-    if backend == HOST:
+    if backend == HOST_TRANSFER:
         return HostTrainerInitInfo(
             setup.address, setup.port, list(setup.remote_engines), setup.bucket_bytes,
             setup.timeout_s, rank=rank,
@@ -83,7 +81,7 @@ def trainer_init_info(backend: str, rank: int, setup: TransferSetup) -> TrainerI
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         return IPCTrainerInitInfo(rank=rank)
-    raise ValueError(f"no weight-transfer backend {backend!r}: nccl, ipc or {HOST}")
+    raise ValueError(f"no weight-transfer backend {backend!r}: nccl, ipc or {HOST_TRANSFER}")
 
 
 class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
@@ -173,7 +171,7 @@ class HostTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]  # vLLM is unt
     """`remote_engines`: the engine ranks on other nodes than the sender's; they take
     the buckets over a gloo group at `master_address:master_port`, in that order."""
 
-    backend: ClassVar[str] = HOST
+    backend: ClassVar[str] = HOST_TRANSFER
 
     master_address: str
     master_port: int
@@ -254,7 +252,9 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
         assert self.ring is not None
         client = self.client
         if not isinstance(client, EngineFanOut):
-            raise TypeError(f"the {HOST} transfer needs an EngineFanOut client, not {client!r}")
+            raise TypeError(
+                f"the {HOST_TRANSFER} transfer needs an EngineFanOut client, not {client!r}"
+            )
         client.start_weight_update()
         layers = self.source.iter_groups()
         # Up to RING_SLOTS buckets in the engines' hands at once: each engine has the
@@ -290,10 +290,10 @@ class WorkerExtension:
 
 def register() -> None:
     """Make the host backend known to vLLM's factories, in this process (idempotent)."""
-    if HOST not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(HOST, HostWeightTransferEngine)
-    if HOST not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine(HOST, HostTrainerWeightTransferEngine)
+    if HOST_TRANSFER not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(HOST_TRANSFER, HostWeightTransferEngine)
+    if HOST_TRANSFER not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(HOST_TRANSFER, HostTrainerWeightTransferEngine)
 
 
 register()

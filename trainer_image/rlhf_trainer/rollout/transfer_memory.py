@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -254,19 +253,22 @@ class WeightStore:
 
     def keep(self, bucket: Bucket, source: Tensor) -> None:
         """Copy one bucket (its bytes in `source`) into the store."""
-        if self.segment is None or self.segment.tensor.numel() != bucket.model_bytes:
-            self.close()
-            self.segment = Segment.create(self.prefix, bucket.model_bytes)
-        place = bucket.at(self.segment.name, bucket.stored_at)
-        self.segment.tensor[place.offset : place.offset + place.nbytes].copy_(source)
-        self.incoming.append(place)
+        self._region(bucket).copy_(source)
 
     def fill(self, weights: Mapping[str, Tensor], layers: Sequence[Sequence[str]]) -> None:
         """Put whole weights in the store as one transfer would (to load them)."""
         for bucket in plan_buckets(weight_specs(weights), DEFAULT_BUCKET_BYTES, layers):
-            memory = torch.empty(bucket.nbytes, dtype=torch.uint8)
-            pack_bucket(memory, bucket, weights)
-            self.keep(bucket, memory)
+            pack_bucket(self._region(bucket), bucket, weights)
+
+    def _region(self, bucket: Bucket) -> Tensor:
+        """Where the bucket goes in the store (made to the model's size on first use);
+        the bucket is counted in the incoming transfer."""
+        if self.segment is None or self.segment.tensor.numel() != bucket.model_bytes:
+            self.close()
+            self.segment = Segment.create(self.prefix, bucket.model_bytes)
+        place = bucket.at(self.segment.name, bucket.stored_at)
+        self.incoming.append(place)
+        return self.segment.tensor[place.offset : place.offset + place.nbytes]
 
     def commit(self, version: int) -> None:
         self.latest, self.incoming = (self.incoming, version), []
@@ -286,9 +288,7 @@ class SyncGroup:
 
     def __init__(self, process_group: ProcessGroup, store: Store) -> None:
         self._pg: ProcessGroup | None = process_group
-        self._store: Store | None = store
-        self.rank = process_group.rank()
-        self.world_size = process_group.size()
+        self._store: Store | None = store  # the TCPStore lives as long as the group
 
     @classmethod
     def create(
@@ -320,14 +320,3 @@ class SyncGroup:
         pg, self._pg, self._store = self._pg, None, None
         if pg is not None:
             pg.shutdown()
-
-    def __enter__(self) -> SyncGroup:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -75,10 +75,6 @@ class EngineWorker(Worker):
         the engine). An engine that died meanwhile was restarted with them."""
         self.engine.close_update(weight_version)
 
-    def weight_version(self) -> int:
-        """The version of the weights the engine serves."""
-        return self.engine.served_version()
-
     def evaluate(self, prompts: list[list[int]], step: int) -> list[Rollout]:
         """One response per prompt, sampled as generation.eval says, on the weights the
         engine has now. Beside any other requests (fully async goes on generating), but
