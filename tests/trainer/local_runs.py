@@ -56,6 +56,24 @@ def train(
     return Trained(config, steps, metrics, json.loads(trace.read_text()))
 
 
+@contextmanager
+def push_skipped(version: int) -> Iterator[None]:
+    """Runs inside this skip the weight push of `version` (the actor's weights after step
+    `version`): the engines keep the ones before, so step `version + 1` samples with stale
+    weights, and a check that the engine has the actor's weights must fail there."""
+    from rlhf_trainer.loop.weights import WeightSync
+
+    push = WeightSync.push
+
+    def push_unless_skipped(sync: WeightSync, pushed: int) -> None:
+        if pushed != version:
+            push(sync, pushed)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(WeightSync, "push", push_unless_skipped)
+        yield
+
+
 def vllm_series(config: JobConfig, registry: CollectorRegistry, name: str) -> list[float]:
     """One rlhf_vllm_ series's values, one per rollout engine in rank order: each engine
     must have it, labelled with the rollout's pool and the engine's rank."""
@@ -115,7 +133,7 @@ class EngineKiller:
             yield self
 
     def ours(self, process: psutil.Process) -> bool:
-        return self.tag_of(process) == self.tag
+        return tag_of(process) == self.tag
 
     def __call__(self, step: StepResult) -> None:
         if self.killed or step.step < self.after_step:
@@ -128,20 +146,27 @@ class EngineKiller:
             self.killed.append(engines[0].pid)
         assert self.killed or step.step < self.after_step + 2, (
             f"no vLLM engine tagged {self.tag} found to kill among {every}: "
-            f"{[self.tag_of(p) for p in every]}; the run's processes: {self.tagged_processes()}"
+            f"{[tag_of(p) for p in every]}; the run's processes: {self.tagged_processes()}"
         )
 
     def tagged_processes(self) -> list[str]:
         """What a failed search saw of the run (a run here once found no engine at all)."""
-        seen = []
-        for process in psutil.process_iter():
-            with suppress(psutil.Error):
-                if self.ours(process):
-                    seen.append(f"{process.pid} {process.status()} {process.cmdline()[:3]}")
-        return seen
+        return tagged_processes(self.tag)
 
-    def tag_of(self, process: psutil.Process) -> str | None:
-        try:
-            return process.environ().get(RUN_TAG)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess) as error:
-            return repr(error)
+
+def tag_of(process: psutil.Process) -> str | None:
+    try:
+        return process.environ().get(RUN_TAG)
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess) as error:
+        return repr(error)
+
+
+def tagged_processes(tag: str) -> list[str]:
+    """The live processes of the run tagged `tag` (RUN_TAG in their environment), as
+    'pid status command'."""
+    seen = []
+    for process in psutil.process_iter():
+        with suppress(psutil.Error):
+            if tag_of(process) == tag and process.status() != psutil.STATUS_ZOMBIE:
+                seen.append(f"{process.pid} {process.status()} {process.cmdline()[:3]}")
+    return seen

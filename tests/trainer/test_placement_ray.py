@@ -32,7 +32,7 @@ from rlhf_trainer.api.plan import PlacementPlan, plan_placement
 from rlhf_trainer.cluster.engine_client import TransferFailed
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup, gather, join
-from rlhf_trainer.cluster.hangs import NoAnswer
+from rlhf_trainer.cluster.hangs import NoAnswer, RankDied
 from rlhf_trainer.cluster.placement import (
     PlacementTimeout,
     PoolGroup,
@@ -216,11 +216,13 @@ def test_a_rank_dying_mid_collective_fails_the_call_instead_of_hanging(
     ray_pools: RayPools,
 ) -> None:
     """Rank 0 is stuck in all_reduce (until the 10-minute rendezvous timeout) when rank 1
-    dies; `join` must raise the death at once, and shutdown must still end the group."""
+    dies; `join` must raise the death at once, naming the rank, and shutdown must still
+    end the group."""
     group = WorkerGroup.spawn(ray_pools.plan, Role.ACTOR, ray_pools.groups["policy"], PartialSums)
     join(group.ready)
     try:
-        with pytest.raises(ray.exceptions.RayActorError):
+        died = r"^actor rank 1 on pool policy \(die_in_all_reduce\) died: The actor died"
+        with pytest.raises(RankDied, match=died):
             join(group.run("die_in_all_reduce", 1))
     finally:
         group.shutdown(grace_s=1)

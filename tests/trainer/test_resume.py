@@ -1,13 +1,18 @@
-"""A run killed mid-training resumes from its last checkpoint and carries on as if
+"""A run that dies mid-training resumes from its last checkpoint and carries on as if
 nothing had happened.
 
-The first run (`python -m rlhf_trainer --local`, the command a user runs) is killed
-with SIGKILL, process group and all, a step or two after a checkpoint. The second run
-must start from that checkpoint and replay the steps the first run made past it with
-the same rewards, to the last digit: weights, optimizers, data position and sampling
-seeds all came back. The run's KL coefficient is adaptive, so it moves every step: a
-resumed run that started again from klCoef would log other coefficients, and other KLs.
-The held-out prompts are evaluated after every step: none is repeated or skipped.
+The first run (`python -m rlhf_trainer --local`, the command a user runs) dies three
+steps after a checkpoint: one of its ranks is SIGKILLed in the middle of a step, or
+the whole run is, driver and all. A dead rank must end the run at once, non-zero,
+naming the rank, its pool and its call, and leave no process behind. The second run
+must start from the checkpoint and replay those steps with the same values, to the
+last digit: rewards, KL, the actor's and the critic's losses and statistics, the
+values' explained variance. The first replayed step trains from the restored weights,
+optimizers and critic, and the next ones sample from what it trained, so a part that
+did not come back changes every value after it. The run's KL coefficient is adaptive,
+so it moves every step: a resumed run that started again from klCoef would log other
+coefficients, and other KLs. The held-out prompts are evaluated after every step: none
+is repeated or skipped.
 """
 
 from __future__ import annotations
@@ -19,19 +24,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.roles import checkpoint
-from rlhf_trainer.telemetry.run_folder import RunFolder
-from tests.specs import local_job
+from rlhf_trainer.telemetry.run_folder import RunFolder, StepRecord
+from tests.specs import local_async_job, local_job
+from tests.trainer.local_runs import RUN_TAG, tagged_processes
 
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
-TOTAL_STEPS = 4
-EVERY = 2
+TOTAL_STEPS = 8
+EVERY = 4
+REPLAYED = 3  # steps the first run makes past its checkpoint before it dies
 RUN_TIMEOUT_S = 600  # generous: starting the roles takes about a minute on 2 cores
+# From a rank's death to the run's exit: the other ranks are asked to stop (30 s of
+# grace at most), then the local cluster goes. Generous for 2 busy cores.
+DEATH_TO_EXIT_S = 180
 TRAINER = [sys.executable, "-m", "rlhf_trainer"]
 STEP_LINE = re.compile(r"step (\d+)/\d+: reward ([-\d.]+), kl ([-\d.]+) \(coef ([-\d.e]+)\)")
 EVAL_LINE = re.compile(r"held-out reward ([-\d.]+) at step (\d+)")
@@ -52,7 +65,7 @@ def evaluations(log: str) -> dict[int, str]:
     return dict(found)
 
 
-def start(spec: Path, log: Path) -> subprocess.Popen[bytes]:
+def start(spec: Path, log: Path, tag: str) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
             # the run folder beside the spec, not under the working directory
@@ -60,49 +73,93 @@ def start(spec: Path, log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: the kill takes Ray with it
+            env=os.environ | {RUN_TAG: tag},  # inherited by every process of the run
         )
 
 
-def kill_after_a_step_past_a_checkpoint(run: subprocess.Popen[bytes], root: Path, log: Path) -> int:
+def rank_pid(log: str, role: str) -> tuple[int, str]:
+    """(pid, pool) of the role's rank 0, from the line the run logs once it is placed."""
+    found = re.search(rf"{role} rank 0 on pool (\w+): pid (\d+) on node", log)
+    assert found, f"the run logged no process for {role} rank 0:\n{log[-3000:]}"
+    return int(found.group(2)), found.group(1)
+
+
+def kill_steps_past_a_checkpoint(
+    run: subprocess.Popen[bytes], root: Path, log: Path, victim: str
+) -> int:
+    """Once the run has made REPLAYED steps past a checkpoint, SIGKILL `victim`: a role's
+    rank 0 ("actor", "critic"), which dies in the next step, or "run": the whole process
+    group. Returns the step of the checkpoint."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
         latest = checkpoint.latest(root)
         saved = checkpoint.step_of(latest) if latest else 0
-        if saved >= EVERY and max(rewards(log.read_text()), default=0) > saved:
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait()
+        if saved >= EVERY and max(rewards(log.read_text()), default=0) >= saved + REPLAYED:
+            if victim == "run":
+                os.killpg(run.pid, signal.SIGKILL)
+            else:
+                os.kill(rank_pid(log.read_text(), victim)[0], signal.SIGKILL)
             return saved
         assert run.poll() is None, log.read_text()[-3000:]
         time.sleep(0.05)
     os.killpg(run.pid, signal.SIGKILL)
-    raise AssertionError("no checkpoint followed by a step in time:\n" + log.read_text()[-3000:])
+    raise AssertionError(f"no checkpoint followed by {REPLAYED} steps:\n{log.read_text()[-3000:]}")
 
 
-def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
-    root = tmp_path / "checkpoints"
-    spec = local_job(
-        colocated=True, total_steps=TOTAL_STEPS, checkpoint_dir=root, every_steps=EVERY
-    ).to_dict()
+def job(mode: str, root: Path) -> JobConfig:
+    """The local example, synchronous and colocated, or fully async at staleness 0 in
+    groups of 2: every sample then comes from the policy it trains (the batches do not
+    depend on the engines' timing), and the checkpoint holds the next step's prompts,
+    queued or in flight."""
+    if mode == "sync":
+        config = local_job(colocated=True, total_steps=TOTAL_STEPS, checkpoint_dir=root,
+                           every_steps=EVERY)  # fmt: skip
+    else:
+        config = local_async_job(staleness=0, total_steps=TOTAL_STEPS, checkpoint_dir=root,
+                                 every_steps=EVERY, samples_per_prompt=2)  # fmt: skip
+    spec = config.to_dict()
     spec["algorithm"]["klController"] = ADAPTIVE_KL
     spec["trainer"]["evalEverySteps"] = 1  # the held-out prompts, after every step
-    config = JobConfig.model_validate(spec)
-    spec = tmp_path / "spec.json"
-    spec.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
+    return JobConfig.model_validate(spec)
 
+
+@pytest.mark.parametrize(
+    ("mode", "victim"), [("sync", "actor"), ("async", "critic"), ("sync", "run")]
+)
+def test_a_run_that_dies_resumes_from_its_last_checkpoint_and_replays_its_values(
+    mode: str, victim: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "checkpoints"
+    spec = tmp_path / "spec.json"
+    spec.write_text(job(mode, root).model_dump_json(by_alias=True, exclude_none=True))
     first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-    saved = kill_after_a_step_past_a_checkpoint(start(spec, first_log), root, first_log)
+    tag = f"{tmp_path.name}-{time.time()}"
+
+    first_run = start(spec, first_log, tag)
+    saved = kill_steps_past_a_checkpoint(first_run, root, first_log, victim)
+    if victim != "run":
+        assert_the_run_ends_naming_the_dead_rank(first_run, first_log, victim, tag)
+    first_run.wait(timeout=DEATH_TO_EXIT_S)
     first = rewards(first_log.read_text())
     assert saved < TOTAL_STEPS
+    folder = RunFolder(tmp_path / "run")
+    killed_run = trained_values(folder)  # the resumed run drops its steps past the checkpoint
 
-    second = start(spec, second_log)
+    second = start(spec, second_log, tag)
     assert second.wait(timeout=RUN_TIMEOUT_S) == 0, second_log.read_text()[-3000:]
     output = second_log.read_text()
     assert f"at step {saved}" in output  # "resuming from <dir> at step N"
     resumed = rewards(output)
     assert sorted(resumed) == list(range(saved + 1, TOTAL_STEPS + 1))
     replayed = [step for step in first if step > saved]
-    assert replayed, "the first run made no step past its checkpoint"
+    assert len(replayed) >= REPLAYED, f"the first run made {replayed} past its checkpoint"
     assert {s: resumed[s] for s in replayed} == {s: first[s] for s in replayed}
+    resumed_run = trained_values(folder)
+    assert sorted(killed_run) == sorted(first) and sorted(resumed_run) == list(
+        range(1, TOTAL_STEPS + 1)
+    )
+    assert {s: resumed_run[s] for s in replayed} == {s: killed_run[s] for s in replayed}
+    assert_optimizers_count_every_update(root, saved)
     assert checkpoint.latest(root) == root / f"step-{TOTAL_STEPS:08d}"
     coefficients = [float(first[s][2]) for s in sorted(first)]
     assert len(set(coefficients)) == len(coefficients), coefficients
@@ -115,5 +172,60 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
     assert {s: evaluated_again[s] for s in evaluated_first if s > saved} == {
         s: r for s, r in evaluated_first.items() if s > saved
     }
-    folder = RunFolder(tmp_path / "run")
     assert [e.step for e in folder.evaluations()] == list(range(TOTAL_STEPS + 1))
+
+
+def assert_the_run_ends_naming_the_dead_rank(
+    run: subprocess.Popen[bytes], log: Path, role: str, tag: str
+) -> None:
+    """Non-zero within DEATH_TO_EXIT_S, the rank named, and not one of the run's
+    processes left (Ray's, the ranks', vLLM's engine core)."""
+    try:
+        code = run.wait(timeout=DEATH_TO_EXIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        raise AssertionError(
+            f"still running {DEATH_TO_EXIT_S} s after {role} rank 0 died"
+        ) from None
+    output = log.read_text()
+    assert code != 0, output[-3000:]
+    pool = rank_pid(output, role)[1]
+    assert re.search(rf"RankDied: {role} rank 0 on pool {pool} \(\w+\) died", output), output[
+        -3000:
+    ]
+    deadline = time.monotonic() + 30  # a process that has been killed may take a moment
+    while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"the run's processes left behind: {left}"
+
+
+def trained_values(folder: RunFolder) -> dict[int, Any]:
+    """step -> what the step trained and measured, as metrics.jsonl has it (all of it but
+    the times and busy shares)."""
+
+    def values(record: StepRecord) -> Any:
+        return (record.reward_mean, record.kl, record.kl_coef, record.actor, record.critic,
+                record.responses)  # fmt: skip
+
+    return {record.step: values(record) for record in folder.records()}
+
+
+def assert_optimizers_count_every_update(root: Path, saved: int) -> None:
+    """Adam counts its updates per parameter. The final checkpoint's count is the whole
+    run's, twice the count at step TOTAL_STEPS / 2: the resumed run went on from the
+    restored optimizers, not from fresh ones (that would count only its own steps)."""
+    for role in ("actor", "critic"):
+        counts = {step: adam_steps(root / checkpoint.committed_name(step) / role)
+                  for step in (saved, TOTAL_STEPS)}  # fmt: skip
+        assert counts[saved] > 0 and counts[TOTAL_STEPS] == counts[saved] * TOTAL_STEPS / saved, (
+            role, counts)  # fmt: skip
+
+
+def adam_steps(role_state: Path) -> int:
+    """The optimizer's update count in a role's checkpoint (DCP), the same for every
+    parameter."""
+    whole = role_state.parents[1].parent / f"{role_state.parent.name}-{role_state.name}.pt"
+    dcp_to_torch_save(role_state, whole)
+    state = torch.load(whole, weights_only=False)["optimizer"]["state"]
+    (count,) = {int(parameter["step"]) for parameter in state.values()}
+    return count

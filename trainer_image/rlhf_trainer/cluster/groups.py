@@ -17,6 +17,7 @@ engine, `engine_stats` (see `cluster.engine_stats`).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -28,7 +29,14 @@ import torch.distributed as dist
 
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import PlacementPlan
-from rlhf_trainer.cluster.hangs import TELEMETRY, RankCall, forget, no_answer, record
+from rlhf_trainer.cluster.hangs import (
+    TELEMETRY,
+    RankCall,
+    forget,
+    no_answer,
+    rank_died,
+    record,
+)
 from rlhf_trainer.cluster.placement import PoolGroup, WorkerSlot, role_slots
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import (
@@ -58,6 +66,7 @@ class Whereabouts:
     node_id: str
     node_ip: str
     gpu_ids: tuple[str, ...]  # the GPUs Ray assigned (shared by colocated roles)
+    pid: int  # the rank's process on that node
 
 
 class RankHost:
@@ -88,6 +97,7 @@ class RankHost:
             node_id=context.get_node_id(),
             node_ip=ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
             gpu_ids=tuple(context.get_accelerator_ids().get("GPU", [])),
+            pid=os.getpid(),
         )
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -341,7 +351,10 @@ def join(
         done, pending = ray.wait(pending, num_returns=1, timeout=left)
         if not done:
             raise no_answer([*pending, *involved], float(timeout_s or 0))
-        ray.get(done)  # raises the failure, if that is what finished
+        try:
+            ray.get(done)  # raises the failure, if that is what finished
+        except ray.exceptions.RayActorError as error:
+            raise rank_died(done[0], error) from error
     forget(refs)
     return list(ray.get(list(refs)))
 

@@ -45,6 +45,11 @@ class NoAnswer(TimeoutError):
     """A wait ran out; the message names each rank still in its call and what it is."""
 
 
+class RankDied(RuntimeError):
+    """A rank's process ended during its call (killed, out of memory, its node lost);
+    the message names the rank, its pool and the call."""
+
+
 _issued: OrderedDict[bytes, RankCall] = OrderedDict()
 
 
@@ -79,6 +84,15 @@ def no_answer(pending: Sequence[ObjectRef[Any]], waited_s: float) -> NoAnswer:
     if len(known) < len(calls):
         parts.append(f"{len(calls) - len(known)} other call(s) not finished")
     return NoAnswer(". ".join(parts))
+
+
+def rank_died(ref: ObjectRef[Any], error: Exception) -> RankDied:
+    """The error for a call whose rank's process died: who it was, and Ray's reason (its
+    first line; the rest is Ray's advice on where to look)."""
+    call = _issued.get(ref.binary())
+    who = str(call) if call is not None else "a rank (a call not issued by a worker group)"
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return RankDied(f"{who} died: {reason}")
 
 
 def answering(calls: Sequence[RankCall]) -> list[bool]:

@@ -6,6 +6,7 @@ The same code serves a KubeRay cluster (the operator's RayJob) and a laptop
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,8 @@ from rlhf_trainer.roles.policy import Actor, Ref
 from rlhf_trainer.roles.reward import RewardModel
 from rlhf_trainer.rollout.worker import RolloutWorker
 from rlhf_trainer.worker import Worker
+
+log = logging.getLogger(__name__)
 
 WORKERS: dict[Role, type[Worker]] = {
     Role.ACTOR: Actor,
@@ -70,10 +73,23 @@ class RoleGroups:
         started = cls(groups, pools)
         try:
             join([ready for group in groups.values() for ready in group.ready])
+            started.log_whereabouts()
         except BaseException:
             started.shutdown()
             raise
         return started
+
+    def log_whereabouts(self) -> None:
+        """One line per rank: which process on which node runs it (to find it with ps,
+        py-spy or the node's logs)."""
+        asked = {role: [h.whereabouts.remote() for h in g.hosts] for role, g in self.groups.items()}
+        for role, futures in asked.items():
+            group = self.groups[role]
+            for rank, where in enumerate(join(futures)):
+                pool, node = group.slots[rank].pool, f"{where.node_ip} ({where.node_id[:8]})"
+                log.info(
+                    "%s rank %d on pool %s: pid %d on node %s", role, rank, pool, where.pid, node
+                )
 
     def __getitem__(self, role: Role) -> WorkerGroup:
         return self.groups[role]

@@ -147,13 +147,16 @@ class AsyncPPOTrainer:
         return kept.items, kept.scores, kept.dropped
 
     def take_groups(self, groups: int) -> list[Sample]:
-        """The next `groups` whole groups from the queue, waiting for them."""
+        """The next `groups` whole groups from the queue, waiting for them, in uid order
+        (a group's uids are consecutive): the order they arrived in is the engines'
+        timing, and the update must not depend on it (at staleness 0 a run is then
+        reproducible, and a resumed one replays by value)."""
         taken = self.queue.get_batch.remote(groups * self.group_size, QUEUE_TIMEOUT_S)
         samples: list[Sample] | None = join([taken])[0]
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         self.groups_taken += groups
-        return samples
+        return sorted(samples, key=lambda sample: sample.uid)
 
     def prompts_of(self, samples: Sequence[Sample]) -> list[Prompt]:
         return [self.prompts.prompts[s.prompt_index] for s in samples]
