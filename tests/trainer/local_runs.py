@@ -119,11 +119,15 @@ class EngineKiller:
     its workers is its own business (a CI run once found no engine below pytest). It is
     told apart by `tag`, which it inherits through the local cluster's raylets when the
     cluster starts inside `tagged()`; another test worker's engines (tests run on two)
-    do not have it."""
+    do not have it.
+
+    With `whole_rank`, the rollout rank's process that hosts the engine goes with it, as
+    when its pod or node is lost (the engine core is its child)."""
 
     after_step: int = 1
     tag: str = field(default_factory=lambda: f"{os.getpid()}-{time.time()}")
     killed: list[int] = field(default_factory=list)  # the pids killed
+    whole_rank: bool = False
 
     @contextmanager
     def tagged(self) -> Iterator[EngineKiller]:
@@ -142,8 +146,10 @@ class EngineKiller:
         engines = [p for p in every if self.ours(p)]
         assert len(engines) <= 1, f"expected the rollout pool's one engine, found {engines}"
         if engines:
-            engines[0].kill()
-            self.killed.append(engines[0].pid)
+            victim = engines[0].parent() if self.whole_rank else engines[0]
+            assert victim is not None, f"the engine core {engines[0].pid} has no parent"
+            victim.kill()
+            self.killed.append(victim.pid)
         assert self.killed or step.step < self.after_step + 2, (
             f"no vLLM engine tagged {self.tag} found to kill among {every}: "
             f"{[tag_of(p) for p in every]}; the run's processes: {self.tagged_processes()}"

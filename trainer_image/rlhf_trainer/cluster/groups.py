@@ -32,6 +32,8 @@ from rlhf_trainer.api.plan import PlacementPlan
 from rlhf_trainer.cluster.hangs import (
     TELEMETRY,
     RankCall,
+    RankDied,
+    answering,
     forget,
     no_answer,
     rank_died,
@@ -57,6 +59,7 @@ T = TypeVar("T")
 
 
 SHUTDOWN_GRACE_S = 30.0
+WATCH_S = 5.0  # how often a wait on what ranks produce checks that they live
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,13 @@ class WorkerGroup:
 
         return list(ray.get([h.whereabouts.remote() for h in self.hosts]))
 
+    def dead_ranks(self) -> list[int]:
+        """The ranks whose process does not answer a ping (killed, or on a lost node)."""
+        calls = [
+            RankCall(self.role, self.slots[r].pool, r, "alive", h) for r, h in enumerate(self.hosts)
+        ]
+        return [rank for rank, up in enumerate(answering(calls)) if not up]
+
     def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """End the actors, cleanly if they answer within `grace_s`; the placement groups
         stay. After a failure some ranks may be dead or stuck in a collective: they
@@ -357,6 +367,21 @@ def join(
             raise rank_died(done[0], error) from error
     forget(refs)
     return list(ray.get(list(refs)))
+
+
+def join_watching(ref: ObjectRef[T], group: WorkerGroup, every_s: float = WATCH_S) -> T:
+    """Wait for one future that `group`'s ranks work towards without being called (a
+    queue that they fill): every `every_s`, check that they live. A dead one raises
+    RankDied at once instead of leaving the wait to its own timeout."""
+    import ray
+
+    while not ray.wait([ref], timeout=every_s)[0]:
+        for rank in group.dead_ranks():
+            raise RankDied(
+                f"{group.role} rank {rank} on pool {group.slots[rank].pool} died: its process "
+                "does not answer (killed, or its node lost)"
+            )
+    return join([ref])[0]
 
 
 def finished(refs: Sequence[ObjectRef[Any]]) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.cluster.groups import join
+from rlhf_trainer.cluster.groups import join, join_watching
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
@@ -152,7 +152,8 @@ class AsyncPPOTrainer:
         timing, and the update must not depend on it (at staleness 0 a run is then
         reproducible, and a resumed one replays by value)."""
         taken = self.queue.get_batch.remote(groups * self.group_size, QUEUE_TIMEOUT_S)
-        samples: list[Sample] | None = join([taken])[0]
+        # An engine that dies fills the queue no more: fail at once, not after the timeout.
+        samples: list[Sample] | None = join_watching(taken, self.core.groups[Role.ROLLOUT])
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         self.groups_taken += groups
