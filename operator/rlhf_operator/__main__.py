@@ -2,6 +2,9 @@
 
 With --peering NAME several replicas may run; the one with the highest --priority is
 active and the others wait (kopf peering; needs the KopfPeering CRDs from the chart).
+A replica that stops cleanly leaves the peering at once; one that dies (SIGKILL, a lost
+node) is replaced once its record expires, --peering-lifetime seconds after its last
+keep-alive.
 """
 
 from __future__ import annotations
@@ -28,11 +31,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--priority", type=int, default=0, help="peering priority (highest is active)"
     )
+    parser.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=60,
+        metavar="SECONDS",
+        help="how long a replica's peering record lasts unrenewed: about the longest a "
+        "standby waits for an active replica that died (default 60, kopf's)",
+    )
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if args.peering_lifetime < 1:
+        parser.error("--peering-lifetime must be at least 1 second")
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    settings = kopf.OperatorSettings()
+    settings.peering.lifetime = args.peering_lifetime
     asyncio.run(
         kopf.operator(
             clusterwide=args.all_namespaces or not args.namespace,
@@ -40,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
             peering_name=args.peering,
             standalone=args.standalone or not args.peering,
             priority=args.priority,
+            settings=settings,
         )
     )
 

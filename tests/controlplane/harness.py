@@ -35,8 +35,9 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -722,12 +723,43 @@ class ControlPlane:
                 f"--cert-dir={self.run_dir / 'apiserver-certs'}",
             ],
         )
-        self._wait(
-            "kube-apiserver",
-            lambda: _https_get(f"{self.server}/readyz", self._client_tls) == 200,
-            proc,
-            timeout=60,
-        )
+        self._wait_apiserver(proc)
+
+    def _wait_apiserver(self, proc: Process) -> None:
+        ready = f"{self.server}/readyz"
+        self._wait("kube-apiserver", lambda: _https_get(ready, self._client_tls) == 200, proc, 60)
+
+    @contextlib.contextmanager
+    def api_server_stopped(self) -> Iterator[None]:
+        """The API server stopped for the body (etcd and every other component keep
+        running, unable to reach it), then started again with the same port, data and
+        certificates. Returns once its clients are back: every node (kwok's and the real
+        one's kubelet) has renewed its lease through it, so later tests find nodes Ready."""
+        proc = next(p for p in self.processes if p.name == "kube-apiserver")
+        # Its port closes at once on SIGTERM, but the process lingers 10 s or more: kill it.
+        proc.stop(grace=1)
+        try:
+            yield
+        finally:
+            restarted = datetime.now(UTC)
+            proc.start()
+            self._wait_apiserver(proc)
+            nodes = [n for g in self.node_groups for n in g.node_names()]
+            nodes += [self.real_node.name] if self.real_node else []
+            self._wait("every node's lease renewed", lambda: self._leases_renewed(nodes, restarted),
+                       None, timeout=90)  # fmt: skip
+
+    def _leases_renewed(self, nodes: list[str], since: datetime) -> bool:
+        """Whether each node's Lease was renewed after `since`."""
+        out = self.kubectl("get", "leases", "-n", "kube-node-lease", "-o", "json", check=False)
+        if out.returncode != 0:
+            return False
+        renewed = {
+            lease["metadata"]["name"]: datetime.fromisoformat(lease["spec"]["renewTime"])
+            for lease in json.loads(out.stdout)["items"]
+            if lease["spec"].get("renewTime")
+        }
+        return all(node in renewed and renewed[node] > since for node in nodes)
 
     def _start_controllers(self) -> None:
         """Start kube-controller-manager, kube-scheduler and kwok together; their

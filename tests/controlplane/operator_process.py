@@ -36,6 +36,7 @@ class OperatorProcess:
         self.port = free_ports(1)[0]
         self.log_path = cp.logs_dir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log_start = 0
 
     def start(self, wait_ready: bool = True) -> OperatorProcess:
         env = {
@@ -45,6 +46,7 @@ class OperatorProcess:
             "RLHF_OPERATOR_HEALTH_PORT": str(self.port),
         }
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()  # the log file is shared by this name's runs
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rlhf_operator", *self.args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -68,6 +70,12 @@ class OperatorProcess:
     def _get(self, path: str) -> tuple[int, str]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
             return response.status, response.read().decode()
+
+    def log(self) -> str:
+        """What it has logged since it last started."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            return log.read().decode(errors="replace")
 
     def metric(self, name: str) -> float:
         """The value of an unlabelled sample, e.g. a histogram's _count."""

@@ -45,6 +45,19 @@ def test_add_later_requeues_after_the_delay() -> None:
     asyncio.run(scenario())
 
 
+def test_add_later_replaces_the_pending_delay_of_the_key() -> None:
+    async def scenario() -> None:
+        queue = WorkQueue()
+        queue.add_later(("ns", "a"), 0.01)
+        queue.add_later(("ns", "a"), 3600)  # e.g. a second failure: a longer backoff
+        await asyncio.sleep(0.05)  # past the first delay: it no longer holds
+        assert len(queue) == 0
+        queue.add_later(("ns", "a"), 0.01)  # and a shorter one replaces a longer one
+        assert await asyncio.wait_for(queue.get(), timeout=5) == ("ns", "a")
+
+    asyncio.run(scenario())
+
+
 def test_replica_ops_set_each_changed_group_by_name() -> None:
     live = [{"groupName": "a", "replicas": 1, "minReplicas": 1, "maxReplicas": 1},
             {"groupName": "b", "replicas": 2, "minReplicas": 2}]  # fmt: skip
