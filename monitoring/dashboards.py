@@ -135,6 +135,12 @@ POOLS = Dashboard(
                     ),
                     unit="ops",
                 ),
+                chart(
+                    "Engines serving and lost",
+                    "Rollout engines serving, and those lost with their pod or node: "
+                    "fully async goes on without them, generating again what they owed.",
+                    (series("rlhf_rollout_engines", POOL), "{{pool}} {{state}}"),
+                ),
             ),
         ),
     ),

@@ -144,7 +144,9 @@ class EngineKiller:
             return
         every = engine_cores(psutil.process_iter())
         engines = [p for p in every if self.ours(p)]
-        assert len(engines) <= 1, f"expected the rollout pool's one engine, found {engines}"
+        # One engine is the rollout pool's; of several, the first started goes.
+        assert self.whole_rank or len(engines) <= 1, f"expected one engine, found {engines}"
+        engines.sort(key=lambda process: process.create_time())
         if engines:
             victim = engines[0].parent() if self.whole_rank else engines[0]
             assert victim is not None, f"the engine core {engines[0].pid} has no parent"

@@ -206,6 +206,38 @@ def test_a_lost_rollout_rank_fails_the_run_at_once_naming_it(
     assert len(killer.killed) == 1
 
 
+def test_a_lost_rollout_engine_leaves_the_other_to_go_on_and_no_sample_is_lost(
+    tmp_path: Path,
+) -> None:
+    """Two rollout engines, on two nodes of the rollout pool; after step 2 one's rank is
+    SIGKILLed, engine and all (its pod lost, no warning). The run goes on with the other
+    to its last step: what the lost engine owed is generated again there, nothing is
+    trained twice or lost, and the staleness bound holds throughout."""
+    spec = local_async_job(
+        staleness=0.5, total_steps=8, checkpoint_dir=tmp_path, every_steps=100
+    ).to_dict()
+    spec["pools"][-1]["replicas"] = 2  # the rollout pool: one engine per node
+    config = JobConfig.model_validate(spec)
+    killer = EngineKiller(after_step=2, whole_rank=True)
+    with killer.tagged():
+        trained = train(config, on_step=killer)
+    assert len(killer.killed) == 1
+    assert [s.step for s in trained.steps] == list(range(1, 9))
+    every = uids(trained.steps)
+    assert len(every) == len(set(every)) == 8 * BATCH  # none twice
+    # None lost: all but the last admitted (still outstanding at the end) are trained,
+    # those the lost engine owed among them.
+    missing = set(range(max(every) + 1)) - set(every)
+    assert all(uid > 4 * BATCH for uid in missing), sorted(missing)
+    assert max(lag for s in trained.steps for lag in s.staleness) <= 2
+    registry = trained.metrics.registry
+    engines = {state: registry.get_sample_value("rlhf_rollout_engines", {"pool": "rollout",
+               "state": state}) for state in ("serving", "lost")}  # fmt: skip
+    assert engines == {"serving": 1, "lost": 1}
+    readmitted = registry.get_sample_value("rlhf_samples_readmitted_total")
+    assert readmitted is not None and readmitted > 0  # the lost engine owed some
+
+
 def test_the_held_out_prompts_are_answered_on_the_rollout_pool_by_the_steps_policy(
     stale: Trained,
 ) -> None:

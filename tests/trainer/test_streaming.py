@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.cluster.queue import spawn_queue
+from rlhf_trainer.loop.engine_ledger import EngineLedger
 from rlhf_trainer.loop.fully_async import AsyncState
 from rlhf_trainer.rollout.queue import (
     AdmissionControl,
@@ -214,6 +215,32 @@ def test_fifo_in_exact_batches() -> None:
     assert [s.uid for s in first] == [0, 1, 2]
     assert [s.uid for s in second] == [3, 4, 5]
     assert queue.depth() == 1
+
+
+def test_a_sample_generated_twice_is_queued_once_and_owed_uids_are_those_never_put() -> None:
+    """A lost engine's prompt is generated again elsewhere; if its first answer was
+    delivered after all (before or after the second), only one is queued and trained."""
+    queue = SampleQueue()
+    queue.put(sample(0))
+    assert queue.get_batch(1, timeout_s=0) is not None  # trained already
+    queue.put(sample(1))  # queued
+    assert queue.not_received([0, 1, 2, 3]) == [2, 3]  # what a lost engine still owed
+    for uid in (2, 0, 1, 2):  # 2 from its second engine, then late first answers
+        queue.put(sample(uid))
+    assert queue.depth() == 2
+    batch = queue.get_batch(2, timeout_s=0)
+    assert batch is not None and [s.uid for s in batch] == [1, 2]
+
+
+def test_ledger_knows_what_each_engine_holds_until_it_is_taken() -> None:
+    ledger = EngineLedger()
+    ledger.assign([0, 2], [[(0, 5, [1]), (1, 6, [2])], [(2, 7, [3])]])
+    ledger.taken([1])
+    assert ledger.held_by([0]) == [0] and ledger.held_by([2]) == [2]
+    assert ledger.admitted([0, 2]) == [(0, 5, [1]), (2, 7, [3])]
+    ledger.assign([2], [[(0, 5, [1])]])  # given to engine 2 instead
+    assert ledger.held_by([0]) == [] and ledger.held_by([2]) == [0, 2]
+    assert len(ledger) == 2
 
 
 def test_never_a_partial_batch() -> None:

@@ -19,7 +19,7 @@ class EngineGroupClient(EngineFanOut):
 
     def __init__(self, engines: WorkerGroup, timeout_s: float) -> None:
         # Without the driver's futures of the group (`ready`): only the handles travel.
-        self.engines = WorkerGroup(engines.role, engines.slots, engines.hosts, [])
+        self.engines = WorkerGroup(engines.role, engines.slots, engines.hosts, [], engines.ranks)
         self.timeout_s = timeout_s
 
     def submit(self, method: str, *args: Any) -> tuple[str, list[Any]]:
@@ -41,12 +41,12 @@ class EngineGroupClient(EngineFanOut):
 
         ended = {ref.binary() for ref in ray.wait(calls, num_returns=len(calls), timeout=0)[0]}
         failed = []
-        for rank, call in enumerate(calls):
+        for rank, call in zip(self.engines.ranks, calls, strict=True):
             if call.binary() in ended:
                 try:
                     ray.get(call)
                 except Exception:
-                    pool = self.engines.slots[rank].pool
+                    pool = self.engines.pool
                     failed.append(f"{self.engines.role.value} rank {rank} on pool {pool}")
         return failed
 

@@ -32,7 +32,7 @@ from rlhf_trainer.api.plan import PlacementPlan
 from rlhf_trainer.cluster.hangs import (
     TELEMETRY,
     RankCall,
-    RankDied,
+    RanksLost,
     answering,
     forget,
     no_answer,
@@ -189,11 +189,27 @@ class WorkerGroup:
         slots: Sequence[WorkerSlot],
         hosts: Sequence[Any],
         ready: Sequence[ObjectRef[None]],
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.role = role
         self.slots = tuple(slots)
         self.hosts = tuple(hosts)
         self.ready = list(ready)  # one per rank: done once its worker is built
+        # Each worker's own rank (RankInfo.rank), by position: 0 … n-1 until the group
+        # loses some (`without`); what errors and logs name them by.
+        self.ranks = tuple(range(len(self.hosts)) if ranks is None else ranks)
+
+    def without(self, ranks: Sequence[int]) -> WorkerGroup:
+        """The group less the workers of `ranks` (their own ranks): what goes on when
+        those are lost."""
+        kept = [i for i, rank in enumerate(self.ranks) if rank not in ranks]
+        return WorkerGroup(
+            self.role,
+            [self.slots[i] for i in kept],
+            [self.hosts[i] for i in kept],
+            [self.ready[i] for i in kept if i < len(self.ready)],
+            [self.ranks[i] for i in kept],
+        )
 
     @property
     def world_size(self) -> int:
@@ -299,7 +315,7 @@ class WorkerGroup:
             h.call.remote(method, *a, after=wait, phase=phase, **kwargs)
             for h, a, wait in zip(self.hosts, rank_args, waits, strict=True)
         ]
-        for rank, (ref, host) in enumerate(zip(refs, self.hosts, strict=True)):
+        for rank, ref, host in zip(self.ranks, refs, self.hosts, strict=True):
             record(ref, RankCall(self.role, self.pool, rank, method, host))
         return refs
 
@@ -322,10 +338,9 @@ class WorkerGroup:
 
     def dead_ranks(self) -> list[int]:
         """The ranks whose process does not answer a ping (killed, or on a lost node)."""
-        calls = [
-            RankCall(self.role, self.slots[r].pool, r, "alive", h) for r, h in enumerate(self.hosts)
-        ]
-        return [rank for rank, up in enumerate(answering(calls)) if not up]
+        ranks = zip(self.ranks, self.hosts, strict=True)
+        calls = [RankCall(self.role, self.pool, rank, "alive", host) for rank, host in ranks]
+        return [call.rank for call, up in zip(calls, answering(calls), strict=True) if not up]
 
     def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """End the actors, cleanly if they answer within `grace_s`; the placement groups
@@ -371,16 +386,13 @@ def join(
 
 def join_watching(ref: ObjectRef[T], group: WorkerGroup, every_s: float = WATCH_S) -> T:
     """Wait for one future that `group`'s ranks work towards without being called (a
-    queue that they fill): every `every_s`, check that they live. A dead one raises
-    RankDied at once instead of leaving the wait to its own timeout."""
+    queue that they fill): every `every_s`, check that they live. Dead ones raise
+    RanksLost at once instead of leaving the wait to its own timeout."""
     import ray
 
     while not ray.wait([ref], timeout=every_s)[0]:
-        for rank in group.dead_ranks():
-            raise RankDied(
-                f"{group.role} rank {rank} on pool {group.slots[rank].pool} died: its process "
-                "does not answer (killed, or its node lost)"
-            )
+        if dead := group.dead_ranks():
+            raise RanksLost(group.role, group.pool, dead)
     return join([ref])[0]
 
 

@@ -50,6 +50,16 @@ class RankDied(RuntimeError):
     the message names the rank, its pool and the call."""
 
 
+class RanksLost(RankDied):
+    """Ranks found dead while nobody was waiting on a call of theirs: `ranks` (their
+    own), of `role` on `pool`."""
+
+    def __init__(self, role: str, pool: str, ranks: Sequence[int]) -> None:
+        self.role, self.pool, self.ranks = role, pool, tuple(ranks)
+        names = ", ".join(f"{role} rank {rank} on pool {pool}" for rank in self.ranks)
+        super().__init__(f"{names} died: no answer (killed, or its node lost)")
+
+
 _issued: OrderedDict[bytes, RankCall] = OrderedDict()
 
 

@@ -94,6 +94,10 @@ class RoleGroups:
     def __getitem__(self, role: Role) -> WorkerGroup:
         return self.groups[role]
 
+    def replace(self, group: WorkerGroup) -> None:
+        """`group` in place of its role's (the ranks that go on after some were lost)."""
+        self.groups[group.role] = group
+
     def get(self, role: Role) -> WorkerGroup | None:
         return self.groups.get(role)
 

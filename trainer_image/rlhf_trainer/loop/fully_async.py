@@ -17,6 +17,7 @@ samples; the queue hands out whole groups, and a group is as stale as its oldest
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -25,12 +26,16 @@ from typing import Any
 import torch
 
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.cluster.groups import join, join_watching
+from rlhf_trainer.cluster.groups import WorkerGroup, join, join_watching
+from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
+from rlhf_trainer.loop.engine_ledger import EngineLedger
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
-from rlhf_trainer.rollout.queue import AdmissionControl, Sample, group_staleness
+from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
+
+log = logging.getLogger(__name__)
 
 QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
 
@@ -41,7 +46,7 @@ class AsyncState:
 
     admission: dict[str, int]  # AdmissionControl.state(), in prompts (groups)
     queued: list[Sample]
-    in_flight: list[tuple[int, int, list[int]]]  # (uid, prompt index, token ids)
+    in_flight: list[Admitted]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -82,6 +87,14 @@ class AsyncPPOTrainer:
         # The engines' admissions after the last sync: the trainer goes on without
         # waiting for them, and waits before its next sync.
         self.rollout_pending: list[Any] = []
+        self.ledger = EngineLedger()  # which engine holds which prompt
+        self.engines_lost = 0
+        self.count_engines()
+
+    @property
+    def rollout(self) -> WorkerGroup:
+        """The rollout engines that serve (those lost are gone from it)."""
+        return self.core.groups[Role.ROLLOUT]
 
     @property
     def prompts(self) -> PromptStream:
@@ -152,12 +165,51 @@ class AsyncPPOTrainer:
         timing, and the update must not depend on it (at staleness 0 a run is then
         reproducible, and a resumed one replays by value)."""
         taken = self.queue.get_batch.remote(groups * self.group_size, QUEUE_TIMEOUT_S)
-        # An engine that dies fills the queue no more: fail at once, not after the timeout.
-        samples: list[Sample] | None = join_watching(taken, self.core.groups[Role.ROLLOUT])
+        while True:
+            try:
+                # An engine that dies fills the queue no more: go on without it at once.
+                samples: list[Sample] | None = join_watching(taken, self.rollout)
+                break
+            except RanksLost as lost:
+                self.lose_engines(lost)
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         self.groups_taken += groups
+        self.ledger.taken(s.uid for s in samples)
         return sorted(samples, key=lambda sample: sample.uid)
+
+    def lose_engines(self, lost: RanksLost) -> None:
+        """Go on with the engines that live: the weight transfer is set up again for
+        them, and the prompts the lost ones still owed are admitted to them again (the
+        staleness bound holds: those start on the current policy). Raises `lost` when
+        no engine is left."""
+        before = self.rollout
+        serving = before.without(lost.ranks)
+        if serving.world_size == 0:
+            raise lost
+        kept = [i for i, rank in enumerate(before.ranks) if rank not in lost.ranks]
+        self.rollout_pending = (
+            [self.rollout_pending[i] for i in kept] if self.rollout_pending else []
+        )
+        self.core.groups.replace(serving)
+        self.core.weight_sync.reopen(serving)
+        owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
+        log.warning("%s: going on with %d engine(s); %d sample(s) it owed are generated "
+                    "again on them", lost, serving.world_size, len(owed))  # fmt: skip
+        self.engines_lost += len(lost.ranks)
+        self.count_engines()
+        self.metrics.samples_readmitted.inc(len(owed))
+        self.admit_again(self.ledger.admitted(owed))
+
+    def drop_lost_engines(self) -> None:
+        """Go on without the engines that died since the last look (`lose_engines`)."""
+        if dead := self.rollout.dead_ranks():
+            self.lose_engines(RanksLost(Role.ROLLOUT, self.rollout.pool, dead))
+
+    def count_engines(self) -> None:
+        pool = self.rollout.pool
+        self.metrics.rollout_engines.labels(pool, "serving").set(self.rollout.world_size)
+        self.metrics.rollout_engines.labels(pool, "lost").set(self.engines_lost)
 
     def prompts_of(self, samples: Sequence[Sample]) -> list[Prompt]:
         return [self.prompts.prompts[s.prompt_index] for s in samples]
@@ -178,13 +230,13 @@ class AsyncPPOTrainer:
             ]
         )
 
-    def admit_again(self, admitted: list[tuple[int, int, list[int]]]) -> None:
-        rollout = self.core.groups[Role.ROLLOUT]
+    def admit_again(self, admitted: list[Admitted]) -> None:
+        rollout = self.rollout
         if admitted:
+            shards = split_list(admitted, rollout.world_size)
+            self.ledger.assign(rollout.ranks, shards)
             self.rollout_pending = rollout.run_each(
-                "admit",
-                split_list(admitted, rollout.world_size),
-                after=self.rollout_pending or None,
+                "admit", shards, after=self.rollout_pending or None
             )
 
     def wait_for_rollout(self) -> None:
@@ -197,8 +249,9 @@ class AsyncPPOTrainer:
         """Hand the new policy to the engines; in-flight requests continue on it
         (partial rollout), or finish on the old one first without partial rollout.
         Then admit what the staleness limit allows."""
-        rollout = self.core.groups[Role.ROLLOUT]
         started = time.time()
+        self.drop_lost_engines()
+        rollout = self.rollout
         assert self.config.async_ is not None
         if not self.config.async_.partial_rollout:
             self.wait_for_rollout()
@@ -216,7 +269,7 @@ class AsyncPPOTrainer:
 
     def checkpoint_state(self) -> AsyncState:
         """Pause, and take the queue and the prompts in flight (call between steps)."""
-        rollout = self.core.groups[Role.ROLLOUT]
+        rollout = self.rollout
         self.wait_for_rollout()
         join(rollout.run("pause"))
         in_flight = [a for rank in join(rollout.run("snapshot")) for a in rank]

@@ -24,7 +24,7 @@ from typing import Any
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.engine_client import EngineGroupClient
-from rlhf_trainer.cluster.groups import join
+from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.rollout.weight_sync import DEFAULT_BUCKET_BYTES, TransferSetup
 
@@ -61,7 +61,10 @@ class WeightSync:
             [sender.rendezvous_address.remote(), sender.whereabouts.remote()]
         )  # fmt: skip
         engines = join([engine.whereabouts.remote() for engine in self.rollout.hosts])
-        remote = tuple(i for i, e in enumerate(engines) if e.node_id != where.node_id)
+        remote = tuple(
+            rank for rank, e in zip(self.rollout.ranks, engines, strict=True)
+            if e.node_id != where.node_id
+        )  # fmt: skip
         setup = TransferSetup(
             host, port, self.rollout.world_size, remote, self.bucket_bytes,
             group_timeout_s(self.timeout_s),
@@ -89,6 +92,12 @@ class WeightSync:
                      time.monotonic() - started)  # fmt: skip
         sends = self.actor.run("send_weights", version, phase=Phase.SYNC_WEIGHTS)
         join(sends, self.driver_wait_s)
+
+    def reopen(self, rollout: WorkerGroup) -> None:
+        """Set the transfer up again for `rollout`: the engines that go on after some
+        were lost. They keep the weights they serve."""
+        self.rollout = rollout
+        self.open()
 
     def wait_before_next_push(self, calls: list[Any], timeout_s: float) -> None:
         """Let the engines finish `calls` (within `timeout_s`) before the next push."""

@@ -142,6 +142,7 @@ class Actor(Trainable):
         backend = transfer_backend(torch.cuda.is_available(), beside)
         info = trainer_init_info(backend, self.info.rank, setup)
         source = PolicySource(self.model, self.tied, self.engine_dtype)
+        self.close()  # the transfer to the engines before (some since lost), if any
         self.engines = engines
         try:
             self.transfer = WeightTransferTrainerFactory.trainer_init(
@@ -163,6 +164,7 @@ class Actor(Trainable):
     def close(self) -> None:
         if self.transfer is not None:
             self.transfer.shutdown()
+            self.transfer = None
 
 
 def sequence_log_probs(

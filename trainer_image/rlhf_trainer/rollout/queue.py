@@ -45,6 +45,11 @@ from typing import Any
 from rlhf_trainer.algo.experience import Rollout
 
 DEFAULT_QUEUE_CONCURRENCY = 16
+# The last uids put are remembered, so that a sample generated twice is queued once:
+# far more than any admission limit has outstanding.
+REMEMBERED_UIDS = 1 << 16
+
+Admitted = tuple[int, int, list[int]]  # a prompt given to an engine: (uid, prompt index, token ids)
 
 
 class AdmissionControl:
@@ -230,12 +235,28 @@ class SampleQueue:
         self._closed = False
         self._failure: str | None = None  # why the rollouter stopped, if it did
         self._waiting = 0  # getters blocked in get_batch
+        self._received: deque[int] = deque()  # the last REMEMBERED_UIDS uids put, in order
+        self._received_set: set[int] = set()
+
+    def _remember(self, uid: int) -> bool:
+        """Note `uid` as received; False if it already was (under the lock)."""
+        if uid in self._received_set:
+            return False
+        self._received.append(uid)
+        self._received_set.add(uid)
+        if len(self._received) > REMEMBERED_UIDS:
+            self._received_set.discard(self._received.popleft())
+        return True
 
     def put(self, sample: Sample) -> int:
-        """Append a sample; returns the depth after it. Raises QueueClosed once closed."""
+        """Append a sample; returns the depth after it. A uid that came before is
+        dropped: a prompt of a lost engine, generated again elsewhere, whose first
+        answer was delivered after all. Raises QueueClosed once closed."""
         with self._ready:
             if self._closed:
                 raise QueueClosed(f"sample {sample.uid} put into a closed queue")
+            if not self._remember(sample.uid):
+                return self._depth()
             self._add(sample)
             self._ready.notify_all()  # getters wait for different sizes: let each check
             return self._depth()
@@ -281,6 +302,12 @@ class SampleQueue:
     def depth(self) -> int:
         with self._ready:
             return self._depth()
+
+    def not_received(self, uids: Iterable[int]) -> list[int]:
+        """Those of `uids` that no sample has been put for: what a lost engine still
+        owed (what it did deliver may be queued, or trained already)."""
+        with self._ready:
+            return [uid for uid in uids if uid not in self._received_set]
 
     def waiting_getters(self) -> int:
         """How many `get_batch` calls are blocked waiting for samples now."""
@@ -328,6 +355,7 @@ class SampleQueue:
             if self._depth():
                 raise ValueError(f"restore into a queue that already holds {self._depth()} samples")
             for sample in restored:
+                self._remember(sample.uid)
                 self._add(sample)
             self._ready.notify_all()
 

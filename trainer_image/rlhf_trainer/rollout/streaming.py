@@ -20,13 +20,11 @@ from typing import Any
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.queue import Admitted, Sample
 from rlhf_trainer.rollout.worker import EngineWorker
 from rlhf_trainer.worker import RankInfo, derive_seed
 
 log = logging.getLogger(__name__)
-
-Admitted = tuple[int, int, list[int]]  # (uid, prompt index, prompt token ids)
 
 
 class StreamingRollout(EngineWorker):

@@ -170,6 +170,19 @@ class TrainerMetrics:
             "Finished samples waiting for the trainer as a step starts (fully async)",
             registry=r,
         )
+        self.rollout_engines = Gauge(
+            "rlhf_rollout_engines",
+            "Rollout engines by state: serving, or lost (its pod or node gone; fully "
+            "async goes on without it)",
+            ["pool", "state"],
+            registry=r,
+        )
+        self.samples_readmitted = Counter(
+            "rlhf_samples_readmitted",
+            "Samples generated again on another engine: their engine was lost before it "
+            "delivered them (fully async)",
+            registry=r,
+        )
         self.weight_sync_seconds = Histogram(
             "rlhf_weight_sync_seconds",
             "Seconds the trainer spends on a weight sync to the rollout engines",
