@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 BATCH = 32  # samples a step: the local example's batchSize
 GROUP = 2  # samples per prompt in the resume test
+ELASTIC_STEPS = 40  # enough for an engine to start on a node that joins after step 3
 
 
 def uids(steps: list[StepResult]) -> list[int]:
@@ -206,36 +207,54 @@ def test_a_lost_rollout_rank_fails_the_run_at_once_naming_it(
     assert len(killer.killed) == 1
 
 
-def test_a_lost_rollout_engine_leaves_the_other_to_go_on_and_no_sample_is_lost(
+def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     tmp_path: Path,
 ) -> None:
-    """Two rollout engines, on two nodes of the rollout pool; after step 2 one's rank is
-    SIGKILLed, engine and all (its pod lost, no warning). The run goes on with the other
-    to its last step: what the lost engine owed is generated again there, nothing is
-    trained twice or lost, and the staleness bound holds throughout."""
+    """Two rollout engines, on two nodes of the rollout pool. After step 2 one's rank is
+    SIGKILLed, engine and all (its pod lost, no warning): the run goes on with the other,
+    which generates again what the lost one owed. After step 3 a node joins the pool (a
+    replacement pod, or a bigger `replicas`): an engine starts on it in the background
+    and, once up, takes the current weights and then prompts. Through both, nothing is
+    trained twice or lost, and the staleness bound holds."""
+    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.loop.run import run_job
+
     spec = local_async_job(
-        staleness=0.5, total_steps=8, checkpoint_dir=tmp_path, every_steps=100
+        staleness=0.5, total_steps=ELASTIC_STEPS, checkpoint_dir=tmp_path, every_steps=100
     ).to_dict()
     spec["pools"][-1]["replicas"] = 2  # the rollout pool: one engine per node
     config = JobConfig.model_validate(spec)
+    metrics = TrainerMetrics(pools=[p.name for p in config.pools])
     killer = EngineKiller(after_step=2, whole_rank=True)
-    with killer.tagged():
-        trained = train(config, on_step=killer)
+    steps: list[StepResult] = []
+    with killer.tagged(), local_ray_cluster(config) as cluster:
+
+        def on_step(step: StepResult) -> None:
+            steps.append(step)
+            killer(step)
+            if step.step == 3:
+                cluster.add_node("rollout")
+
+        run_job(config, "elastic", ConsoleReporter(every=1e9), metrics, on_step=on_step)
     assert len(killer.killed) == 1
-    assert [s.step for s in trained.steps] == list(range(1, 9))
-    every = uids(trained.steps)
-    assert len(every) == len(set(every)) == 8 * BATCH  # none twice
+    assert [s.step for s in steps] == list(range(1, ELASTIC_STEPS + 1))
+    every = uids(steps)
+    assert len(every) == len(set(every)) == ELASTIC_STEPS * BATCH  # none twice
     # None lost: all but the last admitted (still outstanding at the end) are trained,
     # those the lost engine owed among them.
     missing = set(range(max(every) + 1)) - set(every)
     assert all(uid > 4 * BATCH for uid in missing), sorted(missing)
-    assert max(lag for s in trained.steps for lag in s.staleness) <= 2
-    registry = trained.metrics.registry
+    # An engine serving weights older than the current ones would show as staleness.
+    assert max(lag for s in steps for lag in s.staleness) <= 2
+    registry = metrics.registry
     engines = {state: registry.get_sample_value("rlhf_rollout_engines", {"pool": "rollout",
-               "state": state}) for state in ("serving", "lost")}  # fmt: skip
-    assert engines == {"serving": 1, "lost": 1}
+               "state": state}) for state in ("serving", "lost", "joining")}  # fmt: skip
+    assert engines == {"serving": 2, "lost": 1, "joining": 0}
     readmitted = registry.get_sample_value("rlhf_samples_readmitted_total")
     assert readmitted is not None and readmitted > 0  # the lost engine owed some
+    # The engine that joined (rank 2) generated: its vLLM series counts its tokens.
+    joined = {"pool": "rollout", "engine": "2"}
+    assert (registry.get_sample_value("rlhf_vllm_generation_tokens_total", joined) or 0) > 0
 
 
 def test_the_held_out_prompts_are_answered_on_the_rollout_pool_by_the_steps_policy(

@@ -36,12 +36,16 @@ Observe = Callable[[str, int, EngineStats | None], None]
 
 class EngineStatsPoller:
     """Asks the rollout group's engines for their stats every `interval_s`, on a daemon
-    thread, from `start` to `stop`."""
+    thread, from `start` to `stop`. `group`: the group, or what returns it as it is now
+    (engines lost or joined)."""
 
     def __init__(
-        self, group: WorkerGroup, observe: Observe, interval_s: float = POLL_INTERVAL_S
+        self,
+        group: WorkerGroup | Callable[[], WorkerGroup],
+        observe: Observe,
+        interval_s: float = POLL_INTERVAL_S,
     ) -> None:
-        self.group = group
+        self.group = group if callable(group) else lambda: group
         self.observe = observe
         self.interval_s = interval_s
         self._asked: dict[int, ObjectRef[EngineStats | None]] = {}  # rank -> its answer
@@ -77,9 +81,13 @@ class EngineStatsPoller:
         within `timeout_s`."""
         import ray
 
-        for rank in range(self.group.world_size):
+        group = self.group()
+        for position, rank in enumerate(group.ranks):
             if rank not in self._asked:
-                self._asked[rank] = self.group.engine_stats(rank)
+                self._asked[rank] = group.engine_stats(position)
+        for gone in set(self._asked) - set(group.ranks):  # an engine lost: no series
+            del self._asked[gone]
+            self.observe(group.pool, gone, None)
         ready, _ = ray.wait(
             list(self._asked.values()), num_returns=len(self._asked), timeout=timeout_s
         )
@@ -92,4 +100,4 @@ class EngineStatsPoller:
                 stats = ray.get(ref)
             except ray.exceptions.RayError:  # the actor died: the engine is gone
                 stats = None
-            self.observe(self.group.pool, rank, stats)
+            self.observe(group.pool, rank, stats)

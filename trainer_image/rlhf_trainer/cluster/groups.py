@@ -199,17 +199,24 @@ class WorkerGroup:
         # loses some (`without`); what errors and logs name them by.
         self.ranks = tuple(range(len(self.hosts)) if ranks is None else ranks)
 
+    def joined(self, other: WorkerGroup) -> WorkerGroup:
+        """This group with `other`'s ranks (started since, and ready), in rank order."""
+        ranks, slots, hosts = (self.ranks + other.ranks, self.slots + other.slots,
+                               self.hosts + other.hosts)  # fmt: skip
+        order = sorted(range(len(ranks)), key=lambda i: ranks[i])
+        return self._of([slots[i] for i in order], [hosts[i] for i in order],
+                        [ranks[i] for i in order])  # fmt: skip
+
     def without(self, ranks: Sequence[int]) -> WorkerGroup:
         """The group less the workers of `ranks` (their own ranks): what goes on when
         those are lost."""
         kept = [i for i, rank in enumerate(self.ranks) if rank not in ranks]
-        return WorkerGroup(
-            self.role,
-            [self.slots[i] for i in kept],
-            [self.hosts[i] for i in kept],
-            [self.ready[i] for i in kept if i < len(self.ready)],
-            [self.ranks[i] for i in kept],
-        )
+        return self._of([self.slots[i] for i in kept], [self.hosts[i] for i in kept],
+                        [self.ranks[i] for i in kept])  # fmt: skip
+
+    def _of(self, slots: list[WorkerSlot], hosts: list[Any], ranks: list[int]) -> WorkerGroup:
+        # Ranks that started already: no futures of their start to keep.
+        return WorkerGroup(self.role, slots, hosts, [], ranks)
 
     @property
     def world_size(self) -> int:
@@ -234,9 +241,25 @@ class WorkerGroup:
         the groups of several roles start together; `ray.get(group.ready)` joins them.
         Calls issued before then queue behind the build (an actor runs its calls in
         order)."""
+        slots = role_slots(plan, role, pool_group.rank_order)
+        ranks = range(len(slots))
+        return cls.spawn_ranks(role, slots, ranks, pool_group, worker_cls, *args, **kwargs)
+
+    @classmethod
+    def spawn_ranks(
+        cls,
+        role: Role,
+        slots: Sequence[WorkerSlot],
+        ranks: Sequence[int],
+        pool_group: PoolGroup,
+        worker_cls: type[Worker],
+        *args: Any,
+        **kwargs: Any,
+    ) -> WorkerGroup:
+        """`spawn`, for the ranks `ranks` in `slots` of `pool_group` (ranks that join a
+        running role need no process group: rollout engines)."""
         import ray
 
-        slots = role_slots(plan, role, pool_group.rank_order)
         # A thread that answers beside a call. Ray then runs the calls on a thread of
         # their own too, not the main one: still one at a time, in order.
         remote: Any = ray.remote(concurrency_groups={TELEMETRY: 1})  # type: ignore[call-overload]
@@ -249,12 +272,12 @@ class WorkerGroup:
                 num_gpus=slot.gpu_share,
                 scheduling_strategy=pool_group.scheduling(slot),
             ).remote(RankInfo(role, slot.pool, rank, len(slots)), worker_cls, args, kwargs)
-            for rank, slot in enumerate(slots)
+            for rank, slot in zip(ranks, slots, strict=True)
         ]
         master_addr, master_port = ray.get(hosts[0].rendezvous_address.remote())
         # All ranks at once: init_process_group blocks until the whole group has joined.
         ready = [h.setup.remote(master_addr, master_port) for h in hosts]
-        return cls(role, slots, hosts, ready)
+        return cls(role, slots, hosts, ready, ranks)
 
     def run(
         self,

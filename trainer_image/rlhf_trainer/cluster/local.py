@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
@@ -18,11 +20,30 @@ def connect_to_cluster() -> None:
     ray.init()
 
 
+@dataclass(frozen=True)
+class LocalCluster:
+    """The simulated cluster a local run trains on."""
+
+    address: str
+    cluster: Any  # ray.cluster_utils.Cluster
+    config: JobConfig
+
+    def add_node(self, pool: str) -> None:
+        """One more node of `pool`, as the operator makes it (a bigger `replicas`)."""
+        (gpus,) = [p.gpus_per_node for p in self.config.pools if p.name == pool]
+        self.cluster.add_node(
+            num_cpus=1,
+            num_gpus=gpus,
+            resources={pool_resource(pool): gpus},
+            labels={POOL_LABEL: pool},
+        )
+
+
 @contextmanager
-def local_ray_cluster(config: JobConfig) -> Iterator[str]:
-    """A simulated Ray cluster on this machine shaped like the job's pools; yields its
-    address after connecting to it. One node per pool replica, each with the logical
-    GPUs, the pool resource and the pool label the operator gives the real nodes."""
+def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
+    """A simulated Ray cluster on this machine shaped like the job's pools; yields it
+    once connected. One node per pool replica, each with the logical GPUs, the pool
+    resource and the pool label the operator gives the real nodes."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -37,15 +58,11 @@ def local_ray_cluster(config: JobConfig) -> Iterator[str]:
             "_system_config": {"enable_worker_prestart": False},
         },
     )
+    local = LocalCluster(str(cluster.address), cluster, config)
     try:
         for pool in config.pools:
             for _ in range(pool.replicas):
-                cluster.add_node(
-                    num_cpus=1,
-                    num_gpus=pool.gpus_per_node,
-                    resources={pool_resource(pool.name): pool.gpus_per_node},
-                    labels={POOL_LABEL: pool.name},
-                )
+                local.add_node(pool.name)
         # Ray's INFO lines here say where a dashboard is (there is none) in ANSI colours,
         # even into a pipe: a local run's output stays plain without them.
         ray.init(
@@ -54,7 +71,7 @@ def local_ray_cluster(config: JobConfig) -> Iterator[str]:
             log_to_driver=False,
             logging_level=logging.WARNING,
         )
-        yield str(cluster.address)
+        yield local
     finally:
         ray.shutdown()
         cluster.shutdown()  # type: ignore[no-untyped-call]

@@ -195,6 +195,32 @@ def _not_ready_message(
     )
 
 
+def free_pool_gpus(pool: str) -> int:
+    """GPUs of the pool's nodes that no placement group holds: nodes that joined the
+    pool after it was placed (a bigger `replicas`)."""
+    import ray
+
+    return int(ray.available_resources().get(pool_resource(pool), 0))  # type: ignore[no-untyped-call]
+
+
+def place_more(pool: str, gpus: int, name: str, timeout_s: float) -> PoolGroup:
+    """A placement group of `gpus` more bundles on the pool's free GPUs, once ready;
+    raises PlacementTimeout (naming the pool) if they went meanwhile."""
+    from ray.util.placement_group import placement_group
+
+    group = placement_group(
+        [gpu_bundle(pool)] * gpus,
+        strategy=POOL_STRATEGY,
+        name=name,
+        bundle_label_selector=[{POOL_LABEL: pool}] * gpus,
+    )
+    try:
+        return wait_ready({pool: group}, timeout_s)[pool]
+    except PlacementTimeout:
+        remove_pool_groups({pool: group})
+        raise
+
+
 def remove_pool_groups(groups: Mapping[str, PlacementGroup | PoolGroup]) -> None:
     from ray.util.placement_group import remove_placement_group
 

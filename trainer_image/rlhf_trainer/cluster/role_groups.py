@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
@@ -16,7 +16,11 @@ from rlhf_trainer.api.plan import DRIVER, PlacementPlan
 from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.placement import (
     PoolGroup,
+    WorkerSlot,
     create_pool_groups,
+    free_pool_gpus,
+    gpu_share,
+    place_more,
     remove_pool_groups,
     wait_ready,
 )
@@ -37,6 +41,7 @@ WORKERS: dict[Role, type[Worker]] = {
 }
 
 PLACEMENT_TIMEOUT_S = 600.0  # a pool's nodes may still be starting (autoscaling, pulls)
+GROW_PLACEMENT_TIMEOUT_S = 30.0  # for GPUs seen free: they are there, or taken meanwhile
 
 
 @dataclass
@@ -46,6 +51,8 @@ class RoleGroups:
 
     groups: dict[Role, WorkerGroup]
     pools: dict[str, PoolGroup]
+    # per role, how many ranks it has started: its next rank's number
+    ranks_started: dict[Role, int] = field(default_factory=dict)
 
     @classmethod
     def start(
@@ -70,7 +77,7 @@ class RoleGroups:
             for role, role_plan in plan.roles.items()
             if role_plan.pool != DRIVER
         }
-        started = cls(groups, pools)
+        started = cls(groups, pools, {role: group.world_size for role, group in groups.items()})
         try:
             join([ready for group in groups.values() for ready in group.ready])
             started.log_whereabouts()
@@ -95,8 +102,32 @@ class RoleGroups:
         return self.groups[role]
 
     def replace(self, group: WorkerGroup) -> None:
-        """`group` in place of its role's (the ranks that go on after some were lost)."""
+        """`group` in place of its role's (the ranks that go on after some were lost,
+        or with those that joined)."""
         self.groups[group.role] = group
+
+    def start_more(
+        self, plan: PlacementPlan, role: Role, worker: type[Worker], *args: Any
+    ) -> WorkerGroup | None:
+        """Ranks of `role` on its pool's free GPUs (nodes that joined the pool since it
+        was placed), one per tensor-parallel slice, numbered after every rank the role
+        had; None when there are not enough. Placed now; their workers build in the
+        background (`ready`)."""
+        role_plan = plan.roles[role]
+        pool = next(p for p in plan.pools if p.name == role_plan.pool)
+        tp = role_plan.tensor_parallel_size
+        count = free_pool_gpus(pool.name) // tp
+        if count == 0:
+            return None
+        first = self.ranks_started.get(role, 0)
+        placed = place_more(pool.name, count * tp, f"{pool.name}-from-{role}-{first}",
+                            GROW_PLACEMENT_TIMEOUT_S)  # fmt: skip
+        self.pools[placed.group.id.hex()] = placed  # removed with the others at the end
+        slots = [WorkerSlot(pool.name, placed.rank_order[i * tp], gpu_share(pool))
+                 for i in range(count)]  # fmt: skip
+        ranks = range(first, first + count)
+        self.ranks_started[role] = first + count
+        return WorkerGroup.spawn_ranks(role, slots, ranks, placed, worker, *args)
 
     def get(self, role: Role) -> WorkerGroup | None:
         return self.groups.get(role)

@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.cluster.groups import WorkerGroup, join, join_watching
+from rlhf_trainer.cluster.groups import WorkerGroup, finished, join, join_watching
 from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.engine_ledger import EngineLedger
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
+from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class AsyncPPOTrainer:
         self.rollout_pending: list[Any] = []
         self.ledger = EngineLedger()  # which engine holds which prompt
         self.engines_lost = 0
+        self.joining: WorkerGroup | None = None  # engines starting on GPUs that joined
         self.count_engines()
 
     @property
@@ -206,10 +208,36 @@ class AsyncPPOTrainer:
         if dead := self.rollout.dead_ranks():
             self.lose_engines(RanksLost(Role.ROLLOUT, self.rollout.pool, dead))
 
+    def take_new_engines(self) -> None:
+        """Engines for rollout-pool GPUs that joined (a bigger pool): started in the
+        background when seen, and taken in at the first sync after they are ready,
+        before its push, so they serve the current policy from their first prompt."""
+        if self.joining is None:
+            self.joining = self.core.groups.start_more(
+                self.core.plan, Role.ROLLOUT, StreamingRollout, self.config, self.queue
+            )
+            if self.joining is not None:
+                log.info("%d rollout engine(s) starting on GPUs that joined pool %s",
+                         self.joining.world_size, self.joining.pool)  # fmt: skip
+                self.count_engines()
+            return
+        if not finished(self.joining.ready):
+            return
+        joining, self.joining = self.joining, None
+        join(joining.ready)  # an engine that could not start fails the run, saying why
+        self.wait_for_rollout()  # its admissions are one per engine
+        serving = self.rollout.joined(joining)
+        self.core.groups.replace(serving)
+        self.core.weight_sync.reopen(serving)
+        log.info("rollout rank(s) %s joined: %d engine(s) serve",
+                 list(joining.ranks), serving.world_size)  # fmt: skip
+        self.count_engines()
+
     def count_engines(self) -> None:
-        pool = self.rollout.pool
-        self.metrics.rollout_engines.labels(pool, "serving").set(self.rollout.world_size)
-        self.metrics.rollout_engines.labels(pool, "lost").set(self.engines_lost)
+        pool, engines = self.rollout.pool, self.metrics.rollout_engines
+        engines.labels(pool, "serving").set(self.rollout.world_size)
+        engines.labels(pool, "lost").set(self.engines_lost)
+        engines.labels(pool, "joining").set(self.joining.world_size if self.joining else 0)
 
     def prompts_of(self, samples: Sequence[Sample]) -> list[Prompt]:
         return [self.prompts.prompts[s.prompt_index] for s in samples]
@@ -251,6 +279,7 @@ class AsyncPPOTrainer:
         Then admit what the staleness limit allows."""
         started = time.time()
         self.drop_lost_engines()
+        self.take_new_engines()
         rollout = self.rollout
         assert self.config.async_ is not None
         if not self.config.async_.partial_rollout:

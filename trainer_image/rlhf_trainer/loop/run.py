@@ -291,7 +291,7 @@ def open_run(
     workers = {Role.ROLLOUT: (StreamingRollout, (queue,))} if queue else {}
     groups = RoleGroups.start(plan, config, job, workers)
     log.info("roles started in %.1f s", time.time() - started)
-    engines = EngineStatsPoller(groups[Role.ROLLOUT], metrics.engines.observe).start()
+    engines = EngineStatsPoller(lambda: groups[Role.ROLLOUT], metrics.engines.observe).start()
     try:
         trainer = PPOTrainer(
             config,
