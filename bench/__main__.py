@@ -16,6 +16,7 @@ from typing import Any
 BENCHES = {  # name -> module
     "split": "bench.split_placement.run",
     "async": "bench.async.run",
+    "elastic": "bench.async.elastic",
     "algorithms": "bench.algorithms.run",
     "learning": "bench.learning.run",
     "weight_sync": "bench.weight_sync.run",
@@ -39,6 +40,13 @@ HEADLINES = {  # name -> the figures its summary shows
         "async.driver_share",
         "pipeline_efficiency",
         "estimate_error",
+    ],
+    "elastic": [
+        "grow_after_over_before",
+        "grow_after_over_fixed_2",
+        "fixed_2_over_fixed_1",
+        "grow.node_to_serving_s",
+        "grow.join_stall_s",
     ],
     "algorithms": ["grpo_speedup", "ppo.samples_per_s", "grpo.samples_per_s"],
     "learning": [

@@ -13,6 +13,7 @@ trained twice, the staleness bound) hold across the restart.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -235,7 +236,8 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
             if step.step == 3:
                 cluster.add_node("rollout")
 
-        run_job(config, "elastic", ConsoleReporter(every=1e9), metrics, on_step=on_step)
+        trace = tmp_path / "trace.json"
+        run_job(config, "elastic", ConsoleReporter(every=1e9), metrics, trace, on_step)
     assert len(killer.killed) == 1
     assert [s.step for s in steps] == list(range(1, ELASTIC_STEPS + 1))
     every = uids(steps)
@@ -255,6 +257,11 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     # The engine that joined (rank 2) generated: its vLLM series counts its tokens.
     joined = {"pool": "rollout", "engine": "2"}
     assert (registry.get_sample_value("rlhf_vllm_generation_tokens_total", joined) or 0) > 0
+    # Each step says how many engines served; the timeline marks the changes.
+    counts = [s.rollout_engines for s in steps]
+    assert counts[0] == 2 and 1 in counts and counts[-1] == 2, counts
+    marks = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert marks.count("engines_lost") == marks.count("engines_joined") == 1
 
 
 def test_the_held_out_prompts_are_answered_on_the_rollout_pool_by_the_steps_policy(

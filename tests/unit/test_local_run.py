@@ -190,6 +190,16 @@ def test_the_summary_compares_the_first_and_last_steps(tmp_path: Path) -> None:
     assert rows["run folder"] == str(tmp_path)
     assert rows["last checkpoint"] == "ckpt/step-2"
     assert "held-out reward" not in rows  # no data.eval
+    assert "rollout engines" not in rows  # synchronous: none counted
+
+
+def test_the_summary_marks_where_the_rollout_engines_changed(tmp_path: Path) -> None:
+    engines = [2, 2, 1, 1, 2]  # one lost after step 2, one joined after step 4
+    records = [replace(record(i + 1), rollout_engines=n) for i, n in enumerate(engines)]
+    rows = dict(Summary(records, 5, 1.0, tmp_path, None).rows())
+    assert rows["rollout engines"] == "2 from step 1, 1 from step 3, 2 from step 5"
+    steady = [replace(r, rollout_engines=2) for r in records]
+    assert "rollout engines" not in dict(Summary(steady, 5, 1.0, tmp_path, None).rows())
 
 
 def test_the_summary_compares_the_first_and_last_evaluations(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 
+# The timeline's marks of the rollout pool changing: the spans of the work it took.
+ENGINES_LOST, ENGINES_JOINED = "engines_lost", "engines_joined"
 QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
 
 
@@ -135,6 +137,7 @@ class AsyncPPOTrainer:
             phase_seconds=self.core.record_spans(since=started),
             staleness=lags,
             sample_uids=[s.uid for s in samples],
+            rollout_engines=self.rollout.world_size,
         )
 
     def take_batch(self, step: int) -> tuple[list[Sample], torch.Tensor | None, int]:
@@ -193,9 +196,10 @@ class AsyncPPOTrainer:
         self.rollout_pending = (
             [self.rollout_pending[i] for i in kept] if self.rollout_pending else []
         )
-        self.core.groups.replace(serving)
-        self.core.weight_sync.reopen(serving)
-        owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
+        with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_LOST):
+            self.core.groups.replace(serving)
+            self.core.weight_sync.reopen(serving)
+            owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
         log.warning("%s: going on with %d engine(s); %d sample(s) it owed are generated "
                     "again on them", lost, serving.world_size, len(owed))  # fmt: skip
         self.engines_lost += len(lost.ranks)
@@ -227,8 +231,9 @@ class AsyncPPOTrainer:
         join(joining.ready)  # an engine that could not start fails the run, saying why
         self.wait_for_rollout()  # its admissions are one per engine
         serving = self.rollout.joined(joining)
-        self.core.groups.replace(serving)
-        self.core.weight_sync.reopen(serving)
+        with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_JOINED):
+            self.core.groups.replace(serving)
+            self.core.weight_sync.reopen(serving)
         log.info("rollout rank(s) %s joined: %d engine(s) serve",
                  list(joining.ranks), serving.world_size)  # fmt: skip
         self.count_engines()

@@ -79,6 +79,7 @@ class StepResult:
     kl_coef: float = 0.0  # the KL penalty's coefficient this step used (klController)
     # held-out evaluations finished since the last step (one may have started earlier)
     evaluations: tuple[EvalProgress, ...] = ()
+    rollout_engines: int = 0  # fully async: the engines serving as the step ended
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,8 @@ class Summary:
                 ("samples/s", f"{speed:.1f} (mean over steps)"),
             ]
             rows += [(f"pool {p} busy", f"{100 * s:.0f}%") for p, s in last.pool_busy.items()]
+            if changes := engine_changes(records):
+                rows.append(("rollout engines", changes))
         if self.evaluations:
             first, final = self.evaluations[0], self.evaluations[-1]
             rows.append(("held-out reward", f"{first.reward_mean:.3f} at step {first.step} → "
@@ -177,3 +179,15 @@ class Summary:
             ("last checkpoint", self.last_checkpoint or "none"),
         ]
         return rows
+
+
+def engine_changes(records: Sequence[StepRecord]) -> str:
+    """How many rollout engines served, and from which step, when that changed during
+    the run (fully async: engines lost or joined); "" when it never did."""
+    runs: list[tuple[int, int]] = []  # (engines, first step)
+    for record in records:
+        if record.rollout_engines and (not runs or runs[-1][0] != record.rollout_engines):
+            runs.append((record.rollout_engines, record.step))
+    if len(runs) < 2:
+        return ""
+    return ", ".join(f"{engines} from step {step}" for engines, step in runs)

@@ -47,6 +47,8 @@ class StepOutcome(Protocol):
     def responses(self) -> ResponseStats: ...
     @property
     def evaluations(self) -> tuple[EvalProgress, ...]: ...
+    @property
+    def rollout_engines(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class StepRecord:
     # busy time over wall time since the trainer started, per pool (pool_busy_ratios)
     pool_busy: dict[str, float]
     kl_coef: float = 0.0  # the KL penalty's coefficient the step used (0: before it was kept)
+    rollout_engines: int = 0  # fully async: engines serving as the step ended (0: not kept)
 
     @classmethod
     def of(cls, result: StepOutcome, samples: int, pool_busy: dict[str, float]) -> StepRecord:
@@ -79,6 +82,7 @@ class StepRecord:
             responses=result.responses,
             pool_busy=dict(pool_busy),
             kl_coef=result.kl_coef,
+            rollout_engines=result.rollout_engines,
         )
 
     def to_json(self) -> str:
