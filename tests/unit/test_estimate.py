@@ -14,6 +14,7 @@ from rlhf_trainer.api.estimate import (
     calibrate,
     estimate,
     load_profile,
+    rollout_pool_sizes,
     suggest_split,
 )
 from rlhf_trainer.api.plan import Phase
@@ -96,6 +97,18 @@ def test_fully_async_step_is_the_slower_of_training_and_generation() -> None:
     }
     generation_bound = PROFILE.model_copy(update={"generate_tokens_per_second": 10})
     assert estimate(fully_async(1, 1), generation_bound).step_seconds == pytest.approx(360)
+
+
+def test_a_fully_async_rollout_pool_at_other_sizes_changes_the_step_where_it_bounds_it() -> None:
+    generation_bound = PROFILE.model_copy(update={"generate_tokens_per_second": 10})
+    sizes = dict(rollout_pool_sizes(fully_async(2, 1), generation_bound))
+    assert sorted(sizes) == [1, 3, 4]  # one node less, one more, twice as many
+    # generation takes 360 s on one node (2 GPUs), 120 s on 3: there the trainer's
+    # 289.25 s bounds the step, and a fourth node gains nothing
+    trainer = 48 + 48 + 96 + 96 + 0.5 / 2 + 1
+    assert sizes[1].step_seconds == pytest.approx(360)
+    assert sizes[3].step_seconds == sizes[4].step_seconds == pytest.approx(trainer)
+    assert rollout_pool_sizes(job_config([two_gpus("a")], ALL_ON_A), PROFILE) == []
 
 
 def test_the_suggested_split_balances_the_pools_on_the_same_gpus() -> None:

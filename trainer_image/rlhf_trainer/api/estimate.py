@@ -192,6 +192,26 @@ def suggest_split(
 Shape = tuple[tuple[int, int], ...]  # (nodes, GPUs per node) per pool
 
 
+def rollout_pool_sizes(config: JobConfig, profile: CostProfile) -> list[tuple[int, Estimate]]:
+    """A fully-async job's estimate with its rollout pool at other node counts (it is
+    elastic: `replicas` may change while the job runs): one node less, one more, twice
+    as many. [] when the rollout shares its pool with a trained role, or is not async."""
+    pool_of = config.roles.rollout
+    shared = {config.roles.actor, config.roles.critic, config.roles.ref} - {None}
+    if config.async_ is None or pool_of in shared:
+        return []
+    (pool,) = [p for p in config.pools if p.name == pool_of]
+    sizes = sorted({pool.replicas - 1, pool.replicas + 1, 2 * pool.replicas} - {0})
+    shape = {p.name: (p.replicas, p.gpus_per_node) for p in config.pools}
+    found = []
+    for nodes in sizes:
+        reshaped = _reshaped(config, tuple((nodes, n[1]) if name == pool_of else n
+                                           for name, n in shape.items()))  # fmt: skip
+        if reshaped is not None:
+            found.append((nodes, estimate(reshaped, profile)))
+    return found
+
+
 def _splits(config: JobConfig, share_nodes: bool) -> Iterator[Shape]:
     """Pool shapes on the job's GPUs: each pool's node count at its GPUs per node; and
     when the pools share their nodes (`separation: gpu`, the same node count each),
@@ -288,4 +308,7 @@ def describe_estimate(config: JobConfig, profile: CostProfile, share_nodes: bool
         nodes = ", ".join(f"{p.name} {p.replicas} x {p.gpus_per_node} GPUs" for p in better.pools)
         gain = guess.step_seconds / best.step_seconds
         lines.append(f"  balanced split: {nodes}: step {best.step_seconds:.3g} s ({gain:.2f}x)")
+    if sizes := rollout_pool_sizes(config, profile):
+        steps = ", ".join(f"{n} node(s) {e.step_seconds:.3g} s" for n, e in sizes)
+        lines.append(f"  rollout pool resized while it runs: step at {steps}")
     return "\n".join(lines)
