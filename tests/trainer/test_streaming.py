@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.cluster.queue import spawn_queue
-from rlhf_trainer.loop.engine_ledger import EngineLedger
+from rlhf_trainer.loop.elastic_rollout import EngineLedger
 from rlhf_trainer.loop.fully_async import AsyncState
 from rlhf_trainer.rollout.queue import (
     AdmissionControl,

@@ -1,22 +1,42 @@
-"""Fully async's record of which rollout engine holds which prompt, so that when an
-engine is lost (its pod or node gone) the prompts it still owed go to the others.
+"""Fully async's rollout engines as they come and go: a rollout pod or node lost, or
+nodes that join the pool (a bigger `replicas`, a replacement pod).
 
-A prompt's samples are admitted to one engine each (`assign`) and leave the ledger as
-the trainer takes them (`taken`). What a lost engine held is either delivered (queued,
-or trained already) or still owed: the queue tells which (`SampleQueue.not_received`),
-and the owed ones are admitted again, whole, to the engines that go on. The queue drops
-a second answer to the same uid, so one delivered by the lost engine at its last moment
-is not trained twice.
+- Lost: the engine is dropped, the weight transfer set up again for the others, and
+  what it still owed is admitted to them again. `EngineLedger` knows which engine holds
+  which prompt; the queue knows which uids have arrived (`SampleQueue.not_received`),
+  and keeps a uid once, so a late answer from the lost engine is not trained twice.
+  The staleness bound holds: what is admitted again starts on the current policy.
+- Joined: GPUs of the pool that no placement group holds get engines, started in the
+  background; the trainer takes them in at a weight sync once they are up, before its
+  push, so they serve the current policy from their first prompt.
+
+The trainer asks at its own moments (between its calls to the engines), and keeps its
+admissions; this module keeps the group, the transfer and the counts.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
+from typing import Any
 
+from rlhf_trainer.api.config import Role
+from rlhf_trainer.cluster.groups import WorkerGroup, finished, join
+from rlhf_trainer.cluster.hangs import RanksLost
+from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.rollout.queue import Admitted
+from rlhf_trainer.rollout.streaming import StreamingRollout
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
+
+log = logging.getLogger(__name__)
+
+# The timeline's marks of the rollout pool changing: the spans of the work it took.
+ENGINES_LOST, ENGINES_JOINED = "engines_lost", "engines_joined"
 
 
 class EngineLedger:
+    """Which engine (by its rank) was given which prompt, until the trainer takes it."""
+
     def __init__(self) -> None:
         self._held: dict[int, tuple[int, Admitted]] = {}  # uid -> (engine rank, admitted)
 
@@ -41,3 +61,80 @@ class EngineLedger:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+class ElasticRollout:
+    """The rollout group of a fully-async run as its engines are lost and join."""
+
+    def __init__(self, core: PPOTrainer, queue: Any, metrics: TrainerMetrics) -> None:
+        self.core = core
+        self.queue = queue  # the SampleQueue actor
+        self.metrics = metrics
+        self.ledger = EngineLedger()
+        self.lost = 0  # engines lost so far
+        self.joining: WorkerGroup | None = None  # engines starting on GPUs that joined
+        self.count()
+
+    @property
+    def group(self) -> WorkerGroup:
+        """The engines that serve."""
+        return self.core.groups[Role.ROLLOUT]
+
+    def dead(self) -> RanksLost | None:
+        """The engines that died since the last look, if any."""
+        dead = self.group.dead_ranks()
+        return RanksLost(Role.ROLLOUT, self.group.pool, dead) if dead else None
+
+    def lose(self, lost: RanksLost) -> tuple[list[int], list[Admitted]]:
+        """Go on without the engines of `lost`; raises it when none is left. Returns the
+        positions, in the group before, of the engines that go on, and what the lost
+        ones owed (to admit again)."""
+        before = self.group
+        serving = before.without(lost.ranks)
+        if serving.world_size == 0:
+            raise lost
+        with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_LOST):
+            self.core.groups.replace(serving)
+            self.core.weight_sync.reopen(serving)
+            owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
+        log.warning("%s: going on with %d engine(s); %d sample(s) it owed are generated "
+                    "again on them", lost, serving.world_size, len(owed))  # fmt: skip
+        self.lost += len(lost.ranks)
+        self.count()
+        self.metrics.samples_readmitted.inc(len(owed))
+        kept = [i for i, rank in enumerate(before.ranks) if rank not in lost.ranks]
+        return kept, self.ledger.admitted(owed)
+
+    def ready_to_join(self) -> WorkerGroup | None:
+        """Engines started on the pool's free GPUs, once all are up (None before). The
+        first call that sees free GPUs starts them."""
+        if self.joining is None:
+            self.joining = self.core.groups.start_more(
+                self.core.plan, Role.ROLLOUT, StreamingRollout, self.core.config, self.queue
+            )
+            if self.joining is not None:
+                log.info("%d rollout engine(s) starting on GPUs that joined pool %s",
+                         self.joining.world_size, self.joining.pool)  # fmt: skip
+                self.count()
+            return None
+        if not finished(self.joining.ready):
+            return None
+        join(self.joining.ready)  # an engine that could not start fails the run, saying why
+        return self.joining
+
+    def join(self, joining: WorkerGroup) -> None:
+        """Take the engines of `joining` in (between the trainer's calls to the engines)."""
+        serving = self.group.joined(joining)
+        with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_JOINED):
+            self.core.groups.replace(serving)
+            self.core.weight_sync.reopen(serving)
+        self.joining = None
+        log.info("rollout rank(s) %s joined: %d engine(s) serve",
+                 list(joining.ranks), serving.world_size)  # fmt: skip
+        self.count()
+
+    def count(self) -> None:
+        pool, engines = self.group.pool, self.metrics.rollout_engines
+        engines.labels(pool, "serving").set(self.group.world_size)
+        engines.labels(pool, "lost").set(self.lost)
+        engines.labels(pool, "joining").set(self.joining.world_size if self.joining else 0)

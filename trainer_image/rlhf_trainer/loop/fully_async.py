@@ -17,7 +17,6 @@ samples; the queue hands out whole groups, and a group is as stale as its oldest
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -25,21 +24,16 @@ from typing import Any
 
 import torch
 
-from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.cluster.groups import WorkerGroup, finished, join, join_watching
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.cluster.groups import WorkerGroup, join, join_watching
 from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
-from rlhf_trainer.loop.engine_ledger import EngineLedger
+from rlhf_trainer.loop.elastic_rollout import ElasticRollout
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
-from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
-log = logging.getLogger(__name__)
-
-# The timeline's marks of the rollout pool changing: the spans of the work it took.
-ENGINES_LOST, ENGINES_JOINED = "engines_lost", "engines_joined"
 QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
 
 
@@ -90,15 +84,12 @@ class AsyncPPOTrainer:
         # The engines' admissions after the last sync: the trainer goes on without
         # waiting for them, and waits before its next sync.
         self.rollout_pending: list[Any] = []
-        self.ledger = EngineLedger()  # which engine holds which prompt
-        self.engines_lost = 0
-        self.joining: WorkerGroup | None = None  # engines starting on GPUs that joined
-        self.count_engines()
+        self.elastic = ElasticRollout(core, queue, metrics)
 
     @property
     def rollout(self) -> WorkerGroup:
         """The rollout engines that serve (those lost are gone from it)."""
-        return self.core.groups[Role.ROLLOUT]
+        return self.elastic.group
 
     @property
     def prompts(self) -> PromptStream:
@@ -180,69 +171,25 @@ class AsyncPPOTrainer:
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         self.groups_taken += groups
-        self.ledger.taken(s.uid for s in samples)
+        self.elastic.ledger.taken(s.uid for s in samples)
         return sorted(samples, key=lambda sample: sample.uid)
 
     def lose_engines(self, lost: RanksLost) -> None:
-        """Go on with the engines that live: the weight transfer is set up again for
-        them, and the prompts the lost ones still owed are admitted to them again (the
-        staleness bound holds: those start on the current policy). Raises `lost` when
-        no engine is left."""
-        before = self.rollout
-        serving = before.without(lost.ranks)
-        if serving.world_size == 0:
-            raise lost
-        kept = [i for i, rank in enumerate(before.ranks) if rank not in lost.ranks]
-        self.rollout_pending = (
-            [self.rollout_pending[i] for i in kept] if self.rollout_pending else []
-        )
-        with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_LOST):
-            self.core.groups.replace(serving)
-            self.core.weight_sync.reopen(serving)
-            owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
-        log.warning("%s: going on with %d engine(s); %d sample(s) it owed are generated "
-                    "again on them", lost, serving.world_size, len(owed))  # fmt: skip
-        self.engines_lost += len(lost.ranks)
-        self.count_engines()
-        self.metrics.samples_readmitted.inc(len(owed))
-        self.admit_again(self.ledger.admitted(owed))
+        """Go on with the engines that live, and admit what the lost ones owed to them
+        (`ElasticRollout.lose`); raises `lost` when no engine is left."""
+        kept, owed = self.elastic.lose(lost)
+        if self.rollout_pending:
+            self.rollout_pending = [self.rollout_pending[i] for i in kept]
+        self.admit_again(owed)
 
-    def drop_lost_engines(self) -> None:
-        """Go on without the engines that died since the last look (`lose_engines`)."""
-        if dead := self.rollout.dead_ranks():
-            self.lose_engines(RanksLost(Role.ROLLOUT, self.rollout.pool, dead))
-
-    def take_new_engines(self) -> None:
-        """Engines for rollout-pool GPUs that joined (a bigger pool): started in the
-        background when seen, and taken in at the first sync after they are ready,
-        before its push, so they serve the current policy from their first prompt."""
-        if self.joining is None:
-            self.joining = self.core.groups.start_more(
-                self.core.plan, Role.ROLLOUT, StreamingRollout, self.config, self.queue
-            )
-            if self.joining is not None:
-                log.info("%d rollout engine(s) starting on GPUs that joined pool %s",
-                         self.joining.world_size, self.joining.pool)  # fmt: skip
-                self.count_engines()
-            return
-        if not finished(self.joining.ready):
-            return
-        joining, self.joining = self.joining, None
-        join(joining.ready)  # an engine that could not start fails the run, saying why
-        self.wait_for_rollout()  # its admissions are one per engine
-        serving = self.rollout.joined(joining)
-        with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_JOINED):
-            self.core.groups.replace(serving)
-            self.core.weight_sync.reopen(serving)
-        log.info("rollout rank(s) %s joined: %d engine(s) serve",
-                 list(joining.ranks), serving.world_size)  # fmt: skip
-        self.count_engines()
-
-    def count_engines(self) -> None:
-        pool, engines = self.rollout.pool, self.metrics.rollout_engines
-        engines.labels(pool, "serving").set(self.rollout.world_size)
-        engines.labels(pool, "lost").set(self.engines_lost)
-        engines.labels(pool, "joining").set(self.joining.world_size if self.joining else 0)
+    def change_engines(self) -> None:
+        """Between the trainer's calls to the engines: drop those that died since, and
+        take in those started on GPUs that joined the pool once they are up."""
+        if (lost := self.elastic.dead()) is not None:
+            self.lose_engines(lost)
+        if (joining := self.elastic.ready_to_join()) is not None:
+            self.wait_for_rollout()  # its admissions are one per engine
+            self.elastic.join(joining)
 
     def prompts_of(self, samples: Sequence[Sample]) -> list[Prompt]:
         return [self.prompts.prompts[s.prompt_index] for s in samples]
@@ -267,7 +214,7 @@ class AsyncPPOTrainer:
         rollout = self.rollout
         if admitted:
             shards = split_list(admitted, rollout.world_size)
-            self.ledger.assign(rollout.ranks, shards)
+            self.elastic.ledger.assign(rollout.ranks, shards)
             self.rollout_pending = rollout.run_each(
                 "admit", shards, after=self.rollout_pending or None
             )
@@ -283,8 +230,7 @@ class AsyncPPOTrainer:
         (partial rollout), or finish on the old one first without partial rollout.
         Then admit what the staleness limit allows."""
         started = time.time()
-        self.drop_lost_engines()
-        self.take_new_engines()
+        self.change_engines()
         rollout = self.rollout
         assert self.config.async_ is not None
         if not self.config.async_.partial_rollout:
