@@ -93,6 +93,8 @@ class ElasticRollout:
         serving = before.without(lost.ranks)
         if serving.world_size == 0:
             raise lost
+        # For good: one that only stopped answering must not come back and generate.
+        before.without(serving.ranks).shutdown(grace_s=0)
         with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_LOST):
             self.core.groups.replace(serving)
             self.core.weight_sync.reopen(serving)
