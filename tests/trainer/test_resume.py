@@ -17,6 +17,7 @@ is repeated or skipped.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -91,10 +92,11 @@ def kill_steps_past_a_checkpoint(
     rank 0 ("actor", "critic"), which dies in the next step, or "run": the whole process
     group. Returns the step of the checkpoint."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
+    folder = RunFolder(root.parent / "run")
     while time.monotonic() < deadline:
         latest = checkpoint.latest(root)
         saved = checkpoint.step_of(latest) if latest else 0
-        if saved >= EVERY and max(rewards(log.read_text()), default=0) >= saved + REPLAYED:
+        if saved >= EVERY and last_recorded_step(folder) >= saved + REPLAYED:
             if victim == "run":
                 os.killpg(run.pid, signal.SIGKILL)
             else:
@@ -104,6 +106,14 @@ def kill_steps_past_a_checkpoint(
         time.sleep(0.05)
     os.killpg(run.pid, signal.SIGKILL)
     raise AssertionError(f"no checkpoint followed by {REPLAYED} steps:\n{log.read_text()[-3000:]}")
+
+
+def last_recorded_step(folder: RunFolder) -> int:
+    """The last step metrics.jsonl holds whole (its line comes after the step's log
+    line; a line being written does not count yet)."""
+    text = folder.metrics.read_text() if folder.metrics.is_file() else ""
+    whole = text[: text.rfind("\n") + 1].splitlines()
+    return max((json.loads(line)["step"] for line in whole if line.strip()), default=0)
 
 
 def job(mode: str, root: Path) -> JobConfig:
