@@ -132,19 +132,27 @@ class PoolGroup:
 
 def create_pool_groups(plan: PlacementPlan, job: str) -> dict[str, PlacementGroup]:
     """Ask Ray for every pool's group. Returns at once; `wait_ready` waits for them."""
-    from ray.util.placement_group import placement_group
-
     return {
-        pool.name: placement_group(
-            pool_bundles(pool),
-            strategy=POOL_STRATEGY,
-            name=placement_group_name(job, pool.name),
-            # The pool resource already pins the bundles; the label says the same in
-            # the words of `ray list nodes`, and guards a node given the wrong resource.
-            bundle_label_selector=[{POOL_LABEL: pool.name}] * pool.total_gpus,
+        pool.name: pool_placement_group(
+            pool.name, pool_bundles(pool), placement_group_name(job, pool.name)
         )
         for pool in plan.pools
     }
+
+
+def pool_placement_group(pool: str, bundles: list[Bundle], name: str) -> PlacementGroup:
+    """Ask Ray for the pool's `bundles`, packed; returns at once."""
+    from ray.util.placement_group import placement_group
+
+    group: PlacementGroup = placement_group(
+        bundles,
+        strategy=POOL_STRATEGY,
+        name=name,
+        # The pool resource already pins the bundles; the label says the same in the
+        # words of `ray list nodes`, and guards a node given the wrong resource.
+        bundle_label_selector=[{POOL_LABEL: pool}] * len(bundles),
+    )
+    return group
 
 
 def wait_ready(groups: Mapping[str, PlacementGroup], timeout_s: float) -> dict[str, PoolGroup]:
@@ -206,14 +214,7 @@ def free_pool_gpus(pool: str) -> int:
 def place_more(pool: str, gpus: int, name: str, timeout_s: float) -> PoolGroup:
     """A placement group of `gpus` more bundles on the pool's free GPUs, once ready;
     raises PlacementTimeout (naming the pool) if they went meanwhile."""
-    from ray.util.placement_group import placement_group
-
-    group = placement_group(
-        [gpu_bundle(pool)] * gpus,
-        strategy=POOL_STRATEGY,
-        name=name,
-        bundle_label_selector=[{POOL_LABEL: pool}] * gpus,
-    )
+    group = pool_placement_group(pool, [gpu_bundle(pool)] * gpus, name)
     try:
         return wait_ready({pool: group}, timeout_s)[pool]
     except PlacementTimeout:
