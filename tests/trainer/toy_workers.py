@@ -124,6 +124,10 @@ class StoppingReceiver(Worker):
     def start_weight_update(self) -> None:
         if self.info.rank == self.stopping_rank and not self.dies:
             os.kill(os.getpid(), signal.SIGSTOP)
+            # The stop can land a moment after kill returns (another thread takes the
+            # signal): the call must not answer meanwhile.
+            while True:
+                time.sleep(60)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if self.info.rank == self.stopping_rank and self.dies:
