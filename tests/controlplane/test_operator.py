@@ -14,7 +14,7 @@ import yaml
 
 from .harness import REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
-from .util import eventually, get_json, kubectl_as
+from .util import bound_claim, eventually, get_json, kubectl_as
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
@@ -173,58 +173,78 @@ def test_children_deleted_out_of_band_are_recreated(
 
 
 @pytest.mark.slow
-def test_changing_a_pools_replicas_resizes_its_worker_group(
+def group_replicas(obj: dict[str, Any] | None) -> dict[str, int]:
+    """A RayJob's or RayCluster's worker groups: name -> replicas."""
+    spec = (obj or {}).get("spec", {})
+    groups = spec.get("rayClusterSpec", spec).get("workerGroupSpecs", [])
+    return {g["groupName"]: g["replicas"] for g in groups}
+
+
+def test_resizes_change_the_rollout_pool_in_place_and_the_trainer_pool_by_a_new_attempt(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
-    cp = controlplane
-    apply_example(cp, namespace, "two-nodes-by-node-8-8.yaml")
-    eventually(
-        lambda: len(worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])) == 1,
-        "one policy worker",
+    """The fully-async example (rollout on pool a, trainer on pool b). KubeRay's and the
+    trainer's parts in the attempt's end are played by patching statuses, as they would."""
+    cp, name = controlplane, "fully-async"
+    claim = bound_claim(namespace, "checkpoints", f"/tmp/{namespace}-ckpt", "ReadWriteMany")
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(claim))
+    manifest = load(REPO_ROOT / "examples" / "fully-async.yaml")
+    manifest["spec"]["checkpointClaim"] = "checkpoints"
+    apply(cp, namespace, manifest)
+
+    def running(pools: dict[str, int]) -> dict[str, list[dict[str, Any]]] | None:
+        pods = worker_pods(cp, name, namespace)
+        return pods if {p: len(pods.get(p, [])) for p in pools} == pools else None
+
+    eventually(lambda: running({"rollout": 1, "trainer": 1}), "a worker in each pool")
+    first = eventually(lambda: get(cp, "rayjob", name, namespace), "the RayJob")
+    eventually(lambda: ((get(cp, "rayjob", name, namespace) or {}).get("status") or {})
+               .get("jobDeploymentStatus") == "Running", "the driver submitted")  # fmt: skip
+    cluster = job_status(cp, name, namespace)["rayCluster"]
+
+    # The rollout pool: in place, under the same attempt (its engines join the run).
+    patch_job(cp, namespace, name, "json", '[{"op": "replace", "path": "/spec/pools/0/replicas", "value": 2}]')  # fmt: skip
+    eventually(lambda: group_replicas(get(cp, "raycluster", cluster, namespace))["rollout"] == 2,
+               "the live RayCluster's rollout group to grow")  # fmt: skip
+    eventually(lambda: running({"rollout": 2, "trainer": 1}), "a second rollout worker")
+    assert get(cp, "rayjob", name, namespace)["metadata"]["uid"] == first["metadata"]["uid"]  # type: ignore[index]
+    assert job_status(cp, name, namespace)["phase"] == "Running"
+
+    # Sizes the rules refuse are refused at admission, naming the field: 3 nodes of 8
+    # GPUs for the actor do not divide miniBatchSize 64.
+    refused = patch_job(cp, namespace, name, "json", '[{"op": "replace", "path": "/spec/pools/1/replicas", "value": 3}]', check=False)  # fmt: skip
+    assert refused.returncode != 0 and "spec.trainer.miniBatchSize" in refused.stderr, (
+        refused.stderr
     )
-    patch_job(
-        cp,
-        namespace,
-        "two-nodes-8-8",
-        "json",
-        '[{"op": "replace", "path": "/spec/pools/0/replicas", "value": 2}]',
-    )
 
-    def policy_replicas(kind: str, name: str) -> int | None:
-        obj = get(cp, kind, name, namespace) or {}
-        spec = obj.get("spec", {}).get("rayClusterSpec", obj.get("spec", {}))
-        return next(
-            (g["replicas"] for g in spec.get("workerGroupSpecs", []) if g["groupName"] == "policy"),
-            None,
-        )
+    # The trainer pool: Resizing; the running attempt keeps its sizes until its driver stops.
+    patch_job(cp, namespace, name, "json", '[{"op": "replace", "path": "/spec/pools/1/replicas", "value": 2}]')  # fmt: skip
+    resizing = [{"pool": "trainer", "fromReplicas": 1, "toReplicas": 2}]
+    status = eventually(lambda: status_when(cp, name, namespace, phase="Resizing", resizing=resizing),
+                        "status Resizing, with the old and new sizes")  # fmt: skip
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert "resizing pool trainer from 1 to 2 nodes" in ready["message"]
+    rayjob = get(cp, "rayjob", name, namespace) or {}
+    assert rayjob["metadata"]["uid"] == first["metadata"]["uid"]
+    assert group_replicas(rayjob)["trainer"] == 1
+    assert len(worker_pods(cp, name, namespace)["trainer"]) == 1
+    events = get_json(cp, "events", "-n", namespace, "--field-selector", "reason=Resizing")
+    assert [e["type"] for e in events["items"]] == ["Normal"], events
 
-    eventually(
-        lambda: policy_replicas("rayjob", "two-nodes-8-8") == 2,
-        "the RayJob's policy group to have 2 replicas",
-    )
-    cluster = job_status(cp, "two-nodes-8-8", namespace)["rayCluster"]
-    eventually(
-        lambda: policy_replicas("raycluster", cluster) == 2,
-        "the RayCluster's policy group to have 2 replicas",
-    )
-
-    def two_policy_workers() -> list[dict[str, Any]] | None:
-        pods = worker_pods(cp, "two-nodes-8-8", namespace).get("policy", [])
-        return pods if len(pods) == 2 else None
-
-    pods = eventually(two_policy_workers, "a second policy worker")
-    nodes = sorted(p["spec"]["nodeName"] for p in pods)
-    assert len(set(nodes)) == 2  # 8 GPUs each: one node per worker
-
-    def policy_status() -> dict[str, Any]:
-        return next(
-            p for p in job_status(cp, "two-nodes-8-8", namespace)["pools"] if p["name"] == "policy"
-        )
-
-    expected = {"name": "policy", "desiredGPUs": 16, "readyGPUs": 16, "nodes": nodes}
-    eventually(
-        lambda: policy_status() == expected, "status to show 16 ready GPUs in the policy pool"
-    )
+    # The driver checkpoints at step 3, reports it and exits 0 (loop.resize).
+    training = {"step": 3, "totalSteps": 1000, "lastCheckpoint": "/checkpoints/step-3"}
+    cp.kubectl("patch", "rlhfjob", name, "-n", namespace, "--subresource=status",
+               "--type=merge", "-p", json.dumps({"status": {"training": training}}))  # fmt: skip
+    done = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
+    cp.kubectl("patch", "rayjob", name, "-n", namespace, "--subresource=status",
+               "--type=merge", "-p", json.dumps({"status": done}))  # fmt: skip
+    second = eventually(lambda: recreated(cp, "rayjob", name, namespace, first["metadata"]["uid"]),
+                        "the next attempt's RayJob")  # fmt: skip
+    assert group_replicas(second) == {"rollout": 2, "trainer": 2}
+    pods = eventually(lambda: running({"rollout": 2, "trainer": 2}), "the new attempt's workers")
+    assert len({p["spec"]["nodeName"] for p in pods["trainer"]}) == 2
+    status = eventually(lambda: status_when(cp, name, namespace, phase="Running"), "Running again")
+    assert status["restarts"] == 0 and "resizing" not in status and "lastFailure" not in status
 
 
 @pytest.mark.parametrize(("patch", "message"), [

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
+from rlhf_operator.api.job import Phase, RLHFJobStatus
 from rlhf_operator.render.children import JobRef, render_reporter_rbac
-from rlhf_trainer.api.progress import EvalProgress, TrainingProgress
+from rlhf_trainer.api.progress import EvalProgress, PoolResize, TrainingProgress
 from rlhf_trainer.telemetry.report import ApiServer, StatusReporter
 
 from .harness import REPO_ROOT, ControlPlane
@@ -71,3 +72,23 @@ def test_the_reporter_patches_its_own_jobs_training_status_and_no_other(
     assert token not in caplog.text
     other_status = get_json(cp, "rlhfjob", other.name, "-n", namespace).get("status") or {}
     assert "training" not in other_status, json.dumps(other_status)
+
+
+def test_the_reporter_reads_the_pools_the_operator_resizes(
+    controlplane: ControlPlane, namespace: str
+) -> None:
+    """What the driver reads between steps (loop.resize), as the reporter account: the
+    operator's status.resizing, in the operator's own wire format."""
+    cp = controlplane
+    job = create_job(cp, namespace, "resized")
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(render_reporter_rbac(job)))
+    token = cp.kubectl("create", "token", job.reporter, "-n", namespace).stdout.strip()
+    reporter = StatusReporter(job.name, namespace, ApiServer(cp.server, lambda: token, cp.ca_file))
+    assert reporter.resizing() == []
+    resizing = RLHFJobStatus(
+        phase=Phase.RESIZING,
+        resizing=[PoolResize(pool="policy", from_replicas=1, to_replicas=2)],
+    )
+    cp.kubectl("patch", "rlhfjob", job.name, "-n", namespace, "--subresource=status",
+               "--type=merge", "-p", json.dumps({"status": resizing.to_dict()}))  # fmt: skip
+    assert reporter.resizing() == resizing.resizing

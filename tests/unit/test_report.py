@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from rlhf_operator.api import crd
-from rlhf_trainer.api.progress import TrainingProgress
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.progress import PoolResize, TrainingProgress
+from rlhf_trainer.loop.resize import ResizeWatch
 from rlhf_trainer.telemetry import report
 from rlhf_trainer.telemetry.report import (
     ApiServer,
@@ -24,6 +26,7 @@ from rlhf_trainer.telemetry.report import (
     reporter_from_env,
     status_url,
 )
+from tests.unit.conftest import EXAMPLES, load
 
 TOKEN = "s3cret-token-value"
 PROGRESS = TrainingProgress(
@@ -170,3 +173,22 @@ def test_from_env_reports_in_the_pod_and_prints_elsewhere(
         no_token = reporter_from_env(pod_env, tmp_path / "missing")
     assert isinstance(no_token, ConsoleReporter)
     assert "printing progress instead" in caplog.text
+
+
+def test_a_run_stops_for_a_resize_of_its_own_pools_only_reading_the_job_now_and_then() -> None:
+    """loop.resize.ResizeWatch, the run's `stop` on a cluster: it reads the operator's
+    status.resizing at most every 5 s, and stops for pools whose new size this attempt
+    has not got (a stale entry, once the next attempt runs on it, does not stop it)."""
+    config = JobConfig.model_validate(load(EXAMPLES[0].parent / "local-cpu.yaml")["spec"])
+    grown = [PoolResize(pool="policy", from_replicas=1, to_replicas=2)]
+    stale = [PoolResize(pool="policy", from_replicas=2, to_replicas=1)]  # policy has 1
+    reads: list[list[PoolResize] | None] = [None, stale, grown]
+    clock = Clock()
+    watch = ResizeWatch(config, lambda: reads.pop(0), every=5, clock=clock)
+    assert not watch()  # unreadable: go on
+    assert not watch() and len(reads) == 2  # too soon to read again
+    clock.now = 5.0
+    assert not watch()  # stale
+    clock.now = 10.0
+    assert watch() and watch.due == grown and not reads
+    assert watch()  # stays stopped, without reading again

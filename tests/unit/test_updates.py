@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from rlhf_operator.api.crd import RESIZE_MESSAGE
 from tests.unit.celcheck import cel_errors
 
 Job = dict[str, Any]
@@ -21,7 +22,6 @@ def changed(job: Job, change: Callable[[Job], None]) -> Job:
 
 
 ALLOWED = {
-    "pool-replicas": lambda j: j["spec"]["pools"][0].update(replicas=2),
     "suspend": lambda j: j["spec"].update(suspend=True),
     "status-only": lambda j: j.update(status={"phase": "Running"}),
 }
@@ -33,6 +33,8 @@ REJECTED = {
                                  "only a pool's replicas can change after creation"),
     "pool-added": (lambda j: j["spec"]["pools"].append({"name": "extra", "gpusPerNode": 1}), "spec.pools",
                    "pools cannot be added, removed or renamed after creation"),
+    "trained-pool-replicas-without-checkpoints": (
+        lambda j: j["spec"]["pools"][0].update(replicas=2), "spec.pools", RESIZE_MESSAGE),
     "pool-renamed": (lambda j: j["spec"]["pools"][1].update(name="critic"), "spec.pools",
                      "pools cannot be added, removed or renamed after creation"),
     "roles": (lambda j: j["spec"]["roles"].update(ref="value"), "spec.roles", "cannot change after creation"),
@@ -60,3 +62,24 @@ def test_fixed_fields_are_rejected_with_the_field_named(
 def test_restating_a_default_is_not_a_change(local_job: Job) -> None:
     explicit = changed(local_job, lambda j: j["spec"].update(separation="node", suspend=False))
     assert cel_errors(explicit, old=local_job) == []
+
+
+def test_a_trained_pool_may_change_size_when_the_job_keeps_checkpoints(local_job: Job) -> None:
+    local_job["spec"]["checkpointClaim"] = "checkpoints"
+    grown = changed(local_job, lambda j: j["spec"]["pools"][0].update(replicas=2))
+    assert cel_errors(grown, old=local_job) == []
+
+
+def test_a_fully_async_jobs_own_rollout_pool_may_change_size_without_checkpoints(
+    local_job: Job,
+) -> None:
+    spec = local_job["spec"]
+    spec["pools"].append({"name": "rollout", "replicas": 1, "gpusPerNode": 1})
+    spec["roles"]["rollout"] = "rollout"
+    spec["async"] = {}
+    grown = changed(local_job, lambda j: j["spec"]["pools"][2].update(replicas=3))
+    assert cel_errors(grown, old=local_job) == []
+    # Not so once another role shares it: the ref scores on it.
+    spec["roles"]["ref"] = "rollout"
+    shared = changed(local_job, lambda j: j["spec"]["pools"][2].update(replicas=3))
+    assert ("spec.pools", RESIZE_MESSAGE) in cel_errors(shared, old=local_job)

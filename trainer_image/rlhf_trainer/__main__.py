@@ -89,9 +89,10 @@ def train(
     """Run the job to its last step (resuming from a checkpoint); the exit status.
     Bad local settings (the run folder, the metrics port) fail before Ray starts."""
     from rlhf_trainer.cluster.local import connect_to_cluster
-    from rlhf_trainer.loop.run import run_job
+    from rlhf_trainer.loop.resize import ResizeWatch
+    from rlhf_trainer.loop.run import Interrupted, run_job
     from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
-    from rlhf_trainer.telemetry.report import reporter_from_env
+    from rlhf_trainer.telemetry.report import StatusReporter, reporter_from_env
     from rlhf_trainer.telemetry.run_folder import RunFolder, RunFolderError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -120,7 +121,12 @@ def train(
         )
         return 2
     connect_to_cluster()  # the cluster KubeRay started this driver in
-    run_job(config, job, reporter_from_env(), metrics, trace)
+    reporter = reporter_from_env()
+    watch = ResizeWatch(config, reporter.resizing) if isinstance(reporter, StatusReporter) else None
+    try:
+        run_job(config, job, reporter, metrics, trace, stop=watch or (lambda: False))
+    except Interrupted as stopped:  # only a resize stops a run on the cluster
+        logging.info("%s, for a resize; the operator starts the next attempt", stopped)
     return 0
 
 

@@ -155,6 +155,7 @@ def _with_transition_rules(spec: Schema) -> Schema:
     same_names = "oldSelf.all(o, self.exists(p, p.name == o.name))"
     _add_rule(pools, f"size(self) == size(oldSelf) && {same_names}",
               "pools cannot be added, removed or renamed after creation")  # fmt: skip
+    _add_rule(spec, _RESIZE_NEEDS_CHECKPOINTS, RESIZE_MESSAGE, field_path=".pools")
     pool = pools["items"]
     fixed = [f for f in pool["properties"] if f not in MUTABLE_POOL_FIELDS]
     _add_rule(pool, " && ".join(_unchanged(pool, f) for f in fixed),
@@ -170,8 +171,29 @@ def _unchanged(parent: Schema, field: str) -> str:
             f"(!has(self.{field}) || self.{field} == oldSelf.{field}))")  # fmt: skip
 
 
-def _add_rule(schema: Schema, rule: str, message: str) -> None:
-    schema.setdefault("x-kubernetes-validations", []).append({"rule": rule, "message": message})
+def _add_rule(schema: Schema, rule: str, message: str, field_path: str | None = None) -> None:
+    found = {"rule": rule, "message": message} | ({"fieldPath": field_path} if field_path else {})
+    schema.setdefault("x-kubernetes-validations", []).append(found)
+
+
+# A pool that trains or scores changes size by a new attempt, which resumes from a
+# checkpoint (controller.resizes); only fully async's own rollout pool changes in place
+# (JobConfig.elastic_pools). Without checkpoints a resize would lose every step.
+_ELASTIC = (
+    "(has(self.async) && p.name == self.roles.rollout && self.roles.actor != p.name && "
+    "(!has(self.roles.critic) || self.roles.critic != p.name) && "
+    "(!has(self.roles.ref) || self.roles.ref != p.name) && "
+    "(!has(self.roles.reward) || self.roles.reward != p.name))"
+)
+_RESIZE_NEEDS_CHECKPOINTS = (
+    "has(self.checkpointClaim) || has(self.trainer.checkpoint.path) || self.pools.all(p, "
+    f"{_ELASTIC} || oldSelf.pools.exists(o, o.name == p.name && o.replicas == p.replicas))"
+)
+RESIZE_MESSAGE = (
+    "a pool that trains or scores (every pool but a fully-async job's own rollout pool) "
+    "changes size by a new attempt that resumes from a checkpoint: this job keeps none "
+    "(set checkpointClaim at creation)"
+)
 
 
 def model_schema(model: type[BaseModel]) -> Schema:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from rlhf_trainer.api.progress import TrainingProgress
+from rlhf_trainer.api.progress import PoolResize, TrainingProgress
 from rlhf_trainer.api.rules import SpecModel
 
 
@@ -22,6 +22,9 @@ class Phase(StrEnum):
     SUSPENDED = "Suspended"
     RESTARTING = "Restarting"  # an attempt failed; the next one starts after the backoff
     QUEUED = "Queued"  # waiting for Kueue to admit it (spec.queueName)
+    # A pool that trains changed size: the trainer checkpoints at its next step and the
+    # next attempt resumes on the new sizes (not counted as a restart).
+    RESIZING = "Resizing"
 
 
 class StatusModel(SpecModel):
@@ -74,3 +77,10 @@ class RLHFJobStatus(StatusModel):
     completion_time: datetime | None = Field(None, description="When the job finished.")
     restarts: int = Field(0, ge=0, description="New attempts started after failures.")
     last_failure: AttemptFailure | None = Field(None, description="The last failed attempt.")
+    resizing: list[PoolResize] | None = Field(
+        None,
+        description=(
+            "While Resizing: the pools that change size, old and new. The trainer reads it "
+            "to stop at a step boundary after a checkpoint."
+        ),
+    )

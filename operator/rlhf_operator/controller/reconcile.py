@@ -20,6 +20,7 @@ from rlhf_operator.api.job import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJob
 from rlhf_operator.api.validation import InvalidJob, parse_spec
 from rlhf_operator.controller.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.controller.kuberay import RECHECK_SECONDS, KubeRayCheck
+from rlhf_operator.controller.resizes import ResizeAction, decide_resize
 from rlhf_operator.controller.restarts import Action, decide
 from rlhf_operator.controller.status import (
     KUBERAY_INCOMPATIBLE,
@@ -96,10 +97,20 @@ class Reconciler:
 
         ref, now = JobRef(name, namespace, meta["uid"]), self.now()
         rayjob = self.kube.get("RayJob", namespace, ref.rayjob)
-        # A finished job is not started again; a failed attempt may be (restarts.py).
+        # A finished job is not started again; a failed attempt may be (restarts.py), and
+        # one whose pools changed size is replaced (resizes.py).
         restart = None if finished(old) else decide(spec.restart_policy, rayjob, old, now)
-        workload = None
+        resize = None
         if restart is not None and restart.action is Action.NONE:
+            resize = decide_resize(spec, rayjob, old.training)
+        workload = None
+        if resize is not None and resize.action is ResizeAction.REPLACE and rayjob is not None:
+            # As for a restart, the deletion's event brings the reconcile that creates
+            # the next attempt, with the spec's sizes.
+            log.info("replacing RayJob %s/%s for a resize: %s", namespace, ref.rayjob,
+                     resize.resizes)  # fmt: skip
+            self.kube.delete("RayJob", namespace, ref.rayjob, uid=rayjob["metadata"]["uid"])
+        elif restart is not None and restart.action is Action.NONE:
             children = render_children(ref, spec, self.network)
             # Before anything is created: a KubeRay that would drop fields (or cannot
             # probe the pods) would leave the job waiting for ever.
@@ -114,7 +125,8 @@ class Reconciler:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
         pods = self.kube.list("Pod", namespace, f"{JOB_LABEL}={name}")  # head, pools, submitter
-        new = compute_status(spec, generation, Observed(rayjob, pods, workload), old, now, restart)
+        observed = Observed(rayjob, pods, workload)
+        new = compute_status(spec, generation, observed, old, now, restart, resize)
         self._write_status(job, old, new)
         wait = restart.wait_seconds if restart and restart.action in WAITING else None
         if new.phase is Phase.QUEUED:
@@ -159,14 +171,18 @@ class Reconciler:
             )
 
     def _sync_rayjob(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj, desired: Obj) -> Obj:
-        """Apply the spec's mutable fields: suspend (unless Kueue owns it), and each
-        pool's replicas."""
+        """Apply the spec's mutable fields: suspend (unless Kueue owns it), and the
+        replicas of the pools that change size in place (resizes.py)."""
         ops = []
         suspend = rayjob["spec"].get("suspend", False)
         if spec.queue_name is None and suspend != desired["spec"]["suspend"]:
             ops.append({"op": "add", "path": "/spec/suspend", "value": desired["spec"]["suspend"]})
         live_groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-        wanted_groups = desired["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+        wanted_groups = [
+            group
+            for group in desired["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+            if group["groupName"] in spec.elastic_pools  # the others: a new attempt
+        ]
         ops += _replica_ops(live_groups, wanted_groups, at="/spec/rayClusterSpec")
         if ops:
             log.info("updating RayJob %s/%s: %s", ref.namespace, ref.rayjob, ops)
@@ -277,6 +293,7 @@ def _replica_ops(live: list[Obj], wanted: list[Obj], at: str) -> list[dict[str, 
 def _without_training(status: RLHFJobStatus) -> Obj:
     data = status.to_dict()
     data.pop("training", None)
+    data.setdefault("resizing", None)  # a merge patch removes a field only given null
     return data
 
 

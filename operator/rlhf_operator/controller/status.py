@@ -19,6 +19,7 @@ from rlhf_operator.api.job import (
     RLHFJobStatus,
 )
 from rlhf_operator.controller.pods import pod_problems
+from rlhf_operator.controller.resizes import ResizeAction, ResizeDecision
 from rlhf_operator.controller.restarts import FIRST_LINE, Action, Decision
 from rlhf_trainer.api.names import POOL_LABEL
 
@@ -102,17 +103,22 @@ def compute_status(
     old: RLHFJobStatus,
     now: datetime,
     restart: Decision | None = None,
+    resize: ResizeDecision | None = None,
 ) -> RLHFJobStatus:
-    """`restart`: what the reconciler decided about a failed attempt (restarts.decide)."""
+    """`restart`: what the reconciler decided about a failed attempt (restarts.decide);
+    `resize`: about an attempt whose pools changed size (resizes.decide_resize)."""
     pools = [_pool_status(spec, pool.name, observed.pods) for pool in spec.pools]
     ready_pools = sum(p.ready_gpus == p.desired_gpus for p in pools)
     unscheduled = [w for pool in pools if (w := _unscheduled(pool, observed.pods))]
     failing = pod_problems(observed.pods)
     restarting = restart is not None and restart.action is not Action.NONE
+    resizing = resize is not None and resize.action is not ResizeAction.NONE
     if finished(old):  # a finished job keeps its outcome, even once its RayJob is gone
         phase = old.phase
+    elif restarting:
+        phase = Phase.RESTARTING
     else:
-        phase = Phase.RESTARTING if restarting else _phase(spec, observed.rayjob)
+        phase = Phase.RESIZING if resizing else _phase(spec, observed.rayjob)
     failure = restart.failure if restart and restart.failure else old.last_failure
     recorded = restart is not None and restart.action is Action.RECORD
     all_ready = ready_pools == len(pools)
@@ -127,6 +133,8 @@ def compute_status(
         [f"{ready_pools}/{len(pools)} pools have all their GPUs", *unscheduled, *queued, *failing]
     )
     ready_message = queued[0] if queued else _phase_message(phase, failure)
+    if resize is not None and resizing:
+        ready_message = _resize_message(resize)
     conditions = old.conditions
     for kind, ok, reason, message in (
         ("Invalid", False, "Valid", "the spec is valid"),
@@ -149,7 +157,23 @@ def compute_status(
         completion_time=old.completion_time or (now if phase in TERMINAL else None),
         restarts=old.restarts + recorded,
         last_failure=failure,
+        resizing=list(resize.resizes) if resize is not None and resizing else None,
     )
+
+
+def _resize_message(resize: ResizeDecision) -> str:
+    """e.g. "the job is resizing pool policy from 1 to 2 nodes: the trainer checkpoints
+    at the end of its step, and the next attempt resumes there on the new sizes"."""
+    pools = ", ".join(
+        f"pool {r.pool} from {r.from_replicas} to {r.to_replicas} nodes" for r in resize.resizes
+    )
+    what = f"the job is resizing {pools}" if pools else "the job is starting its next attempt"
+    if resize.action is ResizeAction.WAIT:
+        return (
+            f"{what}: the trainer checkpoints at the end of its step, and the next attempt "
+            "resumes there on the new sizes"
+        )
+    return f"{what}: the next attempt starts on the new sizes (from the last checkpoint, if any)"
 
 
 def _phase_message(phase: Phase, failure: AttemptFailure | None) -> str:

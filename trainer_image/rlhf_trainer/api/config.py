@@ -339,6 +339,19 @@ class JobConfig(SpecModel):
         return next(p for p in self.pools if p.name == name)
 
     @property
+    def elastic_pools(self) -> frozenset[str]:
+        """The pools whose size may change while the job trains: fully async's rollout
+        pool when nothing else runs on it (its engines come and go, loop.elastic_rollout).
+        A pool with a trained or scoring role changes size by a new attempt instead."""
+        rollout = self.roles.rollout
+        others = {pool for role, pool in self.roles.pools_in_use().items() if role != Role.ROLLOUT}
+        return (
+            frozenset({rollout})
+            if self.async_ is not None and rollout not in others
+            else frozenset()
+        )
+
+    @property
     def samples_per_step(self) -> int:
         """The samples a step trains on: batchSize prompts x samplesPerPrompt responses."""
         return self.trainer.batch_size * self.generation.samples_per_prompt

@@ -1,9 +1,10 @@
 """What the trainer reports into the RLHFJob's status: its progress, and the last
-evaluation on the held-out prompts (also a line of the run folder's eval.jsonl)."""
+evaluation on the held-out prompts (also a line of the run folder's eval.jsonl); and
+the one part of the operator's status the trainer reads: the pools being resized."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from rlhf_trainer.api.rules import SpecModel
 
@@ -60,3 +61,15 @@ class TrainingProgress(SpecModel):
     eval: EvalProgress | None = Field(
         None, description="The last evaluation on the held-out prompts (data.eval)."
     )
+
+
+class PoolResize(SpecModel):
+    """A pool whose size in the spec differs from the running attempt's. The operator
+    writes it (status.resizing); the trainer stops at a step boundary when a pool it
+    runs on is to change (loop.resize)."""
+
+    model_config = ConfigDict(extra="ignore")  # written by an operator of another version
+
+    pool: str = Field(description="Pool name.")
+    from_replicas: int = Field(ge=1, description="Nodes the running attempt has.")
+    to_replicas: int = Field(ge=1, description="Nodes the spec asks for: the next attempt's.")

@@ -199,6 +199,8 @@ class Run:
             if stop() and self.step < total:
                 if not saved:
                     self.save()
+                # The status names the checkpoint the next attempt resumes from.
+                self.reporter.report(self.progress(result), final=True)
                 raise Interrupted(self.step, str(self.last_checkpoint))
         final = self.progress(result)
         if result is None:  # resumed at the last step: nothing to train, but say so

@@ -1,7 +1,8 @@
 """Training progress into the RLHFJob's `status.training`, or onto the console locally.
 
 On the cluster the driver runs as `<job>-reporter`, a service account that may only
-get and patch `rlhfjobs/status` of its own job. Progress goes there as a JSON merge
+get and patch `rlhfjobs/status` of its own job. It reads the operator's
+`status.resizing` there too (loop.resize). Progress goes there as a JSON merge
 patch of `{"status": {"training": …}}` on the status subresource, over plain
 urllib + ssl with the pod's mounted token and CA: the trainer needs no Kubernetes
 client. Without RLHF_JOB_NAME (local mode) progress is printed instead.
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Protocol, TextIO
 
 from rlhf_trainer.api.names import GROUP, PLURAL, VERSION
-from rlhf_trainer.api.progress import TrainingProgress
+from rlhf_trainer.api.progress import PoolResize, TrainingProgress
 
 log = logging.getLogger(__name__)
 
@@ -129,21 +130,29 @@ class StatusReporter:
             return False
         return True
 
+    def resizing(self) -> list[PoolResize] | None:
+        """The pools the operator is resizing (its status.resizing); None when it could
+        not be read (logged: the run goes on)."""
+        try:
+            status = json.loads(self._request("GET")).get("status") or {}
+        except Exception as error:
+            log.warning("could not read rlhfjob %s/%s: %s", self.namespace, self.name,
+                        _describe(error))  # fmt: skip
+            return None
+        return [PoolResize.model_validate(r) for r in status.get("resizing") or []]
+
     def _patch(self, progress: TrainingProgress) -> None:
+        self._request("PATCH", status_patch(progress), "application/merge-patch+json")
+
+    def _request(self, method: str, body: bytes | None = None, content_type: str = "") -> bytes:
         ca = self._server.ca_file
         context = ssl.create_default_context(cafile=str(ca) if ca else None)
-        request = urllib.request.Request(
-            self._url,
-            data=status_patch(progress),
-            method="PATCH",
-            headers={
-                "Authorization": f"Bearer {self._server.token()}",
-                "Content-Type": "application/merge-patch+json",
-                "Accept": "application/json",
-            },
-        )
-        with urllib.request.urlopen(request, timeout=self._timeout, context=context):
-            pass
+        headers = {"Authorization": f"Bearer {self._server.token()}", "Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        request = urllib.request.Request(self._url, data=body, method=method, headers=headers)
+        with urllib.request.urlopen(request, timeout=self._timeout, context=context) as response:
+            return bytes(response.read())
 
 
 def _describe(error: Exception) -> str:
