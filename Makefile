@@ -120,7 +120,7 @@ bench-elastic: install  ## benchmark: a fully-async rollout pool grown from 1 en
 bench-algorithms: install  ## benchmark: PPO (critic) vs GRPO (no critic), same samples (a few minutes)
 	$(PY) -m bench.algorithms.run
 
-bench-learning: install  ## benchmark: held-out reward of sync, split and fully async, same samples (~40 min)
+bench-learning: install  ## benchmark: held-out reward of sync, split and fully async, same samples (~50 min)
 	$(PY) -m bench.learning.run
 
 bench-weight-sync: install  ## benchmark: a 400 MB policy into one and two vLLM engines, end to end, vs memcpy

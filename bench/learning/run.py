@@ -1,9 +1,10 @@
 """Benchmark: does each placement learn as well as synchronous PPO, for the same samples?
 
 The local example's task (toy:copy, tiny qwen2, PPO with a critic, klCoef 0.01 fixed)
-trained for the same number of samples in six modes: synchronous colocated (one pool),
+trained for the same number of samples in seven modes: synchronous colocated (one pool),
 split (the critic on a pool of its own), and fully async (the rollout on a pool of its
-own) with stalenessThreshold 0, 0.5 and 1, partial rollout on, and 0.5 with it off.
+own) with stalenessThreshold 0, 0.5 and 1, partial rollout on, and 0.5 with it off,
+and 0.5 taking π_old's log-probs from the rollout engine (oldLogProbs: rollout).
 The held-out prompts (toy:copy:heldout, 64 letter strings never trained on) are
 answered every EVAL_EVERY steps, 4 sampled answers each (temperature 1): the held-out
 reward is their mean reward, and pass@4 the share of prompts copied exactly at least once.
@@ -18,8 +19,8 @@ difference, and the wall-clock (the steps' seconds, start-up left out) to reach
 TARGET held-out reward. A PNG draws the held-out reward against samples trained and
 against wall-clock, each mode's median over the seeds with its min-max band.
 
-Run: make bench-learning (about 40 minutes). Arguments, optional: steps (150), seeds (3),
-target held-out reward (0.3).
+Run: make bench-learning (about 50 minutes). Arguments, optional: steps (150), seeds (3),
+target held-out reward (0.3), the modes to run (comma-separated; sync-colocated always).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 TARGET = float(sys.argv[3]) if len(sys.argv) > 3 else 0.3
 EVAL_EVERY = 25
 CHART = Path(__file__).parents[2] / "docs" / "bench-learning.png"
+if len(sys.argv) > 4:  # a subset of the modes: its chart is not the docs' one
+    CHART = Path(tempfile.gettempdir()) / "bench-learning-subset.png"
 
 Build = Callable[[Path], JobConfig]
 MODES: dict[str, Build] = {
@@ -56,7 +59,20 @@ MODES: dict[str, Build] = {
     "async-s0.5": partial(local_async_job, staleness=0.5),
     "async-s1": partial(local_async_job, staleness=1),
     "async-s0.5-no-partial": partial(local_async_job, staleness=0.5, partial_rollout=False),
+    "async-s0.5-rollout-logprobs": lambda **kw: with_rollout_log_probs(
+        local_async_job(staleness=0.5, **kw)
+    ),
 }
+# Optional 4th argument: the modes to run, comma-separated (synchronous colocated always).
+if len(sys.argv) > 4:
+    MODES = {m: b for m, b in MODES.items() if m == "sync-colocated" or m in sys.argv[4].split(",")}
+
+
+def with_rollout_log_probs(config: JobConfig) -> JobConfig:
+    """π_old from the rollout engine's log-probs, not recomputed (algorithm.oldLogProbs)."""
+    spec = config.to_dict()
+    spec["algorithm"]["oldLogProbs"] = "rollout"
+    return JobConfig.model_validate(spec)
 
 
 @dataclass(frozen=True)
