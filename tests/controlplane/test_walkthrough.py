@@ -8,7 +8,7 @@ progress from inside the head pod; the job ends Succeeded.
 
 While the job trains, the test also does what the README does not: it deletes a worker
 pod after the first checkpoint, so that attempt fails and the next one must resume from
-the checkpoint; and a Prometheus finds the head through Kubernetes service discovery,
+the checkpoint; it resizes a pool beyond what the node holds and back; and a Prometheus finds the head through Kubernetes service discovery,
 scrapes the trainer, and runs the training dashboard's queries. One job is run (module
 fixture); the tests read what it left."""
 
@@ -62,6 +62,9 @@ class Run:
     events: list[dict[str, Any]] = field(default_factory=list)
     operator_pods: list[dict[str, Any]] = field(default_factory=list)
     empty_panels: dict[str, str] = field(default_factory=dict)
+    resizing: dict[str, Any] = field(default_factory=dict)  # the status while Resizing
+    stopped_for_resize: dict[str, Any] = field(default_factory=dict)  # its training part
+    unschedulable: str = ""  # PoolsReady's message for the attempt that did not fit
 
 
 def shell(line: str, env: dict[str, str], timeout: float = 600) -> str:
@@ -116,6 +119,7 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
             waiting = subprocess.Popen(["bash", "-c", wait], cwd=REPO_ROOT, env=env, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
             kill_a_worker_after_the_first_checkpoint(cp, result, prometheus)
+            resize_the_value_pool_past_the_node_and_back(cp, result)
             output, _ = waiting.communicate(timeout=1500)
             result.waited = subprocess.CompletedProcess(wait, waiting.returncode, output)
             result.status = status_of(cp)
@@ -149,6 +153,27 @@ def kill_a_worker_after_the_first_checkpoint(
     result.empty_panels = prometheus.panels_without_data(TRAINING)
 
 
+def resize_the_value_pool_past_the_node_and_back(cp: ControlPlane, result: Run) -> None:
+    """While the second attempt trains, the value pool grows to 2 nodes: the real driver
+    stops at its step boundary with a checkpoint, and the next attempt cannot place its
+    second value pod (the node has 2 cores). Put back to 1, that attempt, whose driver
+    never started, is replaced at once, and the one after resumes."""
+    replicas = '[{"op": "replace", "path": "/spec/pools/1/replicas", "value": %d}]'
+    cp.kubectl("patch", "rlhfjob", JOB, "-n", NAMESPACE, "--type=json", "-p", replicas % 2)
+    result.resizing = eventually(lambda: (s := status_of(cp)).get("phase") == "Resizing" and s,
+                                 "Resizing", timeout=60)  # fmt: skip
+
+    def unschedulable() -> str | None:
+        found = [c["message"] for c in status_of(cp).get("conditions", [])
+                 if c["type"] == "PoolsReady" and c["reason"] == "Unschedulable"]  # fmt: skip
+        return found[0] if found else None
+
+    # Between the two: the driver's last report, the checkpoint it stopped at.
+    result.unschedulable = eventually(unschedulable, "the 2-node attempt unplaced", timeout=600)
+    result.stopped_for_resize = status_of(cp)["training"]
+    cp.kubectl("patch", "rlhfjob", JOB, "-n", NAMESPACE, "--type=json", "-p", replicas % 1)
+
+
 def test_the_job_trains_to_succeeded_reporting_from_its_head_pod(run: Run) -> None:
     assert run.waited is not None and run.waited.returncode == 0, run.waited
     assert re.search(rf"^{JOB}\s+Succeeded\b", run.listed, re.MULTILINE), run.listed
@@ -179,6 +204,22 @@ def test_a_deleted_worker_fails_the_attempt_and_the_next_resumes_from_the_checkp
     assert resumed and min(resumed) >= saved >= 1 and max(resumed) > saved, run.steps_seen
     restarting = [e["message"] for e in run.events if e["reason"] == "Restarting"]
     assert any("resumes from /checkpoints/step-" in m for m in restarting), restarting
+
+
+def test_a_resized_pool_stops_the_driver_at_a_checkpoint_and_the_job_goes_on_from_it(
+    run: Run,
+) -> None:
+    """Resizes are not failures: the job's one restart is the deleted worker's."""
+    assert run.resizing["resizing"] == [{"pool": "value", "fromReplicas": 1, "toReplicas": 2}]
+    stopped = run.stopped_for_resize
+    assert stopped["lastCheckpoint"] == f"/checkpoints/step-{stopped['step']:08d}", stopped
+    assert "pool value" in run.unschedulable and "Insufficient cpu" in run.unschedulable
+    assert run.status["restarts"] == 1 and run.status.get("resizing") is None
+    after = run.steps_seen[run.steps_seen.index((1, stopped["step"])) + 1 :]
+    assert after and min(step for _, step in after) >= stopped["step"], run.steps_seen
+    resizes = [e for e in run.events if e["reason"] == "Resizing"]
+    assert len(resizes) >= 2, resizes  # the driver's stop, then the unplaced attempt's
+    assert all(e["type"] == "Normal" for e in resizes)
 
 
 def test_prometheus_finds_the_head_and_the_training_dashboard_has_its_series(run: Run) -> None:

@@ -345,11 +345,8 @@ class JobConfig(SpecModel):
         A pool with a trained or scoring role changes size by a new attempt instead."""
         rollout = self.roles.rollout
         others = {pool for role, pool in self.roles.pools_in_use().items() if role != Role.ROLLOUT}
-        return (
-            frozenset({rollout})
-            if self.async_ is not None and rollout not in others
-            else frozenset()
-        )
+        elastic = self.async_ is not None and rollout not in others
+        return frozenset({rollout}) if elastic else frozenset()
 
     @property
     def samples_per_step(self) -> int:
