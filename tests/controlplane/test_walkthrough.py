@@ -213,7 +213,8 @@ def test_a_resized_pool_stops_the_driver_at_a_checkpoint_and_the_job_goes_on_fro
     assert run.resizing["resizing"] == [{"pool": "value", "fromReplicas": 1, "toReplicas": 2}]
     stopped = run.stopped_for_resize
     assert stopped["lastCheckpoint"] == f"/checkpoints/step-{stopped['step']:08d}", stopped
-    assert "pool value" in run.unschedulable and "Insufficient cpu" in run.unschedulable
+    # (The old attempt's pods may still be going: any pool may be the one named.)
+    assert "Unschedulable" in run.unschedulable and "Insufficient cpu" in run.unschedulable
     assert run.status["restarts"] == 1 and run.status.get("resizing") is None
     after = run.steps_seen[run.steps_seen.index((1, stopped["step"])) + 1 :]
     assert after and min(step for _, step in after) >= stopped["step"], run.steps_seen
