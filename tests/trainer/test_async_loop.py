@@ -14,6 +14,7 @@ trained twice, the staleness bound) hold across the restart.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -209,14 +210,15 @@ def test_a_lost_rollout_rank_fails_the_run_at_once_naming_it(
 
 
 def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two rollout engines, on two nodes of the rollout pool. After step 2 one's rank is
-    SIGKILLed, engine and all (its pod lost, no warning): the run goes on with the other,
-    which generates again what the lost one owed. After step 3 a node joins the pool (a
-    replacement pod, or a bigger `replicas`): an engine starts on it in the background
-    and, once up, takes the current weights and then prompts. Through both, nothing is
-    trained twice or lost, and the staleness bound holds."""
+    SIGKILLed, engine and all (its pod lost, no warning), while it answers its half of
+    the held-out prompts: the run goes on with the other, which generates again what
+    the lost one owed, and answers its half of the evaluation too. After step 3 a node
+    joins the pool (a replacement pod, or a bigger `replicas`): an engine starts on it
+    in the background and, once up, takes the current weights and then prompts. Through
+    both, nothing is trained twice or lost, and the staleness bound holds."""
     from rlhf_trainer.cluster.local import local_ray_cluster
     from rlhf_trainer.loop.run import run_job
 
@@ -224,6 +226,7 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
         staleness=0.5, total_steps=ELASTIC_STEPS, checkpoint_dir=tmp_path, every_steps=100
     ).to_dict()
     spec["pools"][-1]["replicas"] = 2  # the rollout pool: one engine per node
+    spec["trainer"]["evalEverySteps"] = 2  # one starts just before the kill
     config = JobConfig.model_validate(spec)
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
     killer = EngineKiller(after_step=2, whole_rank=True)
@@ -237,9 +240,14 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
                 cluster.add_node("rollout")
 
         trace = tmp_path / "trace.json"
-        run_job(config, "elastic", ConsoleReporter(every=1e9), metrics, trace, on_step)
+        with caplog.at_level(logging.WARNING):
+            run_job(config, "elastic", ConsoleReporter(every=1e9), metrics, trace, on_step)
     assert len(killer.killed) == 1
     assert [s.step for s in steps] == list(range(1, ELASTIC_STEPS + 1))
+    evaluations = [e for s in steps for e in s.evaluations]
+    assert [e.step for e in evaluations] == list(range(0, ELASTIC_STEPS + 1, 2))
+    assert {e.prompts for e in evaluations} == {64}  # whole, the lost half answered again
+    assert "rollout rank(s) [0] are answered again" in caplog.text
     every = uids(steps)
     assert len(every) == len(set(every)) == ELASTIC_STEPS * BATCH  # none twice
     # None lost: all but the last admitted (still outstanding at the end) are trained,

@@ -17,7 +17,7 @@ admissions; this module keeps the group, the transfer and the counts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rlhf_trainer.api.config import Role
@@ -73,6 +73,9 @@ class ElasticRollout:
         self.ledger = EngineLedger()
         self.lost = 0  # engines lost so far
         self.joining: WorkerGroup | None = None  # engines starting on GPUs that joined
+        # Told the ranks of engines lost, once the others serve (the evaluation asks
+        # them again what the lost ones were answering).
+        self.on_lost: list[Callable[[Sequence[int]], None]] = []
         self.count()
 
     @property
@@ -99,6 +102,8 @@ class ElasticRollout:
             self.core.groups.replace(serving)
             self.core.weight_sync.reopen(serving)
             owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
+            for listener in self.on_lost:
+                listener(lost.ranks)
         log.warning("%s: going on with %d engine(s); %d sample(s) it owed are generated "
                     "again on them", lost, serving.world_size, len(owed))  # fmt: skip
         self.lost += len(lost.ranks)

@@ -13,6 +13,8 @@ a resumed run never repeats an evaluation it reported), or the next evaluation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +51,7 @@ class Evaluator:
         self.sampling = self.config.generation.eval
         # (P·k,) each held-out prompt k times, a prompt's answers next to each other
         self.asked = [p for p in prompts for _ in range(self.sampling.samples_per_prompt)]
-        self.pending: tuple[int, list[Any]] | None = None  # (step, one future per engine)
+        self.pending: PendingEvaluation | None = None
         self.last: EvalProgress | None = None  # the last one reported
 
     def owed(self, step: int) -> bool:
@@ -66,22 +68,54 @@ class Evaluator:
         shards = split_list([p.token_ids for p in self.asked], rollout.world_size)
         answers = rollout.run_each("evaluate", shards, step)
         self.trainer.weight_sync.wait_before_next_push(answers, ANSWER_TIMEOUT_S)
-        self.pending = (step, answers)
+        self.pending = PendingEvaluation(step, shards, list(rollout.ranks), [[a] for a in answers])
         return done
+
+    def ask_again(self, lost_ranks: Sequence[int]) -> None:
+        """Fully async, engines lost: the shards they were answering go to the engines
+        that serve now, which hold the same weights (a push waits for the evaluation)."""
+        pending = self.pending
+        lost = [i for i, rank in enumerate(pending.ranks) if rank in lost_ranks] if pending else []
+        if pending is None or not lost:
+            return
+        serving = self.trainer.groups[Role.ROLLOUT]
+        weight_sync = self.trainer.weight_sync
+        weight_sync.forget_busy([call for calls in pending.answers for call in calls])
+        for index in lost:
+            engine = index % serving.world_size
+            shards: list[list[list[int]]] = [[] for _ in serving.ranks]  # one answers it
+            shards[engine] = pending.shards[index]
+            pending.answers[index] = serving.run_each("evaluate", shards, pending.step)
+            pending.ranks[index] = serving.ranks[engine]
+        log.warning("the held-out prompts of rollout rank(s) %s are answered again by the "
+                    "engines that serve", list(lost_ranks))  # fmt: skip
+        for calls in pending.answers:
+            weight_sync.wait_before_next_push(calls, ANSWER_TIMEOUT_S)
 
     def finish(self, wait: bool) -> list[EvalProgress]:
         """The evaluation under way, scored, once its answers are in (at once with
         `wait`); [] while there is none, or it is not done and `wait` is false."""
-        if self.pending is None or not (wait or finished(self.pending[1])):
+        calls = [call for shard in self.pending.answers for call in shard] if self.pending else []
+        if self.pending is None or not (wait or finished(calls)):
             return []
-        step, answers = self.pending
-        self.pending = None
-        rollouts = [r for engine in join(answers, ANSWER_TIMEOUT_S) for r in engine]
+        step, self.pending = self.pending.step, None
+        rollouts = [r for engine in join(calls, ANSWER_TIMEOUT_S) for r in engine]
         rewards = self.trainer.score_alone(self.asked, rollouts)
         self.last = evaluation_of(step, rollouts, rewards, self.sampling)
         done = self.last
         log.info("held-out reward %s, policy v%d", eval_text(done), done.policy_version)
         return [self.last]
+
+
+@dataclass
+class PendingEvaluation:
+    """An evaluation under way: the prompts (token ids) of each shard, the rank that
+    answers it, and the calls whose answers, in order, are the shard's."""
+
+    step: int
+    shards: list[list[list[int]]]
+    ranks: list[int]
+    answers: list[list[Any]]
 
 
 def evaluation_of(

@@ -305,6 +305,8 @@ def open_run(
         )
         streaming = AsyncPPOTrainer(trainer, queue, metrics) if queue else None
         evaluator = Evaluator(trainer, held_out) if held_out else None
+        if streaming is not None and evaluator is not None:
+            streaming.elastic.on_lost.append(evaluator.ask_again)
         yield Run(config, trainer, metrics, reporter, streaming, evaluator)
     finally:
         if trace is not None:

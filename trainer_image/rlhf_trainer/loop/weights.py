@@ -102,3 +102,11 @@ class WeightSync:
     def wait_before_next_push(self, calls: list[Any], timeout_s: float) -> None:
         """Let the engines finish `calls` (within `timeout_s`) before the next push."""
         self.engines_busy.append((calls, timeout_s))
+
+    def forget_busy(self, calls: list[Any]) -> None:
+        """Wait no more for `calls` (those of engines lost: they will never answer)."""
+        forgotten = {call.binary() for call in calls}
+        self.engines_busy = [
+            ([c for c in busy if c.binary() not in forgotten], timeout_s)
+            for busy, timeout_s in self.engines_busy
+        ]
