@@ -106,7 +106,8 @@ def test_example_runs_each_pool_on_its_own_node_group(
 
     cluster = eventually(lambda: (get(cp, "rayjob", name, namespace) or {}).get("status", {}).get("rayClusterName"),
                          "KubeRay to create the RayCluster")  # fmt: skip
-    assert get(cp, "raycluster", cluster, namespace) is not None
+    # KubeRay names the cluster in the RayJob's status a moment before it creates it.
+    eventually(lambda: get(cp, "raycluster", cluster, namespace), f"RayCluster {cluster}")
 
     def all_workers_running() -> dict[str, list[dict[str, Any]]] | None:
         running = worker_pods(cp, name, namespace)
