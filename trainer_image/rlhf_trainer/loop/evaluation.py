@@ -80,17 +80,16 @@ class Evaluator:
             return
         serving = self.trainer.groups[Role.ROLLOUT]
         weight_sync = self.trainer.weight_sync
-        weight_sync.forget_busy([call for calls in pending.answers for call in calls])
+        weight_sync.forget_busy([call for index in lost for call in pending.answers[index]])
         for index in lost:
             engine = index % serving.world_size
             shards: list[list[list[int]]] = [[] for _ in serving.ranks]  # one answers it
             shards[engine] = pending.shards[index]
             pending.answers[index] = serving.run_each("evaluate", shards, pending.step)
             pending.ranks[index] = serving.ranks[engine]
+            weight_sync.wait_before_next_push(pending.answers[index], ANSWER_TIMEOUT_S)
         log.warning("the held-out prompts of rollout rank(s) %s are answered again by the "
                     "engines that serve", list(lost_ranks))  # fmt: skip
-        for calls in pending.answers:
-            weight_sync.wait_before_next_push(calls, ANSWER_TIMEOUT_S)
 
     def finish(self, wait: bool) -> list[EvalProgress]:
         """The evaluation under way, scored, once its answers are in (at once with
