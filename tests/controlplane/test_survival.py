@@ -201,7 +201,10 @@ def test_the_reconcile_retries_with_a_growing_delay_while_the_api_server_is_down
     assert [attempt for _, attempt, _ in failures] == list(range(1, len(failures) + 1))
     delays = [delay for _, _, delay in failures]
     assert delays[:3] == [1, 2, 5] and delays == sorted(delays) and delays[-1] <= 60
-    for (when, _, delay), (then, _, _) in itertools.pairwise(while_down):
-        assert (then - when).total_seconds() >= delay - 0.01  # not sooner than it said
+    # Not sooner than it said. The first retry is left out: an event that came in while the
+    # first failing reconcile ran (a child's, sent just before the stop) queues the job again
+    # at once, as controller-runtime does; once the API server is down, no event can.
+    for (when, _, delay), (then, _, _) in itertools.pairwise(while_down[1:]):
+        assert (then - when).total_seconds() >= delay - 0.01
     # Every failed reconcile (any job's) is counted once.
     assert operator.metric(ERRORS) - errors == len(failed_reconciles(operator.log()[seen:]))
