@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 BATCH = 32  # samples a step: the local example's batchSize
 GROUP = 2  # samples per prompt in the resume test
-ELASTIC_STEPS = 40  # enough for an engine to start on a node that joins after step 3
+# Enough for two engines to start (about 25 steps here) and one to be lost after them.
+ELASTIC_STEPS = 60
 
 
 def uids(steps: list[StepResult]) -> list[int]:
@@ -211,17 +212,22 @@ def test_a_lost_rollout_rank_fails_the_run_at_once_naming_it(
 
 
 def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two rollout engines, on two nodes of the rollout pool. After step 2 one's rank is
     SIGKILLed, engine and all (its pod lost, no warning), while it answers its half of
     the held-out prompts: the run goes on with the other, which generates again what
-    the lost one owed, and answers its half of the evaluation too. After step 3 a node
-    joins the pool (a replacement pod, or a bigger `replicas`): an engine starts on it
-    in the background and, once up, takes the current weights and then prompts. Through
-    both, nothing is trained twice or lost, and the staleness bound holds."""
+    the lost one owed, and answers its half of the evaluation too. A new engine starts
+    in the lost one's bundle (Ray keeps it for the pod that replaces the lost one).
+    After step 3 a node joins the pool (a bigger `replicas`): an engine starts on it.
+    Each, once up, takes the current weights at a sync and then prompts. As the first
+    push to the three starts, one's rank is SIGKILLed: the push fails on it, the others
+    close the update it opened unserved and take the weights again whole, and a new
+    engine starts in its bundle. Through all of it, nothing is trained twice or lost,
+    and the staleness bound holds."""
     from rlhf_trainer.cluster.local import local_ray_cluster
     from rlhf_trainer.loop.run import run_job
+    from rlhf_trainer.loop.weights import WeightSync
 
     spec = local_async_job(
         staleness=0.5, total_steps=ELASTIC_STEPS, checkpoint_dir=tmp_path, every_steps=100
@@ -231,6 +237,15 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     config = JobConfig.model_validate(spec)
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
     killer = EngineKiller(after_step=2, whole_rank=True)
+    in_push = EngineKiller(after_step=0, whole_rank=True, tag=killer.tag)
+    push = WeightSync.push
+
+    def push_after_a_kill(sync: WeightSync, version: int) -> None:
+        if sync.rollout.world_size == 3:  # once both engines that started have joined
+            in_push.kill_at(version)
+        push(sync, version)
+
+    monkeypatch.setattr(WeightSync, "push", push_after_a_kill)
     steps: list[StepResult] = []
     with killer.tagged(), local_ray_cluster(config) as cluster:
 
@@ -243,34 +258,39 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
         trace = tmp_path / "trace.json"
         with caplog.at_level(logging.WARNING):
             run_job(config, "elastic", ConsoleReporter(every=1e9), metrics, trace, on_step)
-    assert len(killer.killed) == 1
+    assert len(killer.killed) == len(in_push.killed) == 1
     assert [s.step for s in steps] == list(range(1, ELASTIC_STEPS + 1))
     evaluations = [e for s in steps for e in s.evaluations]
     assert [e.step for e in evaluations] == list(range(0, ELASTIC_STEPS + 1, 2))
     assert {e.prompts for e in evaluations} == {64}  # whole, the lost half answered again
-    assert re.search(r"rollout rank\(s\) \[\d\] are answered again", caplog.text)  # the killed one
+    assert re.search(r"rollout rank\(s\) \[\d\] are answered again", caplog.text)  # the first
+    assert len(re.findall(r"rollout rank \d on pool rollout died", caplog.text)) == 2
+    assert len(re.findall(r"weight push to v\d+ failed on the engine", caplog.text)) == 1
     every = uids(steps)
     assert len(every) == len(set(every)) == ELASTIC_STEPS * BATCH  # none twice
     # None lost: all but the last admitted (still outstanding at the end) are trained,
-    # those the lost engine owed among them.
+    # those the lost engines owed among them.
     missing = set(range(max(every) + 1)) - set(every)
-    assert all(uid > 4 * BATCH for uid in missing), sorted(missing)
+    assert all(uid > (ELASTIC_STEPS - 2) * BATCH for uid in missing), sorted(missing)
     # An engine serving weights older than the current ones would show as staleness.
     assert max(lag for s in steps for lag in s.staleness) <= 2
     registry = metrics.registry
     engines = {state: registry.get_sample_value("rlhf_rollout_engines", {"pool": "rollout",
                "state": state}) for state in ("serving", "lost", "joining")}  # fmt: skip
-    assert engines == {"serving": 2, "lost": 1, "joining": 0}
+    # The engine started in the second lost one's bundle may still be starting at the end.
+    assert engines["lost"] == 2 and engines["serving"] + engines["joining"] == 3, engines
     readmitted = registry.get_sample_value("rlhf_samples_readmitted_total")
-    assert readmitted is not None and readmitted > 0  # the lost engine owed some
-    # The engine that joined (rank 2) generated: its vLLM series counts its tokens.
-    joined = {"pool": "rollout", "engine": "2"}
-    assert (registry.get_sample_value("rlhf_vllm_generation_tokens_total", joined) or 0) > 0
+    assert readmitted is not None and readmitted > 0  # the lost engines owed some
+    # The engines that joined (ranks 2 and 3: in the first lost one's bundle, and on the
+    # new node) generated: their vLLM series count their tokens.
+    for rank in ("2", "3"):
+        joined = {"pool": "rollout", "engine": rank}
+        assert (registry.get_sample_value("rlhf_vllm_generation_tokens_total", joined) or 0) > 0
     # Each step says how many engines served; the timeline marks the changes.
     counts = [s.rollout_engines for s in steps]
-    assert counts[0] == 2 and 1 in counts and counts[-1] == 2, counts
+    assert counts[0] == 2 and 1 in counts and 3 in counts and counts[-1] >= 2, counts
     marks = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
-    assert marks.count("engines_lost") == marks.count("engines_joined") == 1
+    assert marks.count("engines_lost") == 2 and marks.count("engines_joined") >= 1, marks
 
 
 def test_the_held_out_prompts_are_answered_on_the_rollout_pool_by_the_steps_policy(

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from vllm.distributed.weight_transfer.base import layerwise_groups
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.sections import TinyModel
@@ -27,7 +28,8 @@ from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_mod
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.rollout.transfer_engines import PolicySource
-from rlhf_trainer.rollout.transfer_memory import WeightStore
+from rlhf_trainer.rollout.transfer_memory import Segment, WeightStore
+from rlhf_trainer.rollout.weight_sync import pack_bucket, plan_buckets, weight_specs
 from rlhf_trainer.telemetry.engine_stats import read_engine_stats
 from tests.trainer.local_runs import engine_cores
 
@@ -276,6 +278,37 @@ def test_an_engine_killed_during_a_weight_update_finishes_it_on_the_new_engine(
     greedy = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, temperature=0.0)
     assert all(r.policy_version == 11 for r in greedy)
     assert max_log_prob_diff(policy, greedy) < LOG_PROB_TOLERANCE
+
+
+def test_an_update_abandoned_part_way_is_never_served_and_the_next_one_resumes(
+    engine: RolloutEngine, model_dir: Path
+) -> None:
+    """A push fails after the engine loaded the first of its buckets (another engine
+    was lost): the update is abandoned. The engine stays paused, so a request made then
+    waits; the next update loads every bucket and resumes it, and the request's every
+    token comes from the new weights, none from the half-loaded model."""
+    prompts = prompt_ids(4)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    train_towards(policy, prompts, [[9, 10, 11, 12]] * len(prompts), steps=5)
+    weights = rollout_state_dict(policy)
+    plan = plan_buckets(weight_specs(weights), 1, layerwise_groups(list(weights)))
+    segment = Segment.create("rlhf-test-abandoned", plan[0].model_bytes)
+    try:
+        first = plan[0].at(segment.name, plan[0].stored_at)
+        pack_bucket(segment.tensor[first.offset : first.offset + first.nbytes], first, weights)
+        engine.open_update()
+        engine.load_bucket(first.to_dict())
+        engine.abandon_update()
+    finally:
+        segment.close()
+    assert len(plan) > 1 and engine.served_version() == 0
+    waiting = engine.spawn(engine.generate("waiting", prompts[0], max_tokens=MAX_TOKENS))
+    time.sleep(2)
+    assert not waiting.done(), "the engine served after an abandoned update"
+    engine.load_weights(weights.items(), version=4)
+    answered = waiting.result(timeout=120)
+    assert answered.version_spans == ((4, 0),)
+    assert max_log_prob_diff(policy, [answered]) < LOG_PROB_TOLERANCE
 
 
 def test_a_bf16_engine_takes_the_actors_weights_cast_by_the_sync_and_matches_them(

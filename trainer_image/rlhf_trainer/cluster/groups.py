@@ -237,7 +237,8 @@ class WorkerGroup:
         **kwargs: Any,
     ) -> WorkerGroup:
         """Start the role's ranks on its pool and have them rendezvous and build their
-        workers. Returns once rank 0 is placed, without waiting for the (slow) builds, so
+        workers. Returns once rank 0 is placed (at once for workers without a process
+        group), without waiting for the (slow) builds, so
         the groups of several roles start together; `ray.get(group.ready)` joins them.
         Calls issued before then queue behind the build (an actor runs its calls in
         order)."""
@@ -274,7 +275,11 @@ class WorkerGroup:
             ).remote(RankInfo(role, slot.pool, rank, len(slots)), worker_cls, args, kwargs)
             for rank, slot in zip(ranks, slots, strict=True)
         ]
-        master_addr, master_port = ray.get(hosts[0].rendezvous_address.remote())
+        # Ranks without a process group need no rendezvous: nothing here waits for them
+        # to be placed (an engine respawned into a bundle whose node is being replaced).
+        master_addr, master_port = "", 0
+        if worker_cls.needs_process_group:
+            master_addr, master_port = ray.get(hosts[0].rendezvous_address.remote())
         # All ranks at once: init_process_group blocks until the whole group has joined.
         ready = [h.setup.remote(master_addr, master_port) for h in hosts]
         return cls(role, slots, hosts, ready, ranks)
@@ -424,6 +429,17 @@ def finished(refs: Sequence[ObjectRef[Any]]) -> bool:
     import ray
 
     return not ray.wait(list(refs), num_returns=len(refs), timeout=0)[1]
+
+
+def answered(refs: Sequence[ObjectRef[Any]]) -> bool:
+    """Whether every one of the futures has its result, not an error; never waits."""
+    if not finished(refs):
+        return False
+    try:
+        join(refs)
+    except Exception:
+        return False
+    return True
 
 
 def gather(refs: Sequence[ObjectRef[BatchT]]) -> BatchT:

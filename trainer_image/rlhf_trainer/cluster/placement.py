@@ -66,11 +66,13 @@ def gpu_share(pool: PoolPlan) -> float:
 
 @dataclass(frozen=True)
 class WorkerSlot:
-    """Where one data-parallel rank of a role runs: a bundle of its pool's group."""
+    """Where one data-parallel rank of a role runs: a bundle of its pool's group, or of
+    the group `placement` names (the key of GPUs placed later: `RoleGroups.start_more`)."""
 
     pool: str
     bundle_index: int
     gpu_share: float
+    placement: str = ""  # "": the pool's own group
 
 
 def role_slots(plan: PlacementPlan, role: Role, bundle_order: Sequence[int]) -> list[WorkerSlot]:

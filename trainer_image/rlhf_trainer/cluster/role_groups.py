@@ -7,7 +7,7 @@ The same code serves a KubeRay cluster (the operator's RayJob) and a laptop
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,12 +122,30 @@ class RoleGroups:
         first = self.ranks_started.get(role, 0)
         placed = place_more(pool.name, count * tp, f"{pool.name}-from-{role}-{first}",
                             GROW_PLACEMENT_TIMEOUT_S)  # fmt: skip
-        self.pools[placed.group.id.hex()] = placed  # removed with the others at the end
-        slots = [WorkerSlot(pool.name, placed.rank_order[i * tp], gpu_share(pool))
+        key = placed.group.id.hex()
+        self.pools[key] = placed  # removed with the others at the end
+        slots = [WorkerSlot(pool.name, placed.rank_order[i * tp], gpu_share(pool), key)
                  for i in range(count)]  # fmt: skip
         ranks = range(first, first + count)
         self.ranks_started[role] = first + count
         return WorkerGroup.spawn_ranks(role, slots, ranks, placed, worker, *args)
+
+    def respawn(
+        self, role: Role, slots: Sequence[WorkerSlot], worker: type[Worker], *args: Any
+    ) -> list[WorkerGroup]:
+        """New ranks of `role` in the slots of ranks lost (their bundles stay reserved:
+        Ray places them again on the node that replaces a lost one), numbered after
+        every rank the role had; one group per placement group. Their workers build
+        once the bundles are placed (`ready`); nothing here waits for it."""
+        groups = []
+        for placement in dict.fromkeys(slot.placement or slot.pool for slot in slots):
+            mine = [slot for slot in slots if (slot.placement or slot.pool) == placement]
+            first = self.ranks_started.get(role, 0)
+            self.ranks_started[role] = first + len(mine)
+            ranks = range(first, first + len(mine))
+            pool_group = self.pools[placement]
+            groups.append(WorkerGroup.spawn_ranks(role, mine, ranks, pool_group, worker, *args))
+        return groups
 
     def get(self, role: Role) -> WorkerGroup | None:
         return self.groups.get(role)

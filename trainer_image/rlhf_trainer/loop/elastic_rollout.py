@@ -1,14 +1,16 @@
 """Fully async's rollout engines as they come and go: a rollout pod or node lost, or
 nodes that join the pool (a bigger `replicas`, a replacement pod).
 
-- Lost: the engine is dropped, the weight transfer set up again for the others, and
-  what it still owed is admitted to them again. `EngineLedger` knows which engine holds
-  which prompt; the queue knows which uids have arrived (`SampleQueue.not_received`),
-  and keeps a uid once, so a late answer from the lost engine is not trained twice.
-  The staleness bound holds: what is admitted again starts on the current policy.
-- Joined: GPUs of the pool that no placement group holds get engines, started in the
-  background; the trainer takes them in at a weight sync once they are up, before its
-  push, so they serve the current policy from their first prompt.
+- Lost: the engine is dropped, an update a failed push left open on the others is
+  closed unserved, the weight transfer set up again for them, and what the lost one
+  still owed is admitted to them again. `EngineLedger` knows which engine holds which
+  prompt; the queue knows which uids have arrived (`SampleQueue.not_received`), and
+  keeps a uid once, so a late answer from the lost engine is not trained twice. The
+  staleness bound holds: what is admitted again starts on the current policy.
+- Joined: GPUs of the pool that no placement group holds get engines, and so does the
+  bundle of a lost engine (Ray places it again, on the node that replaces a lost one).
+  They start in the background; the trainer takes them in at a weight sync once they
+  are up, before its push, so they serve the current policy from their first prompt.
 
 The trainer asks at its own moments (between its calls to the engines), and keeps its
 admissions; this module keeps the group, the transfer and the counts.
@@ -16,6 +18,7 @@ admissions; this module keeps the group, the transfer and the counts.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -72,7 +75,7 @@ class ElasticRollout:
         self.metrics = metrics
         self.ledger = EngineLedger()
         self.lost = 0  # engines lost so far
-        self.joining: WorkerGroup | None = None  # engines starting on GPUs that joined
+        self.joining: list[WorkerGroup] = []  # engines starting in the background
         # Told the ranks of engines lost, once the others serve (the evaluation asks
         # them again what the lost ones were answering).
         self.on_lost: list[Callable[[Sequence[int]], None]] = []
@@ -97,9 +100,13 @@ class ElasticRollout:
         if serving.world_size == 0:
             raise lost
         # For good: one that only stopped answering must not come back and generate.
-        before.without(serving.ranks).shutdown(grace_s=0)
+        gone = before.without(serving.ranks)
+        gone.shutdown(grace_s=0)
+        self.start(self.core.groups.respawn(Role.ROLLOUT, gone.slots, *self.worker))
         with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_LOST):
             self.core.groups.replace(serving)
+            # Paused until the next push, if a push was under way: never half loaded.
+            join(serving.run("abandon_weight_update"), self.core.weight_sync.timeout_s)
             self.core.weight_sync.reopen(serving)
             owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
             for listener in self.on_lost:
@@ -112,22 +119,31 @@ class ElasticRollout:
         kept = [i for i, rank in enumerate(before.ranks) if rank not in lost.ranks]
         return kept, self.ledger.admitted(owed)
 
+    @property
+    def worker(self) -> tuple[Any, ...]:
+        """The engines' worker class and its arguments."""
+        return StreamingRollout, self.core.config, self.queue
+
+    def start(self, groups: Sequence[WorkerGroup]) -> None:
+        """Engines to take in once they are up (`ready_to_join`)."""
+        self.joining.extend(groups)
+        for group in groups:
+            log.info("rollout rank(s) %s starting in the background on pool %s",
+                     list(group.ranks), group.pool)  # fmt: skip
+        self.count()
+
     def ready_to_join(self) -> WorkerGroup | None:
-        """Engines started on the pool's free GPUs, once all are up (None before). The
-        first call that sees free GPUs starts them."""
-        if self.joining is None:
-            self.joining = self.core.groups.start_more(
-                self.core.plan, Role.ROLLOUT, StreamingRollout, self.core.config, self.queue
-            )
-            if self.joining is not None:
-                log.info("%d rollout engine(s) starting on GPUs that joined pool %s",
-                         self.joining.world_size, self.joining.pool)  # fmt: skip
-                self.count()
+        """The engines started in the background that are up, as one group (None if
+        none is). Starts engines on the pool's free GPUs first, if there are any."""
+        more = self.core.groups.start_more(self.core.plan, Role.ROLLOUT, *self.worker)
+        self.start([more] if more is not None else [])
+        up = [group for group in self.joining if finished(group.ready)]
+        if not up:
             return None
-        if not finished(self.joining.ready):
-            return None
-        join(self.joining.ready)  # an engine that could not start fails the run, saying why
-        return self.joining
+        self.joining = [group for group in self.joining if group not in up]
+        for group in up:
+            join(group.ready)  # an engine that could not start fails the run, saying why
+        return functools.reduce(WorkerGroup.joined, up)
 
     def join(self, joining: WorkerGroup) -> None:
         """Take the engines of `joining` in (between the trainer's calls to the engines)."""
@@ -135,7 +151,6 @@ class ElasticRollout:
         with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_JOINED):
             self.core.groups.replace(serving)
             self.core.weight_sync.reopen(serving)
-        self.joining = None
         log.info("rollout rank(s) %s joined: %d engine(s) serve",
                  list(joining.ranks), serving.world_size)  # fmt: skip
         self.count()
@@ -144,4 +159,4 @@ class ElasticRollout:
         pool, engines = self.group.pool, self.metrics.rollout_engines
         engines.labels(pool, "serving").set(self.group.world_size)
         engines.labels(pool, "lost").set(self.lost)
-        engines.labels(pool, "joining").set(self.joining.world_size if self.joining else 0)
+        engines.labels(pool, "joining").set(sum(group.world_size for group in self.joining))

@@ -24,7 +24,7 @@ from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.api.sections import EvalGeneration
-from rlhf_trainer.cluster.groups import finished, join
+from rlhf_trainer.cluster.groups import answered, finished, join
 from rlhf_trainer.data.prompts import Prompt
 from rlhf_trainer.loop.sync import PPOTrainer, split_list
 from rlhf_trainer.telemetry.progress import eval_text
@@ -72,11 +72,16 @@ class Evaluator:
         return done
 
     def ask_again(self, lost_ranks: Sequence[int]) -> None:
-        """Fully async, engines lost: the shards they were answering go to the engines
+        """Fully async, engines lost: the shards they had not answered go to the engines
         that serve now, which hold the same weights (a push waits for the evaluation)."""
         pending = self.pending
-        lost = [i for i, rank in enumerate(pending.ranks) if rank in lost_ranks] if pending else []
-        if pending is None or not lost:
+        if pending is None:
+            return
+        lost = [
+            i for i, rank in enumerate(pending.ranks)
+            if rank in lost_ranks and not answered(pending.answers[i])
+        ]  # fmt: skip
+        if not lost:
             return
         serving = self.trainer.groups[Role.ROLLOUT]
         weight_sync = self.trainer.weight_sync

@@ -17,6 +17,7 @@ samples; the queue hands out whole groups, and a group is as stale as its oldest
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -33,6 +34,8 @@ from rlhf_trainer.loop.elastic_rollout import ElasticRollout
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
+
+log = logging.getLogger(__name__)
 
 QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
 
@@ -243,9 +246,20 @@ class AsyncPPOTrainer:
 
     def push_weights(self) -> None:
         """Hand the actor's weights to the engines. Each pauses only while it loads
-        them (its requests in flight keep their tokens), then goes on with them."""
+        them (its requests in flight keep their tokens), then goes on with them. An
+        engine lost in the push fails it; the others then take it again whole."""
         self.wait_for_rollout()
-        self.core.weight_sync.push(self.core.policy_version)
+        while True:
+            try:
+                self.core.weight_sync.push(self.core.policy_version)
+                return
+            except Exception:
+                if (lost := self.elastic.dead()) is None:
+                    raise
+                self.lose_engines(lost)  # raises `lost` when none is left
+            log.warning("the weight push to v%d failed on the engine(s) lost; pushing "
+                        "again to those that serve", self.core.policy_version)  # fmt: skip
+            self.wait_for_rollout()  # the admissions of what the lost ones owed
 
     def checkpoint_state(self) -> AsyncState:
         """Pause, and take the queue and the prompts in flight (call between steps)."""

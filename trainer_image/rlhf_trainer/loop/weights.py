@@ -83,10 +83,10 @@ class WeightSync:
         serve it. A paused engine stays paused."""
         if not self.opened:
             raise RuntimeError("the weight sync is not open (call open first)")
-        busy, self.engines_busy = self.engines_busy, []
         started = time.monotonic()
-        for calls, timeout_s in busy:
+        for calls, timeout_s in self.engines_busy:
             join(calls, timeout_s)  # past it: NoAnswer, naming the engines stuck in them
+        self.engines_busy = []  # only now: one lost in them is asked again (ask_again)
         if time.monotonic() - started > 1.0:
             log.info("the weight push waited %.1f s for the engines' evaluation",
                      time.monotonic() - started)  # fmt: skip

@@ -14,6 +14,9 @@ A weight update is `open_update()` -> `load_bucket()` per bucket -> `close_updat
   `reset_prefix_cache(reset_running_requests=True)`, then `resume_generation()` if
   `open_update` paused the engine. An update that fails leaves the engine paused: it
   never serves a half-loaded model.
+- `abandon_update` closes an update that a failed push left open (another engine was
+  lost mid-way) without serving it: the engine stays paused, and the next push's
+  update, which loads every bucket again, resumes it.
 
 `load_weights` and `update_weights` take whole weights (tests, a local engine) through
 the same calls.
@@ -95,6 +98,17 @@ class WeightUpdates:
         if self._resume_after_update:
             self._resume_after_update = False
             self.call(self._alive(self._resume))
+
+    def abandon_update(self) -> None:
+        """Close an update left open, unserved: vLLM puts the old weights back in the
+        layers not loaded yet, and the engine stays paused (`close_update` of the next
+        update resumes it if `open_update` paused it). No update open: nothing to do."""
+        if not self._updating:
+            return
+        self.call(self._alive(lambda llm: utility(llm, llm.finish_weight_update())))
+        self._updating = False
+        if self.store is not None:
+            self.store.discard_incoming()
 
     @staticmethod
     async def _load_bucket(llm: Any, update_info: dict[str, Any]) -> None:

@@ -163,6 +163,9 @@ class HostWeightTransferEngine(WeightTransferEngine[HostInitInfo, HostUpdateInfo
         self.segments.close()
 
 
+Layer = tuple[list[str], list[Tensor]]  # a gathered layer: names, whole tensors
+
+
 # --- the host backend: the trainer side, in the actor's ranks ---------------------
 
 
@@ -249,14 +252,27 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
             for _ in self.source:  # the other ranks' part of each gather
                 pass
             return
-        assert self.ring is not None
         client = self.client
         if not isinstance(client, EngineFanOut):
             raise TypeError(
                 f"the {HOST_TRANSFER} transfer needs an EngineFanOut client, not {client!r}"
             )
-        client.start_weight_update()
         layers = self.source.iter_groups()
+        try:
+            self._send(client, layers)
+        except BaseException:
+            # The other ranks gather every tensor, whatever happens here: let them end
+            # (a generator that raised is done). Closing the transfer makes an engine
+            # waiting on the relay for a bucket fail at once; the driver sets it up
+            # again for the engines that go on.
+            for _ in layers:
+                pass
+            self.shutdown()
+            raise
+
+    def _send(self, client: EngineFanOut, layers: Iterator[Layer]) -> None:
+        assert self.ring is not None
+        client.start_weight_update()
         # Up to RING_SLOTS buckets in the engines' hands at once: each engine has the
         # next one queued when it finishes one (its calls run in the order sent).
         loading: deque[Any] = deque()

@@ -273,6 +273,10 @@ class WeightStore:
     def commit(self, version: int) -> None:
         self.latest, self.incoming = (self.incoming, version), []
 
+    def discard_incoming(self) -> None:
+        """Forget a transfer that will not complete (its buckets come again whole)."""
+        self.incoming = []
+
     def close(self) -> None:
         if self.segment is not None:
             self.segment.close()

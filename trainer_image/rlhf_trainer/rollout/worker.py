@@ -75,6 +75,11 @@ class EngineWorker(Worker):
         the engine). An engine that died meanwhile was restarted with them."""
         self.engine.close_update(weight_version)
 
+    def abandon_weight_update(self) -> None:
+        """Close an update that a failed push left open (an engine lost mid-way), not
+        serving what it loaded: the engine stays paused until the next push."""
+        self.engine.abandon_update()
+
     def evaluate(self, prompts: list[list[int]], step: int) -> list[Rollout]:
         """One response per prompt, sampled as generation.eval says, on the weights the
         engine has now. Beside any other requests (fully async goes on generating), but
