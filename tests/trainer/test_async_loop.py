@@ -220,7 +220,7 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     the lost one owed, and answers its half of the evaluation too. A new engine starts
     in the lost one's bundle (Ray keeps it for the pod that replaces the lost one).
     After step 3 a node joins the pool (a bigger `replicas`): an engine starts on it.
-    Each, once up, takes the current weights at a sync and then prompts. As the first
+    Each, once up, takes the current weights at a sync and then prompts. As the second
     push to the three starts, one's rank is SIGKILLed: the push fails on it, the others
     close the update it opened unserved and take the weights again whole, and a new
     engine starts in its bundle. Through all of it, nothing is trained twice or lost,
@@ -239,10 +239,13 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     killer = EngineKiller(after_step=2, whole_rank=True)
     in_push = EngineKiller(after_step=0, whole_rank=True, tag=killer.tag)
     push = WeightSync.push
+    to_three: list[int] = []  # the pushes to three engines
 
     def push_after_a_kill(sync: WeightSync, version: int) -> None:
-        if sync.rollout.world_size == 3:  # once both engines that started have joined
-            in_push.kill_at(version)
+        if sync.rollout.world_size == 3:  # both engines that started have joined
+            to_three.append(version)
+            if len(to_three) == 2:  # a step has shown three engines serving
+                in_push.kill_at(version)
         push(sync, version)
 
     monkeypatch.setattr(WeightSync, "push", push_after_a_kill)
