@@ -29,7 +29,8 @@ class LocalCluster:
     config: JobConfig
 
     def add_node(self, pool: str) -> None:
-        """One more node of `pool`, as the operator makes it (a bigger `replicas`)."""
+        """One more node of `pool`, as the operator makes it (a bigger `replicas`, or a
+        pod that replaces a lost one)."""
         (gpus,) = [p.gpus_per_node for p in self.config.pools if p.name == pool]
         self.cluster.add_node(
             num_cpus=1,
@@ -37,6 +38,12 @@ class LocalCluster:
             resources={pool_resource(pool): gpus},
             labels={POOL_LABEL: pool},
         )
+
+    def kill_node(self, node_id: str) -> None:
+        """SIGKILL the node's raylet and every process on it, without warning (a lost
+        pod or machine); Ray finds it dead by its health checks."""
+        (node,) = [n for n in self.cluster.list_all_nodes() if n.node_id == node_id]
+        self.cluster.remove_node(node, allow_graceful=False)
 
 
 @contextmanager
@@ -55,7 +62,12 @@ def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
             "num_cpus": 1,
             "num_gpus": 0,
             "include_dashboard": False,
-            "_system_config": {"enable_worker_prestart": False},
+            "_system_config": {
+                "enable_worker_prestart": False,
+                # A node killed is found dead in about 3 s, not 15 or more.
+                "health_check_period_ms": 1000,
+                "health_check_failure_threshold": 3,
+            },
         },
     )
     local = LocalCluster(str(cluster.address), cluster, config)

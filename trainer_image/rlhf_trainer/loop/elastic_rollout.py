@@ -26,6 +26,7 @@ from typing import Any
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.cluster.groups import WorkerGroup, finished, join
 from rlhf_trainer.cluster.hangs import RanksLost
+from rlhf_trainer.cluster.placement import PlacementTimeout
 from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.rollout.queue import Admitted
 from rlhf_trainer.rollout.streaming import StreamingRollout
@@ -135,7 +136,11 @@ class ElasticRollout:
     def ready_to_join(self) -> WorkerGroup | None:
         """The engines started in the background that are up, as one group (None if
         none is). Starts engines on the pool's free GPUs first, if there are any."""
-        more = self.core.groups.start_more(self.core.plan, Role.ROLLOUT, *self.worker)
+        try:
+            more = self.core.groups.start_more(self.core.plan, Role.ROLLOUT, *self.worker)
+        except PlacementTimeout as error:  # Ray gave them to a lost engine's bundle first
+            log.warning("%s: the free GPUs were taken meanwhile", error)
+            more = None
         self.start([more] if more is not None else [])
         up = [group for group in self.joining if finished(group.ready)]
         if not up:
