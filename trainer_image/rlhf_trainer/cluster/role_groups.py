@@ -53,6 +53,8 @@ class RoleGroups:
     pools: dict[str, PoolGroup]
     # per role, how many ranks it has started: its next rank's number
     ranks_started: dict[Role, int] = field(default_factory=dict)
+    # the ranks started since (`start_more`, `respawn`), taken in or not: all end with the run
+    started_later: list[WorkerGroup] = field(default_factory=list)
 
     @classmethod
     def start(
@@ -128,7 +130,9 @@ class RoleGroups:
                  for i in range(count)]  # fmt: skip
         ranks = range(first, first + count)
         self.ranks_started[role] = first + count
-        return WorkerGroup.spawn_ranks(role, slots, ranks, placed, worker, *args)
+        group = WorkerGroup.spawn_ranks(role, slots, ranks, placed, worker, *args)
+        self.started_later.append(group)
+        return group
 
     def respawn(
         self, role: Role, slots: Sequence[WorkerSlot], worker: type[Worker], *args: Any
@@ -145,6 +149,7 @@ class RoleGroups:
             ranks = range(first, first + len(mine))
             pool_group = self.pools[placement]
             groups.append(WorkerGroup.spawn_ranks(role, mine, ranks, pool_group, worker, *args))
+        self.started_later.extend(groups)
         return groups
 
     def get(self, role: Role) -> WorkerGroup | None:
@@ -159,4 +164,6 @@ class RoleGroups:
     def shutdown(self) -> None:
         for group in self.groups.values():
             group.shutdown()
+        for group in self.started_later:  # those still starting (the others ended above)
+            group.shutdown(grace_s=0)
         remove_pool_groups(self.pools)
