@@ -77,8 +77,8 @@ class ElasticRollout:
         self.ledger = EngineLedger()
         self.lost = 0  # engines lost so far
         self.joining: list[WorkerGroup] = []  # engines starting in the background
-        # Told the ranks of engines lost, once the others serve (the evaluation asks
-        # them again what the lost ones were answering).
+        # Told the ranks of engines lost, once the others are the group (the evaluation
+        # asks them again what the lost ones were answering).
         self.on_lost: list[Callable[[Sequence[int]], None]] = []
         self.count()
 
@@ -104,14 +104,16 @@ class ElasticRollout:
         gone = before.without(serving.ranks)
         gone.shutdown(grace_s=0)
         self.start(self.core.groups.respawn(Role.ROLLOUT, gone.slots, *self.worker))
+        weight_sync = self.core.weight_sync
         with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_LOST):
             self.core.groups.replace(serving)
-            # Paused until the next push, if a push was under way: never half loaded.
-            join(serving.run("abandon_weight_update"), self.core.weight_sync.timeout_s)
-            self.core.weight_sync.reopen(serving)
-            owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
             for listener in self.on_lost:
                 listener(lost.ranks)
+            weight_sync.wait_for_engines()  # the calls below would queue behind theirs
+            # Paused until the next push, if a push was under way: never half loaded.
+            join(serving.run("abandon_weight_update"), weight_sync.timeout_s)
+            weight_sync.reopen(serving)
+            owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
         log.warning("%s: going on with %d engine(s); %d sample(s) it owed are generated "
                     "again on them", lost, serving.world_size, len(owed))  # fmt: skip
         self.lost += len(lost.ranks)

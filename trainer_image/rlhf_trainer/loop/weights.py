@@ -83,19 +83,26 @@ class WeightSync:
         serve it. A paused engine stays paused."""
         if not self.opened:
             raise RuntimeError("the weight sync is not open (call open first)")
-        started = time.monotonic()
-        for calls, timeout_s in self.engines_busy:
-            join(calls, timeout_s)  # past it: NoAnswer, naming the engines stuck in them
-        self.engines_busy = []  # only now: one lost in them is asked again (ask_again)
-        if time.monotonic() - started > 1.0:
-            log.info("the weight push waited %.1f s for the engines' evaluation",
-                     time.monotonic() - started)  # fmt: skip
+        self.wait_for_engines()
         sends = self.actor.run("send_weights", version, phase=Phase.SYNC_WEIGHTS)
         join(sends, self.driver_wait_s)
 
+    def wait_for_engines(self) -> None:
+        """Wait for the calls the engines are busy in (an evaluation): the transfer's
+        calls would queue behind them and be taken for a hung engine's. Past their own
+        timeout: NoAnswer, naming the engines stuck in them."""
+        started = time.monotonic()
+        for calls, timeout_s in self.engines_busy:
+            join(calls, timeout_s)
+        self.engines_busy = []  # only now: one lost in them is asked again (ask_again)
+        if time.monotonic() - started > 1.0:
+            log.info("the weight transfer waited %.1f s for the engines' evaluation",
+                     time.monotonic() - started)  # fmt: skip
+
     def reopen(self, rollout: WorkerGroup) -> None:
         """Set the transfer up again for `rollout`: the engines that go on after some
-        were lost. They keep the weights they serve."""
+        were lost, or with some that joined. They keep the weights they serve."""
+        self.wait_for_engines()
         self.rollout = rollout
         self.open()
 
