@@ -74,6 +74,11 @@ class WorkerSlot:
     gpu_share: float
     placement: str = ""  # "": the pool's own group
 
+    @property
+    def group_key(self) -> str:
+        """Its placement group's key in `RoleGroups.pools`."""
+        return self.placement or self.pool
+
 
 def role_slots(plan: PlacementPlan, role: Role, bundle_order: Sequence[int]) -> list[WorkerSlot]:
     """The slot of each rank of `role`, rank 0 first.

@@ -142,12 +142,12 @@ class RoleGroups:
         every rank the role had; one group per placement group. Their workers build
         once the bundles are placed (`ready`); nothing here waits for it."""
         groups = []
-        for placement in dict.fromkeys(slot.placement or slot.pool for slot in slots):
-            mine = [slot for slot in slots if (slot.placement or slot.pool) == placement]
+        for key in dict.fromkeys(slot.group_key for slot in slots):
+            mine = [slot for slot in slots if slot.group_key == key]
             first = self.ranks_started.get(role, 0)
             self.ranks_started[role] = first + len(mine)
             ranks = range(first, first + len(mine))
-            pool_group = self.pools[placement]
+            pool_group = self.pools[key]
             groups.append(WorkerGroup.spawn_ranks(role, mine, ranks, pool_group, worker, *args))
         self.started_later.extend(groups)
         return groups
