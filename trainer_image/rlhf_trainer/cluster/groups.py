@@ -238,10 +238,9 @@ class WorkerGroup:
     ) -> WorkerGroup:
         """Start the role's ranks on its pool and have them rendezvous and build their
         workers. Returns once rank 0 is placed (at once for workers without a process
-        group), without waiting for the (slow) builds, so
-        the groups of several roles start together; `ray.get(group.ready)` joins them.
-        Calls issued before then queue behind the build (an actor runs its calls in
-        order)."""
+        group), without waiting for the (slow) builds, so the groups of several roles
+        start together; `ray.get(group.ready)` joins them. Calls issued before then
+        queue behind the build (an actor runs its calls in order)."""
         slots = role_slots(plan, role, pool_group.rank_order)
         ranks = range(len(slots))
         return cls.spawn_ranks(role, slots, ranks, pool_group, worker_cls, *args, **kwargs)
