@@ -140,14 +140,10 @@ class EngineKiller:
         return tag_of(process) == self.tag
 
     def __call__(self, step: StepResult) -> None:
-        self.kill_at(step.step)
-
-    def kill_at(self, step: int) -> None:
-        """Kill, if not done yet and `step` is at least `after_step`."""
-        if self.killed or step < self.after_step:
+        if self.killed or step.step < self.after_step:
             return
         every = engine_cores(psutil.process_iter())
-        engines = [p for p in every if self.ours(p) and not (self.whole_rank and orphan(p))]
+        engines = [p for p in every if self.ours(p)]
         # One engine is the rollout pool's; of several, the first started goes.
         assert self.whole_rank or len(engines) <= 1, f"expected one engine, found {engines}"
         engines.sort(key=lambda process: process.create_time())
@@ -156,7 +152,7 @@ class EngineKiller:
             assert victim is not None, f"the engine core {engines[0].pid} has no parent"
             victim.kill()
             self.killed.append(victim.pid)
-        assert self.killed or step < self.after_step + 2, (
+        assert self.killed or step.step < self.after_step + 2, (
             f"no vLLM engine tagged {self.tag} found to kill among {every}: "
             f"{[tag_of(p) for p in every]}; the run's processes: {self.tagged_processes()}"
         )
@@ -164,14 +160,6 @@ class EngineKiller:
     def tagged_processes(self) -> list[str]:
         """What a failed search saw of the run (a run here once found no engine at all)."""
         return tagged_processes(self.tag)
-
-
-def orphan(engine: psutil.Process) -> bool:
-    """An engine core whose rank is gone (killed before) and that has not exited yet."""
-    with suppress(psutil.Error):
-        parent = engine.parent()
-        return parent is None or not " ".join(parent.cmdline()).startswith("ray::RankHost")
-    return True
 
 
 def tag_of(process: psutil.Process) -> str | None:
