@@ -11,9 +11,11 @@ of its own (2 GPUs) for the weight-sync test's job.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -272,6 +274,42 @@ def test_engines_report_their_stats_and_calls_while_busy_and_a_dead_one_loses_it
         poller.poll(timeout_s=60)
         assert (generated("0"), generated("1")) == (100, None)
     finally:
+        group.shutdown(grace_s=1)
+
+
+def test_a_rank_is_lost_once_ray_finds_it_dead_or_it_stays_silent_not_while_it_is_slow(
+    ray_pools: RayPools, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 stops (SIGSTOP) for longer than a ping's probe (PROBE_S) but less than
+    LOST_AFTER_S, as a rank starved of CPU on a loaded node may: it is not lost. Stopped
+    for good, it is lost once LOST_AFTER_S has passed; killed, at once. (Both times are
+    shortened here.)"""
+    from rlhf_trainer.cluster import groups as worker_groups
+    from rlhf_trainer.cluster import hangs
+
+    monkeypatch.setattr(hangs, "PROBE_S", 1.0)
+    monkeypatch.setattr(worker_groups, "LOST_AFTER_S", 8.0)
+    group = WorkerGroup.spawn(ray_pools.plan, Role.ROLLOUT, ray_pools.groups["policy"], BusyEngine)
+    join(group.ready)
+    pid = group.whereabouts()[1].pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(3.0, os.kill, (pid, signal.SIGCONT)).start()
+        started = time.monotonic()
+        assert group.dead_ranks() == []
+        assert 3.0 <= time.monotonic() - started < 8.0
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert group.dead_ranks() == [1]
+        assert time.monotonic() - started >= 8.0
+        os.kill(pid, signal.SIGKILL)
+        wait_until_dead(group.hosts[1])
+        started = time.monotonic()
+        assert group.dead_ranks() == [1]
+        assert time.monotonic() - started < 8.0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         group.shutdown(grace_s=1)
 
 

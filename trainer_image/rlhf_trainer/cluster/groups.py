@@ -30,6 +30,7 @@ import torch.distributed as dist
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import PlacementPlan
 from rlhf_trainer.cluster.hangs import (
+    LOST_AFTER_S,
     TELEMETRY,
     RankCall,
     RanksLost,
@@ -364,10 +365,12 @@ class WorkerGroup:
         return list(ray.get([h.whereabouts.remote() for h in self.hosts]))
 
     def dead_ranks(self) -> list[int]:
-        """The ranks whose process does not answer a ping (killed, or on a lost node)."""
+        """The ranks that Ray finds dead (killed, or on a lost node), or that do not
+        answer a ping for LOST_AFTER_S (stopped). Quick while all answer."""
         ranks = zip(self.ranks, self.hosts, strict=True)
         calls = [RankCall(self.role, self.pool, rank, "alive", host) for rank, host in ranks]
-        return [call.rank for call, up in zip(calls, answering(calls), strict=True) if not up]
+        up = answering(calls, within_s=LOST_AFTER_S)
+        return [call.rank for call, answered in zip(calls, up, strict=True) if not answered]
 
     def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """End the actors, cleanly if they answer within `grace_s`; the placement groups

@@ -14,6 +14,7 @@ any mix of futures can say whose they are.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
 
 TELEMETRY = "telemetry"  # the concurrency group of calls that must not wait for a call
 PROBE_S = 10.0  # a live rank answers at once, busy or not
+# Silent this long, a rank is taken for lost (stopped, or on a node Ray has not yet
+# found dead). Less would take a rank starved of CPU on a loaded node for dead; one that
+# Ray finds dead (killed, its node lost) is dead at once.
+LOST_AFTER_S = 60.0
 TRACKED_CALLS = 10_000  # the oldest are forgotten first (a future nobody waited for)
 
 
@@ -57,7 +62,7 @@ class RanksLost(RankDied):
     def __init__(self, role: str, pool: str, ranks: Sequence[int]) -> None:
         self.role, self.pool, self.ranks = role, pool, tuple(ranks)
         names = ", ".join(f"{role} rank {rank} on pool {pool}" for rank in self.ranks)
-        super().__init__(f"{names} died: no answer (killed, or its node lost)")
+        super().__init__(f"{names} lost (killed, its node lost, or silent {LOST_AFTER_S:g} s)")
 
 
 _issued: OrderedDict[bytes, RankCall] = OrderedDict()
@@ -105,21 +110,27 @@ def rank_died(ref: ObjectRef[Any], error: Exception) -> RankDied:
     return RankDied(f"{who} died: {reason}")
 
 
-def answering(calls: Sequence[RankCall]) -> list[bool]:
-    """Per call, whether its rank answers a ping within PROBE_S."""
+def answering(calls: Sequence[RankCall], within_s: float = PROBE_S) -> list[bool]:
+    """Per call, whether its rank answers a ping within `within_s`. One that Ray finds
+    dead is False at once; one that Ray cannot reach for now is asked again."""
     import ray
 
-    pings = [call.host.alive.options(concurrency_group=TELEMETRY).remote() for call in calls]
-    ready, _ = ray.wait(pings, num_returns=len(pings), timeout=PROBE_S) if pings else ([], [])
-    answered = {ping.binary() for ping in ready}
-    return [ping.binary() in answered and _succeeded(ping) for ping in pings]
+    deadline = time.monotonic() + within_s
+    up = [False] * len(calls)
+    pings = {_ping(call): i for i, call in enumerate(calls)}
+    while pings and (left := deadline - time.monotonic()) > 0:
+        for ping in ray.wait(list(pings), num_returns=1, timeout=left)[0]:
+            i = pings.pop(ping)
+            try:
+                up[i] = ray.get(ping)
+            except ray.exceptions.ActorUnavailableError:
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                pings[_ping(calls[i])] = i
+            except ray.exceptions.RayError:
+                pass  # the actor is dead
+    return up
 
 
-def _succeeded(ping: ObjectRef[Any]) -> bool:
-    import ray
-
-    try:
-        ray.get(ping)
-    except ray.exceptions.RayError:
-        return False  # the actor is dead
-    return True
+def _ping(call: RankCall) -> ObjectRef[bool]:
+    ping: ObjectRef[bool] = call.host.alive.options(concurrency_group=TELEMETRY).remote()
+    return ping
