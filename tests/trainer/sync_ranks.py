@@ -1,7 +1,7 @@
 """The processes of the weight-transfer tests: the actor's rank 0 with the host
 backend's trainer engine (`transfer_engines`), and two engines' receiving ends, one on
-the sender's node (it reads the sender's ring) and one on "another node" (it takes the
-buckets over gloo into a ring of its own).
+the sender's node (it reads the sender's parameters or ring) and one on "another node"
+(it takes the buckets over gloo into a ring of its own).
 
 The engines' side is what `EngineWorker` does around vLLM (`Relay`, `Segments`), with a
 recorder in place of vLLM's loader. The sender reaches them through a client that
@@ -11,6 +11,7 @@ Ray. Every function here runs in a child; results come back pickled.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -88,10 +89,17 @@ class PipeClient(EngineFanOut):
 
 
 def send_versions(
-    rank: int, ends: list[Connection], port: int, versions: list[float], bucket_bytes: int
+    rank: int,
+    ends: list[Connection],
+    port: int,
+    versions: list[float],
+    bucket_bytes: int,
+    dtype: torch.dtype = torch.bfloat16,
+    remote: tuple[int, ...] = REMOTE,
 ) -> dict[str, Any]:
-    """The sender pushes the tiny policy scaled by each of `versions` (in bf16); an
-    engine records what it loads. Rank 0 returns what it sent and its ring's size."""
+    """The sender pushes the tiny policy (fp32) scaled by each of `versions`, in
+    `dtype`, to engines of which `remote` are on another node; an engine records what
+    it loads. Rank 0 returns what it sent, its ring's size, and whether it wrote to it."""
     if rank != 0:
         return _engine(rank - 1, ends[0])
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -99,8 +107,8 @@ def send_versions(
     from rlhf_trainer.rollout.transfer_engines import PolicySource, trainer_init_info
 
     model, tied = tiny_policy()
-    source = PolicySource(model, tied, torch.bfloat16)
-    setup = TransferSetup("127.0.0.1", port, ENGINES, REMOTE, bucket_bytes, 60.0)
+    source = PolicySource(model, tied, dtype)
+    setup = TransferSetup("127.0.0.1", port, ENGINES, remote, bucket_bytes, 60.0)
     client = PipeClient(ends)
     engine = WeightTransferTrainerFactory.trainer_init(
         trainer_init_info("rlhf_host", 0, setup), client=client, source=source
@@ -112,10 +120,12 @@ def send_versions(
                 parameter.copy_(originals[name] * scale)
         client.version = version
         engine.send_weights()
-        sent.append(dict(source))
-    out = {"sent": sent, "ring_bytes": engine.ring.segment.tensor.numel()}
+        sent.append({name: tensor.clone() for name, tensor in source})
+    ring = engine.ring.segment.tensor
+    out = {"sent": sent, "ring_bytes": ring.numel(), "ring_written": bool(ring.any())}
     out["plan"] = [bucket.names for bucket in engine.plan]
     out["ring"] = engine.ring.segment.name
+    out["pid"] = os.getpid()
     engine.shutdown()
     client.close()
     return out
@@ -127,6 +137,7 @@ def _engine(index: int, sender: Connection) -> dict[str, Any]:
     relay: Relay | None = None
     segments = Segments()
     out: dict[str, Any] = {"loads": [], "versions": [], "segments": set(), "buckets": []}
+    out["homes"] = set()  # where tensors were read in place (the sender's memory)
     loaded: dict[str, Tensor] = {}
     while True:
         method, args = sender.recv()
@@ -141,6 +152,7 @@ def _engine(index: int, sender: Connection) -> dict[str, Any]:
                 if relay is not None:
                     bucket = relay.receive(bucket)
                 out["segments"].add(bucket.segment)
+                out["homes"].update(bucket.homes)
                 out["buckets"][-1].append(bucket.names)
                 loaded.update((name, view.clone()) for name, view in segments.read(bucket))
             elif method == "finish_weight_update":

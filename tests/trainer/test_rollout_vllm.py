@@ -29,7 +29,12 @@ from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.rollout.transfer_engines import PolicySource
 from rlhf_trainer.rollout.transfer_memory import Segment, WeightStore
-from rlhf_trainer.rollout.weight_sync import pack_bucket, plan_buckets, weight_specs
+from rlhf_trainer.rollout.weight_sync import (
+    bucket_views,
+    pack_bucket,
+    plan_buckets,
+    weight_specs,
+)
 from rlhf_trainer.telemetry.engine_stats import read_engine_stats
 from tests.trainer.local_runs import engine_cores
 
@@ -269,7 +274,7 @@ def test_an_engine_killed_during_a_weight_update_finishes_it_on_the_new_engine(
     engine.open_update()
     for bucket in incoming.incoming:
         memory = incoming.segment.tensor[bucket.offset : bucket.offset + bucket.nbytes]
-        engine.load_bucket(bucket.to_dict(), memory)
+        engine.load_bucket(bucket.to_dict(), bucket_views(memory, bucket))
     kill_engine_core(engine)
     engine.close_update(version=11)
     incoming.close()

@@ -81,11 +81,13 @@ class WeightUpdates:
         self.call(self._alive(start))
         self._updating = True
 
-    def load_bucket(self, update_info: dict[str, Any], memory: Tensor | None = None) -> None:
-        """Load one bucket of the update (vLLM's `update_weights`). `memory`: the
-        bucket's bytes here, for the store (a restarted engine reloads them)."""
-        if self.store is not None and memory is not None:
-            self.store.keep(Bucket.from_dict(update_info), memory)
+    def load_bucket(
+        self, update_info: dict[str, Any], tensors: Sequence[tuple[str, Tensor]] = ()
+    ) -> None:
+        """Load one bucket of the update (vLLM's `update_weights`). `tensors`: the
+        bucket's tensors here, for the store (a restarted engine reloads them)."""
+        if self.store is not None and tensors:
+            self.store.keep(Bucket.from_dict(update_info), tensors)
         self.call(self._alive(lambda llm: self._load_bucket(llm, update_info)))
 
     def close_update(self, version: int) -> None:

@@ -20,9 +20,9 @@ module, which registers the backend.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, ClassVar, Self
 
@@ -52,6 +52,7 @@ from rlhf_trainer.rollout.transfer_memory import (
     Ring,
     Segments,
     SyncGroup,
+    share_in_place,
 )
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
@@ -60,7 +61,7 @@ from rlhf_trainer.rollout.weight_sync import (
     EngineFanOut,
     TransferSetup,
     WeightSpec,
-    pack_bucket,
+    bucket_views,
     plan_buckets,
     slot_bytes,
 )
@@ -88,12 +89,16 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
     """The policy as the engines load it: checkpoint (Hugging Face) names, the engines'
     dtype, and without the LM head when it is tied to the embeddings (vLLM's loader has
     no parameter of its own for it). Iterating gathers each sharded tensor whole on
-    every rank (`DTensor.full_tensor`, a collective), one tensor at a time."""
+    every rank (`DTensor.full_tensor`, a collective), one tensor at a time. `own`: the
+    names of the tensors given so far (this iteration) as the model's own memory (on one
+    rank, in the engines' dtype: neither gathered nor cast), which the engines can read
+    in place."""
 
     def __init__(self, model: nn.Module, tied: bool, dtype: torch.dtype) -> None:
         self.model = model
         self.tied = tied
         self.dtype = dtype
+        self.own: set[str] = set()
 
     def _named(self) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in self.model.state_dict().items():
@@ -104,9 +109,14 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
         return [ParamMeta(name, self.dtype, tuple(t.shape)) for name, t in self._named()]
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        self.own = set()
         for name, tensor in self._named():
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            yield name, full.detach().to(self.dtype)
+            whole = full.detach().to(self.dtype)
+            if whole.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                self.own.add(name)
+            yield name, whole
 
 
 # --- the host backend: the worker side, in each vLLM worker ----------------------
@@ -279,18 +289,41 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
         for index, bucket in enumerate(self.plan):
             if len(loading) == RING_SLOTS:
                 client.wait(loading.popleft())  # this bucket's slot is free again
-            placed = self.ring.place(index, bucket)
             tensors: dict[str, Tensor] = {}
             while len(tensors) < len(bucket.names):
                 names, values = next(layers)
                 tensors.update(zip(names, values, strict=True))
-            pack_bucket(self.ring.region(placed), placed, tensors)
+            placed = self._fill(self.ring.place(index, bucket), tensors)
             loading.append(client.submit("update_weights", placed.to_dict()))
             if self.group is not None:
                 self.group.broadcast(self.ring.region(placed))
         while loading:
             client.wait(loading.popleft())
         client.finish_weight_update()
+
+    def _fill(self, bucket: Bucket, tensors: Mapping[str, Tensor]) -> Bucket:
+        """Pack into the ring slot what the engines cannot read where the actor keeps
+        it; returns the bucket with the homes of the rest. With engines on other nodes
+        all is packed: the relay broadcasts the slot whole."""
+        assert self.ring is not None
+        homes, offsets = [], []
+        for name, place in bucket_views(self.ring.region(bucket), bucket):
+            tensor = tensors[name]
+            if self.group is None and self._in_place(name, tensor, place):
+                home, offset = share_in_place(tensor)
+            else:
+                place.copy_(tensor)
+                home, offset = "", 0
+            homes.append(home)
+            offsets.append(offset)
+        return replace(bucket, homes=homes, home_offsets=offsets)
+
+    def _in_place(self, name: str, tensor: Tensor, place: Tensor) -> bool:
+        """Whether the engines can read `tensor` where the actor keeps it: its own
+        memory (it stays as it is until the send is over), laid out as they read it."""
+        own = isinstance(self.source, PolicySource) and name in self.source.own
+        laid_out = (tensor.device, tensor.dtype) == (place.device, place.dtype)
+        return own and laid_out and tensor.is_contiguous()
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -1,18 +1,20 @@
 """The memory the `rlhf_host` weight transfer's buckets pass through (`weight_sync`
-has their format): named shared-memory segments, the rings of two slots that buckets
-take turns in, the gloo group and relay that reach an engine on another node (another
-pod: /dev/shm is per pod), and the copy of the last weights an engine keeps for a
-restart.
+has their format): the actor's own parameters, moved into shared memory; named
+shared-memory segments; the rings of two slots that buckets take turns in; the gloo
+group and relay that reach an engine on another node (another pod: /dev/shm is per
+pod); and the copy of the last weights an engine keeps for a restart.
 
-The sender's ring has `RING_SLOTS` slots, each as large as the largest bucket; bucket
-k goes to slot k % RING_SLOTS. An engine on the sender's node reads its bucket straight
-from there, so each byte is copied twice: into the ring, and from the ring into the
-engine's parameters. An engine on another node receives each bucket over the gloo
-group into a ring of its own, at the same offset, and its vLLM worker reads it there.
+An engine on the sender's node reads a tensor that the actor holds whole and in the
+engines' dtype straight from the actor's memory (`share_in_place`): each byte is copied
+once, into the engine's parameters. The rest is packed into the sender's ring first:
+it has `RING_SLOTS` slots, each as large as the largest bucket; bucket k goes to slot
+k % RING_SLOTS. An engine on another node receives each bucket over the gloo group
+into a ring of its own, at the same offset, and its vLLM worker reads it there.
 
-Peak extra memory: on the sender, its ring (RING_SLOTS x the largest bucket); on an
-engine on another node, the same; on every engine, whatever vLLM's loader keeps, and
-with restarts allowed one copy of the model (`WeightStore`).
+Peak extra memory: on the sender, its ring (RING_SLOTS x the largest bucket; its
+parameters moved to shared memory are not a copy); on an engine on another node, the
+same; on every engine, whatever vLLM's loader keeps, and with restarts allowed one copy
+of the model (`WeightStore`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ RING_SLOTS = 2  # the sender fills one slot while the engines read the other
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 PREFIX = "rlhf-"  # every segment's name: PREFIX...-<creator's pid>-<random>
 SENDER = 0  # the gloo group's rank 0 sends
+INODE_MARK = "@inode-"  # in the name of another process's memory (`share_in_place`)
 
 
 class Segment:
@@ -92,21 +95,53 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str) -> Segment:
-        path = SHM_DIR / name
+        """Map segment `name`: a file of SHM_DIR, or another process's shared memory
+        by its descriptor (`share_in_place`)."""
+        path, inode = _located(name)
         try:
-            nbytes = path.stat().st_size
+            stat = path.stat()
+            if inode is not None and stat.st_ino != inode:
+                raise FileNotFoundError(0, "the descriptor names other memory now")
         except OSError as error:
             raise TransferError(
-                f"no shared-memory segment {name} in {SHM_DIR}: {error.strerror} (is the "
-                "sender on another node or pod? Its engines take the weights over gloo)"
+                f"no shared-memory segment {name}: {error.strerror} (is the sender on "
+                "another node or pod? Its engines take the weights over gloo)"
             ) from error
-        return cls(name, _map(path, nbytes), owner=False)
+        return cls(name, _map(path, stat.st_size), owner=False)
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
             self.owner = False
+
+
+def share_in_place(tensor: Tensor) -> tuple[str, int]:
+    """Where a process on this node maps `tensor` from: the segment name and the byte
+    offset of its first element. Its storage is moved into shared memory the first
+    time, in place (every view of it follows: FSDP's and the optimizer's), as
+    torch.multiprocessing shares a tensor; the memory is then named by this process's
+    descriptor of it, which the reader opens through /proc (same node, same user)."""
+    storage = tensor.untyped_storage()
+    try:
+        fd, _ = storage._share_fd_cpu_()  # torch's own; a no-op once shared
+    except RuntimeError as error:
+        raise TransferError(
+            f"cannot move {storage.nbytes() / 2**20:.1f} MiB of the actor's weights into "
+            f"shared memory: {error} (a pod's /dev/shm is its memory-backed emptyDir: "
+            "raise its size)"
+        ) from error
+    name = f"/proc/{os.getpid()}/fd/{fd}{INODE_MARK}{os.fstat(fd).st_ino}"
+    return name, int(tensor.storage_offset()) * tensor.element_size()
+
+
+def _located(name: str) -> tuple[Path, int | None]:
+    """A segment's path, and the inode it must have when it is a descriptor (whose
+    number a later file may take)."""
+    if not name.startswith("/proc/"):
+        return SHM_DIR / name, None
+    path, _, inode = name.rpartition(INODE_MARK)
+    return Path(path), int(inode)
 
 
 def remove_orphans() -> list[str]:
@@ -144,26 +179,40 @@ class Segments:
 
     mapped: dict[str, Segment] = field(default_factory=dict)
 
-    def region(self, bucket: Bucket) -> Tensor:
-        segment = self.mapped.get(bucket.segment)
+    def region(self, name: str, offset: int, nbytes: int) -> Tensor:
+        segment = self.mapped.get(name)
         if segment is None:
-            segment = self.mapped[bucket.segment] = Segment.attach(bucket.segment)
-        if bucket.offset + bucket.nbytes > segment.tensor.numel():
-            raise TransferError(f"bucket past the end of segment {bucket.segment}")
-        return segment.tensor[bucket.offset : bucket.offset + bucket.nbytes]
+            segment = self.mapped[name] = Segment.attach(name)
+        if offset + nbytes > segment.tensor.numel():
+            raise TransferError(f"{nbytes} bytes at {offset} are past the end of {name}")
+        return segment.tensor[offset : offset + nbytes]
 
     def read(self, bucket: Bucket) -> list[tuple[str, Tensor]]:
-        """The bucket's tensors, as views of the shared memory (no copy)."""
-        return bucket_views(self.region(bucket), bucket)
+        """The bucket's tensors, as views of the shared memory (no copy): each from
+        its home if it has one, else from the bucket's segment."""
+        packed = bucket_views(self.region(bucket.segment, bucket.offset, bucket.nbytes), bucket)
+        for index, spec in enumerate(bucket.specs()):
+            if home := bucket.home(index):
+                raw = self.region(*home, spec.nbytes)
+                packed[index] = (spec.name, raw.view(spec.dtype).view(spec.shape))
+        return packed
 
     def prune(self) -> None:
-        for name in [n for n in self.mapped if not (SHM_DIR / n).exists()]:
+        for name in [n for n in self.mapped if not _exists(n)]:
             self.mapped.pop(name).close()
 
     def close(self) -> None:
         for segment in self.mapped.values():
             segment.close()
         self.mapped.clear()
+
+
+def _exists(name: str) -> bool:
+    path, inode = _located(name)
+    try:
+        return inode is None or path.stat().st_ino == inode
+    except OSError:
+        return False
 
 
 class Ring:
@@ -251,9 +300,11 @@ class WeightStore:
         self.incoming: list[Bucket] = []
         self.latest: tuple[list[Bucket], int] | None = None  # (buckets, version)
 
-    def keep(self, bucket: Bucket, source: Tensor) -> None:
-        """Copy one bucket (its bytes in `source`) into the store."""
-        self._region(bucket).copy_(source)
+    def keep(self, bucket: Bucket, tensors: Sequence[tuple[str, Tensor]]) -> None:
+        """Copy one bucket's tensors (as `Segments.read` gives them) into the store."""
+        stored = bucket_views(self._region(bucket), bucket)
+        for (_, place), (_, tensor) in zip(stored, tensors, strict=True):
+            place.copy_(tensor)
 
     def fill(self, weights: Mapping[str, Tensor], layers: Sequence[Sequence[str]]) -> None:
         """Put whole weights in the store as one transfer would (to load them)."""
@@ -266,7 +317,7 @@ class WeightStore:
         if self.segment is None or self.segment.tensor.numel() != bucket.model_bytes:
             self.close()
             self.segment = Segment.create(self.prefix, bucket.model_bytes)
-        place = bucket.at(self.segment.name, bucket.stored_at)
+        place = bucket.packed().at(self.segment.name, bucket.stored_at)
         self.incoming.append(place)
         return self.segment.tensor[place.offset : place.offset + place.nbytes]
 

@@ -60,14 +60,14 @@ class EngineWorker(Worker):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load one bucket (with the host transfer, from shared memory: the sender's
-        ring on its node, else this engine's own, filled over gloo first)."""
+        parameters or ring on its node, else this engine's ring, filled over gloo)."""
         if not self.host_transfer:
             self.engine.load_bucket(update_info)
             return
         bucket = Bucket.from_dict(update_info)
         if self.relay is not None:
             bucket = self.relay.receive(bucket)
-        kept = self.segments.region(bucket) if self.engine.store is not None else None
+        kept = self.segments.read(bucket) if self.engine.store is not None else []
         self.engine.load_bucket(bucket.to_dict(), kept)
 
     def finish_weight_update(self, weight_version: int) -> None:
