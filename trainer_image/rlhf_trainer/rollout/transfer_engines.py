@@ -8,8 +8,9 @@ The backend follows the placement (`transfer_backend`), and nothing else changes
     nccl       vLLM's: engines on GPUs of another pool, one NCCL broadcast
     ipc        vLLM's: engines on the actor's own GPUs (CUDA IPC, no copy through the host)
     rlhf_host  this module's, registered with both of vLLM's factories: CPU machines.
-               Buckets pass through shared memory to engines on the sender's node, and
-               over gloo to engines on other nodes (the data plane is `weight_sync`).
+               Engines on the sender's node read the weights from shared memory (the
+               actor's own where it can), those on other nodes take them over gloo
+               (the data plane is `weight_sync`).
 
 vLLM builds the worker side of the backend inside its worker process (the engine's
 `weight_transfer_config`), so the backend must be registered there first: vLLM mixes
@@ -194,9 +195,11 @@ class HostTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]  # vLLM is unt
 
 
 class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerInitInfo]):  # type: ignore[misc]  # vLLM is untyped here
-    """Fills the ring bucket by bucket and has the engines load each bucket while it
-    fills the next (two slots), broadcasting to the engines on other nodes meanwhile.
-    Its client is an `EngineFanOut`, whose calls can be sent ahead of their answers."""
+    """Sends bucket by bucket, and has the engines load each bucket while it makes the
+    next: the tensors they can read where the actor keeps them are named there, the
+    rest packed into the ring (two slots), which goes over gloo to the engines on other
+    nodes meanwhile. Its client is an `EngineFanOut`, whose calls can be sent ahead of
+    their answers."""
 
     init_info_cls = HostTrainerInitInfo
 
@@ -323,7 +326,7 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
         memory (it stays as it is until the send is over), laid out as they read it."""
         own = isinstance(self.source, PolicySource) and name in self.source.own
         laid_out = (tensor.device, tensor.dtype) == (place.device, place.dtype)
-        return own and laid_out and tensor.is_contiguous()
+        return own and laid_out and tensor.is_contiguous() and tensor.numel() > 0
 
     def shutdown(self) -> None:
         if self.group is not None:
