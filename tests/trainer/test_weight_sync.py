@@ -264,9 +264,7 @@ def test_an_engine_beside_the_sender_reads_its_parameters_in_place_when_it_can(
     assert not sender["ring_written"]
     for engine in engines:
         assert engine["versions"] == [1, 2]
-        assert {home.partition("/fd/")[0] for home in engine["homes"]} == {
-            f"/proc/{sender['pid']}"
-        }
+        assert {home.partition("/fd/")[0] for home in engine["homes"]} == {f"/proc/{sender['pid']}"}
         for sent, loaded in zip(sender["sent"], engine["loads"], strict=True):
             assert all(torch.equal(loaded[name], tensor) for name, tensor in sent.items())
     packed, *packed_engines = two_pushes
