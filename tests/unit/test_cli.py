@@ -128,7 +128,7 @@ def test_validate_warns_of_a_path_no_volume_mounts(
     ]
 
 
-def test_train_waits_for_the_trainer_through_ctrl_c() -> None:
+def test_train_waits_for_the_trainer_through_ctrl_c(default_sigint: None) -> None:
     # Ctrl-C goes to the whole process group: the child here sends it to its parent
     # and then finishes; the parent must outlive it and return its status.
     child = "import os, signal, sys, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(0.5); sys.exit(3)"

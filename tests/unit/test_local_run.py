@@ -214,7 +214,7 @@ def test_the_summary_compares_the_first_and_last_evaluations(tmp_path: Path) -> 
     assert rows["held-out pass@4"] == "0.50 → 0.50"
 
 
-def test_ctrl_c_asks_to_stop_and_a_second_one_quits() -> None:
+def test_ctrl_c_asks_to_stop_and_a_second_one_quits(default_sigint: None) -> None:
     with stop_on_interrupt() as stop:
         assert not stop()
         signal.raise_signal(signal.SIGINT)
