@@ -73,11 +73,13 @@ class StreamingRollout(EngineWorker):
         del self.in_flight[uid]
         self._mark_activity()
 
-    def _mark_activity(self, now: float | None = None) -> None:
-        """Open or close the current generating span (on the loop thread)."""
-        now = time.time() if now is None else now
+    def _mark_activity(self) -> None:
+        """Open or close the current generating span (on the loop thread). The clock is
+        read under the lock, as in `drain_activity`: read before it, a span could end
+        before the other thread's start."""
         busy = bool(self.in_flight) and not self.paused
         with self.activity_lock:
+            now = time.time()
             if busy and self.busy_since is None:
                 self.busy_since = now
             elif not busy and self.busy_since is not None:
@@ -87,8 +89,8 @@ class StreamingRollout(EngineWorker):
     def drain_activity(self) -> list[tuple[str, float, float]]:
         """The generating spans since the last drain (an open one is cut at now). Any
         thread: it does not wait for the engine's loop, which may be busy loading."""
-        now = time.time()
         with self.activity_lock:
+            now = time.time()
             if self.busy_since is not None:
                 self.activity.append((Phase.GENERATE, self.busy_since, now))
                 self.busy_since = now
