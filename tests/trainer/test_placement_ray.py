@@ -296,17 +296,17 @@ def test_a_rank_is_lost_once_ray_finds_it_dead_or_it_stays_silent_not_while_it_i
         os.kill(pid, signal.SIGSTOP)
         threading.Timer(3.0, os.kill, (pid, signal.SIGCONT)).start()
         started = time.monotonic()
-        assert group.dead_ranks() == []
-        assert 3.0 <= time.monotonic() - started < 8.0
+        assert group.dead_ranks() == []  # it answered within LOST_AFTER_S
+        assert time.monotonic() - started >= 3.0  # after it was woken: it was waited for
         os.kill(pid, signal.SIGSTOP)
         started = time.monotonic()
         assert group.dead_ranks() == [1]
-        assert time.monotonic() - started >= 8.0
+        assert time.monotonic() - started >= 8.0  # not before LOST_AFTER_S
         os.kill(pid, signal.SIGKILL)
         wait_until_dead(group.hosts[1])
-        started = time.monotonic()
+        # Silence alone could not make it lost now: only Ray's verdict that it died.
+        monkeypatch.setattr(worker_groups, "LOST_AFTER_S", 600.0)
         assert group.dead_ranks() == [1]
-        assert time.monotonic() - started < 8.0
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
