@@ -9,12 +9,38 @@ side by side use the two cores that one leaves half idle."""
 
 from __future__ import annotations
 
+import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).parent
 TIERS = ("unit", "trainer", "controlplane")
+# CI's budget (.ci/run): a test marked slow past this is named at the end of the run.
+SLOW_BUDGET_S = 300.0
+# Set by .ci/run: a tier that cannot run here (no real node, no Kueue) fails, not skips.
+REQUIRE_EVERY_TIER = os.environ.get("RLHF_REQUIRE_EVERY_TIER") == "1"
+
+
+def needs(missing: str | None) -> pytest.MarkDecorator:
+    """Mark tests that need what `missing` says is absent (None: nothing is): they skip,
+    or fail in CI, with that reason (`pytestmark = needs(...)`)."""
+    return pytest.mark.needs(missing)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        if mark.args[0] is not None:
+            skip_or_fail(mark.args[0])
+
+
+def skip_or_fail(reason: str) -> None:
+    """Skip, saying why, where a tier cannot run; in CI (RLHF_REQUIRE_EVERY_TIER=1) fail."""
+    if REQUIRE_EVERY_TIER:
+        pytest.fail(f"required in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups from the markers
@@ -27,3 +53,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         # once per xdist worker: a group keeps the tests that share it on one worker.
         group = tier if tier == "controlplane" else item.path.relative_to(TESTS).as_posix()
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+# --- the slow tests' budget: set-up, call and tear-down of each test, added up ---
+
+_seconds: defaultdict[str, float] = defaultdict(float)
+_slow: set[str] = set()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds[report.nodeid] += report.duration
+    if "slow" in report.keywords:
+        _slow.add(report.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    over = sorted(
+        ((seconds, test) for test, seconds in _seconds.items()
+         if test in _slow and seconds > SLOW_BUDGET_S),
+        reverse=True,
+    )  # fmt: skip
+    if not over:
+        return
+    terminalreporter.section("slow tests over the budget")
+    for seconds, test in over:
+        terminalreporter.write_line(
+            f"{seconds:6.0f} s  {test} (marked slow: each stays under {SLOW_BUDGET_S:.0f} s)"
+        )

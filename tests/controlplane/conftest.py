@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import skip_or_fail
+
 from .harness import RUN_ROOT, ControlPlane, build_binaries, missing_binaries
 from .node import RealNode
 from .operator_process import OperatorProcess
@@ -71,7 +73,7 @@ def controlplane(request: pytest.FixtureRequest):
 def real_node(controlplane: ControlPlane) -> RealNode:
     """The control plane's real node (see node.py); skips where none could start."""
     if controlplane.real_node is None:
-        pytest.skip(f"no real node: {controlplane.real_node_absent}")
+        skip_or_fail(f"no real node: {controlplane.real_node_absent}")
     return controlplane.real_node
 
 

@@ -23,11 +23,15 @@ CP_BIN := $(CP_DIR)/bin
 CP_GO := $(CP_DIR)/go
 # Binaries also depend on this file: changing a build flag here rebuilds them.
 CP_MK := $(CP_DIR)/controlplane.mk
+# Test binaries need no debug information: without DWARF and the symbol table (-s -w)
+# linking takes less, and -trimpath keeps this checkout's path out of them.
+CP_GO_BUILD := $(GO) build -trimpath
+CP_STRIP := -s -w
 
 CP_KUBE_VERSION := v1.36.3
 # Without these the binaries report v0.0.0-master, which kubectl, helm and charts'
 # kubeVersion constraints treat as an ancient server.
-CP_KUBE_LDFLAGS := \
+CP_KUBE_LDFLAGS := $(CP_STRIP) \
 	-X k8s.io/component-base/version.gitVersion=$(CP_KUBE_VERSION) \
 	-X k8s.io/component-base/version.gitMajor=1 \
 	-X k8s.io/component-base/version.gitMinor=36 \
@@ -37,12 +41,14 @@ CP_KUBE_LDFLAGS := \
 	-X k8s.io/client-go/pkg/version.gitMinor=36 \
 	-X k8s.io/client-go/pkg/version.gitTreeState=clean
 
-CP_KUBE_BINS := $(addprefix $(CP_BIN)/,kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
+CP_KUBE_BINS := $(addprefix $(CP_BIN)/,kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy etcd)
 CP_TOOLS_BINS := $(addprefix $(CP_BIN)/,kwok helm)
 # The real node's own programs, run as its images (static: the images hold nothing else).
 CP_NODE_PROGRAMS := $(addprefix $(CP_BIN)/,pause nettool)
+# Installs wait for another's dpkg lock (CI installs packages in parallel make jobs).
+APT_GET ?= apt-get -o DPkg::Lock::Timeout=600
 CP_NODE_DEBS := containerd runc containernetworking-plugins iptables
-CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kueue-manager \
+CP_BINARIES := $(CP_KUBE_BINS) $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kueue-manager \
 	$(CP_BIN)/kube-score \
 	$(CP_BIN)/prometheus \
 	$(CP_BIN)/coredns $(CP_NODE_PROGRAMS) $(CP_BIN)/.node-packages
@@ -51,27 +57,25 @@ CP_BINARIES := $(CP_KUBE_BINS) $(CP_BIN)/etcd $(CP_TOOLS_BINS) $(CP_BIN)/kuberay
 
 controlplane: $(CP_BINARIES)  ## build the test control plane (kube, etcd, kwok, helm, KubeRay, Kueue) from pinned Go modules
 
-# Grouped target (&:): one `go build` makes all six, sharing compiled packages.
+# Grouped target (&:): one `go build` makes all seven, sharing compiled packages. etcd is
+# at the version k8s.io/kubernetes itself requires (go.etcd.io/etcd/server/v3 is a main
+# package, so its binary is named `server`).
 $(CP_KUBE_BINS) &: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/kube && $(GO) build -ldflags '$(CP_KUBE_LDFLAGS)' -o $(abspath $(CP_BIN))/ \
+	cd $(CP_GO)/kube && $(CP_GO_BUILD) -ldflags '$(CP_KUBE_LDFLAGS)' -o $(abspath $(CP_BIN))/ \
 		k8s.io/kubernetes/cmd/kube-apiserver \
 		k8s.io/kubernetes/cmd/kube-controller-manager \
 		k8s.io/kubernetes/cmd/kube-scheduler \
 		k8s.io/kubernetes/cmd/kubectl \
 		k8s.io/kubernetes/cmd/kubelet \
-		k8s.io/kubernetes/cmd/kube-proxy
+		k8s.io/kubernetes/cmd/kube-proxy \
+		go.etcd.io/etcd/server/v3
+	mv $(abspath $(CP_BIN))/server $(abspath $(CP_BIN))/etcd
 	@touch $(CP_KUBE_BINS)
-
-# etcd at the version k8s.io/kubernetes itself requires (go.etcd.io/etcd/server/v3 is a main package).
-$(CP_BIN)/etcd: $(CP_GO)/kube/go.mod $(CP_GO)/kube/go.sum $(CP_MK)
-	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/kube && $(GO) build -o $(abspath $@) go.etcd.io/etcd/server/v3
-	@touch $@
 
 $(CP_TOOLS_BINS) &: $(CP_GO)/tools/go.mod $(CP_GO)/tools/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/tools && $(GO) build -ldflags '-X helm.sh/helm/v3/internal/version.version=v3.21.4' \
+	cd $(CP_GO)/tools && $(CP_GO_BUILD) -ldflags '$(CP_STRIP) -X helm.sh/helm/v3/internal/version.version=v3.21.4' \
 		-o $(abspath $(CP_BIN))/ \
 		sigs.k8s.io/kwok/cmd/kwok \
 		helm.sh/helm/v3/cmd/helm
@@ -80,7 +84,7 @@ $(CP_TOOLS_BINS) &: $(CP_GO)/tools/go.mod $(CP_GO)/tools/go.sum $(CP_MK)
 # The manifest scanner of `make lint` (and of the test that it finds what it should).
 $(CP_BIN)/kube-score: $(CP_GO)/lint/go.mod $(CP_GO)/lint/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/lint && $(GO) build -o $(abspath $@) github.com/zegl/kube-score/cmd/kube-score
+	cd $(CP_GO)/lint && $(CP_GO_BUILD) -ldflags '$(CP_STRIP)' -o $(abspath $@) github.com/zegl/kube-score/cmd/kube-score
 	@touch $@
 
 # Prometheus from its module, with Kubernetes service discovery and no other (the build
@@ -89,21 +93,21 @@ $(CP_BIN)/kube-score: $(CP_GO)/lint/go.mod $(CP_GO)/lint/go.sum $(CP_MK)
 CP_PROMETHEUS_VERSION := 3.16.0
 $(CP_BIN)/prometheus: $(CP_GO)/prometheus/go.mod $(CP_GO)/prometheus/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/prometheus && $(GO) build -tags remove_all_sd,enable_kubernetes_sd \
-		-ldflags '-X github.com/prometheus/common/version.Version=$(CP_PROMETHEUS_VERSION)' \
+	cd $(CP_GO)/prometheus && $(CP_GO_BUILD) -tags remove_all_sd,enable_kubernetes_sd \
+		-ldflags '$(CP_STRIP) -X github.com/prometheus/common/version.Version=$(CP_PROMETHEUS_VERSION)' \
 		-o $(abspath $@) github.com/prometheus/prometheus/cmd/prometheus
 	@touch $@
 
 # CoreDNS with only the plugins the cluster DNS uses (go/coredns/main.go).
 $(CP_BIN)/coredns: $(CP_GO)/coredns/go.mod $(CP_GO)/coredns/go.sum $(CP_GO)/coredns/main.go $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/coredns && $(GO) build -o $(abspath $@) .
+	cd $(CP_GO)/coredns && $(CP_GO_BUILD) -ldflags '$(CP_STRIP)' -o $(abspath $@) .
 	@touch $@
 
 # Static and reproducible (-trimpath, no build ID): the same source makes the same image.
 $(CP_NODE_PROGRAMS) &: $(CP_GO)/node/go.mod $(wildcard $(CP_GO)/node/*/*.go) $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/node && CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w -buildid=' \
+	cd $(CP_GO)/node && CGO_ENABLED=0 $(CP_GO_BUILD) -ldflags '$(CP_STRIP) -buildid=' \
 		-o $(abspath $(CP_BIN))/ ./pause ./nettool
 	@touch $(CP_NODE_PROGRAMS)
 
@@ -118,19 +122,19 @@ $(CP_BIN)/.node-packages: $(CP_MK)
 		echo "not root: $(CP_NODE_DEBS) not installed, so the tests' real node will not start"; \
 	else \
 		export DEBIAN_FRONTEND=noninteractive; \
-		apt-get install -y -qq --no-install-recommends $(CP_NODE_DEBS) || \
-			{ apt-get update -qq && apt-get install -y -qq --no-install-recommends $(CP_NODE_DEBS); } && \
+		$(APT_GET) install -y -qq --no-install-recommends $(CP_NODE_DEBS) || \
+			{ $(APT_GET) update -qq && $(APT_GET) install -y -qq --no-install-recommends $(CP_NODE_DEBS); } && \
 		touch $@; \
 	fi
 
 $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/kuberay && $(GO) build -o $(abspath $@) github.com/ray-project/kuberay/ray-operator
+	cd $(CP_GO)/kuberay && $(CP_GO_BUILD) -ldflags '$(CP_STRIP)' -o $(abspath $@) github.com/ray-project/kuberay/ray-operator
 	@touch $@
 
 $(CP_BIN)/kueue-manager: $(CP_GO)/kueue/go.mod $(CP_GO)/kueue/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/kueue && $(GO) build -o $(abspath $@) sigs.k8s.io/kueue/cmd/kueue
+	cd $(CP_GO)/kueue && $(CP_GO_BUILD) -ldflags '$(CP_STRIP)' -o $(abspath $@) sigs.k8s.io/kueue/cmd/kueue
 	@touch $@
 
 cluster: controlplane  ## start that control plane for you to use with kubectl (Ctrl-C stops it)

@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import needs
+
 from .harness import REPO_ROOT, ControlPlane, can_run_kueue
 from .operator_process import OperatorProcess
 from .test_operator import apply, get, job_status, load
 from .util import eventually, get_json
 
-pytestmark = pytest.mark.skipif(not can_run_kueue(), reason="Kueue needs root and unshare")
+pytestmark = needs(None if can_run_kueue() else "Kueue needs root and unshare")
 
 QUEUE = "team"
 JOB_GPUS = 8  # split-8gpu-4-4: two pools of 4 GPUs

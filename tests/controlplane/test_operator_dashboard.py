@@ -14,13 +14,14 @@ import pytest
 import yaml
 
 from monitoring.dashboards import OPERATOR
+from tests.conftest import needs
 from tests.prometheus import BINARY, Prometheus, Target
 
 from .harness import REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
 from .util import eventually, get_json
 
-pytestmark = pytest.mark.skipif(not BINARY.exists(), reason="no Prometheus: make controlplane")
+pytestmark = needs(None if BINARY.exists() else "no Prometheus: make controlplane")
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from monitoring.dashboards import TRAINING
+from tests.conftest import skip_or_fail
 from tests.prometheus import Prometheus, kubernetes_pods_job
 
 from . import demo
@@ -102,7 +103,7 @@ class StepWatch(threading.Thread):
 def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Any:
     cp = controlplane
     if cp.real_node is None:
-        pytest.skip(f"no real node: {cp.real_node_absent}")
+        skip_or_fail(f"no real node: {cp.real_node_absent}")
     make_cluster, install, apply, wait, listing = walkthrough()
     assert make_cluster == "make cluster", walkthrough()
     demo.prepare(cp)  # what `make cluster` does once its control plane is up

@@ -67,7 +67,12 @@ class Image:
 
 
 _CODE = ("pyproject.toml", "constraints.txt", "README.md", "operator", "trainer_image/rlhf_trainer")
-_TRAINER = (*_CODE, "trainer_image/requirements-cpu.in", "trainer_image/requirements-cpu.txt")
+_TRAINER = (
+    *_CODE,
+    "trainer_image/requirements-cpu.in",
+    "trainer_image/requirements-cpu.txt",
+    "trainer_image/stub_cuda_libraries.py",
+)
 IMAGES = {
     "operator": Image(f"localhost/rlhf-operator:{VERSION}", "operator/Dockerfile", _CODE),
     "trainer-cpu": Image(

@@ -18,6 +18,8 @@
 # needs only the standard library (3.11, for tomllib).
 IMAGES_PYTHON ?= python3
 IMAGES ?= operator trainer-cpu
+# Installs wait for another's dpkg lock (CI installs packages in parallel make jobs).
+APT_GET ?= apt-get -o DPkg::Lock::Timeout=600
 IMAGES_SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: images image-trainer-gpu image-tools
@@ -32,5 +34,5 @@ image-trainer-gpu: image-tools  ## build the GPU trainer image with buildah (vLL
 image-tools:
 	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || { \
 	  command -v apt-get >/dev/null || { echo "no apt-get here: install buildah and mmdebstrap yourself" >&2; exit 1; }; \
-	  $(IMAGES_SUDO) apt-get install -y -q buildah mmdebstrap || \
-	    { $(IMAGES_SUDO) apt-get update -q && $(IMAGES_SUDO) apt-get install -y -q buildah mmdebstrap; }; }
+	  $(IMAGES_SUDO) $(APT_GET) install -y -q buildah mmdebstrap || \
+	    { $(IMAGES_SUDO) $(APT_GET) update -q && $(IMAGES_SUDO) $(APT_GET) install -y -q buildah mmdebstrap; }; }

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs
 from tests.images.build import ensure, image_id
 from tests.images.load import containerd_image_id, load
 
@@ -27,7 +28,7 @@ def _missing() -> str | None:
     return None
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+pytestmark = [pytest.mark.slow, needs(_missing())]
 
 
 @pytest.fixture

@@ -17,11 +17,13 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 from prometheus_client import generate_latest
 
-from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.report import ConsoleReporter
@@ -33,8 +35,9 @@ pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
 BATCH = 32  # samples a step: the local example's batchSize
 GROUP = 2  # samples per prompt in the resume test
-# Enough for two engines to start (about 25 steps here), then one lost and replaced.
-ELASTIC_STEPS = 90
+# The elastic run: a loss after step 2, joins after 3, a node lost at the second push to
+# three engines (step 6 or so), its replacement, and steps for the last one to generate.
+ELASTIC_STEPS = 16
 
 
 def uids(steps: list[StepResult]) -> list[int]:
@@ -214,19 +217,26 @@ def test_a_lost_rollout_rank_fails_the_run_at_once_naming_it(
 def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two rollout engines, on two nodes of the rollout pool. After step 2 one's rank is
-    SIGKILLed, engine and all, while it answers its half of the held-out prompts: the
-    run goes on with the other, which generates again what the lost one owed, and
-    answers its half of the evaluation too. A new engine starts in the lost one's
-    bundle, on the same node. After step 3 a node joins the pool (a bigger `replicas`):
-    an engine starts on it. Each, once up, takes the current weights at a sync and then
-    prompts. As the second push to the three starts, one's node is killed without
-    warning (a lost pod): the push fails on it, the others close the update it opened
-    unserved and take the weights again whole. Once Ray has found the node dead, a
-    replacement joins the pool: Ray places the lost engine's bundle there, and a new
-    engine starts in it. Through all of it, nothing is trained twice or lost, and the
-    staleness bound holds."""
-    from rlhf_trainer.cluster.local import local_ray_cluster
+    """Two rollout engines, on two nodes of the rollout pool. As the evaluation after
+    step 2 is asked, one's rank is stopped before its half reaches it and SIGKILLed,
+    engine and all, once asked: it never answers. The run goes on with the other, which
+    generates again what the lost one owed, and answers its half of the evaluation too.
+    A new engine starts in the lost one's bundle, on the same node. After step 3 a node
+    joins the pool (a bigger `replicas`): an engine starts on it. Each, once up, takes
+    the current weights at a sync and then prompts. As the second push to the three
+    starts, one's node is killed without warning, its processes with it (a lost pod):
+    the push fails on it, the others close the update it opened unserved and take the
+    weights again whole. Once Ray has found the node dead, a replacement joins the pool:
+    Ray places the lost engine's bundle there, and a new engine starts in it. Through all
+    of it, nothing is trained twice or lost, and the staleness bound holds.
+
+    Each fault lands on an event (the evaluation asked, a push started), and after a node
+    joins the test waits for the engines starting to be up: the scenario does not depend
+    on how fast this machine is."""
+    from rlhf_trainer.cluster.groups import join
+    from rlhf_trainer.cluster.local import local_ray_cluster, signal_all
+    from rlhf_trainer.loop.elastic_rollout import ElasticRollout
+    from rlhf_trainer.loop.evaluation import Evaluator
     from rlhf_trainer.loop.run import run_job
     from rlhf_trainer.loop.weights import WeightSync
 
@@ -234,15 +244,28 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
         staleness=0.5, total_steps=ELASTIC_STEPS, checkpoint_dir=tmp_path, every_steps=100
     ).to_dict()
     spec["pools"][-1]["replicas"] = 2  # the rollout pool: one engine per node
-    spec["trainer"]["evalEverySteps"] = 2  # one starts just before the kill
+    spec["trainer"]["evalEverySteps"] = 2
     config = JobConfig.model_validate(spec)
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
-    killer = EngineKiller(after_step=2, whole_rank=True)
-    push = WeightSync.push
+    push, start_evaluation, elastic_init = WeightSync.push, Evaluator.start, ElasticRollout.__init__
+    elastic: list[ElasticRollout] = []
+    killed_ranks: list[int] = []  # pids
     to_three: list[int] = []  # the pushes to three engines
     killed_nodes: list[str] = []
     steps: list[StepResult] = []
-    with killer.tagged(), local_ray_cluster(config) as cluster:
+    with local_ray_cluster(config) as cluster:
+
+        def evaluation_that_loses_an_engine(evaluator: Evaluator, step: int) -> Any:
+            if step != 2:
+                return start_evaluation(evaluator, step)
+            where = evaluator.trainer.groups[Role.ROLLOUT].whereabouts()[0]
+            rank = psutil.Process(where.pid)
+            held = [rank, *rank.children(recursive=True)]  # its vLLM engine, if a child
+            signal_all(held, "suspend")
+            done = start_evaluation(evaluator, step)
+            signal_all(held, "kill")
+            killed_ranks.append(where.pid)
+            return done
 
         def push_after_a_node_kill(sync: WeightSync, version: int) -> None:
             if sync.rollout.world_size == 3:  # both engines that started have joined
@@ -252,21 +275,31 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
                     cluster.kill_node(killed_nodes[0])
             push(sync, version)
 
+        def keep(self: ElasticRollout, *args: Any) -> None:
+            elastic_init(self, *args)
+            elastic.append(self)
+
+        monkeypatch.setattr(Evaluator, "start", evaluation_that_loses_an_engine)
         monkeypatch.setattr(WeightSync, "push", push_after_a_node_kill)
+        monkeypatch.setattr(ElasticRollout, "__init__", keep)
 
         def on_step(step: StepResult) -> None:
             steps.append(step)
-            killer(step)
             if step.step == 3:
                 cluster.add_node("rollout")
-            if len(killed_nodes) == 1 and not node_alive(killed_nodes[0]):
+            if len(killed_nodes) == 1:  # lost in this step's push: Ray found it dead
+                assert not node_alive(killed_nodes[0]), "the push went on without Ray's verdict"
                 cluster.add_node("rollout")  # the pod that replaces the lost one
                 killed_nodes.append("replaced")
+            # The engines starting (those on a new node start at the next sync): up
+            # before the next sync takes them in, however long they take here.
+            (rollout,) = elastic
+            join([ready for group in rollout.joining for ready in group.ready], 600)
 
         trace = tmp_path / "trace.json"
         with caplog.at_level(logging.WARNING):
             run_job(config, "elastic", ConsoleReporter(every=1e9), metrics, trace, on_step)
-    assert len(killer.killed) == 1 and len(killed_nodes) == 2
+    assert len(killed_ranks) == 1 and len(killed_nodes) == 2
     assert [s.step for s in steps] == list(range(1, ELASTIC_STEPS + 1))
     evaluations = [e for s in steps for e in s.evaluations]
     assert [e.step for e in evaluations] == list(range(0, ELASTIC_STEPS + 1, 2))

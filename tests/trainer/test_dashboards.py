@@ -18,6 +18,7 @@ from monitoring.dashboards import DCGM, POOLS, TRAINING
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import DRIVER
 from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
+from tests.conftest import needs
 from tests.controlplane.harness import free_ports
 from tests.prometheus import BINARY, Prometheus, Target
 from tests.specs import local_async_job, local_job
@@ -25,7 +26,7 @@ from tests.trainer.local_runs import train
 
 pytestmark = [
     pytest.mark.slow,  # two short runs
-    pytest.mark.skipif(not BINARY.exists(), reason="no Prometheus: run make controlplane"),
+    needs(None if BINARY.exists() else "no Prometheus: run make controlplane"),
 ]
 
 STEPS = 3

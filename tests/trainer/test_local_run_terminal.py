@@ -19,13 +19,15 @@ import pytest
 import yaml
 from PIL import Image
 
+from tests.conftest import needs
 from tests.specs import local_job
 
 pytestmark = [
     pytest.mark.slow,  # two local runs, each starting Ray, vLLM and the roles
-    pytest.mark.skipif(
-        shutil.which("tmux") is None,
-        reason="tmux is not installed (make install installs it with apt-get)",
+    needs(
+        None
+        if shutil.which("tmux")
+        else "tmux is not installed (make install installs it with apt-get)"
     ),
 ]
 

@@ -3,6 +3,7 @@ this machine shaped like the job's pools."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,9 +42,28 @@ class LocalCluster:
 
     def kill_node(self, node_id: str) -> None:
         """SIGKILL the node's raylet and every process on it, without warning (a lost
-        pod or machine); Ray finds it dead by its health checks."""
+        pod or machine); Ray finds it dead by its health checks.
+
+        The workers the raylet started (and their children, a vLLM engine core) are
+        stopped first and killed after it: a worker would otherwise go on until it
+        noticed its raylet gone, and might still answer a call (a weight push) meanwhile."""
+        import psutil
+
         (node,) = [n for n in self.cluster.list_all_nodes() if n.node_id == node_id]
+        (raylet,) = node.all_processes["raylet"]
+        workers = psutil.Process(raylet.process.pid).children(recursive=True)
+        signal_all(workers, "suspend")
         self.cluster.remove_node(node, allow_graceful=False)
+        signal_all(workers, "kill")
+
+
+def signal_all(processes: list[Any], how: str) -> None:
+    """psutil's `how` ("suspend", "kill") on each of `processes` that still lives."""
+    import psutil
+
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            getattr(process, how)()
 
 
 @contextmanager
