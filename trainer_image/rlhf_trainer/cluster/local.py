@@ -47,7 +47,7 @@ class LocalCluster:
         The workers the raylet started (and their children, a vLLM engine core) are
         stopped first and killed after it: a worker would otherwise go on until it
         noticed its raylet gone, and might still answer a call (a weight push) meanwhile."""
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         (node,) = [n for n in self.cluster.list_all_nodes() if n.node_id == node_id]
         (raylet,) = node.all_processes["raylet"]
@@ -59,7 +59,7 @@ class LocalCluster:
 
 def signal_all(processes: list[Any], how: str) -> None:
     """psutil's `how` ("suspend", "kill") on each of `processes` that still lives."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
