@@ -59,7 +59,7 @@ class LocalCluster:
 
 def signal_all(processes: list[Any], how: str) -> None:
     """psutil's `how` ("suspend", "kill") on each of `processes` that still lives."""
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
