@@ -27,8 +27,6 @@ install: $(STAMP) $(TRAINER_STAMP)  ## create .venv with everything the tests ne
 
 # The terminal tests/trainer/test_local_run_terminal.py drives `rlhfjob train` in (it
 # skips without tmux). A Debian package: root installs it, others through sudo.
-# Installs wait for another's dpkg lock (CI installs packages in parallel make jobs).
-APT_GET ?= apt-get -o DPkg::Lock::Timeout=600
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 tmux:
 	@if command -v apt-get >/dev/null; then \
