@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from rlhf_operator.controller.resizes import STOP_ASKED
+
 from .harness import REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
 from .util import bound_claim, eventually, get_json, kubectl_as
@@ -228,6 +230,8 @@ def test_resizes_change_the_rollout_pool_in_place_and_the_trainer_pool_by_a_new_
     rayjob = get(cp, "rayjob", name, namespace) or {}
     assert rayjob["metadata"]["uid"] == first["metadata"]["uid"]
     assert group_replicas(rayjob)["trainer"] == 1
+    # The ask is on the attempt (before the status the trainer reads): its exit 0 is a stop.
+    assert rayjob["metadata"]["annotations"][STOP_ASKED] == "trainer: 1 to 2"
     assert len(worker_pods(cp, name, namespace)["trainer"]) == 1
     events = get_json(cp, "events", "-n", namespace, "--field-selector", "reason=Resizing")
     assert [e["type"] for e in events["items"]] == ["Normal"], events

@@ -10,7 +10,12 @@ import pytest
 
 from rlhf_operator.api.job import Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.api.validation import parse_job
-from rlhf_operator.controller.resizes import ResizeAction, decide_resize
+from rlhf_operator.controller.resizes import (
+    STOP_ASKED,
+    ResizeAction,
+    decide_resize,
+    stop_asked_patch,
+)
 from rlhf_operator.controller.status import Observed, compute_status
 from rlhf_operator.render.children import JobRef, render_children
 from rlhf_trainer.api.progress import PoolResize, TrainingProgress
@@ -29,10 +34,18 @@ def spec_of(example: str, checkpoints: bool = True, **replicas: int) -> RLHFJobS
     return parse_job(manifest).spec
 
 
-def attempt(spec: RLHFJobSpec, deployment: str = "Running", **status: str) -> dict[str, Any]:
-    """The RayJob the operator renders for `spec`, as KubeRay reports it."""
+def attempt(
+    spec: RLHFJobSpec, deployment: str = "Running", asked: bool = False, **status: str
+) -> dict[str, Any]:
+    """The RayJob the operator renders for `spec`, as KubeRay reports it; `asked`: its
+    driver was asked to stop for a resize (the operator's annotation on it)."""
     rayjob = render_children(REF, spec, None)[-1]
     rayjob["metadata"]["uid"] = "attempt-1"
+    if asked:
+        resize = PoolResize(pool="policy", from_replicas=1, to_replicas=2)
+        rayjob["metadata"].setdefault("annotations", {}).update(
+            stop_asked_patch((resize,))["metadata"]["annotations"]
+        )
     rayjob["status"] = {"jobDeploymentStatus": deployment, **status}
     return rayjob
 
@@ -52,12 +65,34 @@ def test_a_trained_pool_that_grows_under_a_running_driver_waits_for_its_step_bou
 
 
 def test_an_attempt_whose_driver_stopped_early_is_replaced_and_one_that_finished_is_not() -> None:
-    stopped = attempt(spec_of(SPLIT), **SUCCEEDED)
+    stopped = attempt(spec_of(SPLIT), asked=True, **SUCCEEDED)
+    assert stopped["metadata"]["annotations"][STOP_ASKED] == "policy: 1 to 2"
     resized = spec_of(SPLIT, policy=2)
     assert decide_resize(resized, stopped, AT_STEP_3).action is ResizeAction.REPLACE
     assert decide_resize(resized, stopped, DONE).action is ResizeAction.NONE
     # The size put back meanwhile: still a new attempt, else the job would end early.
     assert decide_resize(spec_of(SPLIT), stopped, AT_STEP_3).action is ResizeAction.REPLACE
+    # Its stop report lost too: the next attempt resumes from the newest checkpoint.
+    assert decide_resize(spec_of(SPLIT), stopped, None).action is ResizeAction.REPLACE
+
+
+@pytest.mark.parametrize("training", [AT_STEP_3, None], ids=["stale report", "no report"])
+def test_an_attempt_never_asked_to_stop_that_exits_0_has_succeeded_whatever_it_reported(
+    training: TrainingProgress | None,
+) -> None:
+    """A trainer whose reports are lost (a PATCH refused, a default-deny egress) is not
+    replaced for ever: the status says it succeeded, and that its reports never came."""
+    spec = spec_of(SPLIT)
+    ended = attempt(spec, **SUCCEEDED)
+    decision = decide_resize(spec, ended, training)
+    assert decision.action is ResizeAction.NONE
+    old = RLHFJobStatus(phase=Phase.RUNNING, training=training)
+    status = compute_status(spec, 1, Observed(ended, []), old, REF_TIME, None, decision)
+    assert status.phase is Phase.SUCCEEDED
+    ready = next(c for c in status.conditions if c.type == "Ready")
+    last = "step 3 of 10" if training else "none"
+    assert f"the trainer's last report is {last}" in ready.message
+    assert "did not reach the job's status" in ready.message
 
 
 @pytest.mark.parametrize("deployment", ["", "Initializing", "Suspended"])
@@ -96,7 +131,7 @@ def test_the_status_says_resizing_with_the_old_and_new_sizes_and_counts_no_resta
     spec = spec_of(SPLIT, policy=2)
     old = RLHFJobStatus(phase=Phase.RUNNING, training=AT_STEP_3)
     for rayjob, action in ((attempt(spec_of(SPLIT)), "WAIT"),
-                           (attempt(spec_of(SPLIT), **SUCCEEDED), "REPLACE")):  # fmt: skip
+                           (attempt(spec_of(SPLIT), asked=True, **SUCCEEDED), "REPLACE")):  # fmt: skip
         decision = decide_resize(spec, rayjob, old.training)
         assert decision.action is ResizeAction[action]
         status = compute_status(spec, 2, Observed(rayjob, []), old, REF_TIME, None, decision)

@@ -20,7 +20,12 @@ from rlhf_operator.api.job import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJob
 from rlhf_operator.api.validation import InvalidJob, parse_spec
 from rlhf_operator.controller.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.controller.kuberay import RECHECK_SECONDS, KubeRayCheck
-from rlhf_operator.controller.resizes import ResizeAction, decide_resize
+from rlhf_operator.controller.resizes import (
+    ResizeAction,
+    decide_resize,
+    stop_asked,
+    stop_asked_patch,
+)
 from rlhf_operator.controller.restarts import Action, decide
 from rlhf_operator.controller.status import (
     KUBERAY_INCOMPATIBLE,
@@ -33,6 +38,7 @@ from rlhf_operator.controller.status import (
 )
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess
+from rlhf_trainer.api.progress import PoolResize
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +126,8 @@ class Reconciler:
                 self._write_status(job, old, new)
                 return Reconciled(new, requeue_after=RECHECK_SECONDS)
             rayjob = self._ensure_children(ref, spec, children, rayjob)
+            if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
+                rayjob = self._ask_stop(ref, rayjob, resize.resizes)
             workload = self._sync_workload(spec, rayjob)
         elif restart is not None and restart.action is Action.DELETE and restart.failure:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
@@ -189,6 +197,13 @@ class Reconciler:
             rayjob = self.kube.patch("RayJob", ref.namespace, ref.rayjob, ops, JSON_PATCH)
         self._sync_cluster_replicas(ref, rayjob, wanted_groups)
         return rayjob
+
+    def _ask_stop(self, ref: JobRef, rayjob: Obj, resizes: tuple[PoolResize, ...]) -> Obj:
+        """Record the ask on the attempt before the status (which the trainer reads)
+        makes it: an exit 0 from then on is a stop for a resize (resizes.stopped_early)."""
+        if stop_asked(rayjob):
+            return rayjob
+        return self.kube.patch("RayJob", ref.namespace, ref.rayjob, stop_asked_patch(resizes))
 
     def _sync_workload(self, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
         """A queued job's Kueue Workload (None if Kueue has not made it). Kueue owns the

@@ -12,6 +12,9 @@ RayJob's worker groups); while the spec differs:
   the end of its step and exits 0 (loop.resize);
 - an attempt that so exited before its last step is replaced. The next one resumes from
   that checkpoint on the new sizes. It is not a failure: maxRestarts does not count it.
+  Which attempts were asked to stop is recorded on the attempt itself (STOP_ASKED), at
+  the ask: the trainer's last report can be lost, and the spec may be put back before
+  the driver exits, so neither tells a stop from an end whose final report never came.
 A job that keeps no checkpoints would lose its steps: admission refuses such resizes
 (the CRD's transition rule), and they are left to wait here.
 """
@@ -26,6 +29,8 @@ from rlhf_operator.api.job import RLHFJobSpec
 from rlhf_trainer.api.progress import PoolResize, TrainingProgress
 
 DRIVER_RUNNING = "Running"  # KubeRay's jobDeploymentStatus once the driver is submitted
+# On a RayJob whose driver was asked to stop for a resize: the resizes, as asked.
+STOP_ASKED = "rlhf.dev/stop-asked-for-resize"
 
 
 class ResizeAction(StrEnum):
@@ -57,14 +62,29 @@ def pending_resizes(spec: RLHFJobSpec, rayjob: dict[str, Any]) -> tuple[PoolResi
     )
 
 
-def stopped_early(rayjob: dict[str, Any], training: TrainingProgress | None) -> bool:
-    """The driver exited 0 before the last step: it stopped for a resize."""
+def succeeded(rayjob: dict[str, Any]) -> bool:
     status = rayjob.get("status") or {}
-    succeeded = (status.get("jobDeploymentStatus"), status.get("jobStatus")) == (
-        "Complete",
-        "SUCCEEDED",
-    )
-    return succeeded and (training is None or training.step < training.total_steps)
+    return (status.get("jobDeploymentStatus"), status.get("jobStatus")) == ("Complete", "SUCCEEDED")
+
+
+def stop_asked(rayjob: dict[str, Any]) -> bool:
+    return STOP_ASKED in (rayjob["metadata"].get("annotations") or {})
+
+
+def stop_asked_patch(resizes: tuple[PoolResize, ...]) -> dict[str, Any]:
+    """The merge patch that records on a RayJob that its driver was asked to stop."""
+    asked = "; ".join(f"{r.pool}: {r.from_replicas} to {r.to_replicas}" for r in resizes)
+    return {"metadata": {"annotations": {STOP_ASKED: asked}}}
+
+
+def stopped_early(rayjob: dict[str, Any], training: TrainingProgress | None) -> bool:
+    """The driver, asked to stop for a resize, exited 0 before the last step it knew of.
+
+    Without the ask, an exit 0 is the end, whatever the last report says (it may have
+    been lost). With it, the last report may be lost too: then the next attempt resumes
+    from the newest checkpoint, which at the end trains nothing more."""
+    done = training is not None and 0 < training.total_steps <= training.step
+    return succeeded(rayjob) and stop_asked(rayjob) and not done
 
 
 def decide_resize(

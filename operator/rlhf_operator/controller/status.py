@@ -22,6 +22,7 @@ from rlhf_operator.controller.pods import pod_problems
 from rlhf_operator.controller.resizes import ResizeAction, ResizeDecision
 from rlhf_operator.controller.restarts import FIRST_LINE, Action, Decision
 from rlhf_trainer.api.names import POOL_LABEL
+from rlhf_trainer.api.progress import TrainingProgress
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
 # PoolsReady's reason while the scheduler cannot place a pool's pod (its message says
@@ -132,7 +133,7 @@ def compute_status(
     pools_message = "; ".join(
         [f"{ready_pools}/{len(pools)} pools have all their GPUs", *unscheduled, *queued, *failing]
     )
-    ready_message = queued[0] if queued else _phase_message(phase, failure)
+    ready_message = queued[0] if queued else _phase_message(phase, failure, old.training)
     if resize is not None and resizing:
         ready_message = _resize_message(resize)
     conditions = old.conditions
@@ -176,11 +177,20 @@ def _resize_message(resize: ResizeDecision) -> str:
     return f"{what}: the next attempt starts on the new sizes (from the last checkpoint, if any)"
 
 
-def _phase_message(phase: Phase, failure: AttemptFailure | None) -> str:
+def _phase_message(
+    phase: Phase, failure: AttemptFailure | None, training: TrainingProgress | None
+) -> str:
     if failure is not None and phase in (Phase.FAILED, Phase.RESTARTING):
         said = failure.message.split("\n", 1)[0][:FIRST_LINE]  # the logs stay in lastFailure
         what = f"{failure.reason}: {said}" if said else failure.reason
         return f"the job is {phase.value.lower()} after its attempt failed ({what})"
+    if phase is Phase.SUCCEEDED and (training is None or training.step < training.total_steps):
+        # The driver exits 0 only at the end (or when asked to stop): a report was lost.
+        last = f"step {training.step} of {training.total_steps}" if training else "none"
+        return (
+            f"the job is succeeded: its driver exited 0, but the trainer's last report is "
+            f"{last}; its progress reports did not reach the job's status (RBAC, network?)"
+        )
     return f"the job is {phase.value.lower()}"
 
 
