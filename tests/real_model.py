@@ -40,6 +40,12 @@ def real_model_dir() -> Path:
     return Path(os.environ.get("RLHF_REAL_MODEL", default))
 
 
+def sums(count: int, first: int = 0) -> list[tuple[str, int]]:
+    """(question, answer) of sums first … first + count - 1."""
+    addends = ((i % 7 + 1, i // 7 + 2) for i in range(first, first + count))
+    return [(f"What is {a} + {b}? Answer with a number.", a + b) for a, b in addends]
+
+
 def sums_dataset(path: Path, count: int, first: int = 0) -> Path:
     """Small sums as one-turn chat conversations in a parquet file, each sum in an
     `answer` column for the reward: questions first … first + count - 1 (each number
@@ -48,11 +54,8 @@ def sums_dataset(path: Path, count: int, first: int = 0) -> Path:
     import pyarrow.parquet as pq
 
     rows = [
-        {
-            "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with a number."}],
-            "answer": str(a + b),
-        }
-        for a, b in ((i % 7 + 1, i // 7 + 2) for i in range(first, first + count))
+        {"prompt": [{"role": "user", "content": question}], "answer": str(answer)}
+        for question, answer in sums(count, first)
     ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path

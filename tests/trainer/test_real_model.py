@@ -18,7 +18,7 @@ import math
 
 import pytest
 
-from tests.real_model import DONE, real_model_dir, real_model_job, sums_dataset
+from tests.real_model import DONE, real_model_dir, real_model_job, sums, sums_dataset
 from tests.trainer import rewards
 from tests.trainer.local_runs import Trained, push_skipped, train
 
@@ -94,12 +94,19 @@ def test_the_instruct_model_trains_resumes_and_moves_away_from_its_start(
 def test_held_out_sums_are_answered_before_training_and_at_each_end(
     runs: tuple[Trained, Trained],
 ) -> None:
-    """The resumed run does not answer them again for step 3 (its checkpoint's)."""
+    """The resumed run does not answer them again for step 3 (its checkpoint's). Each
+    evaluation reports the mean and pass@1 of the rewards its answers were given (an
+    evaluation's answers are scored in one call, so they are together in SCORED)."""
     first, second = ([e for s in run.steps for e in s.evaluations] for run in runs)
     assert [(e.step, e.policy_version) for e in first] == [(0, 0), (3, 3)]
     assert [(e.step, e.policy_version) for e in second] == [(4, 4)]
-    for evaluation in first + second:
-        assert evaluation.prompts == HELD_OUT and 0 <= evaluation.pass_at_1 <= 1
+    questions = [question for question, _ in sums(HELD_OUT, first=QUESTIONS)]
+    scored = [reward for prompt, _, reward in rewards.SCORED if any(q in prompt for q in questions)]
+    answered = [scored[i : i + HELD_OUT] for i in range(0, len(scored), HELD_OUT)]
+    for evaluation, scores in zip(first + second, answered, strict=True):
+        assert evaluation.prompts == HELD_OUT
+        assert evaluation.reward_mean == pytest.approx(sum(scores) / HELD_OUT)
+        assert evaluation.pass_at_1 == pytest.approx(sum(r >= 1.0 for r in scores) / HELD_OUT)
     # Four steps teach the model no sums; the learning bench (bench/real_model/grpo.py)
     # is where the held-out score is followed.
     print("held-out pass@1 at steps 0, 3, 4:", [e.pass_at_1 for e in first + second])

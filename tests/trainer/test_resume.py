@@ -32,6 +32,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.telemetry.run_folder import RunFolder, StepRecord
@@ -184,8 +185,7 @@ def test_a_run_that_dies_resumes_from_its_last_checkpoint_and_replays_its_values
         assert {s: resumed_run[s] for s in replayed} == {s: killed_run[s] for s in replayed}
     assert_optimizers_count_every_update(root, saved)
     assert checkpoint.latest(root) == root / f"step-{TOTAL_STEPS:08d}"
-    coefficients = [float(first[s][2]) for s in sorted(first)]
-    assert len(set(coefficients)) == len(coefficients), coefficients
+    assert_the_kl_coefficient_follows_its_controller(config, resumed_run)
 
     # The checkpoint holds the evaluations reported up to its step: the resumed run
     # evaluates only after the steps it trains (again), with the same answers (on a
@@ -254,6 +254,22 @@ def assert_the_run_ends_naming_the_dead_rank(
     while (left := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"the run's processes left behind: {left}"
+
+
+def assert_the_kl_coefficient_follows_its_controller(
+    config: JobConfig, trained: dict[int, Any]
+) -> None:
+    """Each step's coefficient is the controller's answer to the step before: its
+    coefficient and mean KL, over a batch of batchSize samples (algo.kl_control). The
+    first is klCoef; ADAPTIVE_KL moves it every step, across the resume too."""
+    algorithm, samples = config.algorithm, config.trainer.batch_size
+    coefficients = [trained[step][2] for step in sorted(trained)]
+    assert coefficients[0] == algorithm.kl_coef
+    for step, coefficient in zip(sorted(trained)[1:], coefficients[1:], strict=True):
+        _, kl, previous, *_ = trained[step - 1]
+        expected = next_kl_coef(previous, kl, algorithm.kl_controller, samples)
+        assert coefficient == pytest.approx(expected, rel=1e-12), (step, coefficients)
+        assert coefficient != previous, (step, coefficients)
 
 
 def trained_values(folder: RunFolder) -> dict[int, Any]:
