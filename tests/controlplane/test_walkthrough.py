@@ -40,6 +40,8 @@ JOB = EXAMPLE["metadata"]["name"]
 NAMESPACE = demo.JOBS_NAMESPACE
 # Panels of series only a fully-async job exports (the sample queue and its staleness).
 ASYNC_ONLY = {"Sample staleness (policy versions behind)", "Queue depth (samples waiting)"}
+# The driver's own line as it loads a checkpoint (loop/run.py).
+RESUMED = re.compile(r"resuming from (/checkpoints/step-(\d+)) at step (\d+)")
 
 
 def walkthrough() -> list[str]:
@@ -66,6 +68,10 @@ class Run:
     resizing: dict[str, Any] = field(default_factory=dict)  # the status while Resizing
     stopped_for_resize: dict[str, Any] = field(default_factory=dict)  # its training part
     unschedulable: str = ""  # PoolsReady's message for the attempt that did not fit
+    # (checkpoint, step) each driver said it resumed from: after the deleted worker's
+    # restart, and in the last attempt (after the resize)
+    resumed_after_restart: list[tuple[str, int]] = field(default_factory=list)
+    resumed_at_the_end: list[tuple[str, int]] = field(default_factory=list)
 
 
 def shell(line: str, env: dict[str, str], timeout: float = 600) -> str:
@@ -123,6 +129,7 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
             resize_the_value_pool_past_the_node_and_back(cp, result)
             output, _ = waiting.communicate(timeout=1500)
             result.waited = subprocess.CompletedProcess(wait, waiting.returncode, output)
+            result.resumed_at_the_end = resumed_drivers(cp)
             result.status = status_of(cp)
             result.listed = shell(listing, env)
         finally:
@@ -152,6 +159,17 @@ def kill_a_worker_after_the_first_checkpoint(
     result.head_series = prometheus.wait_for(query, timeout=600)
     prometheus.wait_for(f"count_over_time({query}[1m]) >= 5", timeout=60)
     result.empty_panels = prometheus.panels_without_data(TRAINING)
+    result.resumed_after_restart = resumed_drivers(cp)
+
+
+def resumed_drivers(cp: ControlPlane) -> list[tuple[str, int]]:
+    """(checkpoint, step) from each "resuming from" line in the drivers' output, as the
+    job's submitter pods show it (KubeRay's submitter follows its driver's logs)."""
+    selector = f"rlhf.dev/job={JOB},app.kubernetes.io/component=submitter"
+    pods = get_json(cp, "pods", "-n", NAMESPACE, "-l", selector)["items"]
+    logs = [cp.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"], check=False).stdout
+            for pod in pods]  # fmt: skip
+    return [(path, int(step)) for path, _, step in RESUMED.findall("\n".join(logs))]
 
 
 def resize_the_value_pool_past_the_node_and_back(cp: ControlPlane, result: Run) -> None:
@@ -205,6 +223,9 @@ def test_a_deleted_worker_fails_the_attempt_and_the_next_resumes_from_the_checkp
     assert resumed and min(resumed) >= saved >= 1 and max(resumed) > saved, run.steps_seen
     restarting = [e["message"] for e in run.events if e["reason"] == "Restarting"]
     assert any("resumes from /checkpoints/step-" in m for m in restarting), restarting
+    # The next driver says it loaded a checkpoint, at its step: the first, or a later one.
+    ((checkpoint, step),) = run.resumed_after_restart
+    assert checkpoint == f"/checkpoints/step-{step:08d}" and step >= saved, checkpoint
 
 
 def test_a_resized_pool_stops_the_driver_at_a_checkpoint_and_the_job_goes_on_from_it(
@@ -219,6 +240,8 @@ def test_a_resized_pool_stops_the_driver_at_a_checkpoint_and_the_job_goes_on_fro
     assert run.status["restarts"] == 1 and run.status.get("resizing") is None
     after = run.steps_seen[run.steps_seen.index((1, stopped["step"])) + 1 :]
     assert after and min(step for _, step in after) >= stopped["step"], run.steps_seen
+    # The last attempt's driver loaded the checkpoint the resize stopped at.
+    assert (stopped["lastCheckpoint"], stopped["step"]) in run.resumed_at_the_end, run
     resizes = [e for e in run.events if e["reason"] == "Resizing"]
     assert len(resizes) >= 2, resizes  # the driver's stop, then the unplaced attempt's
     assert all(e["type"] == "Normal" for e in resizes)
