@@ -241,7 +241,9 @@ def test_a_resized_pool_stops_the_driver_at_a_checkpoint_and_the_job_goes_on_fro
     after = run.steps_seen[run.steps_seen.index((1, stopped["step"])) + 1 :]
     assert after and min(step for _, step in after) >= stopped["step"], run.steps_seen
     # The last attempt's driver loaded the checkpoint the resize stopped at.
-    assert (stopped["lastCheckpoint"], stopped["step"]) in run.resumed_at_the_end, run
+    assert (stopped["lastCheckpoint"], stopped["step"]) in run.resumed_at_the_end, (
+        run.resumed_at_the_end
+    )
     resizes = [e for e in run.events if e["reason"] == "Resizing"]
     assert len(resizes) >= 2, resizes  # the driver's stop, then the unplaced attempt's
     assert all(e["type"] == "Normal" for e in resizes)
