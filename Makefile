@@ -79,10 +79,11 @@ demo: install  ## validate the examples, then train the local one on this machin
 	$(VENV)/bin/rlhfjob train examples/local-cpu.yaml
 	@echo "Timeline of the pools: open runs/local-cpu/trace.json in https://ui.perfetto.dev"
 
-crds: install  ## regenerate crds/ from the API models (and the chart's copy)
+crds: install  ## regenerate crds/ from the API models (and the chart's copy, and the docs' field reference)
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml
 	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
 	cp crds/*.yaml charts/rlhf-operator/crds/
+	$(VENV)/bin/rlhfjob crd --reference > docs/reference/rlhfjob.md
 
 dashboards: install  ## regenerate the chart's Grafana dashboards from monitoring/
 	$(PY) -m monitoring charts/rlhf-operator/dashboards
