@@ -85,13 +85,14 @@ crds: install  ## regenerate crds/ from the API models (and the chart's copy, an
 	cp crds/*.yaml charts/rlhf-operator/crds/
 	$(VENV)/bin/rlhfjob crd --reference > docs/reference/rlhfjob.md
 
-# The documentation site (mkdocs.yml, docs/): offline, strict (a broken link fails).
-# Material prints an advert for its successor on every build; the variable silences it.
+# The documentation site (mkdocs.yml, docs/): offline, strict (a broken link fails). It
+# needs only the base venv, not the trainer's stack. Material prints an advert for its
+# successor on every build; the variable silences it.
 MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
-docs: install  ## build the documentation site into site/ (strict: broken links and missing pages fail)
+docs: $(STAMP)  ## build the documentation site into site/ (strict: broken links and missing pages fail)
 	$(MKDOCS) build --strict --site-dir site
 
-docs-serve: install  ## serve the documentation site on http://127.0.0.1:8000, rebuilt on every edit
+docs-serve: $(STAMP)  ## serve the documentation site on http://127.0.0.1:8000, rebuilt on every edit
 	$(MKDOCS) serve --strict --dev-addr 127.0.0.1:8000
 
 # Screenshots of two pages for the README, by Debian's headless Chromium (not needed by

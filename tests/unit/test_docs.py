@@ -3,6 +3,8 @@ builds with `mkdocs build --strict`, and every file path, `make` target and RLHF
 they name exists, and every manifest they show validates. A failure names the page.
 
 What counts as a name, so that a page can be checked without guessing:
+- a relative link (`[text](path#anchor)`) must point at a file, from the page's folder
+  (the site's build checks the anchors of its own pages);
 - a path is a code span with a `/` whose first part is a folder or file of the
   repository, of `trainer_image/`, or of either package (`rollout/engine.py` is
   `trainer_image/rlhf_trainer/rollout/engine.py`); `*` globs;
@@ -39,6 +41,7 @@ FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 CODE_SPAN = re.compile(r"`([^`\n]+(?:\n[^`\n]+)?)`")  # one may wrap onto a second line
 MAKE = re.compile(r"\bmake\s+([a-z][a-z0-9-]*)")
 FIELD = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:\[\])?(?:\.[A-Za-z][A-Za-z0-9]*(?:\[\])?)+")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 FILE_SUFFIX = re.compile(r"\.(py|ya?ml|json|jsonl|md|txt|toml|png|parquet|in)$")
 
 
@@ -67,6 +70,13 @@ def named_paths(text: str) -> set[str]:
         if any((root / first).exists() for root in PATH_ROOTS):
             found.add(span)
     return found
+
+
+def broken_links(page: Path) -> list[str]:
+    """Relative link targets (images too) that are no file, from the page's folder."""
+    targets = LINK.findall(CODE_SPAN.sub("", FENCE.sub("", page.read_text())))
+    relative = [t for t in targets if not re.match(r"[a-z]+:|#", t)]
+    return [t for t in relative if not (page.parent / t.split("#")[0]).exists()]
 
 
 def exists(path: str) -> bool:
@@ -128,6 +138,11 @@ def test_named_paths_exist(page: Path) -> None:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_links_point_at_files(page: Path) -> None:
+    assert broken_links(page) == [], f"{page_id(page)} links to files that do not exist"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_named_make_targets_exist(page: Path) -> None:
     missing = sorted(named_targets(page.read_text()) - make_targets())
     assert missing == [], f"{page_id(page)} names make targets the Makefile lacks"
@@ -145,9 +160,9 @@ def test_named_fields_are_in_the_crd(page: Path, schema: dict[str, Any]) -> None
 def test_shown_manifests_validate(page: Path) -> None:
     text = page.read_text()
     shown = [yaml.safe_load(body) for body in manifests(text)]
-    linked = [p for p in named_paths(text) if p.startswith("examples/") and exists(p)]
-    for path in sorted(linked):
-        shown += [doc for file in ROOT.glob(path) for doc in load_documents(file.read_text())]
+    linked = {f for p in named_paths(text) if p.startswith("examples/") for f in ROOT.glob(p)}
+    for file in sorted(f for f in linked if f.suffix == ".yaml"):
+        shown += load_documents(file.read_text())
     for doc in shown:
         try:
             parse_job(doc)
@@ -155,7 +170,7 @@ def test_shown_manifests_validate(page: Path) -> None:
             pytest.fail(f"{page_id(page)}: {doc['metadata']['name']}: {invalid.errors}")
 
 
-def test_the_checks_find_what_they_look_for(schema: dict[str, Any]) -> None:
+def test_the_checks_find_what_they_look_for(schema: dict[str, Any], tmp_path: Path) -> None:
     """Bad input: a page naming a field the CRD lacks, a missing file or target, fails."""
     spec_fields = set(schema["properties"]["spec"]["properties"])
     page = "Set `trainer.checkpoint.gone` and `spec.pools[].replicas`; see `examples/nope.yaml`."
@@ -166,6 +181,9 @@ def test_the_checks_find_what_they_look_for(schema: dict[str, Any]) -> None:
     ]
     assert not exists("examples/nope.yaml") and exists("examples/*.yaml")
     assert exists("rollout/engine.py")
+    bad_link = tmp_path / "page.md"
+    bad_link.write_text("[ok](https://x.dev) [gone](nope.md#a) [top](#a)\n")
+    assert broken_links(bad_link) == ["nope.md#a"]
     assert named_targets("run `make no-such-target`\n```sh\nmake demo\n```\n") == {
         "no-such-target",
         "demo",

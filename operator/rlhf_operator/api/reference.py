@@ -89,7 +89,8 @@ def constraints(schema: Schema, required: bool) -> list[str]:
     """The schema's own validation rules, in words (CEL rules are listed apart)."""
     said = ["required"] if required else []
     if "enum" in schema:
-        said.append("one of " + ", ".join(f"`{v}`" for v in schema["enum"]))
+        # An empty string would make an empty code span, which Markdown does not close.
+        said.append("one of " + ", ".join(f"`{v or json.dumps(v)}`" for v in schema["enum"]))
     if "minimum" in schema:
         said.append((">" if schema.get("exclusiveMinimum") else "≥") + f" {schema['minimum']}")
     if "maximum" in schema:
