@@ -134,18 +134,19 @@ def schema() -> dict[str, Any]:
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_named_paths_exist(page: Path) -> None:
     missing = sorted(p for p in named_paths(page.read_text()) if not exists(p))
-    assert missing == [], f"{page_id(page)} names paths the repository lacks"
+    assert not missing, f"{page_id(page)} names paths the repository lacks: {missing}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_links_point_at_files(page: Path) -> None:
-    assert broken_links(page) == [], f"{page_id(page)} links to files that do not exist"
+    broken = broken_links(page)
+    assert not broken, f"{page_id(page)} links to files that do not exist: {broken}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_named_make_targets_exist(page: Path) -> None:
     missing = sorted(named_targets(page.read_text()) - make_targets())
-    assert missing == [], f"{page_id(page)} names make targets the Makefile lacks"
+    assert not missing, f"{page_id(page)} names make targets the Makefile lacks: {missing}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
@@ -153,7 +154,7 @@ def test_named_fields_are_in_the_crd(page: Path, schema: dict[str, Any]) -> None
     spec_fields = set(schema["properties"]["spec"]["properties"])
     named = named_fields(page.read_text(), spec_fields)
     missing = sorted(f for f in named if not field_exists(f, schema))
-    assert missing == [], f"{page_id(page)} names fields the CRD does not have"
+    assert not missing, f"{page_id(page)} names fields the CRD does not have: {missing}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
