@@ -7,7 +7,8 @@ What counts as a name, so that a page can be checked without guessing:
   (the site's build checks the anchors of its own pages);
 - a path is a code span with a `/` whose first part is a folder or file of the
   repository, of `trainer_image/`, or of either package (`rollout/engine.py` is
-  `trainer_image/rlhf_trainer/rollout/engine.py`); `*` globs;
+  `trainer_image/rlhf_trainer/rollout/engine.py`); `*` globs; one that git ignores is an
+  output (`bench/results.jsonl`), not checked;
 - a make target is `make NAME` in a code span or a shell block;
 - a field is a code span that starts with `spec.`, `status.` or a field of `spec`
   (`trainer.checkpoint.path` is `spec.trainer.checkpoint.path`), up to the first
@@ -83,6 +84,12 @@ def exists(path: str) -> bool:
     return any(list(root.glob(path.rstrip("/"))) for root in PATH_ROOTS)
 
 
+def git_ignored(path: str) -> bool:
+    """An output the repository ignores (runs/, bench/results.jsonl): named, never committed."""
+    found = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT, check=False)
+    return found.returncode == 0
+
+
 def make_targets() -> set[str]:
     target = re.compile(r"^([a-z][a-z0-9-]*)\s*:(?!=)", re.MULTILINE)
     return {name for makefile in MAKEFILES for name in target.findall(makefile.read_text())}
@@ -133,7 +140,8 @@ def schema() -> dict[str, Any]:
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_named_paths_exist(page: Path) -> None:
-    missing = sorted(p for p in named_paths(page.read_text()) if not exists(p))
+    named = named_paths(page.read_text())
+    missing = sorted(p for p in named if not exists(p) and not git_ignored(p))
     assert not missing, f"{page_id(page)} names paths the repository lacks: {missing}"
 
 
@@ -182,6 +190,7 @@ def test_the_checks_find_what_they_look_for(schema: dict[str, Any], tmp_path: Pa
     ]
     assert not exists("examples/nope.yaml") and exists("examples/*.yaml")
     assert exists("rollout/engine.py")
+    assert git_ignored("bench/results.jsonl") and not git_ignored("examples/nope.yaml")
     bad_link = tmp_path / "page.md"
     bad_link.write_text("[ok](https://x.dev) [gone](nope.md#a) [top](#a)\n")
     assert broken_links(bad_link) == ["nope.md#a"]
