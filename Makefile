@@ -17,7 +17,7 @@ include tests/images/images.mk
 # The control plane's launcher needs the venv's kubernetes client; it loads the images
 # into its real node.
 cluster: install images
-.PHONY: help images install tmux real-model test test-shuffled unit demo crds lint constraints trainer-lock clean bench-operator bench-split bench-async bench-elastic bench-weight-sync bench-algorithms bench-learning bench-real-model bench-gpu-train-step bench-contention bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-elastic bench-weight-sync bench-algorithms bench-learning bench-real-model bench-gpu-train-step bench-contention bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -79,10 +79,31 @@ demo: install  ## validate the examples, then train the local one on this machin
 	$(VENV)/bin/rlhfjob train examples/local-cpu.yaml
 	@echo "Timeline of the pools: open runs/local-cpu/trace.json in https://ui.perfetto.dev"
 
-crds: install  ## regenerate crds/ from the API models (and the chart's copy)
+crds: install  ## regenerate crds/ from the API models (and the chart's copy, and the docs' field reference)
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml
 	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
 	cp crds/*.yaml charts/rlhf-operator/crds/
+	$(VENV)/bin/rlhfjob crd --reference > docs/reference/rlhfjob.md
+
+# The documentation site (mkdocs.yml, docs/): offline, strict (a broken link fails). It
+# needs only the base venv, not the trainer's stack. Material prints an advert for its
+# successor on every build; the variable silences it.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+docs: $(STAMP)  ## build the documentation site into site/ (strict: broken links and missing pages fail)
+	$(MKDOCS) build --strict --site-dir site
+
+docs-serve: $(STAMP)  ## serve the documentation site on http://127.0.0.1:8000, rebuilt on every edit
+	$(MKDOCS) serve --strict --dev-addr 127.0.0.1:8000
+
+# Screenshots of two pages for the README, by Debian's headless Chromium (not needed by
+# make test or CI). Root installs it, others through sudo.
+SCREENSHOTS := docs/screenshots
+docs-screenshots: docs  ## retake the README's screenshots of the site (installs Debian's chromium)
+	@command -v chromium >/dev/null || { $(SUDO) $(APT_GET) update -q && $(SUDO) $(APT_GET) install -y -q chromium; }
+	chromium --headless --no-sandbox --hide-scrollbars --window-size=1280,900 \
+	  --screenshot=$(SCREENSHOTS)/getting-started.png file://$(CURDIR)/site/getting-started/local/index.html
+	chromium --headless --no-sandbox --hide-scrollbars --window-size=1280,900 \
+	  --screenshot=$(SCREENSHOTS)/reference.png file://$(CURDIR)/site/reference/rlhfjob/index.html
 
 dashboards: install  ## regenerate the chart's Grafana dashboards from monitoring/
 	$(PY) -m monitoring charts/rlhf-operator/dashboards

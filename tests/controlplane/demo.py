@@ -1,5 +1,6 @@
 """What `make cluster` prepares so that a person can run a real job on the real node, and
-the README's walk-through with them: the images in the node's containerd, the namespaces
+the docs' walk-through (docs/getting-started/cluster.md) with them: the images in the
+node's containerd, the namespaces
 `rlhf-system` (the operator) and `demo` (jobs), and the claim the CPU example keeps its
 checkpoints on.
 

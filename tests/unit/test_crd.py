@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from rlhf_operator.api.crd import build_crd, render_crd_yaml, render_peering_yaml
+from rlhf_operator.api.reference import render_reference_markdown
 from tests.unit.celcheck import default_errors
 
 COMMITTED = Path(__file__).parents[2] / "crds" / "rlhfjobs.yaml"
@@ -31,6 +32,13 @@ def test_committed_crds_match_the_code() -> None:
     assert COMMITTED.read_text() == render_crd_yaml(), "run `make crds` and commit crds/"
     peering = COMMITTED.parent / "kopf-peering.yaml"
     assert peering.read_text() == render_peering_yaml(), "run `make crds` and commit crds/"
+
+
+def test_committed_field_reference_matches_the_crd() -> None:
+    reference = COMMITTED.parents[1] / "docs" / "reference" / "rlhfjob.md"
+    assert reference.read_text() == render_reference_markdown(), (
+        "run `make crds` and commit docs/reference/rlhfjob.md"
+    )
 
 
 def test_crd_identity() -> None:

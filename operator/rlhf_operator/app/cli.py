@@ -6,6 +6,7 @@ rlhfjob plan FILE...       print each job's placement plan
 rlhfjob render FILE        print the objects the operator would create
 rlhfjob train FILE         run the job on this machine (a simulated Ray cluster)
 rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
+  --reference                the field reference page instead (docs/reference/rlhfjob.md)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 
 from rlhf_operator.api.crd import render_crd_yaml, render_peering_yaml
 from rlhf_operator.api.job import RLHFJob, Separation
+from rlhf_operator.api.reference import render_reference_markdown
 from rlhf_operator.api.validation import InvalidJob, load_documents, parse_job, unmounted_paths
 from rlhf_operator.render.children import JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess
@@ -133,6 +135,13 @@ def run_in_foreground(command: list[str]) -> int:
     return 128 - status if status < 0 else status
 
 
+def crd_text(peering: bool, reference: bool) -> str:
+    """What `rlhfjob crd` prints: the CRD, kopf's peering CRDs or the field reference."""
+    if reference:
+        return render_reference_markdown()
+    return render_peering_yaml() if peering else render_crd_yaml()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rlhfjob", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -166,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the run folder: metrics, trace, charts, checkpoints (default: runs/<job name>)",
     )
     crd = commands.add_parser("crd", help="print the generated CRD YAML")
-    crd.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
+    printed = crd.add_mutually_exclusive_group()
+    printed.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
+    printed.add_argument(
+        "--reference", action="store_true", help="the CRD's field reference, as Markdown"
+    )
     args = parser.parse_args(argv)
 
     if args.command == "crd":
-        sys.stdout.write(render_peering_yaml() if args.peering else render_crd_yaml())
+        sys.stdout.write(crd_text(args.peering, args.reference))
         return 0
     if args.command == "plan":
         return print_plans(args.files, args.profile if args.estimate else None)
