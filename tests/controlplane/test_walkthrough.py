@@ -131,7 +131,7 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
             kill_a_worker_after_the_first_checkpoint(cp, result, prometheus)
             resize_the_value_pool_past_the_node_and_back(cp, result)
-            output, _ = waiting.communicate(timeout=1500)
+            output, _ = waiting.communicate(timeout=2100)  # past the line's own 30m
             result.waited = subprocess.CompletedProcess(wait, waiting.returncode, output)
             result.resumed_at_the_end = resumed_drivers(cp)
             result.status = status_of(cp)
