@@ -340,6 +340,34 @@ def test_the_driver_may_report_progress_and_nothing_else_and_the_operator_keeps_
     assert job_status(cp, "colocated", namespace)["training"] == progress
 
 
+def test_an_attempt_that_exits_0_with_its_reports_lost_has_succeeded_and_is_not_replaced(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    """A job with checkpoints (so a resize could replace it) whose driver ends without
+    its reports reaching the status (the last one says step 3 of 500), and no resize
+    asked: Succeeded, the same attempt, and a Warning that its progress never came."""
+    cp, name = controlplane, "colocated"
+    claim = bound_claim(namespace, "checkpoints", f"/tmp/{namespace}-ckpt", "ReadWriteMany")
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(claim))
+    manifest = load(REPO_ROOT / "examples" / "colocated.yaml")
+    manifest["spec"]["checkpointClaim"] = "checkpoints"
+    apply(cp, namespace, manifest)
+    attempt = eventually(lambda: get(cp, "rayjob", name, namespace), "the RayJob")
+    training = {"step": 3, "totalSteps": 500}
+    done = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
+    for kind, status in (("rlhfjob", {"training": training}), ("rayjob", done)):
+        cp.kubectl("patch", kind, name, "-n", namespace, "--subresource=status",
+                   "--type=merge", "-p", json.dumps({"status": status}))  # fmt: skip
+    status = eventually(lambda: status_when(cp, name, namespace, phase="Succeeded"), "Succeeded")
+    # Decided in the reconcile that wrote Succeeded: a replacement would have said Resizing.
+    assert get(cp, "rayjob", name, namespace)["metadata"]["uid"] == attempt["metadata"]["uid"]  # type: ignore[index]
+    assert status["training"] == training and "resizing" not in status
+    events = get_json(cp, "events", "-n", namespace, "--field-selector", "reason=Succeeded")
+    [event] = events["items"]
+    assert event["type"] == "Warning", event
+    assert "the trainer's last report is step 3 of 500" in event["message"], event
+
+
 def test_an_invalid_spec_that_slips_past_admission_is_reported_and_not_acted_on(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:

@@ -34,6 +34,7 @@ from rlhf_operator.controller.status import (
     compute_status,
     finished,
     invalid_status,
+    reported_to_the_end,
     warnings,
 )
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
@@ -255,6 +256,7 @@ class Reconciler:
         invalid = _invalid_message(new)
         if new.phase != old.phase or invalid != _invalid_message(old):
             warning = bool(invalid) or new.phase in WARNING_PHASES
+            warning |= new.phase is Phase.SUCCEEDED and not reported_to_the_end(new.training)
             reason = "InvalidSpec" if invalid else new.phase.value
             self._post_event(job, reason, invalid or _phase_message(new), warning)
         said = warnings(old)

@@ -177,6 +177,13 @@ def _resize_message(resize: ResizeDecision) -> str:
     return f"{what}: the next attempt starts on the new sizes (from the last checkpoint, if any)"
 
 
+def reported_to_the_end(training: TrainingProgress | None) -> bool:
+    """Whether the trainer's reports reached its last step. A driver exits 0 only at the
+    end, or when asked to stop (resizes.stopped_early): a Succeeded job without it lost
+    its reports (a refused PATCH, a default-deny egress), and says so in a Warning."""
+    return training is not None and training.step >= training.total_steps
+
+
 def _phase_message(
     phase: Phase, failure: AttemptFailure | None, training: TrainingProgress | None
 ) -> str:
@@ -184,8 +191,7 @@ def _phase_message(
         said = failure.message.split("\n", 1)[0][:FIRST_LINE]  # the logs stay in lastFailure
         what = f"{failure.reason}: {said}" if said else failure.reason
         return f"the job is {phase.value.lower()} after its attempt failed ({what})"
-    if phase is Phase.SUCCEEDED and (training is None or training.step < training.total_steps):
-        # The driver exits 0 only at the end (or when asked to stop): a report was lost.
+    if phase is Phase.SUCCEEDED and not reported_to_the_end(training):
         last = f"step {training.step} of {training.total_steps}" if training else "none"
         return (
             f"the job is succeeded: its driver exited 0, but the trainer's last report is "
