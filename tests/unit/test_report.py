@@ -81,7 +81,9 @@ def fake_api() -> Iterator[tuple[str, list[dict[str, Any]]]]:
             requests.append(
                 {"path": self.path, "headers": dict(self.headers), "body": json.loads(body)}
             )
-            self.send_response(200)
+            # Job "busy": unavailable twice, then taken; job "gone": not found.
+            busy = "/busy/" in self.path and len(requests) <= 2
+            self.send_response(503 if busy else 404 if "/gone/" in self.path else 200)
             self.send_header("Content-Length", "2")
             self.end_headers()
             self.wfile.write(b"{}")
@@ -118,15 +120,35 @@ def test_reporter_sends_a_rate_limited_merge_patch_of_status_training(
     assert training["truncatedRatio"] == 0.125
 
 
+def test_the_final_report_is_tried_again_while_it_may_pass_and_each_failure_is_logged(
+    fake_api: tuple[str, list[dict[str, Any]]], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, requests = fake_api
+    slept: list[float] = []
+    busy = StatusReporter("busy", "ns", ApiServer(url, lambda: TOKEN), sleep=slept.append)
+    with caplog.at_level(logging.WARNING):
+        assert busy.report(PROGRESS, final=True)
+    assert len(requests) == 3 and slept == [1.0, 2.0]
+    assert caplog.text.count("HTTP 503") == 2 and "try 2 of 3" in caplog.text
+    # A refusal no retry changes is not tried again.
+    gone = StatusReporter("gone", "ns", ApiServer(url, lambda: TOKEN), sleep=slept.append)
+    assert not gone.report(PROGRESS, final=True)
+    assert len(requests) == 4 and slept == [1.0, 2.0] and "HTTP 404" in caplog.text
+
+
 def test_an_unreachable_api_server_logs_a_warning_without_the_token(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server = ApiServer("https://127.0.0.1:1", lambda: TOKEN)  # nothing listens on port 1
     assert TOKEN not in repr(server)
+    slept: list[float] = []
     with caplog.at_level(logging.WARNING):
-        assert not StatusReporter("job", "ns", server).report(PROGRESS, final=True)
-    assert "could not report progress to rlhfjob ns/job" in caplog.text
-    assert TOKEN not in caplog.text
+        assert not StatusReporter("job", "ns", server, sleep=slept.append).report(
+            PROGRESS, final=True
+        )
+    assert "could not report progress to rlhfjob ns/job (final, try 3 of 3)" in caplog.text
+    assert "the final progress report (step 3 of 500) never reached rlhfjob ns/job" in caplog.text
+    assert TOKEN not in caplog.text and slept == [1.0, 2.0]
 
 
 def test_a_missing_token_file_is_a_warning_too(

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 REPORT_EVERY = 5.0  # seconds between status patches: the API server is shared
+# The final report is tried this often, a second more between tries: without it the
+# operator sees a job end short of its last step (it warns that progress never came).
+FINAL_ATTEMPTS = 3
 PRINT_EVERY = 1.0  # seconds between progress lines in local mode
 
 
@@ -106,6 +109,7 @@ class StatusReporter:
         every: float = REPORT_EVERY,
         timeout: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.name = name
         self.namespace = namespace
@@ -114,21 +118,29 @@ class StatusReporter:
         self._timeout = timeout
         # Failed attempts count too, so an unreachable API server is not hammered.
         self._limit = RateLimit(every, clock)
+        self._sleep = sleep
 
     def report(self, progress: TrainingProgress, final: bool = False) -> bool:
         if not self._limit.allow(force=final):
             return False
-        try:
-            self._patch(progress)
-        except Exception as error:  # reporting must never stop training
-            log.warning(
-                "could not report progress to rlhfjob %s/%s: %s",
-                self.namespace,
-                self.name,
-                _describe(error),
-            )
-            return False
-        return True
+        attempts = FINAL_ATTEMPTS if final else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                self._patch(progress)
+                return True
+            except Exception as error:  # reporting must never stop training
+                log.warning("could not report progress to rlhfjob %s/%s (%s, try %d of %d): %s",
+                            self.namespace, self.name, "final" if final else "periodic",
+                            attempt, attempts, _describe(error))  # fmt: skip
+                if _refused_for_good(error):
+                    break
+            if attempt < attempts:
+                self._sleep(float(attempt))
+        if final:
+            log.error("the final progress report (step %d of %d) never reached rlhfjob %s/%s: "
+                      "its status keeps an earlier step", progress.step, progress.total_steps,
+                      self.namespace, self.name)  # fmt: skip
+        return False
 
     def resizing(self) -> list[PoolResize] | None:
         """The pools the operator is resizing (its status.resizing); None when it could
@@ -153,6 +165,14 @@ class StatusReporter:
         request = urllib.request.Request(self._url, data=body, method=method, headers=headers)
         with urllib.request.urlopen(request, timeout=self._timeout, context=context) as response:
             return bytes(response.read())
+
+
+def _refused_for_good(error: Exception) -> bool:
+    """A client error (403 forbidden, 404 no such job) that no retry changes; 429 (too
+    many requests) and every server or network error may pass later."""
+    return (
+        isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code != 429
+    )
 
 
 def _describe(error: Exception) -> str:
