@@ -27,7 +27,10 @@ RAYJOB_VERSION = "v1"
 # A field KubeRay added to the RayJob CRD in 1.6 (1.5 and older lack it): the CRD carries
 # no version number, and no field the operator renders tells 1.5 from 1.6.
 SINCE_MINIMUM = ("spec", "preRunningDeadlineSeconds")
-RECHECK_SECONDS = 60.0  # while incompatible: KubeRay may be upgraded meanwhile
+# How old the CRD read a new attempt is checked against may be: KubeRay may be upgraded,
+# or its CRD replaced by an older one, while the operator runs. A new attempt asks
+# (problem), so a burst of new jobs costs one read, not one each.
+RECHECK_SECONDS = 60.0
 
 
 def pruned_fields(schema: Obj, value: Any, path: str = "") -> list[str]:
@@ -92,8 +95,8 @@ def incompatibility(crd: Obj | None, rayjob: Obj) -> str | None:
 
 
 class KubeRayCheck:
-    """The installed RayJob CRD, read at the first check and again, at most every
-    RECHECK_SECONDS, while it is found wanting."""
+    """The installed RayJob CRD, read at the first check and again at a check once the
+    last read is RECHECK_SECONDS old."""
 
     def __init__(self, kube: Kube, clock: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
@@ -101,7 +104,6 @@ class KubeRayCheck:
         self._crd: Obj | None = None
         self._read_at: float | None = None
         self._unreadable = False  # no permission to read it: not checked
-        self._wanting = False
 
     def refresh(self) -> None:
         try:
@@ -118,12 +120,6 @@ class KubeRayCheck:
 
     def problem(self, rayjob: Obj) -> str | None:
         """Why this rendered RayJob cannot run on the installed KubeRay, or None."""
-        if self._read_at is None or (
-            self._wanting and self.clock() - self._read_at >= RECHECK_SECONDS
-        ):
+        if self._read_at is None or self.clock() - self._read_at >= RECHECK_SECONDS:
             self.refresh()
-        if self._unreadable:
-            return None
-        found = incompatibility(self._crd, rayjob)
-        self._wanting = found is not None
-        return found
+        return None if self._unreadable else incompatibility(self._crd, rayjob)
