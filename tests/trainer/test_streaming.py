@@ -19,12 +19,15 @@ from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.loop.elastic_rollout import EngineLedger
 from rlhf_trainer.loop.fully_async import AsyncState
 from rlhf_trainer.rollout.queue import (
+    MIN_REMEMBERED_UIDS,
     AdmissionControl,
     QueueClosed,
     RolloutFailed,
     Sample,
     SampleQueue,
+    admission_limit,
     group_staleness,
+    remembered_uids,
     staleness,
 )
 
@@ -230,6 +233,21 @@ def test_a_sample_generated_twice_is_queued_once_and_owed_uids_are_those_never_p
     assert queue.depth() == 2
     batch = queue.get_batch(2, timeout_s=0)
     assert batch is not None and [s.uid for s in batch] == [1, 2]
+
+
+def test_the_uids_remembered_follow_the_jobs_sizes_and_are_all_that_is_remembered() -> None:
+    """A big job outgrows the fixed window the queue once had: 4096 samples a step, a sync
+    every 4, staleness 1, groups of 8 admit 32,768 groups an interval (262,144 samples)."""
+    assert remembered_uids(admission_limit(32, 1, 0.5), 1) == MIN_REMEMBERED_UIDS
+    big = admission_limit(4096, 4, 1.0)
+    assert big == 32_768 and remembered_uids(big, 8) == 4 * 32_768 * 8
+    queue = SampleQueue(remembered=3)
+    for uid in range(5):
+        queue.put(sample(uid))
+    assert queue.not_received(range(5)) == [0, 1]  # forgotten: older than the last 3
+    for uid in (4, 2, 1):  # within the window: dropped; older: queued again
+        queue.put(sample(uid))
+    assert queue.depth() == 6
 
 
 def test_ledger_knows_what_each_engine_holds_until_it_is_taken() -> None:

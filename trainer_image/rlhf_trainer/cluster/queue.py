@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_trainer.rollout.queue import DEFAULT_QUEUE_CONCURRENCY, SampleQueue
+from rlhf_trainer.rollout.queue import (
+    DEFAULT_QUEUE_CONCURRENCY,
+    MIN_REMEMBERED_UIDS,
+    SampleQueue,
+)
 
 
 def spawn_queue(
     group_size: int = 1,
+    remembered: int = MIN_REMEMBERED_UIDS,
     *,
     max_concurrency: int = DEFAULT_QUEUE_CONCURRENCY,
     name: str | None = None,
 ) -> Any:
-    """Start a `SampleQueue` as a Ray actor on this (the driver's) node; returns its handle.
+    """Start a `SampleQueue(group_size, remembered)` as a Ray actor on this (the
+    driver's) node; returns its handle.
 
     A threaded actor: each call runs on one of `max_concurrency` threads, so a
     `get_batch` blocked waiting for samples holds one thread while puts, `depth`,
@@ -42,4 +48,4 @@ def spawn_queue(
         max_concurrency=max_concurrency,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         name=name,
-    ).remote(group_size)
+    ).remote(group_size, remembered)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import plan_placement
@@ -26,6 +27,7 @@ from rlhf_trainer.loop.sync import PPOTrainer, StepResult
 from rlhf_trainer.models import load_tokenizer
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
+from rlhf_trainer.rollout.queue import admission_limit, remembered_uids
 from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.progress import STEP_LOG
@@ -289,7 +291,7 @@ def open_run(
         if held_out:
             check_reward_arguments(reward, held_out[0].fields, "data.eval")
     started = time.time()
-    queue = spawn_queue(config.generation.samples_per_prompt) if config.async_ else None
+    queue = sample_queue(config)
     workers = {Role.ROLLOUT: (StreamingRollout, (queue,))} if queue else {}
     groups = RoleGroups.start(plan, config, job, workers)
     log.info("roles started in %.1f s", time.time() - started)
@@ -313,3 +315,14 @@ def open_run(
             timeline.write_chrome_trace(trace)
         engines.stop()
         groups.shutdown()
+
+
+def sample_queue(config: JobConfig) -> Any:
+    """Fully async's sample queue (None in synchronous mode), remembering as many uids as
+    this job's admissions can have outstanding."""
+    if config.async_ is None:
+        return None
+    group = config.generation.samples_per_prompt
+    limit = admission_limit(config.trainer.batch_size, config.async_.trigger_parameter_sync_step,
+                            config.async_.staleness_threshold)  # fmt: skip
+    return spawn_queue(group, remembered_uids(limit, group))

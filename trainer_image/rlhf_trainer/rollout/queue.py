@@ -45,9 +45,13 @@ from typing import Any
 from rlhf_trainer.algo.experience import Rollout
 
 DEFAULT_QUEUE_CONCURRENCY = 16
-# The last uids put are remembered, so that a sample generated twice is queued once:
-# far more than any admission limit has outstanding.
-REMEMBERED_UIDS = 1 << 16
+# The last uids put are remembered, so that a sample generated twice is queued once
+# (remembered_uids); at least this many, however small the job.
+MIN_REMEMBERED_UIDS = 1 << 16
+# A lost engine's prompt, answered again elsewhere, can have had its first answer put
+# before the loss: within the sync intervals the admission limit lets run ahead. Four
+# intervals' worth of samples covers that with room to spare.
+REMEMBERED_INTERVALS = 4
 
 Admitted = tuple[int, int, list[int]]  # a prompt given to an engine: (uid, prompt index, token ids)
 
@@ -64,17 +68,10 @@ class AdmissionControl:
     """
 
     def __init__(self, batch_size: int, sync_every: int, staleness: float) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be at least 1, got {sync_every}")
-        if not math.isfinite(staleness) or staleness < 0:
-            raise ValueError(f"staleness must be a finite number >= 0, got {staleness}")
         self.batch_size = batch_size
         self.sync_every = sync_every
         self.staleness = staleness
-        exact = Fraction(batch_size * sync_every) * (1 + Fraction(repr(float(staleness))))
-        self.limit = math.floor(exact)
+        self.limit = admission_limit(batch_size, sync_every, staleness)
         self.admitted_since_sync = 0
         self.admitted_total = 0  # over the whole run: the next prompt's (group's) number
 
@@ -215,6 +212,23 @@ def group_staleness(samples: list[Sample], trained_version: int, group_size: int
     ]
 
 
+def admission_limit(batch_size: int, sync_every: int, staleness: float) -> int:
+    """floor(B·K·(1+s)), exactly (see AdmissionControl)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be at least 1, got {sync_every}")
+    if not math.isfinite(staleness) or staleness < 0:
+        raise ValueError(f"staleness must be a finite number >= 0, got {staleness}")
+    return math.floor(Fraction(batch_size * sync_every) * (1 + Fraction(repr(float(staleness)))))
+
+
+def remembered_uids(limit: int, group_size: int) -> int:
+    """How many of the last uids a queue remembers, for an admission `limit` between
+    syncs and groups of `group_size`: REMEMBERED_INTERVALS intervals of samples."""
+    return max(MIN_REMEMBERED_UIDS, REMEMBERED_INTERVALS * limit * group_size)
+
+
 class SampleQueue:
     """A thread-safe FIFO of finished samples, consumed in whole batches of whole groups.
 
@@ -225,17 +239,18 @@ class SampleQueue:
     (every sample held, partial groups too) feeds `rlhf_queue_depth`.
     """
 
-    def __init__(self, group_size: int = 1) -> None:
+    def __init__(self, group_size: int = 1, remembered: int = MIN_REMEMBERED_UIDS) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self.group_size = group_size
+        self.remembered = remembered  # uids: see remembered_uids
         self._samples: deque[Sample] = deque()  # whole groups, a group's samples together
         self._partial: dict[int, list[Sample]] = {}  # group -> the samples that arrived
         self._ready = threading.Condition()
         self._closed = False
         self._failure: str | None = None  # why the rollouter stopped, if it did
         self._waiting = 0  # getters blocked in get_batch
-        self._received: deque[int] = deque()  # the last REMEMBERED_UIDS uids put, in order
+        self._received: deque[int] = deque()  # the last `remembered` uids put, in order
         self._received_set: set[int] = set()
 
     def _remember(self, uid: int) -> bool:
@@ -244,7 +259,7 @@ class SampleQueue:
             return False
         self._received.append(uid)
         self._received_set.add(uid)
-        if len(self._received) > REMEMBERED_UIDS:
+        if len(self._received) > self.remembered:
             self._received_set.discard(self._received.popleft())
         return True
 
