@@ -82,6 +82,16 @@ def recreated(
     return obj if obj and obj["metadata"]["uid"] != old_uid else None
 
 
+def apply_with_checkpoints(cp: ControlPlane, namespace: str, example: str) -> None:
+    """Apply an example that keeps checkpoints, on a bound `checkpoints` claim (a resize
+    may then replace its attempt)."""
+    claim = bound_claim(namespace, "checkpoints", f"/tmp/{namespace}-ckpt", "ReadWriteMany")
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(claim))
+    manifest = load(REPO_ROOT / "examples" / example)
+    manifest["spec"]["checkpointClaim"] = "checkpoints"
+    apply(cp, namespace, manifest)
+
+
 def node_pools(cp: ControlPlane) -> dict[str, str]:
     """kwok's nodes by pool (the real node, where it runs, is in none)."""
     return {
@@ -189,11 +199,7 @@ def test_resizes_change_the_rollout_pool_in_place_and_the_trainer_pool_by_a_new_
     """The fully-async example (rollout on pool a, trainer on pool b). KubeRay's and the
     trainer's parts in the attempt's end are played by patching statuses, as they would."""
     cp, name = controlplane, "fully-async"
-    claim = bound_claim(namespace, "checkpoints", f"/tmp/{namespace}-ckpt", "ReadWriteMany")
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(claim))
-    manifest = load(REPO_ROOT / "examples" / "fully-async.yaml")
-    manifest["spec"]["checkpointClaim"] = "checkpoints"
-    apply(cp, namespace, manifest)
+    apply_with_checkpoints(cp, namespace, "fully-async.yaml")
 
     def running(pools: dict[str, int]) -> dict[str, list[dict[str, Any]]] | None:
         pods = worker_pods(cp, name, namespace)
@@ -347,11 +353,7 @@ def test_an_attempt_that_exits_0_with_its_reports_lost_has_succeeded_and_is_not_
     its reports reaching the status (the last one says step 3 of 500), and no resize
     asked: Succeeded, the same attempt, and a Warning that its progress never came."""
     cp, name = controlplane, "colocated"
-    claim = bound_claim(namespace, "checkpoints", f"/tmp/{namespace}-ckpt", "ReadWriteMany")
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(claim))
-    manifest = load(REPO_ROOT / "examples" / "colocated.yaml")
-    manifest["spec"]["checkpointClaim"] = "checkpoints"
-    apply(cp, namespace, manifest)
+    apply_with_checkpoints(cp, namespace, "colocated.yaml")
     attempt = eventually(lambda: get(cp, "rayjob", name, namespace), "the RayJob")
     training = {"step": 3, "totalSteps": 500}
     done = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
