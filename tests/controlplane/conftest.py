@@ -1,4 +1,6 @@
-"""pytest fixtures: one real control plane per test session.
+"""pytest fixtures: one real control plane for this tier (package scope: it stops after
+the tier's last test, so the tests a worker runs next get the cores its idle API
+server, kubelet and operators would take, ~10% of one).
 
     def test_x(controlplane):
         controlplane.kubectl("get", "nodes")
@@ -39,7 +41,7 @@ def _say(config: pytest.Config, line: str) -> None:
         reporter.write_line(line)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def controlplane(request: pytest.FixtureRequest):
     global _running
     # make is a no-op when the binaries are newer than the go.mod/go.sum they come from.
@@ -69,7 +71,7 @@ def controlplane(request: pytest.FixtureRequest):
         _running = None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def real_node(controlplane: ControlPlane) -> RealNode:
     """The control plane's real node (see node.py); skips where none could start."""
     if controlplane.real_node is None:

@@ -16,7 +16,7 @@ from rlhf_operator.controller.resizes import STOP_ASKED
 
 from .harness import REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
-from .util import bound_claim, eventually, get_json, kubectl_as
+from .util import bound_claim, eventually, get_json, kubectl_as, rlhfjob
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
@@ -54,7 +54,7 @@ def get(cp: ControlPlane, kind: str, name: str, namespace: str) -> dict[str, Any
 
 
 def job_status(cp: ControlPlane, name: str, namespace: str) -> dict[str, Any]:
-    return (get(cp, "rlhfjob", name, namespace) or {}).get("status") or {}
+    return (rlhfjob(cp, name, namespace) or {}).get("status") or {}
 
 
 def worker_pods(cp: ControlPlane, job: str, namespace: str) -> dict[str, list[dict[str, Any]]]:

@@ -31,7 +31,7 @@ from tests.prometheus import Prometheus, kubernetes_pods_job
 from . import demo
 from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 from .node import REAL_NODE_NAME
-from .util import eventually, get_json
+from .util import eventually, get_json, rlhfjob
 
 pytestmark = pytest.mark.slow  # images, Ray pods, vLLM, two attempts: minutes
 
@@ -86,10 +86,7 @@ def shell(line: str, env: dict[str, str], timeout: float = 600) -> str:
 
 
 def status_of(cp: ControlPlane) -> dict[str, Any]:
-    found = cp.kubectl("get", "rlhfjob", JOB, "-n", NAMESPACE, "-o", "json", check=False)
-    return (
-        ((yaml.safe_load(found.stdout) or {}).get("status") or {}) if found.returncode == 0 else {}
-    )
+    return (rlhfjob(cp, JOB, NAMESPACE) or {}).get("status") or {}
 
 
 class StepWatch(threading.Thread):

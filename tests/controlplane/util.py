@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import time
@@ -10,6 +11,9 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+from kubernetes import client
+
+from rlhf_operator.api.job import GROUP, PLURAL, VERSION
 
 from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 
@@ -27,6 +31,28 @@ def eventually(fn: Callable[[], T], what: str, timeout: float = WAIT) -> T:
             return last
         time.sleep(0.5)
     pytest.fail(f"timed out waiting for {what}; last value: {last!r}")
+
+
+@functools.cache
+def _custom_objects(kubeconfig: str) -> client.CustomObjectsApi:
+    from kubernetes import config
+
+    return client.CustomObjectsApi(config.new_client_from_config(config_file=kubeconfig))
+
+
+def rlhfjob(cp: ControlPlane, name: str, namespace: str) -> dict[str, Any] | None:
+    """The RLHFJob as the API server has it, None if there is none. Read in-process: the
+    tests poll a job's status every half second for many minutes, and a kubectl process
+    costs ~0.1 CPU-s each time (a few hundred CPU-s over the tier)."""
+    try:
+        job: dict[str, Any] = _custom_objects(str(cp.kubeconfig)).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name
+        )
+    except client.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return job
 
 
 def get_json(cp: ControlPlane, *args: str) -> Any:
