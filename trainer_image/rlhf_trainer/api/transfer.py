@@ -2,7 +2,7 @@
 from its spec (`choose_transfer`), and the NCCL group's ranks (`nccl_ranks`). Pure: no
 torch, no Ray, no vLLM; the trainer hands the decision to both sides of the transfer
 (the engines are built with it: vLLM's `weight_transfer_config`; the actor takes it
-from them) and the docs' table (concepts/weight-sync.md) says the same.
+from them) and the docs' table (docs/concepts/modes.md) says the same.
 
     rlhf_host  the actor's or the rollout's pool computes on CPU (`device: cpu`, or no
                CUDA): this project's host transfer (shared memory, gloo between nodes)
