@@ -147,7 +147,7 @@ class Sender:
         client = self.clients[name] = Client(engines)
         kind = RingSource if name == "transfer_ring" else PolicySource
         source = kind(self.model, self.tied, torch.float32)
-        info = trainer_init_info("rlhf_host", 0, setup)
+        info = trainer_init_info(0, setup)
         self.transfers[name] = WeightTransferTrainerFactory.trainer_init(
             info, client=client, source=source
         )

@@ -111,7 +111,7 @@ def send_versions(
     setup = TransferSetup("127.0.0.1", port, ENGINES, remote, bucket_bytes, 60.0)
     client = PipeClient(ends)
     engine = WeightTransferTrainerFactory.trainer_init(
-        trainer_init_info("rlhf_host", 0, setup), client=client, source=source
+        trainer_init_info(0, setup), client=client, source=source
     )
     sent, originals = [], {n: p.detach().clone() for n, p in model.named_parameters()}
     for version, scale in enumerate(versions, start=1):

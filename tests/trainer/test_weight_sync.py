@@ -30,7 +30,6 @@ from rlhf_trainer.rollout.weight_sync import (
     pack_bucket,
     plan_buckets,
     slot_bytes,
-    transfer_backend,
     weight_specs,
 )
 from tests.trainer.sync_ranks import ENGINES, REMOTE, TINY, send_versions, spawn
@@ -133,12 +132,6 @@ def test_a_bucket_travels_as_a_dict_and_packs_its_tensors() -> None:
     pack_bucket(memory, bucket, {n: t.float() for n, t in weights.items()})  # casts back
     for (name, view), expected in zip(bucket_views(memory, bucket), weights.values(), strict=True):
         assert view.dtype == expected.dtype and torch.equal(view, expected), name
-
-
-def test_transfer_backend_follows_the_placement() -> None:
-    assert transfer_backend(on_gpu=False, beside_actor=True) == "rlhf_host"
-    assert transfer_backend(on_gpu=True, beside_actor=True) == "ipc"
-    assert transfer_backend(on_gpu=True, beside_actor=False) == "nccl"
 
 
 # --- shared memory ----------------------------------------------------------------

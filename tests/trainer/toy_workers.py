@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf_trainer.rollout.transfer_memory import Relay, Segments
-from rlhf_trainer.rollout.weight_sync import Bucket, TransferSetup
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, EngineTransfer, TransferSetup
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import RankInfo, Worker
 
@@ -91,7 +91,7 @@ class WeightSender(Worker):
             def __iter__(self) -> Iterator[tuple[str, Tensor]]:
                 return iter(TOY_WEIGHTS.items())
 
-        info = trainer_init_info("rlhf_host", self.info.rank, setup)
+        info = trainer_init_info(self.info.rank, setup)
         self.engines = engines
         self.transfer = WeightTransferTrainerFactory.trainer_init(
             info, client=engines, source=ToySource()
@@ -117,6 +117,9 @@ class StoppingReceiver(Worker):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def weight_transfer(self) -> EngineTransfer:
+        return EngineTransfer(HOST_TRANSFER, workers=1)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.relay = Relay.join(init_info, self.info.rank)

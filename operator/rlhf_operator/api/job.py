@@ -32,6 +32,7 @@ from rlhf_trainer.api.config import (
     JobConfig,
     PoolConfig,
 )
+from rlhf_trainer.api.config import Device as Device  # pools[].device, re-exported
 from rlhf_trainer.api.names import GROUP as GROUP  # the API's names, re-exported
 from rlhf_trainer.api.names import PLURAL as PLURAL
 from rlhf_trainer.api.names import VERSION as VERSION
@@ -70,11 +71,6 @@ SHM_SIZE_DESCRIPTION = (
 )
 
 
-class Device(StrEnum):
-    GPU = "gpu"
-    CPU = "cpu"  # a slot per rank, computing on CPU cores: try the operator on any cluster
-
-
 # What each GPU (or CPU slot) of a pool gets when the pool sets no resources: without cpu
 # and memory a pod is Burstable with no memory request (the first evicted), and Ray counts
 # the whole node's. Modest for GPU nodes, so that they fit; raise them in pools[].resources.
@@ -84,14 +80,6 @@ RESOURCES_PER_DEVICE = {Device.GPU: (4, 32), Device.CPU: (1, 4)}  # (CPUs, GiB) 
 class Pool(PoolConfig):
     """A GPU pool: one KubeRay worker group, pinned to its own node group."""
 
-    device: Device = Field(
-        Device.GPU,
-        description=(
-            "gpu: each of gpusPerNode is a GPU (gpuResource). cpu: each is a slot of CPU "
-            "cores, and the pool asks for no GPU; Ray still sees one logical GPU per slot, so "
-            "roles place and colocate as on GPUs, and compute on CPU (a trial on any cluster)."
-        ),
-    )
     gpu_resource: str = Field(
         "nvidia.com/gpu",
         max_length=253,

@@ -40,6 +40,11 @@ class Role(StrEnum):
     REWARD = "reward"  # reward model (a rule-based reward function needs no pool)
 
 
+class Device(StrEnum):
+    GPU = "gpu"
+    CPU = "cpu"  # a slot per rank, computing on CPU cores: try the operator on any cluster
+
+
 class PoolConfig(SpecModel):
     """A named group of GPU nodes. Roles mapped to the same pool take turns on its GPUs."""
 
@@ -47,6 +52,15 @@ class PoolConfig(SpecModel):
     replicas: int = Field(1, ge=1, le=512, description="Nodes in this pool.")
     gpus_per_node: int = Field(
         8, ge=1, le=16, description="GPUs used on each node of this pool (at least 1)."
+    )
+    # The trainer reads it too: the weight transfer follows it (api.transfer).
+    device: Device = Field(
+        Device.GPU,
+        description=(
+            "gpu: each of gpusPerNode is a GPU (gpuResource). cpu: each is a slot of CPU "
+            "cores, and the pool asks for no GPU; Ray still sees one logical GPU per slot, so "
+            "roles place and colocate as on GPUs, and compute on CPU (a trial on any cluster)."
+        ),
     )
 
     @property

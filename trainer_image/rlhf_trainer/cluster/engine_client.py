@@ -6,6 +6,7 @@ those still waiting (`cluster.hangs`), rank and pool."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rlhf_trainer.api.plan import Phase
@@ -17,13 +18,21 @@ from rlhf_trainer.rollout.weight_sync import EngineFanOut
 class EngineGroupClient(EngineFanOut):
     """vLLM's `VLLMWeightSyncClient`, fanned out to the rollout group's engines."""
 
-    def __init__(self, engines: WorkerGroup, timeout_s: float) -> None:
+    def __init__(self, engines: WorkerGroup, timeout_s: float, workers_per_engine: int) -> None:
         # Without the driver's futures of the group (`ready`): only the handles travel.
         self.engines = WorkerGroup(engines.role, engines.slots, engines.hosts, [], engines.ranks)
         self.timeout_s = timeout_s
+        self.workers_per_engine = workers_per_engine
+
+    @property
+    def engine_count(self) -> int:
+        return self.engines.world_size
 
     def submit(self, method: str, *args: Any) -> tuple[str, list[Any]]:
         return method, self.engines.run(method, *args, phase=Phase.SYNC_WEIGHTS)
+
+    def submit_each(self, method: str, firsts: Sequence[Any]) -> tuple[str, list[Any]]:
+        return method, self.engines.run_each(method, firsts, phase=Phase.SYNC_WEIGHTS)
 
     def wait(self, sent: tuple[str, list[Any]]) -> None:
         method, calls = sent

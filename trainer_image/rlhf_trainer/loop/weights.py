@@ -26,7 +26,11 @@ from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.engine_client import EngineGroupClient
 from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
-from rlhf_trainer.rollout.weight_sync import DEFAULT_BUCKET_BYTES, TransferSetup
+from rlhf_trainer.rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    TransferSetup,
+    agreed_transfer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +59,24 @@ class WeightSync:
         self.engines_busy: list[tuple[list[Any], float]] = []  # (calls, their timeout)
 
     def open(self) -> None:
-        """Set up the transfer: the actor's rank 0 and every engine."""
+        """Set up the transfer: the actor's rank 0 and every engine, on the backend the
+        engines were built with (`api.transfer.choose_transfer`); a transfer open
+        before is shut down first, on both sides (`Actor.open_weight_transfer`)."""
         sender = self.actor.hosts[0]
         (host, port), where = join(
             [sender.rendezvous_address.remote(), sender.whereabouts.remote()]
         )  # fmt: skip
         engines = join([engine.whereabouts.remote() for engine in self.rollout.hosts])
+        built = agreed_transfer(join(self.rollout.run("weight_transfer")), self.rollout.ranks)
         remote = tuple(
             rank for rank, e in zip(self.rollout.ranks, engines, strict=True)
             if e.node_id != where.node_id
         )  # fmt: skip
         setup = TransferSetup(
             host, port, self.rollout.world_size, remote, self.bucket_bytes,
-            group_timeout_s(self.timeout_s),
+            group_timeout_s(self.timeout_s), built.backend, built.workers,
         )  # fmt: skip
-        client = EngineGroupClient(self.rollout, self.timeout_s)
+        client = EngineGroupClient(self.rollout, self.timeout_s, built.workers)
         join(self.actor.run("open_weight_transfer", setup, client), self.driver_wait_s)
         self.opened = True
 
@@ -101,7 +108,9 @@ class WeightSync:
 
     def reopen(self, rollout: WorkerGroup) -> None:
         """Set the transfer up again for `rollout`: the engines that go on after some
-        were lost, or with some that joined. They keep the weights they serve."""
+        were lost, or with some that joined (the NCCL group regrouped: each engine's
+        ranks follow the ones before it). The old transfer is shut down on both sides
+        first. The engines keep the weights they serve."""
         self.wait_for_engines()
         self.rollout = rollout
         self.open()

@@ -44,7 +44,7 @@ from rlhf_trainer.roles.trainable import (
     prepare_trainable,
     scalar,
 )
-from rlhf_trainer.rollout.weight_sync import TransferSetup, transfer_backend
+from rlhf_trainer.rollout.weight_sync import TransferSetup
 from rlhf_trainer.worker import RankInfo, Worker
 
 
@@ -131,27 +131,28 @@ class Actor(Trainable):
 
     def open_weight_transfer(self, setup: TransferSetup, engines: Any) -> None:
         """Set up the weight transfer to the rollout engines with vLLM's trainer-side
-        factory; rank 0 sends and drives the engines through `engines` (a
-        `VLLMWeightSyncClient`). The backend follows the placement (`transfer_backend`).
-        A collective of the actor's ranks."""
+        factory; rank 0 sends and drives the engines through `engines` (an
+        `EngineFanOut`). The backend is the one the engines were built with
+        (`setup.backend`). Any transfer before is shut down first, on both sides: this
+        rank's end, and (rank 0) each engine's. A collective of the actor's ranks."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from rlhf_trainer.rollout.transfer_engines import PolicySource, trainer_init_info
 
-        beside = self.config.roles.actor == self.config.roles.rollout
-        backend = transfer_backend(torch.cuda.is_available(), beside)
-        info = trainer_init_info(backend, self.info.rank, setup)
+        info = trainer_init_info(self.info.rank, setup)
         source = PolicySource(self.model, self.tied, self.engine_dtype)
         self.close()  # the transfer to the engines before (some since lost), if any
         self.engines = engines
         try:
+            if info.is_sender:
+                engines.shutdown_weight_transfer_engine()
             self.transfer = WeightTransferTrainerFactory.trainer_init(
                 info, client=engines, source=source
             )
         except Exception as error:
             raise RuntimeError(
-                f"the {backend} weight transfer from actor rank {self.info.rank} on pool "
-                f"{self.info.pool} to the rollout engines could not start: {error}"
+                f"the {setup.backend} weight transfer from actor rank {self.info.rank} on "
+                f"pool {self.info.pool} to the rollout engines could not start: {error}"
             ) from error
 
     def send_weights(self, version: int) -> None:

@@ -60,6 +60,7 @@ import torch
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.transfer import choose_transfer
 from rlhf_trainer.rollout.engine_restart import (
     EngineRecovery,
     engine_died,
@@ -69,7 +70,7 @@ from rlhf_trainer.rollout.engine_restart import (
 from rlhf_trainer.rollout.engine_settings import build_llm, engine_settings, sampling_params
 from rlhf_trainer.rollout.engine_updates import WeightUpdates
 from rlhf_trainer.rollout.transfer_memory import WeightStore
-from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, transfer_backend
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER
 from rlhf_trainer.telemetry.engine_stats import EngineStats, across_restarts, read_engine_stats
 
 T = TypeVar("T")
@@ -97,10 +98,14 @@ class EngineOptions:
             seed=config.trainer.seed,
             dtype="bfloat16" if config.trainer.precision == "bf16" else "float32",
             max_restarts=config.generation.max_engine_restarts,
-            transfer_backend=transfer_backend(
-                torch.cuda.is_available(), config.roles.actor == config.roles.rollout
-            ),
+            # The job's one decision; the actor takes it from the engines (WeightSync).
+            transfer_backend=choose_transfer(config, torch.cuda.is_available()).backend.value,
         )
+
+    @property
+    def workers(self) -> int:
+        """vLLM workers of the engine (TP x PP; the spec has no pipeline parallelism)."""
+        return self.tensor_parallel_size
 
 
 class RolloutEngine(WeightUpdates):

@@ -69,6 +69,16 @@ class WeightUpdates:
         request = WeightTransferInitRequest(self._transfer_init)
         await utility(llm, llm.init_weight_transfer_engine(request))
 
+    def shutdown_transfer(self) -> None:
+        """Close vLLM's weight-transfer engine's connection to the trainer (an NCCL
+        group, IPC buffers), the engine serving on: vLLM's
+        `shutdown_weight_transfer_engine`, before another transfer is set up."""
+
+        async def shutdown(llm: Any) -> None:
+            await utility(llm, llm.shutdown_weight_transfer_engine())
+
+        self.call(self._alive(shutdown))
+
     def open_update(self) -> None:
         """Pause a running engine (its requests keep their tokens) and start an update."""
 

@@ -3,7 +3,8 @@
 its `send_weights`; that drives every engine through `init_weight_transfer_engine`,
 `start_weight_update`, `update_weights` and `finish_weight_update(weight_version)`.
 
-The backend follows the placement (`transfer_backend`), and nothing else changes:
+The backend follows the placement (`api.transfer.choose_transfer`), and nothing else
+changes:
 
     nccl       vLLM's: engines on GPUs of another pool, one NCCL broadcast
     ipc        vLLM's: engines on the actor's own GPUs (CUDA IPC, no copy through the host)
@@ -46,6 +47,7 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
+from rlhf_trainer.api.transfer import nccl_ranks
 from rlhf_trainer.rollout.engine_weights import is_engine_weight, refresh_tied_lm_head
 from rlhf_trainer.rollout.transfer_memory import (
     RING_SLOTS,
@@ -68,8 +70,9 @@ from rlhf_trainer.rollout.weight_sync import (
 )
 
 
-def trainer_init_info(backend: str, rank: int, setup: TransferSetup) -> TrainerInitInfo:
-    """The trainer side's init info for `backend`, on actor rank `rank` (0 sends)."""
+def trainer_init_info(rank: int, setup: TransferSetup) -> TrainerInitInfo:
+    """The trainer side's init info for `setup.backend`, on actor rank `rank` (0 sends)."""
+    backend = setup.backend
     if backend == HOST_TRANSFER:
         return HostTrainerInitInfo(
             setup.address, setup.port, list(setup.remote_engines), setup.bucket_bytes,
@@ -78,7 +81,9 @@ def trainer_init_info(backend: str, rank: int, setup: TransferSetup) -> TrainerI
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        return NCCLTrainerInitInfo(setup.address, setup.port, 1 + setup.engines, rank=rank)
+        # The sender and every engine's workers (TP x PP each), not one rank per engine.
+        world = nccl_ranks(setup.engines, setup.workers_per_engine).world_size
+        return NCCLTrainerInitInfo(setup.address, setup.port, world, rank=rank)
     if backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 

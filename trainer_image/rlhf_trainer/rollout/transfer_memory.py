@@ -356,13 +356,19 @@ class SyncGroup:
             host, port, world_size, is_master=rank == SENDER, timeout=timeout,
             wait_for_workers=False,
         )  # fmt: skip
-        store = PrefixStore("weight-sync/", tcp_store)
-        pg = ProcessGroup(store, rank, world_size)
-        backend = ProcessGroupGloo(store, rank, world_size, timeout)
+        return cls.over(tcp_store, rank, world_size, timeout)
+
+    @classmethod
+    def over(cls, store: Store, rank: int, world_size: int, timeout: timedelta) -> SyncGroup:
+        """A gloo group over a store that every rank reaches (and that lives as long
+        as the group); returns once all ranks have joined."""
+        prefixed = PrefixStore("weight-sync/", store)
+        pg = ProcessGroup(prefixed, rank, world_size)
+        backend = ProcessGroupGloo(prefixed, rank, world_size, timeout)
         backend._set_sequence_number_for_group()
         pg._set_default_backend(ProcessGroup.BackendType.GLOO)
         pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
-        return cls(pg, tcp_store)
+        return cls(pg, store)
 
     def broadcast(self, tensor: Tensor) -> None:
         """Broadcast `tensor` (in host memory) from the sender, in place."""

@@ -1,7 +1,8 @@
 """The wire format of the `rlhf_host` weight transfer (`transfer_engines`): how new
-policy weights are cut into buckets and described, and which of vLLM's backends a
-placement takes (`transfer_backend`). The memory the buckets pass through is
-`transfer_memory`'s.
+policy weights are cut into buckets and described; and the fan-out of vLLM's calls to
+the engines (`EngineFanOut`), which gives each engine its own ranks in vLLM's NCCL
+group. Which backend a job takes is `api.transfer`'s decision. The memory the buckets
+pass through is `transfer_memory`'s.
 
     actor rank 0's parameters (shared memory) ─copy─▶ vLLM worker of an engine on its node
           │
@@ -32,17 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_trainer.api.transfer import Backend, nccl_ranks
+
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 ALIGN = 64  # bytes: each tensor of a bucket starts on a cache line
-HOST_TRANSFER = "rlhf_host"  # the name of this transfer among vLLM's (transfer_engines)
-
-
-def transfer_backend(on_gpu: bool, beside_actor: bool) -> str:
-    """vLLM's weight-transfer backend for engines on GPUs (`beside_actor`: on the
-    actor's own GPUs: CUDA IPC; else NCCL) or on CPUs (this module's)."""
-    if not on_gpu:
-        return HOST_TRANSFER
-    return "ipc" if beside_actor else "nccl"
+HOST_TRANSFER = Backend.HOST.value  # the name of this transfer among vLLM's (transfer_engines)
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,9 @@ class TransferSetup:
     """What the driver tells the actor's ranks about a job's weight transfer: the
     sender's address (for the backends that rendezvous), how many engines, and which
     of them run on other nodes than the sender (the host transfer reaches those over
-    gloo). `timeout_s`: how long a collective of the transfer may wait."""
+    gloo). `timeout_s`: how long a collective of the transfer may wait. `backend`: the
+    one the engines were built with (`api.transfer.choose_transfer`), and
+    `workers_per_engine` their vLLM workers each (TP x PP)."""
 
     address: str
     port: int
@@ -58,20 +55,73 @@ class TransferSetup:
     remote_engines: tuple[int, ...]
     bucket_bytes: int
     timeout_s: float
+    backend: str = HOST_TRANSFER
+    workers_per_engine: int = 1
+
+
+@dataclass(frozen=True)
+class EngineTransfer:
+    """What an engine was built with, for the transfer: its backend and workers."""
+
+    backend: str
+    workers: int  # vLLM workers of the engine: TP x PP
+
+
+def agreed_transfer(engines: Sequence[EngineTransfer], ranks: Sequence[int]) -> EngineTransfer:
+    """The transfer every engine (rollout rank `ranks[i]`) was built with; they must
+    agree, since one trainer-side engine drives them all."""
+    kinds: dict[EngineTransfer, list[int]] = {}
+    for rank, engine in zip(ranks, engines, strict=True):
+        kinds.setdefault(engine, []).append(rank)
+    if len(kinds) != 1:
+        described = "; ".join(
+            f"rollout rank(s) {', '.join(map(str, rs))}: {e.backend} with {e.workers} worker(s)"
+            for e, rs in kinds.items()
+        )
+        raise TransferError(f"the engines disagree on the weight transfer: {described}")
+    return engines[0]
+
+
+def nccl_init_infos(
+    init_info: Mapping[str, Any], engines: int, workers_per_engine: int
+) -> list[dict[str, Any]]:
+    """vLLM's NCCL worker init payload, one per engine. vLLM's NCCL trainer sends
+    every engine the same payload, with `rank_offset` 1 and a `world_size` of its own:
+    right for one engine, not for several separate ones. Each gets its own offset and
+    the world of all of them (`api.transfer.nccl_ranks`)."""
+    ranks = nccl_ranks(engines, workers_per_engine, first=int(init_info["rank_offset"]))
+    return [
+        dict(init_info) | {"rank_offset": offset, "world_size": ranks.world_size}
+        for offset in ranks.rank_offsets
+    ]
 
 
 class EngineFanOut:
-    """vLLM's `VLLMWeightSyncClient` for a set of engines: each of its four calls made
-    on every engine. A call can also be sent now and its answers awaited later
-    (`submit`, `wait`: how, the subclass's business); each engine runs the calls in the
-    order they were sent. `version` is what the next `finish_weight_update` labels
-    the weights: vLLM's NCCL and IPC engines finish without one, so the sender sets it
-    before each send."""
+    """vLLM's `VLLMWeightSyncClient` for a set of engines: each of its calls made on
+    every engine (vLLM's NCCL `init_weight_transfer_engine` with each engine's own
+    ranks: `nccl_init_infos`). A call can also be sent now and its answers awaited later
+    (`submit`, `submit_each`, `wait`, `engine_count`: the subclass's business); each
+    engine runs the calls in the order they were sent. `version` is what the next
+    `finish_weight_update` labels the weights: vLLM's NCCL and IPC engines finish
+    without one, so the sender sets it before each send."""
 
     version = 0
+    workers_per_engine = 1  # vLLM workers of each engine: TP x PP
+
+    @property
+    def engine_count(self) -> int:
+        raise NotImplementedError
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.wait(self.submit("init_weight_transfer_engine", init_info))
+        if "rank_offset" not in init_info:  # not vLLM's NCCL: the same for every engine
+            self.wait(self.submit("init_weight_transfer_engine", init_info))
+            return
+        payloads = nccl_init_infos(init_info, self.engine_count, self.workers_per_engine)
+        self.wait(self.submit_each("init_weight_transfer_engine", payloads))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Close each engine's side of the transfer (before another is opened)."""
+        self.wait(self.submit("shutdown_weight_transfer_engine"))
 
     def start_weight_update(self) -> None:
         self.wait(self.submit("start_weight_update"))
@@ -85,6 +135,11 @@ class EngineFanOut:
 
     def submit(self, method: str, *args: Any) -> Any:
         """Send the call to every engine; returns what `wait` takes."""
+        raise NotImplementedError
+
+    def submit_each(self, method: str, firsts: Sequence[Any]) -> Any:
+        """Send the call to every engine, engine i with `firsts[i]`; returns what
+        `wait` takes."""
         raise NotImplementedError
 
     def wait(self, sent: Any) -> Any:

@@ -14,7 +14,7 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
 from rlhf_trainer.rollout.transfer_memory import Relay, Segments
-from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, EngineTransfer
 from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
@@ -29,9 +29,10 @@ class EngineWorker(Worker):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info)
         self.config = config
+        self.engine_options = EngineOptions.of(config)
         self.engine = RolloutEngine(
             model_path(config.models.actor, config.trainer.seed),
-            **asdict(EngineOptions.of(config)),
+            **asdict(self.engine_options),
             name=f"rollout rank {info.rank} (pool {info.pool})",
         )
         self.relay: Relay | None = None  # host transfer, on another node than the sender
@@ -40,6 +41,20 @@ class EngineWorker(Worker):
     @property
     def host_transfer(self) -> bool:
         return self.engine.transfer_backend == HOST_TRANSFER
+
+    def weight_transfer(self) -> EngineTransfer:
+        """The transfer this engine was built with (the driver hands it to the actor)."""
+        return EngineTransfer(self.engine.transfer_backend, self.engine_options.workers)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        """Close this engine's side of the transfer set up before, if any: vLLM's
+        engine's (`shutdown_weight_transfer_engine`), or with the host transfer the
+        gloo relay (vLLM's side of it holds no connection)."""
+        if not self.host_transfer:
+            self.engine.shutdown_transfer()
+        elif self.relay is not None:
+            self.relay.close()
+            self.relay = None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Set up the engine's side of the transfer. With the host transfer an engine
