@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from transformers import (
