@@ -1,5 +1,7 @@
 """`rlhfjob train` as a person runs it, in a real terminal (tmux): the live bar, Ctrl-C
-saving a checkpoint, the same command resuming from it, and the run folder it leaves.
+saving a checkpoint, the same command resuming from it, and the run folder it leaves;
+then `rlhfjob export` of its last checkpoint, which gives the trained actor's logits
+(and the Ctrl-C checkpoint's export does not, so the comparison can fail).
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from PIL import Image
+from torch import Tensor
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.sections import TinyModel
+from rlhf_trainer.models import build_tiny_model, build_tokenizer, position_ids
 from tests.conftest import needs
 from tests.specs import local_job
 
@@ -32,6 +41,7 @@ pytestmark = [
 ]
 
 TOTAL_STEPS = 12
+PROMPTS = ["c a f e =", "b a d =", "f a c e d =", "a b c d e f ="]  # the logits compared
 RUN_TIMEOUT_S = 300  # starting the roles takes about 40 s on 2 cores
 EXIT = re.compile(r"EXIT STATUS (\d+)")
 INTERRUPTED = re.compile(
@@ -110,7 +120,7 @@ def tiny_manifest(tmp_path: Path) -> Path:
     return path
 
 
-def test_ctrl_c_checkpoints_and_the_same_command_resumes(
+def test_ctrl_c_checkpoints_the_same_command_resumes_and_the_export_is_the_policy(
     terminal: Terminal, tmp_path: Path
 ) -> None:
     command = [sys.executable, "-m", "rlhf_operator.app.cli", "train", str(tiny_manifest(tmp_path))]
@@ -142,6 +152,52 @@ def test_ctrl_c_checkpoints_and_the_same_command_resumes(
         with Image.open(run / chart) as image:
             assert image.format == "PNG" and image.size == (800, 450)
             image.verify()
+    assert_the_export_is_the_trained_policy(run / "checkpoints", int(step), tmp_path)
+
+
+def assert_the_export_is_the_trained_policy(checkpoints: Path, interrupted: int, tmp: Path) -> None:
+    """`rlhfjob export` of the last checkpoint, loaded by transformers, gives the logits
+    of that checkpoint's actor weights in the project's own model class (read back by
+    torch's DCP converter, not by the export's reader); the export of the checkpoint
+    Ctrl-C took does not."""
+    last, earlier = (checkpoints / f"step-{s:08d}" for s in (TOTAL_STEPS, interrupted))
+    spec = yaml.safe_load((tmp / "tiny.yaml").read_text())["spec"]
+    tiny = JobConfig.model_validate(spec).models.actor.tiny
+    assert tiny is not None
+    actor = logits(actor_weights(tiny, last, tmp), tiny.vocab_size)
+    served, stale = (export(checkpoint, tmp / f"hf-{checkpoint.name}", tmp)
+                     for checkpoint in (last, earlier))  # fmt: skip
+    torch.testing.assert_close(logits(served, tiny.vocab_size), actor, rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        torch.testing.assert_close(logits(stale, tiny.vocab_size), actor, rtol=1e-5, atol=1e-5)
+
+
+def export(checkpoint: Path, directory: Path, cwd: Path) -> PreTrainedModel:
+    command = [sys.executable, "-m", "rlhf_operator.app.cli", "export", str(checkpoint),
+               str(directory), "--dtype", "fp32"]  # fmt: skip
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert f"the policy of step {int(checkpoint.name.split('-')[1])} in fp32" in done.stdout
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def actor_weights(tiny: TinyModel, step_dir: Path, scratch: Path) -> PreTrainedModel:
+    """The checkpoint's actor weights in the project's own model class."""
+    model = build_tiny_model(tiny, seed=1234)  # its weights are replaced below
+    dcp_to_torch_save(step_dir / "actor", scratch / "actor.pt")
+    model.load_state_dict(torch.load(scratch / "actor.pt", weights_only=False)["model"])
+    return model.eval()
+
+
+def logits(model: PreTrainedModel, vocab_size: int) -> Tensor:
+    """(B, T, V) logits on PROMPTS, left-padded as the trainer pads them."""
+    batch = build_tokenizer(vocab_size)(PROMPTS, return_tensors="pt", padding=True)
+    mask = batch.attention_mask
+    with torch.no_grad():
+        out: Tensor = model(
+            input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids(mask)
+        ).logits
+    return out * mask.unsqueeze(-1)  # padding's logits are not the policy's
 
 
 def steps_in(run: Path) -> list[int]:

@@ -5,6 +5,8 @@ rlhfjob plan FILE...       print each job's placement plan
   --estimate [--profile P]   and its step time, pool busy shares and balanced split
 rlhfjob render FILE        print the objects the operator would create
 rlhfjob train FILE         run the job on this machine (a simulated Ray cluster)
+rlhfjob export CHECKPOINT DIR [--dtype bf16|fp32]
+                           write a checkpoint's policy as a Hugging Face directory
 rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
   --reference                the field reference page instead (docs/reference/rlhfjob.md)
 """
@@ -120,6 +122,26 @@ def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
         return run_in_foreground(command)
 
 
+def export_checkpoint(checkpoint: Path, directory: Path, dtype: str, spec: Path | None) -> int:
+    """Write a committed checkpoint's policy as a Hugging Face directory; needs the
+    trainer stack, not Ray. Its own process, as `train`: the operator imports only the
+    trainer's API. `spec`: the job's manifest, for a checkpoint that does not keep it."""
+    command = [sys.executable, "-m", "rlhf_trainer.export", str(checkpoint), str(directory)]
+    command += ["--dtype", dtype]
+    if spec is None:
+        return run_in_foreground(command)
+    jobs, problems = read_jobs(spec)
+    if problems or len(jobs) != 1:
+        print("\n".join(problems) or f"{spec}: expected one RLHFJob, found {len(jobs)}")
+        return 1
+    with tempfile.TemporaryDirectory(prefix="rlhfjob-") as temp:
+        config = Path(temp) / "spec.json"
+        config.write_text(
+            jobs[0].spec.job_config().model_dump_json(by_alias=True, exclude_none=True)
+        )
+        return run_in_foreground([*command, "--spec", str(config)])
+
+
 def run_in_foreground(command: list[str]) -> int:
     """Run the command and return its exit status, as a shell would (128 + the signal).
 
@@ -174,6 +196,20 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="the run folder: metrics, trace, charts, checkpoints (default: runs/<job name>)",
     )
+    export = commands.add_parser(
+        "export", help="write a checkpoint's policy as a Hugging Face directory (no Ray)"
+    )
+    export.add_argument(
+        "checkpoint", type=Path, metavar="CHECKPOINT", help="a committed step-NNNNNNNN directory"
+    )
+    export.add_argument("directory", type=Path, metavar="DIR", help="replaced whole when done")
+    export.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    export.add_argument(
+        "--spec",
+        type=Path,
+        metavar="FILE",
+        help="the job's manifest, for a checkpoint written before checkpoints kept it",
+    )
     crd = commands.add_parser("crd", help="print the generated CRD YAML")
     printed = crd.add_mutually_exclusive_group()
     printed.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
@@ -191,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         return print_children(args.file, args.namespace)
     if args.command == "train":
         return train_locally(args.file, args.trace, args.run_dir)
+    if args.command == "export":
+        return export_checkpoint(args.checkpoint, args.directory, args.dtype, args.spec)
     return validate_files(args.files)
 
 

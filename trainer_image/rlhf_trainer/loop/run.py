@@ -122,6 +122,7 @@ class Run:
             self.evaluator.last if self.evaluator else None,
         )
         checkpoint.save_trainer_state(staging, state)
+        checkpoint.save_job_config(staging, self.config)
         final = checkpoint.commit(root, self.step)
         checkpoint.prune(root, self.config.trainer.checkpoint.keep)
         self.last_checkpoint = str(final)

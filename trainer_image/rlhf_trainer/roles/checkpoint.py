@@ -6,6 +6,10 @@ Layout under the checkpoint root (`CheckpointConfig.path`, a shared volume):
     .tmp-step-00000020/     being written: the roles' state, then the driver's
     .del-step-00000000/     being removed by `prune`
 
+A committed checkpoint holds each trained role's state (`actor/`, `critic/`), the
+driver's (`trainer_state.json`) and the job's config it was written with (`job.json`:
+what `python -m rlhf_trainer.export` needs to rebuild the policy's architecture).
+
 A checkpoint is written into its staging directory and committed by one `os.rename`,
 which is atomic on POSIX: a crash at any point leaves either the whole checkpoint or
 none, and `latest` only ever sees committed ones. The driver owns the directory
@@ -33,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.progress import EvalProgress
 
 COMMITTED_PREFIX = "step-"
@@ -44,6 +49,7 @@ _COMMITTED_NAME = re.compile(rf"^{_STEP_NAME}$")
 # Staging and half-deleted checkpoints: prune removes these names and no others.
 _LEFTOVER_NAME = re.compile(rf"^(\.tmp-|\.del-){_STEP_NAME}$")
 TRAINER_STATE_FILE = "trainer_state.json"
+JOB_CONFIG_FILE = "job.json"
 
 
 def committed_name(step: int) -> str:
@@ -83,9 +89,9 @@ def commit(root: Path, step: int) -> Path:
         raise FileNotFoundError(f"no staged checkpoint {staging} to commit")
     # The files must be on disk before the name that says "complete" is; then the
     # rename itself must be, which is the root directory's entry.
-    _fsync_tree(staging)
+    fsync_tree(staging)
     os.rename(staging, final)
-    _fsync(root)
+    fsync(root)
     return final
 
 
@@ -127,16 +133,17 @@ def staging_path(root: Path, step: int) -> Path:
     return root / (STAGING_PREFIX + committed_name(step))
 
 
-def _fsync_tree(directory: Path) -> None:
+def fsync_tree(directory: Path) -> None:
+    """Put every file and directory entry under `directory` on disk."""
     # Cheap for files their writer already synced (DCP does, save_json does); needed
     # for any other writer. Directories too: their entries are what rename publishes.
     for dirpath, _, filenames in os.walk(directory):
         for filename in filenames:
-            _fsync(Path(dirpath) / filename)
-        _fsync(Path(dirpath))
+            fsync(Path(dirpath) / filename)
+        fsync(Path(dirpath))
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -253,3 +260,17 @@ def save_trainer_state(directory: Path, state: TrainerState) -> Path:
 
 def load_trainer_state(directory: Path) -> TrainerState:
     return TrainerState.from_json(load_json(directory, TRAINER_STATE_FILE))
+
+
+def save_job_config(directory: Path, config: JobConfig) -> Path:
+    """The job's config beside its state: the spec as the trainer was given it."""
+    spec = config.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return save_json(directory, JOB_CONFIG_FILE, spec)
+
+
+def load_job_config(directory: Path) -> JobConfig | None:
+    """The config a checkpoint was written with; None for one written before it was kept."""
+    path = directory / JOB_CONFIG_FILE
+    if not path.is_file():
+        return None
+    return JobConfig.model_validate_json(path.read_text())
