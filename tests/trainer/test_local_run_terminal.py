@@ -110,7 +110,7 @@ def tiny_manifest(tmp_path: Path) -> Path:
     (so the checkpoints go to the run folder) and no scheduled checkpoint before the end:
     the one to resume from is the one Ctrl-C takes."""
     job = local_job(colocated=True, total_steps=TOTAL_STEPS, checkpoint_dir=tmp_path, every_steps=1)
-    spec = job.model_dump(by_alias=True, exclude_none=True)
+    spec = job.model_dump(mode="json", by_alias=True, exclude_none=True)
     spec["trainer"] |= {"batchSize": 4, "miniBatchSize": 4}
     spec["trainer"]["checkpoint"] = {"everySteps": TOTAL_STEPS}
     manifest = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob"}
