@@ -66,6 +66,8 @@ def test_the_export_holds_the_checkpoints_weights_tied_as_from_pretrained_expect
     assert (done.directory, done.step, done.dtype) == (tmp_path / "hf", 1, "fp32")
     written = {p.name for p in done.directory.iterdir()}
     assert {WEIGHTS, "config.json", "generation_config.json", "tokenizer.json"} <= written
+    # readable by a server running as another user (transformers writes the weights 0600)
+    assert {oct(p.stat().st_mode & 0o777) for p in done.directory.iterdir()} == {"0o644"}
     with safe_open(done.directory / WEIGHTS, "pt") as weights:
         # Tied: the LM head is the embedding, stored once, as save_pretrained does.
         assert "lm_head.weight" not in weights.keys()  # noqa: SIM118 (safe_open has no __contains__)

@@ -231,7 +231,11 @@ def finish_export(staging: Path, target: Path) -> None:
     """Put the complete export at `target`: synced, then renamed in. A previous export
     is renamed aside first and removed after (rename cannot replace a non-empty
     directory); a crash between the two leaves it aside whole, and the next export
-    puts it back."""
+    puts it back. Every file is made readable by all (0644): transformers writes the
+    weights through a private temporary file (0600), and a server running as another
+    user (a vLLM pod reading the claim) must read them."""
+    for path in staging.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
     checkpoint.fsync_tree(staging)
     replaced = target.parent / (REPLACED_PREFIX + target.name)
     shutil.rmtree(replaced, ignore_errors=True)
