@@ -1,7 +1,8 @@
 """`rlhfjob train` as a person runs it, in a real terminal (tmux): the live bar, Ctrl-C
 saving a checkpoint, the same command resuming from it, and the run folder it leaves;
 then `rlhfjob export` of its last checkpoint, which gives the trained actor's logits
-(and the Ctrl-C checkpoint's export does not, so the comparison can fail).
+(and the Ctrl-C checkpoint's export does not, so the comparison can fail), and the
+policy the run itself wrote at its end (runs/<job>/model), the same weights in bf16.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ def test_ctrl_c_checkpoints_the_same_command_resumes_and_the_export_is_the_polic
     assert f"run folder: {run.resolve()}" in first
     assert "Traceback" not in first
     assert steps_in(run) == list(range(1, int(step) + 1))
+    assert "not written: the run stopped before its end" in " ".join(first.split())
+    assert not (run / "model").exists()
 
     terminal.run(command)
     assert terminal.wait_for(EXIT)[1] == "0", terminal.screen()
@@ -153,6 +156,23 @@ def test_ctrl_c_checkpoints_the_same_command_resumes_and_the_export_is_the_polic
             assert image.format == "PNG" and image.size == (800, 450)
             image.verify()
     assert_the_export_is_the_trained_policy(run / "checkpoints", int(step), tmp_path)
+    assert_the_runs_own_export_is_the_last_checkpoints_policy(run, tmp_path)
+    assert re.search(r"model .*Hugging Face, bf16, step", " ".join(second.split())), second
+
+
+def assert_the_runs_own_export_is_the_last_checkpoints_policy(run: Path, tmp: Path) -> None:
+    """The run wrote its trained policy at its end, gathered from the actor's ranks
+    (not read from a checkpoint): the last checkpoint's actor weights, in bf16, bit for
+    bit, loadable by transformers."""
+    tiny = JobConfig.model_validate(yaml.safe_load((tmp / "tiny.yaml").read_text())["spec"])
+    assert tiny.models.actor.tiny is not None
+    last = actor_weights(
+        tiny.models.actor.tiny, run / "checkpoints" / f"step-{TOTAL_STEPS:08d}", tmp
+    )
+    served = AutoModelForCausalLM.from_pretrained(run / "model", dtype="auto").state_dict()
+    for name, weight in last.state_dict().items():
+        assert served[name].dtype == torch.bfloat16, name
+        assert torch.equal(served[name], weight.to(torch.bfloat16)), name
 
 
 def assert_the_export_is_the_trained_policy(checkpoints: Path, interrupted: int, tmp: Path) -> None:

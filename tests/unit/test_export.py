@@ -18,7 +18,7 @@ from rlhf_trainer import export
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.export import ExportError, export_checkpoint
 from rlhf_trainer.models import build_tiny_model, build_tokenizer
-from rlhf_trainer.roles import checkpoint
+from rlhf_trainer.roles import checkpoint, hf_export
 from tests.specs import local_job
 
 WEIGHTS = "model.safetensors"
@@ -111,7 +111,7 @@ def test_an_export_that_fails_halfway_leaves_the_previous_one_whole(
             assert (Path(directory) / WEIGHTS).is_file()
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(export, "load_tokenizer", lambda _: FailingTokenizer())
+    monkeypatch.setattr(hf_export, "load_tokenizer", lambda _: FailingTokenizer())
     with pytest.raises(OSError, match="No space left"):
         export_checkpoint(newer, target, dtype="fp32")
     assert {p.name: p.read_bytes() for p in target.iterdir()} == previous

@@ -220,17 +220,22 @@ def test_the_ray_version_given_to_kuberay_is_the_one_the_image_installs() -> Non
     assert f"ray=={RAY_VERSION}" in lock.splitlines()
 
 
-def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_on_every_pod() -> None:
-    manifest = load(EXAMPLES[0].parent / "two-nodes-by-node-8-8.yaml")
-    manifest["spec"]["checkpointClaim"] = "rlhf-checkpoints"
-    manifest["spec"]["trainer"]["checkpoint"] = {"path": "/mnt/ckpt"}
+def pod_specs(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The head's and every worker group's pod spec, as rendered for `manifest`."""
     job = parse_job(manifest)
     cluster = render_rayjob(JobRef(job.metadata.name, "ns", "uid"), job.spec)["spec"][
         "rayClusterSpec"
     ]
-    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [
+    return [cluster["headGroupSpec"]["template"]["spec"]] + [
         g["template"]["spec"] for g in cluster["workerGroupSpecs"]
     ]
+
+
+def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_on_every_pod() -> None:
+    manifest = load(EXAMPLES[0].parent / "two-nodes-by-node-8-8.yaml")
+    manifest["spec"]["checkpointClaim"] = "rlhf-checkpoints"
+    manifest["spec"]["trainer"]["checkpoint"] = {"path": "/mnt/ckpt"}
+    pods = pod_specs(manifest)
     assert len(pods) == 3
     for pod in pods:
         claim = {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "rlhf-checkpoints"}}
@@ -239,6 +244,20 @@ def test_a_checkpoint_claim_is_mounted_at_the_checkpoint_path_on_every_pod() -> 
         assert {"name": "checkpoints", "mountPath": "/mnt/ckpt"} in mounts
     without = render("two-nodes-by-node-8-8.yaml")["RayJob"]["spec"]["rayClusterSpec"]
     assert "checkpoints" not in str(without)
+
+
+def test_an_output_claim_is_mounted_at_output_on_every_pod_as_the_actor_writes_there() -> None:
+    manifest = load(EXAMPLES[0].parent / "two-nodes-by-node-8-8.yaml")
+    manifest["spec"]["output"] = {"path": "/output/policy", "claim": "served-models"}
+    pods = pod_specs(manifest)
+    assert len(pods) == 3
+    for pod in pods:
+        claim = {"name": "output", "persistentVolumeClaim": {"claimName": "served-models"}}
+        assert claim in pod["volumes"]
+        assert {"name": "output", "mountPath": "/output"} in pod["containers"][0]["volumeMounts"]
+    on_checkpoints = load(EXAMPLES[0].parent / "two-nodes-by-node-8-8.yaml")
+    on_checkpoints["spec"] |= {"checkpointClaim": "c", "output": {"path": "/checkpoints/model"}}
+    assert all(v["name"] != "output" for p in pod_specs(on_checkpoints) for v in p["volumes"])
 
 
 def test_a_critic_free_job_renders_no_critic_and_one_worker_group_per_pool() -> None:

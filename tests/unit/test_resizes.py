@@ -18,7 +18,7 @@ from rlhf_operator.controller.resizes import (
 )
 from rlhf_operator.controller.status import Observed, compute_status
 from rlhf_operator.render.children import JobRef, render_children
-from rlhf_trainer.api.progress import PoolResize, TrainingProgress
+from rlhf_trainer.api.progress import OutputProgress, PoolResize, TrainingProgress
 from tests.unit.conftest import EXAMPLES, load
 
 REF = JobRef("job", "team", "uid-1")
@@ -93,6 +93,22 @@ def test_an_attempt_never_asked_to_stop_that_exits_0_has_succeeded_whatever_it_r
     last = "step 3 of 10" if training else "none"
     assert f"the trainer's last report is {last}" in ready.message
     assert "did not reach the job's status" in ready.message
+
+
+def test_a_job_that_succeeded_with_an_output_says_where_its_trained_policy_is() -> None:
+    spec = spec_of(SPLIT)
+    ended = attempt(spec, **SUCCEEDED)
+    output = OutputProgress(path="/checkpoints/model", step=10, dtype="bf16")
+    training = TrainingProgress(step=10, total_steps=10, output=output)
+    decision = decide_resize(spec, ended, training)
+    old = RLHFJobStatus(phase=Phase.RUNNING, training=training)
+    status = compute_status(spec, 1, Observed(ended, []), old, REF_TIME, None, decision)
+    ready = next(c for c in status.conditions if c.type == "Ready")
+    assert (status.phase, ready.message) == (
+        Phase.SUCCEEDED,
+        "the job is succeeded: the trained policy (step 10) is at /checkpoints/model, "
+        "a Hugging Face directory in bf16",
+    )
 
 
 @pytest.mark.parametrize("deployment", ["", "Initializing", "Suspended"])

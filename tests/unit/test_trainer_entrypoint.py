@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_operator.api.validation import parse_job
-from rlhf_trainer.__main__ import main, with_local_checkpoints
+from rlhf_trainer.__main__ import in_run_folder, main
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.telemetry.run_folder import RunFolder
 from tests.unit.conftest import EXAMPLES, load
@@ -98,17 +98,22 @@ def test_the_run_folder_is_for_local_runs(
     assert "--run-dir is for local runs (--local)" in capsys.readouterr().err
 
 
-def test_local_checkpoints_go_to_the_run_folder_unless_the_spec_names_a_path(
+def test_local_checkpoints_and_model_go_to_the_run_folder_unless_the_spec_names_paths(
     tmp_path: Path,
 ) -> None:
     folder = RunFolder(tmp_path / "run")
     default = JobConfig.model_validate_json(handed_over_spec(tmp_path).read_text())
     assert default.trainer.checkpoint.path is None  # no claim: the job keeps none
-    moved = with_local_checkpoints(default, folder)
+    assert default.output is None
+    moved = in_run_folder(default, folder)
     assert moved.trainer.checkpoint.path == str(tmp_path / "run" / "checkpoints")
     assert moved.trainer.checkpoint.every_steps == default.trainer.checkpoint.every_steps
+    assert moved.output is not None
+    assert (moved.output.path, moved.output.dtype) == (str(tmp_path / "run" / "model"), "bf16")
 
     spec = json.loads(handed_over_spec(tmp_path).read_text())
     spec["trainer"]["checkpoint"] = {"path": "/mine"}
-    named = JobConfig.model_validate(spec)
-    assert with_local_checkpoints(named, folder).trainer.checkpoint.path == "/mine"
+    spec["output"] = {"path": "/served/policy", "dtype": "fp32"}
+    named = in_run_folder(JobConfig.model_validate(spec), folder)
+    assert named.trainer.checkpoint.path == "/mine"
+    assert named.output == JobConfig.model_validate(spec).output

@@ -165,6 +165,28 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
                 _set("spec.pods", {"volumes": [{"name": "s", "mountPath": "/shared", "readOnly": True,
                                                 "persistentVolumeClaim": {"claimName": "s"}}]})(j)),
      "spec.trainer.checkpoint.path", "that is not read-only", True),
+    ("output-on-no-volume", _set("spec.output", {"path": "/model"}),
+     "spec.output.path", "must lie below /output with output.claim, else below checkpointClaim", True),
+    ("output-beside-its-claim", _set("spec.output", {"path": "/models/policy", "claim": "models"}),
+     "spec.output.path", "must lie below /output with output.claim", True),
+    ("output-is-the-checkpoint-mount",
+     lambda j: (_set("spec.checkpointClaim", "ckpt")(j), _set("spec.output", {"path": "/checkpoints"})(j)),
+     "spec.output.path", "is written beside its previous one", True),
+    ("output-on-a-read-only-claim",
+     lambda j: (_set("spec.output", {"path": "/shared/policy"})(j),
+                _set("spec.pods", {"volumes": [{"name": "s", "mountPath": "/shared", "readOnly": True,
+                                                "persistentVolumeClaim": {"claimName": "s"}}]})(j)),
+     "spec.output.path", "that is not read-only", True),
+    ("output-relative", _set("spec.output", {"path": "model"}), "spec.output.path",
+     "should match pattern", False),
+    ("output-dtype", _set("spec.output", {"path": "/output/m", "claim": "m", "dtype": "int8"}),
+     "spec.output.dtype", "'bf16' or 'fp32'", False),
+    ("output-claim-over-a-volume",
+     lambda j: (_set("spec.output", {"path": "/output/m", "claim": "m"})(j),
+                _set("spec.pods", {"volumes": [{"name": "o", "mountPath": "/output", "emptyDir": {}}]})(j)),
+     "spec.pods.volumes", "no volume may be mounted at /output when output.claim is", True),
+    ("export-every-without-output", _set("spec.trainer.export", {"everySteps": 10}),
+     "spec.trainer.export.everySteps", "needs output", True),
     ("checkpoint-claim-bad-name", _set("spec.checkpointClaim", "My_Claim"), "spec.checkpointClaim",
      "should match pattern", False),
     ("restarts-without-checkpoints", _set("spec.restartPolicy", {"maxRestarts": 2}),
@@ -294,3 +316,38 @@ def test_checkpoints_go_to_the_claim_by_default_and_nowhere_without_one(local_jo
     assert parse_job(local_job).spec.job_config().trainer.checkpoint.path is None
     _set("spec.checkpointClaim", "ckpt")(local_job)
     assert parse_job(local_job).spec.job_config().trainer.checkpoint.path == "/checkpoints"
+
+
+@pytest.mark.parametrize(
+    ("settings", "output"),
+    [
+        ({"checkpointClaim": "ckpt"}, {"path": "/checkpoints/model"}),
+        ({}, {"path": "/output/policy", "claim": "models", "dtype": "fp32"}),
+        (
+            {
+                "pods": {
+                    "volumes": [
+                        {
+                            "name": "s",
+                            "mountPath": "/shared",
+                            "persistentVolumeClaim": {"claimName": "s"},
+                        }
+                    ]
+                }
+            },
+            {"path": "/shared/run-1/policy"},
+        ),
+    ],
+    ids=["on-the-checkpoint-claim", "on-a-claim-of-its-own", "on-a-claim-of-the-pods"],
+)
+def test_an_output_on_a_claim_every_pod_mounts_is_accepted_and_handed_to_the_trainer(
+    local_job: Job, settings: dict[str, Any], output: dict[str, str]
+) -> None:
+    local_job["spec"] |= settings | {"output": output}
+    _set("spec.trainer.export", {"everySteps": 5})(local_job)
+    config = parse_job(local_job).spec.job_config()
+    assert cel_errors(local_job) == []
+    assert config.output is not None and config.output.path == output["path"]
+    assert config.output.dtype == output.get("dtype", "bf16")
+    assert config.trainer.export.every_steps == 5
+    assert "claim" not in config.model_dump(by_alias=True)["output"]  # the operator's part

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import describe, plan_placement
 from rlhf_trainer.api.rules import field_errors
+from rlhf_trainer.api.sections import OutputConfig
 
 if TYPE_CHECKING:
     from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -112,7 +113,7 @@ def train(
             return 2
         logging.info("metrics on port %d", server.server_port)
     if local:
-        return train_locally(with_local_checkpoints(config, folder), job, folder, metrics, trace)
+        return train_locally(in_run_folder(config, folder), job, folder, metrics, trace)
     if not os.environ.get("RAY_ADDRESS"):
         print(
             "no Ray cluster to join: RAY_ADDRESS is not set (a RayJob sets it for its "
@@ -136,14 +137,15 @@ def port_problem(port: int, error: OSError) -> str:
     return f"metrics port {port}: cannot serve on it: {error.strerror or error}"
 
 
-def with_local_checkpoints(config: JobConfig, folder: RunFolder) -> JobConfig:
-    """The checkpoints go into the run folder unless the spec names their path."""
+def in_run_folder(config: JobConfig, folder: RunFolder) -> JobConfig:
+    """The checkpoints and the trained policy go into the run folder unless the spec
+    names their paths."""
     checkpoint = config.trainer.checkpoint
-    if checkpoint.path is not None:
-        return config
-    checkpoint = checkpoint.model_copy(update={"path": str(folder.checkpoints)})
+    if checkpoint.path is None:
+        checkpoint = checkpoint.model_copy(update={"path": str(folder.checkpoints)})
     trainer = config.trainer.model_copy(update={"checkpoint": checkpoint})
-    return config.model_copy(update={"trainer": trainer})
+    output = config.output or OutputConfig(path=str(folder.model.resolve()))
+    return config.model_copy(update={"trainer": trainer, "output": output})
 
 
 def train_locally(
@@ -172,14 +174,13 @@ def train_locally(
     with stop_on_interrupt() as stop, progress, local_ray_cluster(config):
         try:
             final = run_job(config, job, reporter, metrics, trace or folder.trace, watch, stop)
-            last_checkpoint = final.last_checkpoint
+            last_checkpoint, output = final.last_checkpoint, final.output
         except Interrupted as stopped:
-            interrupted, last_checkpoint = stopped, stopped.checkpoint
+            interrupted, last_checkpoint, output = stopped, stopped.checkpoint, None
     records = watch.finish()
     wall = time.time() - started
-    summary = Summary(
-        records, total, wall, folder.path.resolve(), last_checkpoint, folder.evaluations()
-    )
+    summary = Summary(records, total, wall, folder.path.resolve(), last_checkpoint,
+                      folder.evaluations(), output)  # fmt: skip
     console.print(summary.table())
     console.print(f"run folder: {folder.path.resolve()}", soft_wrap=True)
     if interrupted is not None:

@@ -37,6 +37,7 @@ from rlhf_trainer.api.names import GROUP as GROUP  # the API's names, re-exporte
 from rlhf_trainer.api.names import PLURAL as PLURAL
 from rlhf_trainer.api.names import VERSION as VERSION
 from rlhf_trainer.api.rules import Rule, SpecModel
+from rlhf_trainer.api.sections import OutputConfig
 
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "RLHFJob"
@@ -172,6 +173,31 @@ _CEL_CHECKPOINT_PATH = (
 )
 
 
+# Where output.claim is mounted; output.path lies below it.
+OUTPUT_MOUNT = "/output"
+CLAIM_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
+class OutputSpec(OutputConfig):
+    """Where the trained policy goes: a directory on a claim every pod mounts."""
+
+    claim: str | None = Field(
+        None,
+        pattern=CLAIM_NAME,
+        max_length=253,
+        description=(
+            f"A PersistentVolumeClaim of its own for the export, mounted at {OUTPUT_MOUNT} on "
+            "the head and every worker (ReadWriteMany, or ReadWriteOnce on one node); "
+            f"path must then lie below {OUTPUT_MOUNT}. Unset: path lies on checkpointClaim "
+            "or a pods.volumes claim."
+        ),
+    )
+
+
+def _below(path: str, directory: str) -> bool:
+    return path.startswith(directory.rstrip("/") + "/")
+
+
 def _holds(volume: Volume, path: str) -> bool:
     """Whether `volume` is a writable claim that `path` lies on (so every pod sees it)."""
     on_it = path == volume.mount_path or path.startswith(volume.mount_path + "/")
@@ -235,9 +261,17 @@ class RLHFJobSpec(JobConfig):
             "reason. Suspending a queued job deactivates its Kueue Workload."
         ),
     )
+    output: OutputSpec | None = Field(
+        None,
+        description=(
+            "Write the trained policy as a Hugging Face directory (safetensors, config, "
+            "tokenizer) at the end, and every trainer.export.everySteps; status.training.output "
+            "names it and its step."
+        ),
+    )
     checkpoint_claim: str | None = Field(
         None,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern=CLAIM_NAME,
         max_length=253,
         description=(
             "A ReadWriteMany PersistentVolumeClaim mounted at trainer.checkpoint.path "
@@ -303,6 +337,31 @@ class RLHFJobSpec(JobConfig):
             lambda s: f"got maxRestarts {s.restart_policy.max_restarts} and no checkpointClaim",
         ),
         Rule(
+            "output.path",
+            f"must lie below {OUTPUT_MOUNT} with output.claim, else below checkpointClaim's "
+            "mount or the mountPath of a pods.volumes claim that is not read-only: the export "
+            "is written beside its previous one and renamed in, on a volume every pod shares",
+            "!has(self.output) || (has(self.output.claim) ? "
+            f"self.output.path.startsWith('{OUTPUT_MOUNT}/') : "
+            f"((has(self.checkpointClaim) && self.output.path.startsWith({_CEL_CHECKPOINT_PATH} "
+            "+ '/')) || (has(self.pods.volumes) && self.pods.volumes.exists(v, "
+            "has(v.persistentVolumeClaim) && !(has(v.readOnly) && v.readOnly) && "
+            "self.output.path.startsWith(v.mountPath + '/')))))",
+            lambda s: s.output is None or _output_on_a_claim(s),
+            lambda s: f"got {s.output.path!r}" if s.output is not None else "",
+        ),
+        Rule(
+            "pods.volumes",
+            f"no volume may be mounted at {OUTPUT_MOUNT} when output.claim is",
+            "!has(self.output) || !has(self.output.claim) || !has(self.pods.volumes) || "
+            f"self.pods.volumes.all(v, v.mountPath != '{OUTPUT_MOUNT}')",
+            lambda s: (
+                s.output is None
+                or s.output.claim is None
+                or all(v.mount_path != OUTPUT_MOUNT for v in s.pods.volumes or [])
+            ),
+        ),
+        Rule(
             "separation",
             "'gpu' lets pools share nodes, but some pools cannot share one (different "
             "gpuResource, or nodeSelectors that disagree); use separation: node",
@@ -328,6 +387,16 @@ class RLHFJobSpec(JobConfig):
         if self.checkpoint_path is not None:
             wire["trainer"]["checkpoint"]["path"] = self.checkpoint_path
         return JobConfig.model_validate(wire)
+
+
+def _output_on_a_claim(spec: RLHFJobSpec) -> bool:
+    assert spec.output is not None
+    path = spec.output.path
+    if spec.output.claim is not None:
+        return _below(path, OUTPUT_MOUNT)
+    if spec.checkpoint_claim is not None and _below(path, spec.checkpoint_path or ""):
+        return True
+    return any(_holds(v, path) and _below(path, v.mount_path) for v in spec.pods.volumes or [])
 
 
 class ObjectMeta(SpecModel):

@@ -126,7 +126,7 @@ ObjectName = Annotated[
 AbsolutePath = Annotated[str, StringConstraints(pattern=r"^/[^:]*$", max_length=1024)]
 
 # The operator's own mounts and variables: a job's settings may not take their places.
-RESERVED_VOLUMES = ("spec", "dshm", "checkpoints")
+RESERVED_VOLUMES = ("spec", "dshm", "checkpoints", "output")
 RESERVED_MOUNT_PATHS = ("/etc/rlhf", "/dev/shm")
 RESERVED_ENV = ("RLHF_JOB_NAME", "RLHF_JOB_NAMESPACE")
 RESERVED_LABEL_PREFIX = "rlhf.dev/"

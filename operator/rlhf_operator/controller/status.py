@@ -197,6 +197,12 @@ def _phase_message(
             f"the job is succeeded: its driver exited 0, but the trainer's last report is "
             f"{last}; its progress reports did not reach the job's status (RBAC, network?)"
         )
+    if phase is Phase.SUCCEEDED and training is not None and training.output is not None:
+        output = training.output
+        return (
+            f"the job is succeeded: the trained policy (step {output.step}) is at "
+            f"{output.path}, a Hugging Face directory in {output.dtype}"
+        )
     return f"the job is {phase.value.lower()}"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf_operator.api.job import RLHFJobSpec
+from rlhf_operator.api.job import OUTPUT_MOUNT, RLHFJobSpec
 from rlhf_operator.api.podspec import PodResources, Quantity, Toleration
 
 Obj = dict[str, Any]
@@ -102,6 +102,8 @@ def mounts(spec: RLHFJobSpec) -> list[Obj]:
     ]
     if spec.checkpoint_claim:
         found.append({"name": "checkpoints", "mountPath": spec.checkpoint_path})
+    if spec.output is not None and spec.output.claim:
+        found.append({"name": "output", "mountPath": OUTPUT_MOUNT})
     for volume in spec.pods.volumes or []:
         mount = {"name": volume.name, "mountPath": volume.mount_path}
         found.append(mount | ({"readOnly": True} if volume.read_only else {}))
@@ -120,6 +122,9 @@ def volumes(spec_configmap: str, spec: RLHFJobSpec, shm_size: Quantity | None) -
         # Shared by every pod: each rank writes its shard, the driver commits.
         claim = {"claimName": spec.checkpoint_claim}
         found.append({"name": "checkpoints", "persistentVolumeClaim": claim})
+    if spec.output is not None and spec.output.claim:
+        # The actor's rank 0 writes the export; every pod mounts it, as the checkpoints.
+        found.append({"name": "output", "persistentVolumeClaim": {"claimName": spec.output.claim}})
     for volume in spec.pods.volumes or []:  # the name and its source, not where it mounts
         wire = volume.to_dict()
         found.append({k: v for k, v in wire.items() if k not in ("mountPath", "readOnly")})

@@ -19,6 +19,7 @@ from rlhf_trainer.api.sections import (
     DataConfig,
     GenerationConfig,
     ModelsConfig,
+    OutputConfig,
     TrainerConfig,
 )
 
@@ -281,6 +282,14 @@ class JobConfig(SpecModel):
         default_factory=GenerationConfig, description="Rollout sampling and engine settings."
     )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The schedule.")
+    output: OutputConfig | None = Field(
+        None,
+        description=(
+            "Write the trained policy as a Hugging Face directory (at the end, and every "
+            "trainer.export.everySteps); unset: only checkpoints (a local run: its run folder's "
+            "model/)."
+        ),
+    )
 
     rules = (
         Rule(
@@ -323,6 +332,12 @@ class JobConfig(SpecModel):
             "needs data.eval (the held-out prompts it scores)",
             "!has(self.trainer.evalEverySteps) || has(self.data.eval)",
             lambda c: c.trainer.eval_every_steps is None or c.data.eval is not None,
+        ),
+        Rule(
+            "trainer.export.everySteps",
+            "needs output (where the policy is written)",
+            "!has(self.trainer.export) || !has(self.trainer.export.everySteps) || has(self.output)",
+            lambda c: c.trainer.export.every_steps is None or c.output is not None,
         ),
         *_critic_rules(),
         *_group_rules(),

@@ -29,6 +29,14 @@ class EvalProgress(SpecModel):
     response_length_mean: float = Field(ge=0, description="Mean response length in tokens.")
 
 
+class OutputProgress(SpecModel):
+    """The policy last written to output (spec.output), whole."""
+
+    path: str = Field(description="The Hugging Face directory.")
+    step: int = Field(ge=0, description="The step whose policy it holds.")
+    dtype: str = Field(description="The weights' dtype.")
+
+
 class TrainingProgress(SpecModel):
     """Progress the trainer reports into the RLHFJob's status."""
 
@@ -58,6 +66,9 @@ class TrainingProgress(SpecModel):
         None, ge=0, le=1, description="Share of responses cut at maxResponseLength, last step."
     )
     last_checkpoint: str | None = Field(None, description="Path of the newest checkpoint.")
+    output: OutputProgress | None = Field(
+        None, description="The policy last written to output (spec.output): where, and its step."
+    )
     eval: EvalProgress | None = Field(
         None, description="The last evaluation on the held-out prompts (data.eval)."
     )

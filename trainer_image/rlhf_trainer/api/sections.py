@@ -233,6 +233,37 @@ class CheckpointConfig(SpecModel):
     keep: int = Field(2, ge=1, le=1000, description="How many recent checkpoints to keep.")
 
 
+class ExportConfig(SpecModel):
+    """When the trained policy is written to `output` besides the end of the job."""
+
+    every_steps: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Also write the policy to output every this many steps; unset: only at the "
+            "end. Needs output."
+        ),
+    )
+
+
+class OutputConfig(SpecModel):
+    """Where the trained policy goes as a Hugging Face directory (safetensors, config,
+    generation config, tokenizer and chat template): what `vllm serve` and
+    `AutoModelForCausalLM.from_pretrained` load."""
+
+    path: str = Field(
+        min_length=2,
+        pattern=r"^/",
+        description=(
+            "The directory, an absolute path on a volume every pod shares (below "
+            "/output with output.claim, or on checkpointClaim's or a pods.volumes claim). "
+            "Written whole at the end of the job (and every trainer.export.everySteps), "
+            "replacing the previous export only once complete."
+        ),
+    )
+    dtype: Literal["bf16", "fp32"] = Field("bf16", description="The weights' dtype.")
+
+
 class TrainerConfig(SpecModel):
     """The training schedule."""
 
@@ -302,4 +333,7 @@ class TrainerConfig(SpecModel):
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpointing."
+    )
+    export: ExportConfig = Field(
+        default_factory=ExportConfig, description="Writing the policy to output."
     )

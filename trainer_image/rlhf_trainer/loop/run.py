@@ -14,7 +14,7 @@ from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import plan_placement
-from rlhf_trainer.api.progress import EvalProgress, TrainingProgress
+from rlhf_trainer.api.progress import EvalProgress, OutputProgress, TrainingProgress
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.queue import spawn_queue
@@ -27,6 +27,7 @@ from rlhf_trainer.loop.sync import PPOTrainer, StepResult
 from rlhf_trainer.models import load_tokenizer
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
+from rlhf_trainer.roles.hf_export import check_target
 from rlhf_trainer.rollout.queue import admission_limit, remembered_uids
 from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -53,6 +54,7 @@ class Run:
     evaluator: Evaluator | None = None  # with data.eval
     step: int = 0
     last_checkpoint: str | None = None
+    last_output: OutputProgress | None = None
 
     @property
     def checkpoint_root(self) -> Path | None:
@@ -127,12 +129,39 @@ class Run:
         checkpoint.prune(root, self.config.trainer.checkpoint.keep)
         self.last_checkpoint = str(final)
 
+    def export_owed(self) -> bool:
+        """Whether this step's policy goes to output: at the end, and every
+        trainer.export.everySteps."""
+        every = self.config.trainer.export.every_steps
+        if self.config.output is None:
+            return False
+        return self.step == self.config.trainer.total_steps or bool(
+            every and self.step % every == 0
+        )
+
+    def export(self) -> None:
+        """Write the policy to output as a Hugging Face directory: the actor's ranks gather
+        it, rank 0 writes it (roles.hf_export)."""
+        output = self.config.output
+        assert output is not None
+        started = time.time()
+        exports = join(
+            self.trainer.groups[Role.ACTOR].run("export", output.path, output.dtype, self.step)
+        )
+        (done,) = [e for e in exports if e is not None]
+        self.last_output = OutputProgress(
+            path=str(done.directory), step=done.step, dtype=done.dtype
+        )
+        log.info("the policy of step %d is at %s (%s, written in %.1f s)", done.step,
+                 done.directory, done.dtype, time.time() - started)  # fmt: skip
+
     def progress(self, result: StepResult | None) -> TrainingProgress:
         progress = TrainingProgress(
             step=self.step,
             total_steps=self.config.trainer.total_steps,
             policy_version=self.trainer.policy_version,
             last_checkpoint=self.last_checkpoint,
+            output=self.last_output,
             eval=self.evaluator.last if self.evaluator else None,
         )
         if result is None:
@@ -196,6 +225,8 @@ class Run:
             result = replace(result, evaluations=tuple(self.evaluate(wait=saved)))
             if saved:
                 self.save()
+            if self.export_owed():
+                self.export()
             self.observe(result)
             if on_step is not None:
                 on_step(result)
@@ -205,10 +236,11 @@ class Run:
                 # The status names the checkpoint the next attempt resumes from.
                 self.reporter.report(self.progress(result), final=True)
                 raise Interrupted(self.step, str(self.last_checkpoint))
-        final = self.progress(result)
         if result is None:  # resumed at the last step: nothing to train, but say so
-            self.reporter.report(final, final=True)
-        return final
+            if self.export_owed():  # the attempt before may have stopped before its export
+                self.export()
+            self.reporter.report(self.progress(None), final=True)
+        return self.progress(result)
 
 
 class Interrupted(Exception):
@@ -286,6 +318,8 @@ def open_run(
         if config.data.eval is not None
         else []
     )
+    if config.output is not None:  # an unwritable target fails now, not at the end
+        check_target(Path(config.output.path))
     reward = reward_function(config.models.reward)
     if reward is not None:  # before any role starts: a mismatch fails in seconds
         check_reward_arguments(reward, prompts.prompts[0].fields, "data.train")

@@ -14,6 +14,7 @@ no files need to travel between nodes.
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,8 @@ from rlhf_trainer.algo.ppo import (
 )
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import COMPUTE_DTYPE, position_ids
+from rlhf_trainer.roles.hf_export import Export, write_policy
+from rlhf_trainer.roles.sharding import full_state_dict
 from rlhf_trainer.roles.trainable import (
     Stats,
     Trainable,
@@ -161,6 +164,16 @@ class Actor(Trainable):
         assert self.transfer is not None, "open_weight_transfer first"
         self.engines.version = version
         self.transfer.send_weights()
+
+    def export(self, directory: str, dtype: str, step: int) -> Export | None:
+        """Write the policy as a Hugging Face directory at `directory` (roles.hf_export):
+        every rank's shards are gathered to rank 0, which writes them. A collective of
+        the actor's ranks; rank 0 returns the export, the others None."""
+        weights = full_state_dict(self.model)
+        if self.info.rank != 0:
+            return None
+        origin = f"actor rank 0 on pool {self.info.pool}"
+        return write_policy(weights, self.config.models.actor, Path(directory), dtype, step, origin)
 
     def close(self) -> None:
         if self.transfer is not None:

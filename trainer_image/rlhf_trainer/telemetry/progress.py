@@ -26,7 +26,7 @@ from rich.progress import (
 from rich.table import Column, Table
 from rich.text import Text
 
-from rlhf_trainer.api.progress import EvalProgress, TrainingProgress
+from rlhf_trainer.api.progress import EvalProgress, OutputProgress, TrainingProgress
 from rlhf_trainer.telemetry.run_folder import StepRecord
 
 STEP_LOG = "rlhf_trainer.steps"  # the loop's line per step, which the bar stands in for
@@ -134,6 +134,7 @@ class Summary:
     run_folder: Path
     last_checkpoint: str | None
     evaluations: Sequence[EvalProgress] = ()  # on the held-out prompts, in order
+    output: OutputProgress | None = None  # the trained policy, once written (at the end)
 
     def table(self) -> Table:
         table = Table(title="Run summary", show_header=False)
@@ -177,8 +178,15 @@ class Summary:
         rows += [
             ("run folder", str(self.run_folder)),
             ("last checkpoint", self.last_checkpoint or "none"),
+            ("model", model_row(self.output)),
         ]
         return rows
+
+
+def model_row(output: OutputProgress | None) -> str:
+    if output is None:
+        return "not written: the run stopped before its end (rlhfjob export writes a checkpoint's)"
+    return f"{output.path} (Hugging Face, {output.dtype}, step {output.step})"
 
 
 def engine_changes(records: Sequence[StepRecord]) -> str:

@@ -4,6 +4,7 @@ runs/<job>/metrics.jsonl    one line per step (StepRecord)
 runs/<job>/eval.jsonl       one line per held-out evaluation (EvalProgress), with data.eval
 runs/<job>/trace.json       the pools' timeline (Chrome trace; open in ui.perfetto.dev)
 runs/<job>/checkpoints/     unless the spec names its own checkpoint path
+runs/<job>/model/           the trained policy (Hugging Face), unless the spec names output
 runs/<job>/reward_kl.png    reward (training and held-out) and KL over the steps
 runs/<job>/pool_busy.png    each pool's busy share over the steps
 """
@@ -134,6 +135,10 @@ class RunFolder:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def model(self) -> Path:
+        return self.path / "model"
 
     @property
     def reward_chart(self) -> Path:
