@@ -69,6 +69,7 @@ class Image:
 _CODE = ("pyproject.toml", "constraints.txt", "README.md", "operator", "trainer_image/rlhf_trainer")
 _TRAINER = (
     *_CODE,
+    "trainer_image/rlhf_env",
     "trainer_image/requirements-cpu.in",
     "trainer_image/requirements-cpu.txt",
     "trainer_image/stub_cuda_libraries.py",

@@ -24,7 +24,11 @@ DOCKERFILES = [ROOT / "operator" / "Dockerfile", ROOT / "trainer_image" / "Docke
 TRAINER = ROOT / "trainer_image" / "Dockerfile"
 LOCK = "trainer_image/requirements-cpu.txt"
 LOCKS = ["constraints.txt", LOCK]
-CODE = ("operator", "trainer_image/rlhf_trainer")  # what a code change touches
+CODE = (
+    "operator",
+    "trainer_image/rlhf_trainer",
+    "trainer_image/rlhf_env",
+)  # what a code change touches
 
 Instruction = tuple[str, str]  # keyword (upper case), its arguments
 PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;,]+)")

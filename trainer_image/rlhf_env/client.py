@@ -1,0 +1,146 @@
+"""The trainer's side of the protocol: an async client, one per environment server.
+
+    async with EnvironmentClient("http://lookup:8000") as environment:
+        started = await environment.start(row)
+        stepped = await environment.step(started.session, assistant_message)
+        reward = await environment.score(started.session)
+        await environment.close(started.session)
+
+Every failure is one exception, EnvironmentCallFailed, whose message names the call, the
+URL and what went wrong (the status and the server's reason, a timeout, a refused
+connection, an answer that breaks the protocol), so a trainer's log says which
+environment failed and why without a traceback from inside httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from rlhf_env.protocol import (
+    Health,
+    Message,
+    Scored,
+    Started,
+    StartRequest,
+    Step,
+    StepRequest,
+    describe,
+)
+
+Answer = TypeVar("Answer", bound=BaseModel)
+
+
+class EnvironmentCallFailed(Exception):
+    """A call to an environment server that got no valid answer."""
+
+    def __init__(self, call: str, url: str, reason: str, status: int | None = None) -> None:
+        self.call, self.url, self.reason, self.status = call, url, reason, status
+        status_text = f"HTTP {status}: " if status is not None else ""
+        super().__init__(f"environment {call} at {url} failed: {status_text}{reason}")
+
+
+class EnvironmentClient:
+    """Calls one environment server. `timeout` is each call's whole deadline, in seconds
+    (connecting, sending, the environment's work, the answer); each call can override it."""
+
+    def __init__(self, url: str, *, timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        # httpx's own timeouts are per read or write; the deadline is ours (asyncio.timeout).
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=None)
+
+    async def start(self, row: dict[str, Any], *, timeout: float | None = None) -> Started:
+        body = StartRequest(row=row).model_dump(mode="json")
+        return await self._call("start", "POST", "/sessions", Started, body, timeout)
+
+    async def step(self, session: str, message: Message, *, timeout: float | None = None) -> Step:
+        body = StepRequest(message=message).model_dump(mode="json")
+        return await self._call("step", "POST", f"/sessions/{session}/step", Step, body, timeout)
+
+    async def score(self, session: str, *, timeout: float | None = None) -> float:
+        path = f"/sessions/{session}/score"
+        scored = await self._call("score", "POST", path, Scored, None, timeout)
+        return scored.score
+
+    async def close(self, session: str, *, timeout: float | None = None) -> None:
+        """End the session. One the server already ended (its class failed) is no error:
+        a trainer closes every session it started, in `finally`, whatever happened."""
+        try:
+            await self._request("close", "DELETE", f"/sessions/{session}", None, timeout)
+        except EnvironmentCallFailed as failed:
+            if failed.status != 404:
+                raise
+
+    async def health(self, *, timeout: float | None = None) -> Health:
+        return await self._call("health", "GET", "/healthz", Health, None, timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _call(
+        self,
+        call: str,
+        method: str,
+        path: str,
+        answer: type[Answer],
+        body: dict[str, Any] | None,
+        timeout: float | None,
+    ) -> Answer:
+        """One request, its answer parsed as `answer`."""
+        response = await self._request(call, method, path, body, timeout)
+        try:
+            return answer.model_validate_json(response.content)
+        except ValidationError as error:
+            reason = f"the answer breaks the protocol: {describe(error)}"
+            raise EnvironmentCallFailed(
+                call, str(response.url), reason, response.status_code
+            ) from error
+
+    async def _request(
+        self, call: str, method: str, path: str, body: dict[str, Any] | None, timeout: float | None
+    ) -> httpx.Response:
+        """One request under the call's deadline; EnvironmentCallFailed unless it succeeded."""
+        url = self.url + path
+        deadline = self.timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(deadline):
+                response = await self._http.request(method, path, json=body)
+        except TimeoutError as error:
+            raise EnvironmentCallFailed(call, url, f"no answer within {deadline:g} s") from error
+        except httpx.HTTPError as error:
+            reason = f"{type(error).__name__}: {error or 'no detail'}"
+            raise EnvironmentCallFailed(call, url, reason) from error
+        if not response.is_success:
+            raise EnvironmentCallFailed(call, url, server_reason(response), response.status_code)
+        return response
+
+
+def server_reason(response: httpx.Response) -> str:
+    """The server's `detail`, in one line; the body's start if it sent something else."""
+    try:
+        detail = response.json()["detail"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:500] or response.reason_phrase
+    if isinstance(detail, list):  # FastAPI's 422: a list of field errors
+        return "; ".join(
+            ".".join(str(part) for part in problem.get("loc", [])) + ": " + problem.get("msg", "")
+            for problem in detail
+            if isinstance(problem, dict)
+        )
+    return str(detail)
