@@ -73,12 +73,12 @@ def checkpoint_claim(cp: ControlPlane, namespace: str) -> Path:
     return directory
 
 
-def prepare(cp: ControlPlane) -> None:
+def prepare(cp: ControlPlane) -> Path:
     """Everything the walk-through needs beyond the control plane (seconds, once the
-    images are built and loaded)."""
+    images are built and loaded); returns the directory behind the jobs' claim."""
     if cp.real_node is None:
         raise RuntimeError(f"no real node: {cp.real_node_absent}")
     load_images(cp.real_node)
     for namespace in (OPERATOR_NAMESPACE, JOBS_NAMESPACE):
         real_node_namespace(cp, namespace)
-    checkpoint_claim(cp, JOBS_NAMESPACE)
+    return checkpoint_claim(cp, JOBS_NAMESPACE)

@@ -19,13 +19,17 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from monitoring.dashboards import TRAINING
+from rlhf_trainer.api.sections import TinyModel
 from tests.conftest import skip_or_fail
+from tests.exports import assert_export_holds, checkpoint_actor
 from tests.prometheus import Prometheus, kubernetes_pods_job
 
 from . import demo
@@ -76,6 +80,7 @@ class Run:
     # restart, and in the last attempt (after the resize)
     resumed_after_restart: list[tuple[str, int]] = field(default_factory=list)
     resumed_at_the_end: list[tuple[str, int]] = field(default_factory=list)
+    claim: Path | None = None  # the directory behind the checkpoint claim, on this machine
 
 
 def shell(line: str, env: dict[str, str], timeout: float = 600) -> str:
@@ -113,9 +118,9 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
         skip_or_fail(f"no real node: {cp.real_node_absent}")
     make_cluster, install, apply, wait, listing = walkthrough()
     assert make_cluster == "make cluster", walkthrough()
-    demo.prepare(cp)  # what `make cluster` does once its control plane is up
+    claim = demo.prepare(cp)  # what `make cluster` does once its control plane is up
     env = cp.env() | {"PATH": f"{BIN_DIR}:{cp.env()['PATH']}"}  # its second export
-    result = Run()
+    result = Run(claim=claim)
     discovery = [kubernetes_pods_job(cp.server, cp.pki)]
     with Prometheus(tmp_path_factory.mktemp("prometheus"), [], discovery=discovery) as prometheus:
         watch = StepWatch(cp, result.steps_seen)
@@ -203,6 +208,25 @@ def test_the_job_trains_to_succeeded_reporting_from_its_head_pod(run: Run) -> No
     assert training["lastCheckpoint"] == f"/checkpoints/step-{total:08d}"
     reasons = {e["reason"] for e in run.events if e["involvedObject"].get("name") == JOB}
     assert {"Running", "Restarting", "Succeeded"} <= reasons, reasons
+
+
+def test_the_trained_policy_is_on_the_claim_where_the_status_and_the_event_say(
+    run: Run, tmp_path: Path
+) -> None:
+    """The job wrote its policy at its end, from the actor's rank in its worker pod, to
+    spec.output on the claim: the last checkpoint's actor weights, in bf16."""
+    total = EXAMPLE["spec"]["trainer"]["totalSteps"]
+    output = {"path": "/checkpoints/model", "step": total, "dtype": "bf16"}
+    assert run.status["training"].get("output") == output, run.status["training"]
+    succeeded = [e["message"] for e in run.events if e["reason"] == "Succeeded"]
+    assert succeeded == [
+        f"the job is succeeded: the trained policy (step {total}) is at /checkpoints/model, "
+        "a Hugging Face directory in bf16"
+    ], succeeded
+    assert run.claim is not None
+    tiny = TinyModel.model_validate(EXAMPLE["spec"]["models"]["actor"]["tiny"])
+    last = checkpoint_actor(tiny, run.claim / f"step-{total:08d}", tmp_path)
+    assert_export_holds(run.claim / "model", last, torch.bfloat16)
 
 
 def test_the_operator_runs_from_its_image_with_only_its_service_account(run: Run) -> None:

@@ -23,13 +23,12 @@ import torch
 import yaml
 from PIL import Image
 from torch import Tensor
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.api.sections import TinyModel
-from rlhf_trainer.models import build_tiny_model, build_tokenizer, position_ids
+from rlhf_trainer.models import build_tokenizer, position_ids
 from tests.conftest import needs
+from tests.exports import assert_export_holds, checkpoint_actor
 from tests.specs import local_job
 
 pytestmark = [
@@ -162,17 +161,12 @@ def test_ctrl_c_checkpoints_the_same_command_resumes_and_the_export_is_the_polic
 
 def assert_the_runs_own_export_is_the_last_checkpoints_policy(run: Path, tmp: Path) -> None:
     """The run wrote its trained policy at its end, gathered from the actor's ranks
-    (not read from a checkpoint): the last checkpoint's actor weights, in bf16, bit for
-    bit, loadable by transformers."""
+    (not read from a checkpoint): the last checkpoint's actor weights, in bf16."""
     tiny = JobConfig.model_validate(yaml.safe_load((tmp / "tiny.yaml").read_text())["spec"])
     assert tiny.models.actor.tiny is not None
-    last = actor_weights(
-        tiny.models.actor.tiny, run / "checkpoints" / f"step-{TOTAL_STEPS:08d}", tmp
-    )
-    served = AutoModelForCausalLM.from_pretrained(run / "model", dtype="auto").state_dict()
-    for name, weight in last.state_dict().items():
-        assert served[name].dtype == torch.bfloat16, name
-        assert torch.equal(served[name], weight.to(torch.bfloat16)), name
+    last = run / "checkpoints" / f"step-{TOTAL_STEPS:08d}"
+    assert_export_holds(run / "model", checkpoint_actor(tiny.models.actor.tiny, last, tmp),
+                        torch.bfloat16)  # fmt: skip
 
 
 def assert_the_export_is_the_trained_policy(checkpoints: Path, interrupted: int, tmp: Path) -> None:
@@ -184,7 +178,7 @@ def assert_the_export_is_the_trained_policy(checkpoints: Path, interrupted: int,
     spec = yaml.safe_load((tmp / "tiny.yaml").read_text())["spec"]
     tiny = JobConfig.model_validate(spec).models.actor.tiny
     assert tiny is not None
-    actor = logits(actor_weights(tiny, last, tmp), tiny.vocab_size)
+    actor = logits(checkpoint_actor(tiny, last, tmp), tiny.vocab_size)
     served, stale = (export(checkpoint, tmp / f"hf-{checkpoint.name}", tmp)
                      for checkpoint in (last, earlier))  # fmt: skip
     torch.testing.assert_close(logits(served, tiny.vocab_size), actor, rtol=1e-5, atol=1e-5)
@@ -199,14 +193,6 @@ def export(checkpoint: Path, directory: Path, cwd: Path) -> PreTrainedModel:
     assert done.returncode == 0, done.stderr
     assert f"the policy of step {int(checkpoint.name.split('-')[1])} in fp32" in done.stdout
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-
-
-def actor_weights(tiny: TinyModel, step_dir: Path, scratch: Path) -> PreTrainedModel:
-    """The checkpoint's actor weights in the project's own model class."""
-    model = build_tiny_model(tiny, seed=1234)  # its weights are replaced below
-    dcp_to_torch_save(step_dir / "actor", scratch / "actor.pt")
-    model.load_state_dict(torch.load(scratch / "actor.pt", weights_only=False)["model"])
-    return model.eval()
 
 
 def logits(model: PreTrainedModel, vocab_size: int) -> Tensor:
