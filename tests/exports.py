@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import TinyModel
-from rlhf_trainer.models import build_tiny_model
+from rlhf_trainer.data.prompts import load_prompts, prompt_tokenizer
+from rlhf_trainer.models import build_tiny_model, load_tokenizer
 
 
 def checkpoint_actor(tiny: TinyModel, step_dir: Path, scratch: Path) -> PreTrainedModel:
@@ -28,3 +34,53 @@ def assert_export_holds(export: Path, actor: PreTrainedModel, dtype: torch.dtype
     for name, weight in actor.state_dict().items():
         assert served[name].dtype == dtype, name
         assert torch.equal(served[name], weight.to(dtype)), name
+
+
+# vLLM (its CPU build) serving an export in a process of its own, greedy, as `vllm serve`
+# would answer; the engine runs in that process (no engine-core child to start).
+VLLM_GREEDY = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+if __name__ == "__main__":
+    directory, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(model=directory, dtype="float32", max_model_len=64, enforce_eager=True,
+              gpu_memory_utilization=0.3, enable_chunked_prefill=False, seed=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy)
+    print(json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
+"""
+VLLM_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def held_out_prompts(config: JobConfig) -> list[list[int]]:
+    """The job's held-out prompts (data.eval), tokenised as the trainer tokenises them."""
+    tokenize = prompt_tokenizer(load_tokenizer(config.models.actor), config.data.chat_template)
+    prompts, _ = load_prompts(config.data, config.trainer.seed, tokenize, "eval")
+    return [prompt.token_ids for prompt in prompts]
+
+
+def vllm_greedy(export: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """vLLM's greedy answers (token ids) to `prompts`, from the export as it loads it."""
+    command = [sys.executable, "-c", VLLM_GREEDY, str(export), json.dumps(prompts), str(max_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=os.environ | VLLM_ENVIRONMENT, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers: list[list[int]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answers
+
+
+def actor_greedy(
+    actor: PreTrainedModel, prompts: list[list[int]], max_tokens: int, eos: int
+) -> list[list[int]]:
+    """The actor's own greedy answers: one prompt at a time (no padding), stopping after
+    the end-of-sequence token as vLLM does."""
+    answers = []
+    for prompt in prompts:
+        tokens = torch.tensor([prompt])
+        with torch.no_grad():
+            out = actor.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False,
+                                 max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+        answers.append(out[0, len(prompt) :].tolist())
+    return answers

@@ -1,8 +1,9 @@
 """`rlhfjob train` as a person runs it, in a real terminal (tmux): the live bar, Ctrl-C
 saving a checkpoint, the same command resuming from it, and the run folder it leaves;
 then `rlhfjob export` of its last checkpoint, which gives the trained actor's logits
-(and the Ctrl-C checkpoint's export does not, so the comparison can fail), and the
-policy the run itself wrote at its end (runs/<job>/model), the same weights in bf16.
+(and the Ctrl-C checkpoint's export does not, so the comparison can fail) and, served by
+vLLM, the actor's greedy answers to the held-out prompts; and the policy the run itself
+wrote at its end (runs/<job>/model), the same weights in bf16.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import build_tokenizer, position_ids
 from tests.conftest import needs
-from tests.exports import assert_export_holds, checkpoint_actor
+from tests.exports import (
+    actor_greedy,
+    assert_export_holds,
+    checkpoint_actor,
+    held_out_prompts,
+    vllm_greedy,
+)
 from tests.specs import local_job
 
 pytestmark = [
@@ -42,6 +49,7 @@ pytestmark = [
 
 TOTAL_STEPS = 12
 PROMPTS = ["c a f e =", "b a d =", "f a c e d =", "a b c d e f ="]  # the logits compared
+MAX_TOKENS = 16  # the example's maxResponseLength
 RUN_TIMEOUT_S = 300  # starting the roles takes about 40 s on 2 cores
 EXIT = re.compile(r"EXIT STATUS (\d+)")
 INTERRUPTED = re.compile(
@@ -184,6 +192,12 @@ def assert_the_export_is_the_trained_policy(checkpoints: Path, interrupted: int,
     torch.testing.assert_close(logits(served, tiny.vocab_size), actor, rtol=1e-5, atol=1e-5)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         torch.testing.assert_close(logits(stale, tiny.vocab_size), actor, rtol=1e-5, atol=1e-5)
+    # vLLM serves the export: its greedy answers to the held-out prompts are the actor's.
+    prompts = held_out_prompts(JobConfig.model_validate(spec))
+    eos = int(served.generation_config.eos_token_id)
+    answers = vllm_greedy(tmp / f"hf-{last.name}", prompts, MAX_TOKENS)
+    assert answers == actor_greedy(checkpoint_actor(tiny, last, tmp), prompts, MAX_TOKENS, eos)
+    assert len(set(map(tuple, answers))) > 1, answers  # not one answer for every prompt
 
 
 def export(checkpoint: Path, directory: Path, cwd: Path) -> PreTrainedModel:
