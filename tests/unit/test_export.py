@@ -184,3 +184,19 @@ def test_rlhfjob_export_writes_the_directory_and_reports_bad_input(
     assert (tmp_path / "hf" / WEIGHTS).is_file()
     assert cli.main(["export", str(source.parent), str(tmp_path / "hf")]) == 1
     assert f"{source.parent}: not a committed checkpoint" in capfd.readouterr().err
+
+
+def test_the_policy_is_written_at_the_end_and_every_export_every_steps_when_there_is_output(
+    tmp_path: Path,
+) -> None:
+    from rlhf_trainer.loop.run import export_due
+
+    spec = local_job(colocated=True, total_steps=50, checkpoint_dir=tmp_path, every_steps=10)
+    wire = spec.to_dict()
+    assert not any(export_due(spec, step) for step in range(51))  # no output: none
+    wire["output"] = {"path": str(tmp_path / "model")}
+    at_the_end = JobConfig.model_validate(wire)
+    assert [s for s in range(51) if export_due(at_the_end, s)] == [50]
+    wire["trainer"]["export"] = {"everySteps": 20}
+    every_20 = JobConfig.model_validate(wire)
+    assert [s for s in range(51) if export_due(every_20, s)] == [20, 40, 50]

@@ -129,16 +129,6 @@ class Run:
         checkpoint.prune(root, self.config.trainer.checkpoint.keep)
         self.last_checkpoint = str(final)
 
-    def export_owed(self) -> bool:
-        """Whether this step's policy goes to output: at the end, and every
-        trainer.export.everySteps."""
-        every = self.config.trainer.export.every_steps
-        if self.config.output is None:
-            return False
-        return self.step == self.config.trainer.total_steps or bool(
-            every and self.step % every == 0
-        )
-
     def export(self) -> None:
         """Write the policy to output as a Hugging Face directory: the actor's ranks gather
         it, rank 0 writes it (roles.hf_export)."""
@@ -225,7 +215,7 @@ class Run:
             result = replace(result, evaluations=tuple(self.evaluate(wait=saved)))
             if saved:
                 self.save()
-            if self.export_owed():
+            if export_due(self.config, self.step):
                 self.export()
             self.observe(result)
             if on_step is not None:
@@ -237,7 +227,7 @@ class Run:
                 self.reporter.report(self.progress(result), final=True)
                 raise Interrupted(self.step, str(self.last_checkpoint))
         if result is None:  # resumed at the last step: nothing to train, but say so
-            if self.export_owed():  # the attempt before may have stopped before its export
+            if export_due(self.config, self.step):  # the attempt before may have died first
                 self.export()
             self.reporter.report(self.progress(None), final=True)
         return self.progress(result)
@@ -250,6 +240,15 @@ class Interrupted(Exception):
         super().__init__(f"interrupted at step {step}: checkpoint saved to {checkpoint}")
         self.step = step
         self.checkpoint = checkpoint
+
+
+def export_due(config: JobConfig, step: int) -> bool:
+    """Whether the policy of `step` is written to output: at the end, and every
+    trainer.export.everySteps."""
+    if config.output is None:
+        return False
+    every, total = config.trainer.export.every_steps, config.trainer.total_steps
+    return step == total or (every is not None and step > 0 and step % every == 0)
 
 
 def log_step(result: StepResult, total: int) -> None:
