@@ -1,0 +1,256 @@
+"""A multi-turn trajectory's tokens, with a real chat template and tokenizer
+(SmolLM2-135M-Instruct, ChatML) and vLLM's own Hermes tool parser.
+
+The token-exactness test samples "gr" + "een" where the tokenizer writes "green": a
+trainer that decoded the conversation and encoded it again would train on ids the
+engine never sampled, and these tests would fail it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rlhf_env.protocol import Message, Tool, ToolFunction
+from rlhf_trainer.rollout.trajectory import (
+    ChatRenderer,
+    TemplateNotIncremental,
+    ToolCallParser,
+    Trajectory,
+    TrajectoryLimits,
+    UnknownToolParser,
+    cuts_by_reason,
+    limit_before_next_turn,
+    template_message,
+)
+from tests.conftest import needs
+from tests.real_model import real_model_dir
+
+pytestmark = needs(
+    None
+    if (real_model_dir() / "tokenizer.json").exists()
+    else f"no SmolLM2 tokenizer at {real_model_dir()} (make real-model)"
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+LOOKUP = Tool(
+    function=ToolFunction(
+        name="lookup",
+        parameters={"type": "object", "properties": {"key": {"type": "string"}}},
+    )
+)
+CALL_TEXT = '<tool_call>\n{"name": "lookup", "arguments": {"key": "lime"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_model_dir())
+
+
+@pytest.fixture(scope="module")
+def renderer(tokenizer: Any) -> ChatRenderer:
+    return ChatRenderer(tokenizer, MODEL)
+
+
+@pytest.fixture(scope="module")
+def hermes(tokenizer: Any) -> ToolCallParser:
+    return ToolCallParser("hermes", tokenizer, [LOOKUP])
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return ids
+
+
+def fake_log_probs(ids: list[int], turn: int) -> list[float]:
+    """Distinct per position, so a shifted alignment shows."""
+    return [-(turn + 1) - index / 100 for index in range(len(ids))]
+
+
+QUESTION = [Message(role="user", content="What is the value of the key 'lime'?")]
+
+
+def two_turn_trajectory(
+    tokenizer: Any, renderer: ChatRenderer, hermes: ToolCallParser
+) -> tuple[Trajectory, list[int], list[int], list[int]]:
+    """Turn 0 calls the tool, the environment answers "green", turn 1 says "green"
+    sampled as "gr" + "een". Returns the trajectory and the ids of its three parts."""
+    prompt_text = renderer.tokenizer.apply_chat_template(
+        [template_message(m) for m in QUESTION], tokenize=False, add_generation_prompt=True
+    )
+    trajectory = Trajectory(prompt_ids=encode(tokenizer, prompt_text))
+    eot = [renderer.end_of_turn_id]
+
+    call_ids = encode(tokenizer, CALL_TEXT) + eot
+    assistant = hermes.parse(renderer.assistant_text(call_ids), turn=0)
+    trajectory.add_sampled(call_ids, fake_log_probs(call_ids, 0), 3, len(assistant.tool_calls))
+
+    answer = [Message(role="tool", tool_call_id=assistant.tool_calls[0].id, content="green")]
+    tool_ids = renderer.observation_ids(answer)
+    trajectory.add_observed(tool_ids)
+
+    green_ids = encode(tokenizer, "gr") + encode(tokenizer, "een") + eot
+    assert encode(tokenizer, "green") != green_ids[:-1], "the drift case must split a merge"
+    trajectory.add_sampled(green_ids, fake_log_probs(green_ids, 1), 5)
+    return trajectory, call_ids, tool_ids, green_ids
+
+
+def test_trained_tokens_are_the_sampled_ones_plus_the_tool_tokens(
+    tokenizer: Any, renderer: ChatRenderer, hermes: ToolCallParser
+) -> None:
+    trajectory, call_ids, tool_ids, green_ids = two_turn_trajectory(tokenizer, renderer, hermes)
+    prompt = trajectory.prompt_ids
+    assert trajectory.token_ids == prompt + call_ids + tool_ids + green_ids
+
+    sampled = [0] * len(prompt) + [1] * len(call_ids) + [0] * len(tool_ids) + [1] * len(green_ids)
+    assert trajectory.loss_mask == sampled
+    log_probs = trajectory.log_probs
+    assert len(log_probs) == len(trajectory.token_ids)
+    starts = [len(prompt), len(prompt) + len(call_ids) + len(tool_ids)]
+    for turn, (start, ids) in enumerate(zip(starts, [call_ids, green_ids], strict=True)):
+        assert trajectory.token_ids[start : start + len(ids)] == ids
+        assert log_probs[start : start + len(ids)] == fake_log_probs(ids, turn)
+    assert all(p == 0.0 for p, m in zip(log_probs, sampled, strict=True) if m == 0)
+    assert (trajectory.turns, trajectory.tool_calls, trajectory.versions) == (2, 1, [3, 5])
+    assert trajectory.trainable
+
+    # Why the trainer never re-tokenises: the round trip merges "gr" + "een".
+    text = tokenizer.decode(trajectory.token_ids, skip_special_tokens=False)
+    retokenised = encode(tokenizer, text)
+    assert retokenised != trajectory.token_ids
+    assert len(retokenised) == len(trajectory.token_ids) - 1
+
+
+def test_the_appended_tokens_read_as_the_template_renders_the_whole_conversation(
+    tokenizer: Any, renderer: ChatRenderer, hermes: ToolCallParser
+) -> None:
+    trajectory, call_ids, _, _ = two_turn_trajectory(tokenizer, renderer, hermes)
+    assistant = hermes.parse(renderer.assistant_text(call_ids), turn=0)
+    conversation = [
+        *QUESTION,
+        # SmolLM2's template renders an assistant's content only: the call's text
+        Message(role="assistant", content=CALL_TEXT),
+        Message(role="tool", tool_call_id=assistant.tool_calls[0].id, content="green"),
+        Message(role="assistant", content="green"),
+    ]
+    whole = tokenizer.apply_chat_template(
+        [template_message(m) for m in conversation], tokenize=False
+    )
+    # The template's "\n" after the last <|im_end|> comes with a next turn, if any.
+    assert tokenizer.decode(trajectory.token_ids, skip_special_tokens=False) + "\n" == whole
+
+    # The tool turn alone: the glue after <|im_end|>, the tool message, the next prompt.
+    answer = Message(role="tool", tool_call_id="call-0-0", content="green")
+    assert renderer.observation_text([answer]) == (
+        "\n<|im_start|>tool\ngreen<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert renderer.observation_text([answer], closed=False).startswith("<|im_end|>\n")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer: Any) -> None:
+    class Rewriting:
+        """Stands in for a template that renders the last assistant turn differently."""
+
+        eos_token_id = tokenizer.eos_token_id
+
+        def decode(self, ids: list[int], **_: Any) -> str:
+            return str(tokenizer.decode(ids))
+
+        def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+            last = messages[-1]["role"] == "assistant" and not kwargs["add_generation_prompt"]
+            text = "".join(f"{m['role']}: {m['content']}<|im_end|>\n" for m in messages)
+            return text + ("(last)" if last else "")
+
+    renderer = ChatRenderer(Rewriting(), "rewriter")  # type: ignore[arg-type]
+    with pytest.raises(TemplateNotIncremental, match="rewriter"):
+        renderer.observation_ids([Message(role="tool", tool_call_id="c", content="x")])
+
+
+def test_hermes_parses_one_call_and_keeps_the_content_before_it(hermes: ToolCallParser) -> None:
+    message = hermes.parse("Let me look.\n" + CALL_TEXT, turn=2)
+    assert message.role == "assistant"
+    assert message.content == "Let me look.\n"
+    (call,) = message.tool_calls
+    assert (call.id, call.function.name) == ("call-2-0", "lookup")
+    assert call.function.parsed_arguments() == {"key": "lime"}
+
+
+def test_hermes_parses_two_calls(hermes: ToolCallParser) -> None:
+    second = CALL_TEXT.replace("lime", "apple")
+    message = hermes.parse(CALL_TEXT + "\n" + second, turn=0)
+    assert message.content is None
+    assert [c.id for c in message.tool_calls] == ["call-0-0", "call-0-1"]
+    keys = [c.function.parsed_arguments()["key"] for c in message.tool_calls]
+    assert keys == ["lime", "apple"]
+
+
+def test_plain_content_has_no_calls(hermes: ToolCallParser) -> None:
+    message = hermes.parse("green", turn=1)
+    assert (message.content, message.tool_calls) == ("green", [])
+
+
+def test_bad_json_in_a_call_stays_content(hermes: ToolCallParser) -> None:
+    text = '<tool_call>\n{"name": "lookup", "arguments": {"key": lime}}\n</tool_call>'
+    message = hermes.parse(text, turn=0)  # vLLM logs the JSON error and gives up
+    assert (message.content, message.tool_calls) == (text, [])
+
+
+def test_an_unknown_parser_names_the_known_ones(tokenizer: Any) -> None:
+    with pytest.raises(UnknownToolParser, match=r"'hermez'.*hermes"):
+        ToolCallParser("hermez", tokenizer, [LOOKUP])
+
+
+@pytest.mark.parametrize(
+    ("limits", "reason"),
+    [
+        (TrajectoryLimits(max_turns=1, max_tokens=10_000), "max_turns"),
+        (TrajectoryLimits(max_turns=8, max_tokens=10), "token_budget"),
+        (TrajectoryLimits(max_turns=8, max_tokens=10_000), None),
+    ],
+)
+def test_limits_before_the_next_turn(limits: TrajectoryLimits, reason: str | None) -> None:
+    trajectory = Trajectory(prompt_ids=[1, 2, 3])
+    trajectory.add_sampled([4, 5, 6, 7, 8, 9, 10], [-0.5] * 7, version=0)
+    assert limit_before_next_turn(trajectory, limits) == reason
+
+
+@pytest.mark.parametrize(
+    "reason", ["max_turns", "token_budget", "environment_error: HTTP 500: the tool broke"]
+)
+def test_a_cut_trajectory_is_not_trained_on(reason: str) -> None:
+    trajectory = Trajectory(prompt_ids=[1, 2])
+    trajectory.add_sampled([3, 4], [-0.1, -0.2], version=0, tool_calls=1)
+    trajectory.add_observed([5, 6, 7])
+    assert trajectory.trainable and sum(trajectory.loss_mask) == 2
+    trajectory.cut_short(reason)
+    trajectory.cut_short("a later reason")  # the first stands
+    assert not trajectory.trainable
+    assert trajectory.cut == reason
+    assert trajectory.loss_mask == [0] * 7
+    assert trajectory.token_ids == [1, 2, 3, 4, 5, 6, 7]  # kept, to be counted and shown
+    with pytest.raises(ValueError, match="cut"):
+        trajectory.add_sampled([8], [-0.3], version=0)
+
+
+def test_cuts_are_counted_by_kind() -> None:
+    reasons = ["max_turns", "environment_error: timeout", "environment_error: HTTP 500", None]
+    trajectories = [Trajectory(prompt_ids=[1], cut=reason) for reason in reasons]
+    assert cuts_by_reason(trajectories) == {"max_turns": 1, "environment_error": 2}
+
+
+def test_version_span_over_turns() -> None:
+    trajectory = Trajectory(prompt_ids=[1])
+    for version in (3, 3, 5):
+        trajectory.add_sampled([2], [-0.1], version)
+        trajectory.add_observed([9])
+    assert trajectory.versions == [3, 3, 5]
+    assert trajectory.version_span == 2
+    assert [turn.turn for turn in trajectory.sampled_turns] == [0, 1, 2]
+
+
+def test_a_sampled_turn_needs_a_log_prob_per_token() -> None:
+    with pytest.raises(ValueError, match="2 ids but 1 log-probs"):
+        Trajectory(prompt_ids=[1]).add_sampled([2, 3], [-0.1], version=0)
