@@ -89,6 +89,19 @@ def test_with_no_restarts_allowed_the_first_death_fails() -> None:
         recovery(engine, limit=-1)
 
 
+def test_an_engine_that_cannot_be_restarted_fails_at_its_first_death_saying_why() -> None:
+    """With vLLM's NCCL or IPC transfer the weights never pass through the engine's
+    process: its first death is the error, whatever maxEngineRestarts allows, and no new
+    engine is built (on a GPU that would take minutes, and memory, for nothing)."""
+    engine = Engine()
+    why = "it cannot be restarted: with the nccl weight transfer ..."
+    health = EngineRecovery(NAME, 3, engine.restart, lambda: 12, unrestartable=why)
+    with pytest.raises(EngineRestartsExhausted) as died:
+        asyncio.run(health.recover(EngineDied("gone"), generation=0))
+    assert str(died.value) == f"{NAME}: vLLM engine died (EngineDied('gone')); {why}"
+    assert engine.builds == health.restarts == 0
+
+
 def test_a_failed_restart_fails_its_waiters_and_counts() -> None:
     health = recovery(Engine(fail=True), limit=3)
 

@@ -207,7 +207,9 @@ class GenerationConfig(SpecModel):
             "Times each rollout engine may be restarted in place after its vLLM engine "
             "dies (it reloads the current policy weights and runs its requests again); "
             "the next death fails the job. Each engine keeps a copy of the policy weights "
-            "in host memory for it; 0 keeps none."
+            "in host memory for it; 0 keeps none. With vLLM's NCCL or IPC weight transfer "
+            "(GPUs) the weights never pass through the engine's process, and its first "
+            "death fails the job."
         ),
     )
     eval: EvalGeneration = Field(

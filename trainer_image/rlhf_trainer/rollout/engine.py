@@ -145,8 +145,17 @@ class RolloutEngine(WeightUpdates):
         )
         self._llm: Any = build_llm(self._settings)
         self.policy_version = initial_version
+        # A restart reloads the weights this process keeps. With vLLM's NCCL or IPC
+        # transfer they never pass through it: there, the first death fails the run.
+        unrestartable = (
+            None
+            if transfer_backend == HOST_TRANSFER
+            else f"it cannot be restarted: with the {transfer_backend} weight transfer the "
+            "weights never pass through its process to be kept (generation.maxEngineRestarts "
+            "applies to the host transfer only)"
+        )
         self.recovery = EngineRecovery(
-            name, max_restarts, self._restart, lambda: self.policy_version
+            name, max_restarts, self._restart, lambda: self.policy_version, unrestartable
         )
         self.name = name
         self.transfer_backend = transfer_backend
@@ -199,11 +208,6 @@ class RolloutEngine(WeightUpdates):
         self._llm = llm = await loop.run_in_executor(None, build_llm, self._settings)
         if self._paused or self._updating:
             await self._pause(llm)
-        if self.transfer_backend != HOST_TRANSFER:
-            raise RuntimeError(
-                f"{self.name} cannot be restarted: with the {self.transfer_backend} weight "
-                "transfer the weights never pass through this process to be kept"
-            )
         await self._init_transfer(llm)
         if self.store is not None and self.store.latest is not None:
             buckets, version = self.store.latest

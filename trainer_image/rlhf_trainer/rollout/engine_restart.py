@@ -46,6 +46,8 @@ class EngineRecovery:
 
     `restart` rebuilds the engine (it must leave a working engine with the current
     weights, or raise); `policy_version` says which weights that is, for the log.
+    `unrestartable`: why this engine can never be restarted, whatever `limit` says (its
+    weights never pass through this process); its first death is then the error.
     """
 
     def __init__(
@@ -54,11 +56,13 @@ class EngineRecovery:
         limit: int,
         restart: Callable[[], Awaitable[None]],
         policy_version: Callable[[], int],
+        unrestartable: str | None = None,
     ) -> None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         self.name = name
-        self.limit = limit
+        self.limit = 0 if unrestartable else limit
+        self.unrestartable = unrestartable
         self.restarts = 0  # started, including one under way
         self.generation = 0  # which engine is up: +1 with every finished restart
         self.seconds: list[float] = []  # how long each finished restart took
@@ -79,9 +83,12 @@ class EngineRecovery:
             return  # replaced already: this caller saw the old engine die
         if self._underway is None:
             if self.restarts >= self.limit:
+                why = self.unrestartable or (
+                    f"after {self.restarts} restart(s); generation.maxEngineRestarts is "
+                    f"{self.limit}"
+                )
                 raise EngineRestartsExhausted(
-                    f"{self.name}: vLLM engine died ({error!r}) after {self.restarts} "
-                    f"restart(s); generation.maxEngineRestarts is {self.limit}"
+                    f"{self.name}: vLLM engine died ({error!r}); {why}"
                 ) from error
             self.restarts += 1
             log.warning(
