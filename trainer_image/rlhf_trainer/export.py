@@ -11,8 +11,8 @@ The architecture and the tokenizer come from the job's actor model (`models.acto
 tiny model's are built from its config, a model's from its path. A checkpoint keeps the
 job's config (`job.json`); one written before it was kept needs the job's spec given.
 
-The directory is written like a checkpoint: into `.tmp-<name>` beside it, synced, then
-renamed in place of the previous export, so a failure halfway leaves that one whole.
+The directory is written as a job writes its output (roles.hf_export): beside the
+previous export, then renamed in place of it whole.
 
     python -m rlhf_trainer.export CHECKPOINT DIR [--dtype bf16|fp32] [--spec JOBCONFIG.json]
 """

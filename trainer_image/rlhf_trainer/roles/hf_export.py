@@ -115,7 +115,7 @@ def hf_config(actor: ModelSource) -> PretrainedConfig:
 
 
 def check_tied(weights: dict[str, Tensor], model: PreTrainedModel, origin: str) -> None:
-    """With tied embeddings the LM head is the input embedding: the checkpoint holds it
+    """With tied embeddings the LM head is the input embedding: the weights may hold it
     under both names, and they must agree (a trained head is never dropped silently)."""
     embedding = model.get_input_embeddings().weight
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is embedding]
@@ -124,7 +124,7 @@ def check_tied(weights: dict[str, Tensor], model: PreTrainedModel, origin: str) 
         if not torch.equal(weights[name], weights[held[0]]):
             raise ExportError(
                 f"{origin}: the model ties {name} to {held[0]}, "
-                "but the checkpoint holds different tensors for them"
+                "but the weights hold different tensors for them"
             )
 
 
