@@ -20,8 +20,10 @@ from transformers import (
 
 from rlhf_trainer.algo.experience import Experience, Sequences
 from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.export import export_checkpoint
 from rlhf_trainer.models import BOS, EOS, PAD, SPECIAL_TOKENS, UNK, build_tokenizer, vocabulary
-from rlhf_trainer.roles import trainable
+from rlhf_trainer.roles import checkpoint, trainable
+from rlhf_trainer.roles.checkpoint import capture_rng
 from rlhf_trainer.roles.critic import Critic
 from rlhf_trainer.roles.hf_export import Export
 from rlhf_trainer.roles.policy import Actor
@@ -116,33 +118,46 @@ def test_micro_batches_and_ranks_add_up_to_one_pass_over_the_batch(tmp_path: Pat
         assert_same_weights(sharded[after], whole[after])
 
 
-def train_and_export(
-    rank: int, job: JobConfig, directory: str
+def train_save_and_export(
+    rank: int, job: JobConfig, checkpoint_dir: str, directory: str
 ) -> tuple[dict[str, torch.Tensor], Export | None]:
-    """One update of a fresh actor on this rank's shard, then its export: the trained
-    weights, whole (gathered apart from the export), and what the export returned."""
+    """One update of a fresh actor on this rank's shard, its checkpoint (each rank writes
+    its shards) and its export: the trained weights, whole (gathered apart from both),
+    and what the export returned."""
     world = torch.distributed.get_world_size()
     actor = Actor(RankInfo(Role.ACTOR, "policy", rank, world), job)
     batch = split_batch(experience(), world)[rank]
     log_probs = actor.log_probs(batch).detach()
     actor.update(replace(batch, old_log_probs=log_probs, rollout_log_probs=log_probs), step=1)
+    actor.save(checkpoint_dir)
     return full_state_dict(actor.model), actor.export(directory, "fp32", step=1)
 
 
 @pytest.mark.slow
-def test_the_actor_ranks_export_the_trained_policy_whole_from_rank_0(tmp_path: Path) -> None:
+def test_the_actor_ranks_export_the_trained_policy_whole_and_so_does_their_checkpoint(
+    tmp_path: Path,
+) -> None:
     """Two ranks, each holding half of every weight (FSDP2), gather the trained policy
     to rank 0, which writes it as a Hugging Face directory (what a job writes to
-    spec.output): transformers loads exactly those weights, tied as the model ties them."""
-    target = tmp_path / "policy"
+    spec.output): transformers loads exactly those weights, tied as the model ties them.
+    `rlhfjob export` of the checkpoint the two ranks wrote (each its shards) gives the
+    same weights, read in one process with no process group."""
+    target, root = tmp_path / "policy", tmp_path / "checkpoints"
     job = config(None, 2, tmp_path)
-    (trained, done), (_, elsewhere) = run_ranks(train_and_export, 2, job, str(target))
+    staging = checkpoint.staging_dir(root, 1)
+    (trained, done), (_, elsewhere) = run_ranks(
+        train_save_and_export, 2, job, str(staging / Role.ACTOR), str(target)
+    )
     assert done == Export(target, 1, "fp32") and elsewhere is None
-    loaded = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
-    served = loaded.state_dict()
-    for name, weight in trained.items():
-        assert torch.equal(served[name], weight), name
+    checkpoint.save_trainer_state(staging, checkpoint.TrainerState(1, 1, 0, 0, capture_rng()))
+    checkpoint.save_job_config(staging, job)
+    from_shards = export_checkpoint(checkpoint.commit(root, 1), tmp_path / "from-shards", "fp32")
+    for directory in (target, from_shards.directory):
+        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+        served = loaded.state_dict()
+        for name, weight in trained.items():
+            assert torch.equal(served[name], weight), (directory, name)
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         assert (target / name).is_file(), name
 
