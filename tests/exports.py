@@ -16,6 +16,7 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.data.prompts import load_prompts, prompt_tokenizer
 from rlhf_trainer.models import build_tiny_model, load_tokenizer
+from rlhf_trainer.rollout.engine_settings import CPU_ENVIRONMENT, UNI_EXECUTOR_ENVIRONMENT
 
 
 def checkpoint_actor(tiny: TinyModel, step_dir: Path, scratch: Path) -> PreTrainedModel:
@@ -42,16 +43,17 @@ VLLM_GREEDY = """
 import json, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from rlhf_trainer.rollout.engine_settings import cpu_scheduling
 
 if __name__ == "__main__":
     directory, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     llm = LLM(model=directory, dtype="float32", max_model_len=64, enforce_eager=True,
-              gpu_memory_utilization=0.3, enable_chunked_prefill=False, seed=0)
+              gpu_memory_utilization=0.3, seed=0, **cpu_scheduling(64))
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy)
     print(json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
 """
-VLLM_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+VLLM_ENVIRONMENT = CPU_ENVIRONMENT | UNI_EXECUTOR_ENVIRONMENT  # as the trainer's engines
 
 
 def held_out_prompts(config: JobConfig) -> list[list[int]]:

@@ -186,7 +186,8 @@ def assert_the_export_is_the_trained_policy(checkpoints: Path, interrupted: int,
     spec = yaml.safe_load((tmp / "tiny.yaml").read_text())["spec"]
     tiny = JobConfig.model_validate(spec).models.actor.tiny
     assert tiny is not None
-    actor = logits(checkpoint_actor(tiny, last, tmp), tiny.vocab_size)
+    trained = checkpoint_actor(tiny, last, tmp)
+    actor = logits(trained, tiny.vocab_size)
     served, stale = (export(checkpoint, tmp / f"hf-{checkpoint.name}", tmp)
                      for checkpoint in (last, earlier))  # fmt: skip
     torch.testing.assert_close(logits(served, tiny.vocab_size), actor, rtol=1e-5, atol=1e-5)
@@ -196,7 +197,7 @@ def assert_the_export_is_the_trained_policy(checkpoints: Path, interrupted: int,
     prompts = held_out_prompts(JobConfig.model_validate(spec))
     eos = int(served.generation_config.eos_token_id)
     answers = vllm_greedy(tmp / f"hf-{last.name}", prompts, MAX_TOKENS)
-    assert answers == actor_greedy(checkpoint_actor(tiny, last, tmp), prompts, MAX_TOKENS, eos)
+    assert answers == actor_greedy(trained, prompts, MAX_TOKENS, eos)
     assert len(set(map(tuple, answers))) > 1, answers  # not one answer for every prompt
 
 
