@@ -48,6 +48,43 @@ def test_rollouts_pack_with_prompts_left_and_responses_right() -> None:
     assert batch.policy_version.tolist() == [0, 3]
 
 
+def test_a_multi_turn_response_counts_only_its_sampled_tokens() -> None:
+    """Turn 1 (7 2), a tool result the environment added (4 4), turn 2 (8 2): all are
+    attended to, only the turns are trained on, and their log-probs are the engine's."""
+    two_turns = Rollout(
+        prompt_token_ids=[1, 5],
+        response_token_ids=[7, 2, 4, 4, 8, 2],
+        response_log_probs=[-0.1, -0.2, 0.0, 0.0, -0.3, -0.4],
+        finished=True,
+        policy_version=0,
+        loss_mask=(1, 1, 0, 0, 1, 1),
+    )
+    batch = pack_rollouts([two_turns, rollout([1, 5], [9, 2])], PAD)
+    assert batch.attention_mask.tolist()[0] == [1] * 8
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 1, 1, 0, 0, 0, 0]]
+    assert batch.rollout_log_probs[0].tolist() == pytest.approx(
+        [0, 0, -0.1, -0.2, 0, 0, -0.3, -0.4]
+    )
+    with pytest.raises(ValueError, match="a loss mask of 2 for 6 tokens"):
+        Rollout([1], [7, 2, 4, 4, 8, 2], [0.0] * 6, True, 0, loss_mask=(1, 1))
+
+
+def test_gae_steps_over_the_tool_results_between_turns() -> None:
+    """GAE over a masked middle equals GAE over the sampled tokens alone: the tool
+    result is part of the environment's transition from one turn to the next."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]])
+    rewards = torch.tensor([[0.1, -0.2, 5.0, 5.0, 0.3, 1.0]])
+    values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.2, 0.1]])
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    sampled = mask[0].bool()
+    alone, alone_returns = gae(
+        rewards[:, sampled], values[:, sampled], torch.ones(1, 4), gamma=0.9, lam=0.8
+    )
+    assert advantages[0, sampled].tolist() == pytest.approx(alone[0].tolist())
+    assert returns[0, sampled].tolist() == pytest.approx(alone_returns[0].tolist())
+    assert advantages[0, 2:4].tolist() == [0.0, 0.0]
+
+
 def test_an_empty_response_packs_to_a_row_with_nothing_to_train() -> None:
     batch = pack_rollouts([rollout([1, 5], [])], PAD)
     assert batch.response_mask.sum() == 0

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.algo.experience import Episode, Rollout
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.loop.elastic_rollout import EngineLedger
 from rlhf_trainer.loop.fully_async import AsyncState
@@ -193,6 +193,17 @@ def test_sample_defaults_to_its_rollouts_version() -> None:
 
 def test_sample_json_round_trip() -> None:
     original = sample(12, prompt_index=34, version=5, policy_versions=(4, 5))
+    assert Sample.from_json(json.loads(json.dumps(original.to_json()))) == original
+
+
+def test_a_multi_turn_sample_keeps_its_loss_mask_and_episode_through_json() -> None:
+    episode = Episode(score=0.5, turns=2, tool_calls=1, version_span=1, cut=None)
+    original = Sample(
+        3,
+        7,
+        Rollout([1], [7, 2, 4, 8, 2], [-0.1, -0.2, 0.0, -0.3, -0.4], True, 4,
+                ((4, 0), (5, 3)), loss_mask=(1, 1, 0, 1, 1), episode=episode),
+    )  # fmt: skip
     assert Sample.from_json(json.loads(json.dumps(original.to_json()))) == original
 
 

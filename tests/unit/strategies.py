@@ -80,6 +80,14 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
     }
     if samples > 1 and draw(st.booleans()):
         spec["algorithm"]["dynamicSampling"] = {"maxAttempts": draw(st.integers(1, 10))}
+    if not asynchronous and draw(st.booleans()):
+        spec["environments"] = [{"name": "tools", "url": "http://tools.team.svc:8000"}]
+        spec["generation"]["multiTurn"] = {
+            "environment": "tools",
+            "maxTurns": draw(st.integers(1, 16)),
+            "maxTokens": draw(st.integers(513, 8192)),  # above maxPromptLength's default
+        }
+        spec["models"]["reward"] = {"environment": True}
     if asynchronous:
         spec["async"] = {
             "stalenessThreshold": draw(st.floats(0, 4)),
@@ -182,6 +190,9 @@ def rule_damaged_jobs(draw: st.DrawFn) -> dict[str, Any]:
         "samples": lambda: spec["generation"].__setitem__("samplesPerPrompt", draw(st.integers(1, 3))),
         "clip": lambda: spec["algorithm"].__setitem__(draw(st.sampled_from(["clipRatioLow", "clipRatioHigh", "clipRatio"])), draw(st.sampled_from([0.1, 0.2, 0.3]))),
         "dynamic": lambda: spec["algorithm"].__setitem__("dynamicSampling", {}),
+        "multi-turn": lambda: spec["generation"].__setitem__("multiTurn", {"environment": draw(st.sampled_from(["tools", "none"])), "maxTokens": draw(st.sampled_from([100, 4096]))}),
+        "environments": lambda: spec.__setitem__("environments", [{"name": "tools", "url": "http://t:1"}] * draw(st.integers(0, 2))),
+        "reward-environment": lambda: spec["models"].__setitem__("reward", {"environment": draw(st.booleans())}),
         "critic-model": lambda: spec["models"].__setitem__("critic", {"path": "/models/critic"}),
         "separation": lambda: (spec.__setitem__("separation", "gpu"),
                                spec["pools"][0].__setitem__("nodeSelector", {"pool": draw(st.sampled_from("ab"))}),

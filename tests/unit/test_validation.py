@@ -18,6 +18,13 @@ from tests.unit.celcheck import cel_errors
 Job = dict[str, Any]
 
 
+def _multi_turn(job: Job) -> None:
+    """Make `job` a valid multi-turn job, for the cases that then break one of its rules."""
+    job["spec"]["environments"] = [{"name": "tools", "url": "http://tools.team.svc:8000"}]
+    job["spec"].setdefault("generation", {})["multiTurn"] = {"environment": "tools", "maxTurns": 4}
+    job["spec"]["models"]["reward"] = {"environment": True}
+
+
 def _set(path: str, value: Any) -> Callable[[Job], None]:
     """A mutation that sets a dotted path ("spec.pools.0.gpusPerNode") in a manifest."""
 
@@ -140,7 +147,24 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
     ("model-path-and-tiny", _set("spec.models.actor.path", "org/model"), "spec.models.actor",
      "set exactly one of path or tiny", True),
     ("reward-neither", _set("spec.models.reward", {}), "spec.models.reward",
-     "set exactly one of path or function", True),
+     "set exactly one of path, function or environment", True),
+    ("multi-turn-zero-turns", _set("spec.generation.multiTurn", {"environment": "t", "maxTurns": 0}),
+     "spec.generation.multiTurn.maxTurns", "greater than or equal to 1", False),
+    ("multi-turn-budget-below-prompt",
+     lambda j: (_multi_turn(j), _set("spec.generation.multiTurn.maxTokens", 16)(j),
+                _set("spec.data.maxPromptLength", 16)(j)),
+     "spec.generation.multiTurn.maxTokens", "must exceed data.maxPromptLength", True),
+    ("multi-turn-undeclared-environment",
+     lambda j: (_multi_turn(j), _set("spec.generation.multiTurn.environment", "calc")(j)),
+     "spec.generation.multiTurn.environment", "must name one of environments", True),
+    ("environment-url-without-scheme",
+     lambda j: (_multi_turn(j), _set("spec.environments.0.url", "tools.team.svc:8000")(j)),
+     "spec.environments[0].url", "should match pattern", False),
+    ("multi-turn-reward-function",
+     lambda j: (_multi_turn(j), _set("spec.models.reward", {"function": "toy_copy"})(j)),
+     "spec.models.reward.environment", "is required with generation.multiTurn", True),
+    ("environment-reward-single-turn", _set("spec.models.reward", {"environment": True}),
+     "spec.models.reward.environment", "is required with generation.multiTurn", True),
     ("reward-function-bad-name", _set("spec.models.reward.function", "rm --all"),
      "spec.models.reward.function", "should match pattern", False),
     ("gpu-separation-disjoint-nodes",

@@ -10,7 +10,9 @@ every role reads the same layout:
 Prompts are padded on the left, responses on the right. Position t of every per-token
 tensor (log-probs, values, advantages) is about the token at t: log π(x_t | x_<t), and
 V(s_t), the value of the state just before x_t was chosen. `response_mask` picks the
-tokens the policy chose, the only ones PPO counts.
+tokens the policy chose, the only ones PPO counts: in a multi-turn response, the tool
+results and template glue between turns are attended to (attention_mask 1) but not
+counted (response_mask 0), and GAE's recursion steps over them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Sequences:
 
     input_ids: Tensor  # (B, T) long: prompt left-padded, then response right-padded
     attention_mask: Tensor  # (B, T) long: 1 on the prompt's and the response's tokens
-    response_mask: Tensor  # (B, T) float: 1 on the response's tokens, the ones PPO counts
+    response_mask: Tensor  # (B, T) float: 1 on the response's sampled tokens, the ones PPO counts
     rollout_log_probs: Tensor  # (B, T) log π_rollout(x_t) of the response tokens, 0 elsewhere
     policy_version: Tensor  # (B,) long: the weights that started generating each row
 
@@ -117,7 +119,8 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Sequences:
 
     `rollout_log_probs` are the engine's log-probs of the response tokens, the
     reference for off-policy correction; `policy_version` (B,) says which weights
-    generated each row.
+    generated each row. A multi-turn response's tool results are attended to but not
+    counted: `response_mask` is its `loss_mask`.
     """
     prompt_len = max(len(r.prompt_token_ids) for r in rollouts)
     response_len = max(max(len(r.response_token_ids) for r in rollouts), 1)
@@ -132,7 +135,7 @@ def pack_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Sequences:
         input_ids[row, start:prompt_len] = torch.tensor(prompt)
         input_ids[row, prompt_len:end] = torch.tensor(response, dtype=torch.long)
         attention_mask[row, start:end] = 1
-        response_mask[row, prompt_len:end] = 1
+        response_mask[row, prompt_len:end] = torch.tensor(r.sampled_mask, dtype=torch.float32)
         rollout_log_probs[row, prompt_len:end] = torch.tensor(r.response_log_probs)
     return Sequences(
         input_ids=input_ids,
@@ -178,18 +181,49 @@ def micro_batch_rows(batch: Sequences, size: int | None) -> list[Tensor]:
 
 
 @dataclass(frozen=True)
+class Episode:
+    """How a multi-turn rollout went, against its environment."""
+
+    score: float  # the environment's final score (0 for a cut episode: see `cut`)
+    turns: int  # sampled assistant turns
+    tool_calls: int  # parsed from those turns
+    version_span: int  # policy versions between its oldest and newest turn
+    # Why it ended early ("max_turns", "token_budget", "turn_timeout", "environment_error:
+    # ..."), None if the environment ended it. A cut episode is not trained on (its loss
+    # mask is all 0), and it counts as a score of 0 in its group's baseline.
+    cut: str | None = None
+
+
+@dataclass(frozen=True)
 class Rollout:
-    """One generated response, as the trainer needs it."""
+    """One generated response, as the trainer needs it. A multi-turn response is every
+    turn and every tool result after the prompt, in order; `loss_mask` says which of its
+    tokens the policy sampled."""
 
     prompt_token_ids: list[int]
     response_token_ids: list[int]  # ends with EOS when the model stopped by itself
-    response_log_probs: list[float]  # log π_rollout(a_t | s_t), one per response token
+    # log π_rollout(a_t | s_t), one per response token (0 where loss_mask is 0)
+    response_log_probs: list[float]
     finished: bool  # stopped on EOS (False: cut at max_tokens)
     policy_version: int  # the weights that started it (the oldest, when it spans several)
     # ((version, index of the first response token it generated), ...), in order: with
     # partial rollouts (fully-async mode) weights change while a response is generated,
     # e.g. ((3, 0), (4, 5)): tokens 0-4 by version 3, tokens 5.. by version 4.
     version_spans: tuple[tuple[int, int], ...] = ()
+    # (len(response_token_ids),) 1 on the tokens the policy sampled, 0 on those the
+    # chat template and the environment added between turns; () = all sampled.
+    loss_mask: tuple[int, ...] = ()
+    episode: Episode | None = None  # multi-turn rollouts only
+
+    def __post_init__(self) -> None:
+        if self.loss_mask and len(self.loss_mask) != len(self.response_token_ids):
+            raise ValueError(
+                f"a loss mask of {len(self.loss_mask)} for {len(self.response_token_ids)} tokens"
+            )
+
+    @property
+    def sampled_mask(self) -> list[int]:  # (len(response_token_ids),) the loss mask, in full
+        return list(self.loss_mask) or [1] * len(self.response_token_ids)
 
 
 def tokens_per_version(spans: Sequence[tuple[int, int]], num_tokens: int) -> dict[int, int]:

@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 from pydantic.config import JsonDict
 
+from rlhf_trainer.api.agentic import EnvironmentConfig, MultiTurnConfig
 from rlhf_trainer.api.algorithm import GROUP_ESTIMATORS, AlgorithmConfig
 from rlhf_trainer.api.rules import Rule, SpecModel
 from rlhf_trainer.api.sections import (
@@ -243,6 +244,54 @@ def _declared_pool_rule(role: Role, optional: bool) -> Rule:
     )
 
 
+def _multi_turn_rules() -> tuple[Rule, ...]:
+    """generation.multiTurn names a declared environment, whose score is the reward."""
+    multi_turn = "self.generation.multiTurn"
+    return (
+        Rule(
+            "environments",
+            "environment names must be unique",
+            "!has(self.environments) "
+            "|| self.environments.all(e, self.environments.exists_one(f, f.name == e.name))",
+            lambda c: len({e.name for e in c.environments}) == len(c.environments),
+        ),
+        Rule(
+            "generation.multiTurn.environment",
+            "must name one of environments",
+            f"!has({multi_turn}) || has(self.environments) && "
+            f"self.environments.exists(e, e.name == {multi_turn}.environment)",
+            lambda c: (
+                c.multi_turn is None
+                or any(e.name == c.multi_turn.environment for e in c.environments)
+            ),
+            lambda c: (
+                f"got {c.multi_turn.environment!r}; declared: "
+                + (", ".join(e.name for e in c.environments) or "none")
+            ),
+        ),
+        Rule(
+            "generation.multiTurn.maxTokens",
+            "must exceed data.maxPromptLength (the episode's budget holds its prompt)",
+            f"!has({multi_turn}) || {multi_turn}.maxTokens > self.data.maxPromptLength",
+            lambda c: c.multi_turn is None or c.multi_turn.max_tokens > c.data.max_prompt_length,
+        ),
+        Rule(
+            "models.reward.environment",
+            "is required with generation.multiTurn, and only there (the reward is each "
+            "episode's final score from its environment)",
+            f"has({multi_turn}) == (has(self.models.reward.environment) "
+            "&& self.models.reward.environment)",
+            lambda c: (c.multi_turn is not None) == c.models.reward.environment,
+        ),
+        Rule(
+            "generation.multiTurn",
+            "is synchronous or split for now: fully async (async) does not run episodes yet",
+            f"!has({multi_turn}) || !has(self.async)",
+            lambda c: c.multi_turn is None or c.async_ is None,
+        ),
+    )
+
+
 POOLS_DESCRIPTION = "The GPU pools; names must be unique."
 # A list keyed by name: the API server rejects duplicates and merges pools by name.
 POOLS_LIST_MAP: JsonDict = {
@@ -289,6 +338,12 @@ class JobConfig(SpecModel):
             "trainer.export.everySteps); unset: only checkpoints (a local run: its run folder's "
             "model/)."
         ),
+    )
+    environments: list[EnvironmentConfig] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Environment servers that multi-turn episodes run in; names must be unique.",
+        json_schema_extra=POOLS_LIST_MAP,
     )
 
     rules = (
@@ -341,6 +396,7 @@ class JobConfig(SpecModel):
         ),
         *_critic_rules(),
         *_group_rules(),
+        *_multi_turn_rules(),
         Rule(
             "trainer.miniBatchSize",
             "must divide trainer.batchSize x generation.samplesPerPrompt (the samples of a step)",
@@ -376,6 +432,13 @@ class JobConfig(SpecModel):
         others = {pool for role, pool in self.roles.pools_in_use().items() if role != Role.ROLLOUT}
         elastic = self.async_ is not None and rollout not in others
         return frozenset({rollout}) if elastic else frozenset()
+
+    @property
+    def multi_turn(self) -> MultiTurnConfig | None:
+        return self.generation.multi_turn
+
+    def environment(self, name: str) -> EnvironmentConfig:
+        return next(e for e in self.environments if e.name == name)
 
     @property
     def samples_per_step(self) -> int:

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from rlhf_trainer.api.agentic import MultiTurnConfig
 from rlhf_trainer.api.rules import Rule, SpecModel
 
 TINY_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels need head_dim >= 32
@@ -62,7 +63,8 @@ REWARD_FUNCTION_PATTERN = r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$"
 
 
 class RewardSource(SpecModel):
-    """The reward: a reward model, or a rule-based function of the prompt and response."""
+    """The reward: a reward model, a rule-based function of the prompt and response, or
+    a multi-turn episode's environment."""
 
     path: str | None = Field(
         None, min_length=1, description="A reward model checkpoint (local directory or hub id)."
@@ -78,12 +80,20 @@ class RewardSource(SpecModel):
         ),
     )
 
+    environment: bool = Field(
+        False,
+        description=(
+            "The reward is the final score of each episode's environment (generation.multiTurn)."
+        ),
+    )
+
     rules = (
         Rule(
             "",
-            "set exactly one of path or function",
-            "has(self.path) != has(self.function)",
-            lambda m: (m.path is None) != (m.function is None),
+            "set exactly one of path, function or environment",
+            "(has(self.path) ? 1 : 0) + (has(self.function) ? 1 : 0) "
+            "+ (has(self.environment) && self.environment ? 1 : 0) == 1",
+            lambda m: (m.path is not None) + (m.function is not None) + m.environment == 1,
         ),
     )
 
@@ -215,6 +225,13 @@ class GenerationConfig(SpecModel):
     eval: EvalGeneration = Field(
         default_factory=EvalGeneration,
         description="Sampling of the held-out prompts (data.eval): greedy by default.",
+    )
+    multi_turn: MultiTurnConfig | None = Field(
+        None,
+        description=(
+            "Set for multi-turn, tool-using rollouts against an environment (agentic RL); "
+            "unset: one prompt, one response."
+        ),
     )
 
 

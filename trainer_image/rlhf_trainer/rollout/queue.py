@@ -38,11 +38,11 @@ import math
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.algo.experience import Episode, Rollout
 
 DEFAULT_QUEUE_CONCURRENCY = 16
 # The last uids put are remembered, so that a sample generated twice is queued once
@@ -157,6 +157,8 @@ class Sample:
                 "finished": r.finished,
                 "policy_version": r.policy_version,
                 "version_spans": [list(span) for span in r.version_spans],
+                "loss_mask": list(r.loss_mask),
+                "episode": None if r.episode is None else asdict(r.episode),
             },
         }
 
@@ -175,6 +177,8 @@ class Sample:
                 version_spans=tuple(
                     (int(version), int(start)) for version, start in r["version_spans"]
                 ),
+                loss_mask=tuple(int(m) for m in r.get("loss_mask", ())),
+                episode=None if r.get("episode") is None else Episode(**r["episode"]),
             ),
             policy_versions=tuple(int(v) for v in data["policy_versions"]),
         )

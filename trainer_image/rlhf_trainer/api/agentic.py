@@ -1,0 +1,62 @@
+"""The spec's multi-turn sections: the environments a job talks to, and how its rollouts
+use one (`generation.multiTurn`). See docs/concepts/environments.md."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlhf_trainer.api.rules import SpecModel
+
+# A DNS label, as Kubernetes names Services: the operator will name the environment's.
+ENVIRONMENT_NAME = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
+URL = r"^https?://[^\s/]+(/\S*)?$"
+
+
+class EnvironmentConfig(SpecModel):
+    """An environment server (the protocol of rlhf_env), reached at `url`."""
+
+    name: str = Field(pattern=ENVIRONMENT_NAME, description="How the job names it.")
+    url: str = Field(
+        pattern=URL,
+        max_length=2048,
+        description=(
+            "Where it serves the environment protocol, with its scheme: "
+            "http://lookup.team.svc:8000 (see `python -m rlhf_env serve`)."
+        ),
+    )
+
+
+class MultiTurnConfig(SpecModel):
+    """Rollouts as conversations with an environment: the model's turns, parsed for tool
+    calls, alternate with the environment's answers until it says the episode is done or a
+    limit cuts it. A cut episode is counted and never trained on."""
+
+    environment: str = Field(description="The environments[] entry each episode runs in.")
+    tool_parser: str = Field(
+        "hermes",
+        min_length=1,
+        description=(
+            "vLLM's tool parser that reads tool calls from the model's turns, as `vllm serve "
+            "--tool-call-parser` names it (hermes, llama3_json, ...; rlhf_toy for the tiny "
+            "models' `call X`)."
+        ),
+    )
+    max_turns: int = Field(8, ge=1, le=256, description="Assistant turns per episode, at most.")
+    max_tokens: int = Field(
+        2048,
+        ge=2,
+        le=1_048_576,
+        description=(
+            "The episode's token budget: its prompt, every turn and every tool result. A turn "
+            "samples at most data.maxResponseLength tokens of it."
+        ),
+    )
+    tool_call_timeout_seconds: float = Field(
+        30.0, gt=0, le=3600, description="Each call to the environment (start, step, score)."
+    )
+    turn_timeout_seconds: float = Field(
+        300.0, gt=0, le=86400, description="Each assistant turn's generation."
+    )
+    episode_timeout_seconds: float = Field(
+        1800.0, gt=0, le=604800, description="The whole episode, tool calls included."
+    )
