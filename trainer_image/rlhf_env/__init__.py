@@ -6,5 +6,5 @@ holds it to that), so an environment's image needs only pydantic, FastAPI and uv
     environment  what a user writes (reset, step, score), and how it is loaded
     server       the FastAPI app that serves a class: `python -m rlhf_env serve module:Class`
     client       the trainer's async client
-    toys         two small environments, Lookup and Calculator
+    toys         small environments: Lookup, Calculator, and LetterLookup for tiny models
 """

@@ -1,9 +1,11 @@
-"""Two toy environments, small enough to read in a minute, for tests and first runs.
+"""Toy environments, small enough to read in a minute, for tests and first runs.
 
 - Lookup: the row holds a small table and the key asked for; the `lookup` tool reads the
   table. Score 1 when the final answer is the key's value.
 - Calculator: the row holds numbers to add; the `calculate` tool evaluates integer
   `+ - *` expressions. Score 1 when the final answer is their sum.
+- LetterLookup: Lookup in single words, for the tiny models' vocabulary; graded, so a
+  randomly initialised model earns some reward.
 
 Both end the episode at the first assistant message without tool calls (the answer), and
 answer a bad call (an unknown tool, arguments that do not parse) with a tool message that
@@ -133,3 +135,43 @@ class Calculator:
 
     def score(self) -> float:
         return 1.0 if self.answer == str(self.expected) else 0.0
+
+
+NO_SUCH_KEY = "0"  # LetterLookup's answer to a wrong key: a word of the tiny vocabulary
+
+
+class LetterLookup:
+    """Row: `{"key": "c", "value": "x"}` (single letters): the tiny models' lookup task.
+
+    The conversation opens with the key alone (`c`); the `lookup` tool answers the
+    row's key with its value and any other key with "0". Rendered by the tiny chat
+    template, an ideal episode reads `c = call c</s> result x = x</s>`.
+
+    Score: 0.5 for calling lookup with the row's key before answering, plus 0.5 for an
+    answer (content stripped) equal to the value; 0 when neither. Graded, because a
+    random tiny model almost never does both: each half alone is within its reach.
+    """
+
+    def reset(self, row: dict[str, Any]) -> Start:
+        self.key, self.value = str(row["key"]), str(row["value"])
+        self.asked_right_key = False
+        self.answer: str | None = None
+        lookup = tool("lookup", "The value stored under a key.", "key", "the key to look up")
+        return Start(messages=[Message(role="user", content=self.key)], tools=[lookup])
+
+    def step(self, message: Message) -> Step:
+        if not message.tool_calls:
+            self.answer = (message.content or "").strip()
+            return Step(messages=[], done=True)
+        return Step(messages=answer_tool_calls(message, {"lookup": self._lookup}))
+
+    def score(self) -> float:
+        looked_up = 0.5 if self.asked_right_key else 0.0
+        answered = 0.5 if self.answer == self.value else 0.0
+        return looked_up + answered
+
+    def _lookup(self, arguments: dict[str, Any]) -> str:
+        if str(arguments["key"]) != self.key:
+            return NO_SUCH_KEY
+        self.asked_right_key = True
+        return self.value

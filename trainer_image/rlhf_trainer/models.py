@@ -36,8 +36,12 @@ from rlhf_trainer.api.sections import ModelSource, TinyModel
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
 SEPARATOR = "="  # ends a prompt: "c a f e ="
-# The symbols tasks are written in. A small vocab_size keeps a prefix of them.
-SYMBOLS = (SEPARATOR, *string.ascii_lowercase, *string.digits)
+# The words of multi-turn tool use (see TINY_CHAT_TEMPLATE): "call c" asks a tool,
+# "result x =" is its answer.
+CALL, RESULT = "call", "result"
+# The symbols tasks are written in. A small vocab_size keeps a prefix of them; the tool
+# words come last so that the copy task's ids stay what they were.
+SYMBOLS = (SEPARATOR, *string.ascii_lowercase, *string.digits, CALL, RESULT)
 MAX_POSITIONS = 512  # prompts and responses of the toy tasks are far shorter
 
 
@@ -72,6 +76,62 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     if source.tiny is not None:
         return build_tokenizer(source.tiny.vocab_size)
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(source.path)
+    return tokenizer
+
+
+# The tiny model's conversations, word by word, with no system prompt:
+#   user "c"                    -> c =
+#   assistant calling lookup(c) -> call c</s>   (one "call <first argument>" per call)
+#   assistant "x"               -> x</s>
+#   tool "x"                    -> result x =
+# Messages are separated by one space; the generation prompt adds nothing (the model
+# goes on after "="). The end-of-turn token follows the content with no space, as
+# ChatRenderer requires: the tokenizer still splits it off as a token of its own.
+TINY_CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+  {%- if not loop.first %} {% endif -%}
+  {%- if message.role == 'user' -%}
+    {{ message.content }} =
+  {%- elif message.role == 'assistant' and message.tool_calls -%}
+    {%- for call in message.tool_calls -%}
+      {%- set arguments = call.function.arguments -%}
+      {%- if not loop.first %} {% endif -%}
+      call {{ arguments.values() | first if arguments is mapping else arguments }}
+    {%- endfor -%}
+    {{ eos_token }}
+  {%- elif message.role == 'assistant' -%}
+    {{ message.content }}{{ eos_token }}
+  {%- elif message.role == 'tool' -%}
+    result {{ message.content }} =
+  {%- else -%}
+    {{ raise_exception('the tiny chat template has no ' ~ message.role ~ ' role') }}
+  {%- endif -%}
+{%- endfor -%}
+"""
+
+
+def chat_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The tokenizer of multi-turn rollouts: `load_tokenizer`'s, with a chat template.
+
+    A tiny model gets TINY_CHAT_TEMPLATE here only, not in `load_tokenizer`: prompts
+    are rendered through a tokenizer's template whenever it has one, which would change
+    the single-turn toy tasks. A real model keeps its own template and must have one.
+    """
+    tokenizer = load_tokenizer(source)
+    if source.tiny is not None:
+        missing = [word for word in (CALL, RESULT) if word not in tokenizer.get_vocab()]
+        if missing:
+            size = len(SPECIAL_TOKENS) + len(SYMBOLS)
+            raise ValueError(
+                f"tiny model: vocabSize {source.tiny.vocab_size} lacks the tool words "
+                f"{missing}; multi-turn rollouts need vocabSize >= {size}"
+            )
+        tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    elif not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"model {source.path}: its tokenizer has no chat template, and multi-turn "
+            "rollouts need one to render tool calls and results"
+        )
     return tokenizer
 
 

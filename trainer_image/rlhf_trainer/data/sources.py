@@ -26,7 +26,10 @@ FORMATS = ".parquet, .jsonl, .json, or a directory saved by HF datasets (save_to
 
 @dataclass(frozen=True)
 class PromptRow:
-    prompt: PromptInput
+    """A data row. A multi-turn task's row (toy:lookup) has no prompt: its environment
+    writes the first message from `fields`, which are then the whole row."""
+
+    prompt: PromptInput  # "" for a multi-turn task's row
     fields: dict[str, Any] = field(default_factory=dict)  # the row's other columns
 
 
@@ -41,8 +44,10 @@ def load_prompt_rows(data: DataConfig, seed: int, source: Source = "train") -> l
     assert location is not None, f"data.{source} is unset"
     named = source_name(data, source)
     if location.startswith("toy:"):
-        from rlhf_trainer.data.tasks import toy_prompts
+        from rlhf_trainer.data.tasks import is_multi_turn_task, toy_prompts, toy_rows
 
+        if is_multi_turn_task(location):
+            return [PromptRow("", row) for row in toy_rows(location, TOY_PROMPTS, seed)]
         return [PromptRow(p.text) for p in toy_prompts(location, TOY_PROMPTS, seed)]
     path = Path(location)
     if not path.exists():

@@ -25,6 +25,12 @@ klCoef 0.01, 2 CPU cores), the default tiny qwen2 with a 64-token vocabulary wen
 a mean reward of 0.10 to 0.52 by step 200 and 0.88 by step 350 (~80 s), answering
 `h a d </s>`; with the 512-token vocabulary from 0.02 to 0.65 by step 400 (~105 s).
 With actor lr 1e-4 the rise over 30 steps is small (0.01 -> 0.03).
+
+toy:lookup - multi-turn, for the environment rlhf_env.toys:LetterLookup: a row is a key
+and its value, two random letters from a-h, `{"key": "c", "value": "x"}`. It has no
+prompt text: the environment opens the conversation, and scores it. One (key, value)
+pair in 8 is held out by the same stable hash as toy:copy's strings:
+`toy:lookup:heldout` is those 8 rows.
 """
 
 from __future__ import annotations
@@ -93,6 +99,23 @@ def copy_prompt(letters: Sequence[str]) -> TaskPrompt:
     )
 
 
+def lookup_rows(count: int, seed: int, alphabet: str = COPY_ALPHABET) -> list[dict[str, str]]:
+    """`count` toy:lookup rows, none of them held out; the same seed, the same list."""
+    rng = random.Random(seed)
+    rows: list[dict[str, str]] = []
+    while len(rows) < count:
+        key, value = rng.choice(alphabet), rng.choice(alphabet)
+        if not is_held_out([key, value]):
+            rows.append({"key": key, "value": value})
+    return rows
+
+
+def lookup_held_out_rows(alphabet: str = COPY_ALPHABET) -> list[dict[str, str]]:
+    """toy:lookup:heldout - every (key, value) pair that training never shows, in order."""
+    pairs = itertools.product(alphabet, repeat=2)
+    return [{"key": k, "value": v} for k, v in pairs if is_held_out([k, v])]
+
+
 def prompt_letters(prompt: str) -> list[str]:
     """The letters a toy:copy prompt asks to copy: the symbols before "=" (no <s>)."""
     symbols = prompt.split()
@@ -151,19 +174,47 @@ def check_reward_arguments(reward: RewardFunction, columns: Iterable[str], sourc
         )
 
 
+# Single-turn tasks: prompts for the policy. Multi-turn tasks: rows for an environment.
 TASKS: dict[str, Callable[[int, int], list[TaskPrompt]]] = {"copy": copy_prompts}
 HELD_OUT: dict[str, Callable[[], list[TaskPrompt]]] = {"copy": copy_held_out_prompts}
+MULTI_TURN_TASKS: dict[str, Callable[[int, int], list[dict[str, str]]]] = {"lookup": lookup_rows}
+MULTI_TURN_HELD_OUT: dict[str, Callable[[], list[dict[str, str]]]] = {
+    "lookup": lookup_held_out_rows
+}
+
+
+def toy_task(source: str) -> tuple[str, bool]:
+    """The task a `toy:<task>` or `toy:<task>:heldout` data source names, and whether it
+    is the held-out split."""
+    kind, _, task = source.partition(":")
+    task, _, split = task.partition(":")
+    if kind != "toy" or task not in (*TASKS, *MULTI_TURN_TASKS) or split not in ("", "heldout"):
+        known = ", ".join(f"toy:{t}, toy:{t}:heldout" for t in (*TASKS, *MULTI_TURN_TASKS))
+        raise ValueError(f"not a built-in task: {source!r} (known: {known})")
+    return task, split == "heldout"
+
+
+def is_multi_turn_task(source: str) -> bool:
+    """Whether a `toy:` data source's rows go to an environment rather than the policy."""
+    return toy_task(source)[0] in MULTI_TURN_TASKS
 
 
 def toy_prompts(source: str, count: int, seed: int) -> list[TaskPrompt]:
-    """Prompts of a `toy:<task>` data source: `count` of them, generated from `seed`;
-    or `toy:<task>:heldout`, the task's held-out split (every prompt of it, once)."""
-    kind, _, task = source.partition(":")
-    task, _, split = task.partition(":")
-    if kind != "toy" or task not in TASKS or split not in ("", "heldout"):
-        known = ", ".join(f"toy:{t}, toy:{t}:heldout" for t in TASKS)
-        raise ValueError(f"not a built-in task: {source!r} (known: {known})")
-    return HELD_OUT[task]() if split else TASKS[task](count, seed)
+    """Prompts of a single-turn `toy:<task>` data source: `count` of them, generated from
+    `seed`; or `toy:<task>:heldout`, the task's held-out split (every prompt of it, once)."""
+    task, held_out = toy_task(source)
+    if task not in TASKS:
+        raise ValueError(f"{source!r} is a multi-turn task: it has rows (toy_rows), no prompts")
+    return HELD_OUT[task]() if held_out else TASKS[task](count, seed)
+
+
+def toy_rows(source: str, count: int, seed: int) -> list[dict[str, str]]:
+    """Rows of a multi-turn `toy:<task>` data source, for its environment: `count` of
+    them, generated from `seed`; or the task's held-out split (every row of it, once)."""
+    task, held_out = toy_task(source)
+    if task not in MULTI_TURN_TASKS:
+        raise ValueError(f"{source!r} is a single-turn task: it has prompts (toy_prompts)")
+    return MULTI_TURN_HELD_OUT[task]() if held_out else MULTI_TURN_TASKS[task](count, seed)
 
 
 def reward_function(source: RewardSource) -> RewardFunction | None:

@@ -172,6 +172,8 @@ class ToolCallParser:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.tool_parsers import ToolParserManager
 
+        from rlhf_trainer.rollout import toy_tool_parser  # noqa: F401  registers "rlhf_toy"
+
         known = ToolParserManager.list_registered()
         if name not in known:
             raise UnknownToolParser(f"no tool parser {name!r}; vLLM knows {', '.join(known)}")
