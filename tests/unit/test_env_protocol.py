@@ -18,8 +18,6 @@ from typing import Any, ClassVar, TypeVar
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from pydantic import ValidationError
 
 from rlhf_env.__main__ import main
@@ -27,6 +25,7 @@ from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
 from rlhf_env.protocol import FunctionCall, Message, Start, Step, Tool, ToolCall, describe
 from rlhf_env.server import app_for
 from rlhf_env.toys import Calculator, Lookup
+from tests.environments import served
 
 ROOT = Path(__file__).parents[2]
 T = TypeVar("T")
@@ -155,20 +154,8 @@ MOUNTED: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """The base URL of a real uvicorn server, in a thread, serving every test class."""
-    root = FastAPI()
-    for path, app in MOUNTED.items():
-        root.mount(f"/{path}", app)
-    served = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=served.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not served.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = served.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    served.should_exit = True
-    thread.join(timeout=10)
+    with served(MOUNTED) as url:
+        yield url
 
 
 # --- the contract, without a server ---

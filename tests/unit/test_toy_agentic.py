@@ -104,13 +104,13 @@ def test_the_tool_words_follow_the_copy_tasks_symbols() -> None:
 
 
 def test_the_template_renders_a_conversation_word_by_word(tokenizer: Any) -> None:
-    assert render(tokenizer, IDEAL[:1], generation_prompt=True) == "c ="
-    prompt_ids = tokenizer(render(tokenizer, IDEAL[:1], generation_prompt=True))["input_ids"]
+    assert render(tokenizer, IDEAL[:1], generation_prompt=True) == "<s>c ="
+    prompt_ids = encode(tokenizer, render(tokenizer, IDEAL[:1], generation_prompt=True))
     assert words(tokenizer, prompt_ids) == "<s> c ="
-    ids = tokenizer(render(tokenizer, IDEAL))["input_ids"]
+    ids = encode(tokenizer, render(tokenizer, IDEAL))
     assert words(tokenizer, ids) == "<s> c = call c </s> result x = x </s>"
     two_calls = assistant(None, lookup_call("a", "call-0-0"), lookup_call("b", "call-0-1"))
-    assert render(tokenizer, [two_calls]) == "call a call b</s>"
+    assert render(tokenizer, [two_calls]) == "<s>call a call b</s>"
 
 
 def test_only_the_multi_turn_tokenizer_has_the_template() -> None:
@@ -245,7 +245,7 @@ def test_a_scripted_episode_builds_the_tokens_of_the_whole_rendered_conversation
     environment = LetterLookup()
     start = environment.reset(ROW)
     prompt = render(tokenizer, start.messages, generation_prompt=True)
-    trajectory = Trajectory(prompt_ids=tokenizer(prompt)["input_ids"])
+    trajectory = Trajectory(prompt_ids=encode(tokenizer, prompt))
     conversation = list(start.messages)
     for number, sampled_text in enumerate(["call d </s>", "call c </s>", "x </s>"]):
         ids = encode(tokenizer, sampled_text)
@@ -259,7 +259,7 @@ def test_a_scripted_episode_builds_the_tokens_of_the_whole_rendered_conversation
         conversation += step.messages
 
     assert step.done and environment.score() == 1.0
-    whole = tokenizer(render(tokenizer, conversation))["input_ids"]
+    whole = encode(tokenizer, render(tokenizer, conversation))
     assert trajectory.token_ids == whole
     assert words(tokenizer, whole) == (
         "<s> c = call d </s> result 0 = call c </s> result x = x </s>"

@@ -84,10 +84,13 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
 #   assistant calling lookup(c) -> call c</s>   (one "call <first argument>" per call)
 #   assistant "x"               -> x</s>
 #   tool "x"                    -> result x =
-# Messages are separated by one space; the generation prompt adds nothing (the model
-# goes on after "="). The end-of-turn token follows the content with no space, as
-# ChatRenderer requires: the tokenizer still splits it off as a token of its own.
+# It opens with <s>, as real models' templates write their own start token (a rendered
+# conversation is encoded without special tokens). Messages are separated by one space;
+# the generation prompt adds nothing (the model goes on after "="). The end-of-turn
+# token follows the content with no space, as ChatRenderer requires: the tokenizer
+# still splits it off as a token of its own.
 TINY_CHAT_TEMPLATE = """\
+{{- bos_token -}}
 {%- for message in messages -%}
   {%- if not loop.first %} {% endif -%}
   {%- if message.role == 'user' -%}

@@ -49,3 +49,32 @@ class ResponseStats:
             length_max=max(lengths),
             truncated_ratio=sum(not r.finished for r in rollouts) / len(rollouts),
         )
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """The batch's multi-turn episodes (generation.multiTurn)."""
+
+    turns_mean: float  # assistant turns per episode
+    tool_calls_mean: float  # tool calls parsed per episode
+    cut_ratio: float  # share of episodes cut by a limit or an error: masked, not trained on
+    cuts: dict[str, int]  # cut episodes by reason ("max_turns", "environment_error", ...)
+    version_span_max: int  # policy versions between an episode's oldest and newest turn
+
+    @classmethod
+    def of(cls, rollouts: Sequence[Rollout]) -> EpisodeStats | None:
+        episodes = [r.episode for r in rollouts if r.episode is not None]
+        if not episodes:
+            return None
+        cuts: dict[str, int] = {}
+        for episode in episodes:
+            if episode.cut is not None:
+                reason = episode.cut.split(":")[0]  # an error's message is no label
+                cuts[reason] = cuts.get(reason, 0) + 1
+        return cls(
+            turns_mean=sum(e.turns for e in episodes) / len(episodes),
+            tool_calls_mean=sum(e.tool_calls for e in episodes) / len(episodes),
+            cut_ratio=sum(cuts.values()) / len(episodes),
+            cuts=cuts,
+            version_span_max=max(e.version_span for e in episodes),
+        )

@@ -65,6 +65,18 @@ class TrainingProgress(SpecModel):
     truncated_ratio: float | None = Field(
         None, ge=0, le=1, description="Share of responses cut at maxResponseLength, last step."
     )
+    turns_mean: float | None = Field(
+        None, ge=0, description="Multi-turn: assistant turns per episode, last step."
+    )
+    cut_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description=(
+            "Multi-turn: share of the last step's episodes cut by a limit or an environment "
+            "error (masked: not trained on)."
+        ),
+    )
     last_checkpoint: str | None = Field(None, description="Path of the newest checkpoint.")
     output: OutputProgress | None = Field(
         None, description="The policy last written to output (spec.output): where, and its step."

@@ -65,7 +65,8 @@ class Evaluator:
         weights pushed are loaded); returns the evaluation this one waited for, if any."""
         done = self.finish(wait=True)
         rollout = self.trainer.groups[Role.ROLLOUT]
-        shards = split_list([p.token_ids for p in self.asked], rollout.world_size)
+        asked = [p.token_ids if self.config.multi_turn is None else p.fields for p in self.asked]
+        shards = split_list(asked, rollout.world_size)
         answers = rollout.run_each("evaluate", shards, step)
         self.trainer.weight_sync.wait_before_next_push(answers, ANSWER_TIMEOUT_S)
         self.pending = PendingEvaluation(step, shards, list(rollout.ranks), [[a] for a in answers])
@@ -88,7 +89,7 @@ class Evaluator:
         weight_sync.forget_busy([call for index in lost for call in pending.answers[index]])
         for index in lost:
             engine = index % serving.world_size
-            shards: list[list[list[int]]] = [[] for _ in serving.ranks]  # one answers it
+            shards: list[list[Any]] = [[] for _ in serving.ranks]  # one answers it
             shards[engine] = pending.shards[index]
             pending.answers[index] = serving.run_each("evaluate", shards, pending.step)
             pending.ranks[index] = serving.ranks[engine]
@@ -113,11 +114,12 @@ class Evaluator:
 
 @dataclass
 class PendingEvaluation:
-    """An evaluation under way: the prompts (token ids) of each shard, the rank that
-    answers it, and the calls whose answers, in order, are the shard's."""
+    """An evaluation under way: the prompts of each shard (token ids, or multi-turn
+    rows), the rank that answers it, and the calls whose answers, in order, are the
+    shard's."""
 
     step: int
-    shards: list[list[list[int]]]
+    shards: list[list[Any]]
     ranks: list[int]
     answers: list[list[Any]]
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from rlhf_trainer.algo.diagnostics import EpisodeStats
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.api.progress import EvalProgress, OutputProgress, TrainingProgress
@@ -28,6 +29,7 @@ from rlhf_trainer.models import load_tokenizer
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
 from rlhf_trainer.roles.hf_export import check_target
+from rlhf_trainer.rollout.episodes import check_environment
 from rlhf_trainer.rollout.queue import admission_limit, remembered_uids
 from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -170,6 +172,8 @@ class Run:
                 "explained_variance": finite_or_none(critic.explained_variance) if critic else None,
                 "response_length_mean": result.responses.length_mean,
                 "truncated_ratio": result.responses.truncated_ratio,
+                "turns_mean": result.episodes.turns_mean if result.episodes else None,
+                "cut_ratio": result.episodes.cut_ratio if result.episodes else None,
             }
         )
 
@@ -271,9 +275,18 @@ def log_step(result: StepResult, total: int) -> None:
         f"response length {responses.length_mean:.1f} (cut {responses.truncated_ratio:.2f})",
         f"importance weights capped {actor.importance_capped:.4f}",  # off-policy correction
         *([f"groups dropped {result.dropped_groups}"] if result.dropped_groups else []),
+        *([episodes_text(result.episodes)] if result.episodes else []),
         f"{result.seconds:.2f} s",
     ]
     step_log.info(", ".join(parts))
+
+
+def episodes_text(episodes: EpisodeStats) -> str:
+    cuts = ", ".join(f"{reason} {count}" for reason, count in sorted(episodes.cuts.items()))
+    return (
+        f"turns {episodes.turns_mean:.2f}, tool calls {episodes.tool_calls_mean:.2f}, "
+        f"cut {episodes.cut_ratio:.2f}{f' ({cuts})' if cuts else ''}"
+    )
 
 
 def finite_or_none(value: float) -> float | None:
@@ -319,6 +332,8 @@ def open_run(
     )
     if config.output is not None:  # an unwritable target fails now, not at the end
         check_target(Path(config.output.path))
+    if config.multi_turn is not None:  # an environment out of reach fails now too
+        check_environment(config.environment(config.multi_turn.environment))
     reward = reward_function(config.models.reward)
     if reward is not None:  # before any role starts: a mismatch fails in seconds
         check_reward_arguments(reward, prompts.prompts[0].fields, "data.train")

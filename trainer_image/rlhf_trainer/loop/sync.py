@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
+from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, EpisodeStats, ResponseStats
 from rlhf_trainer.algo.estimators import compute_advantages
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
 from rlhf_trainer.algo.kl_control import next_kl_coef
@@ -80,6 +80,7 @@ class StepResult:
     # held-out evaluations finished since the last step (one may have started earlier)
     evaluations: tuple[EvalProgress, ...] = ()
     rollout_engines: int = 0  # fully async: the engines serving as the step ended
+    episodes: EpisodeStats | None = None  # multi-turn rollouts only
 
 
 @dataclass(frozen=True)
@@ -206,17 +207,22 @@ class PPOTrainer:
             actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),
             critic=critic_stats(updates, experience),
             responses=ResponseStats.of(sampled.rollouts),
+            episodes=EpisodeStats.of(sampled.rollouts),
             dropped_groups=sampled.dropped_groups,
         )
 
     def generate(self, prompts: Sequence[Prompt], step: int, attempt: int = 0) -> list[Rollout]:
-        """samplesPerPrompt responses to each prompt, a group's next to each other."""
+        """samplesPerPrompt responses to each prompt, a group's next to each other: with
+        generation.multiTurn, an episode per sample, which the prompt's row starts."""
         rollout = self.groups[Role.ROLLOUT]
-        token_ids = [p.token_ids for p in prompts for _ in range(self.group_size)]
-        shards = split_list(token_ids, rollout.world_size)
-        calls = rollout.run_each(
-            PHASE_METHOD[Phase.GENERATE], shards, step, attempt, phase=Phase.GENERATE
-        )
+        inputs: list[Any]  # token ids, or multi-turn rows
+        if self.config.multi_turn is None:
+            method, inputs = PHASE_METHOD[Phase.GENERATE], [p.token_ids for p in prompts]
+        else:
+            method, inputs = "run_episodes", [p.fields for p in prompts]
+        grouped = [item for item in inputs for _ in range(self.group_size)]
+        shards = split_list(grouped, rollout.world_size)
+        calls = rollout.run_each(method, shards, step, attempt, phase=Phase.GENERATE)
         return [r for shard in join(calls) for r in shard]
 
     def run_stage(
@@ -242,7 +248,10 @@ class PPOTrainer:
     def score(
         self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout], scoring: Calls
     ) -> torch.Tensor:
-        """(B,) one reward per response: from the reward model, or the rule here."""
+        """(B,) one reward per response: from the reward model, the rule here, or each
+        episode's environment (its score came with the rollout)."""
+        if self.config.models.reward.environment:
+            return torch.tensor([episode_score(r) for r in rollouts])
         if self.reward is None:
             scores: torch.Tensor = gather(scoring[Phase.REWARD])
             return scores
@@ -253,7 +262,7 @@ class PPOTrainer:
     def score_alone(self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout]) -> torch.Tensor:
         """(B,) rewards ahead of the scoring stage (dynamic sampling filters on them)."""
         calls: Calls = {}
-        if self.reward is None:
+        if self.config.models.reward.path is not None:  # a reward model
             batch = pack_rollouts(rollouts, self.pad_id)
             calls[Phase.REWARD] = self.groups[Role.REWARD].run_sharded(
                 PHASE_METHOD[Phase.REWARD], batch, phase=Phase.REWARD
@@ -290,6 +299,12 @@ def critic_stats(updates: Calls, experience: Experience) -> CriticStats | None:
             experience.values, experience.returns, experience.response_mask
         ),
     )
+
+
+def episode_score(rollout: Rollout) -> float:
+    if rollout.episode is None:
+        raise ValueError("the reward is the environment's, but a rollout came with no episode")
+    return rollout.episode.score
 
 
 def gather_if(calls: Calls, phase: Phase) -> torch.Tensor | None:

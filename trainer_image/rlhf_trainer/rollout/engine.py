@@ -92,7 +92,10 @@ class EngineOptions:
     @classmethod
     def of(cls, config: JobConfig) -> EngineOptions:
         return cls(
-            max_model_len=config.data.max_prompt_length + config.data.max_response_length,
+            max_model_len=max(
+                config.data.max_prompt_length + config.data.max_response_length,
+                config.multi_turn.max_tokens if config.multi_turn else 0,  # an episode's budget
+            ),
             gpu_memory_utilization=config.generation.gpu_memory_utilization,
             tensor_parallel_size=config.generation.tensor_parallel_size,
             seed=config.trainer.seed,

@@ -241,9 +241,27 @@ class ChatRenderer:
         self._before = self._render(STAND_IN, generation_prompt=False)
         self._glue = self._glue_after_end_of_turn()
 
-    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool) -> str:
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[Tool]) -> list[int]:
+        """An episode's first prompt: its messages and tools through the chat template,
+        ending with the assistant's generation prompt. Encoded without special tokens, as
+        for single-turn chat prompts (data/prompts.py): a template writes its own."""
+        rendered = [template_message(m) for m in messages]
+        text = self._render(rendered, generation_prompt=True, tools=tools)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        generation_prompt: bool,
+        tools: Sequence[Tool] = (),
+    ) -> str:
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            messages,
+            tools=[t.model_dump(exclude_none=True) for t in tools] or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
         )
         if not isinstance(text, str):
             raise TypeError(f"{self.model}: the chat template rendered {type(text).__name__}")

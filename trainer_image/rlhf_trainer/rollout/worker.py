@@ -6,13 +6,18 @@ calls the methods named as vLLM's). `RolloutWorker` generates a batch at a time
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import asdict
 from typing import Any
 
+from rlhf_env.client import EnvironmentClient
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.models import model_path
+from rlhf_trainer.api.sections import EvalGeneration, GenerationConfig
+from rlhf_trainer.models import chat_tokenizer, model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
+from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
+from rlhf_trainer.rollout.trajectory import ChatRenderer
 from rlhf_trainer.rollout.transfer_memory import Relay, Segments
 from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, EngineTransfer
 from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
@@ -37,6 +42,7 @@ class EngineWorker(Worker):
         )
         self.relay: Relay | None = None  # host transfer, on another node than the sender
         self.segments = Segments()  # the rings this engine's buckets are in
+        self.episodes = episode_runner(config)  # generation.multiTurn only
 
     @property
     def host_transfer(self) -> bool:
@@ -95,12 +101,15 @@ class EngineWorker(Worker):
         serving what it loaded: the engine stays paused until the next push."""
         self.engine.abandon_update()
 
-    def evaluate(self, prompts: list[list[int]], step: int) -> list[Rollout]:
-        """One response per prompt, sampled as generation.eval says, on the weights the
+    def evaluate(self, prompts: list[Any], step: int) -> list[Rollout]:
+        """One response per prompt (token ids), or one episode per environment row
+        (generation.multiTurn), sampled as generation.eval says, on the weights the
         engine has now. Beside any other requests (fully async goes on generating), but
         it holds this worker: the next weights load only after it (one version)."""
         sampling = self.config.generation.eval
         seed = derive_seed(self.config.trainer.seed, "eval", step, self.info.rank)
+        if self.episodes is not None:
+            return self.engine.call(self.episodes_of(prompts, f"eval-{step}", seed, sampling))
 
         async def answer_all() -> list[Rollout]:
             answers = (
@@ -118,6 +127,37 @@ class EngineWorker(Worker):
 
         return self.engine.call(answer_all())
 
+    async def episodes_of(
+        self,
+        rows: list[dict[str, Any]],
+        name: str,
+        seed: int,
+        sampling: GenerationConfig | EvalGeneration | None = None,
+    ) -> list[Rollout]:
+        """An episode per row (generation.multiTurn), sampled as `sampling` says (the
+        training sampling by default); requests are named `episode-<name>-<i>-<turn>`."""
+        if self.episodes is None:
+            raise RuntimeError("episodes need generation.multiTurn")
+        runner, sampled = self.episodes, sampling or self.config.generation
+
+        async def episode(index: int, row: dict[str, Any]) -> Rollout:
+            turns = itertools.count()
+
+            async def turn(prompt: list[int], max_tokens: int) -> Rollout:
+                number = next(turns)
+                return await self.engine.generate(
+                    f"episode-{name}-{index}-{number}",
+                    prompt,
+                    max_tokens=max_tokens,
+                    temperature=sampled.temperature,
+                    top_p=sampled.top_p,
+                    seed=seed + number * len(rows) + index,
+                )
+
+            return await runner.run(row, turn, self.engine.policy_version)
+
+        return list(await asyncio.gather(*(episode(i, row) for i, row in enumerate(rows))))
+
     def engine_stats(self) -> EngineStats | None:
         """The engine's vLLM stats and restarts. Safe from any thread, at any time: it
         reads metric values in this process and never waits for the engine."""
@@ -125,6 +165,8 @@ class EngineWorker(Worker):
         return read_engine_stats() if engine is None else engine.stats()
 
     def close(self) -> None:
+        if self.episodes is not None:
+            self.engine.call(self.episodes.environment.aclose())
         self.engine.shutdown()
         self.segments.close()
         if self.relay is not None:
@@ -141,12 +183,36 @@ class RolloutWorker(EngineWorker):
         of the step was trained yet); past `generation.maxEngineRestarts` this raises
         EngineRestartsExhausted, naming the rank and pool."""
         generation = self.config.generation
-        purpose = "generate" if attempt == 0 else f"generate-round-{attempt}"
         return self.engine.generate_batch(
             prompts,
             max_tokens=self.config.data.max_response_length,
             temperature=generation.temperature,
             top_p=generation.top_p,
-            # Per step and rank: a resumed run samples what the first one would have.
-            seed=derive_seed(self.config.trainer.seed, purpose, step, self.info.rank),
+            seed=self.step_seed(step, attempt),
         )
+
+    def run_episodes(
+        self, rows: list[dict[str, Any]], step: int, attempt: int = 0
+    ) -> list[Rollout]:
+        """One multi-turn episode per environment row, all at once on the engine (its
+        turns batch with the other episodes' turns). Turn t of episode i samples with
+        the step's seed + t·len(rows) + i."""
+        return self.engine.call(
+            self.episodes_of(rows, f"{step}-{attempt}", self.step_seed(step, attempt))
+        )
+
+    def step_seed(self, step: int, attempt: int) -> int:
+        """Per step, round and rank: a resumed run samples what the first one would have."""
+        purpose = "generate" if attempt == 0 else f"generate-round-{attempt}"
+        return derive_seed(self.config.trainer.seed, purpose, step, self.info.rank)
+
+
+def episode_runner(config: JobConfig) -> EpisodeRunner | None:
+    """The runner of generation.multiTurn's episodes, in its environment; None without."""
+    multi_turn = config.multi_turn
+    if multi_turn is None:
+        return None
+    actor = config.models.actor
+    environment = EnvironmentClient(config.environment(multi_turn.environment).url)
+    renderer = ChatRenderer(chat_tokenizer(actor), actor.path or "the tiny model")
+    return EpisodeRunner(environment, renderer, multi_turn.tool_parser, EpisodeLimits.of(config))

@@ -1,0 +1,62 @@
+"""Environment servers for tests: the real protocol server (rlhf_env.server) under a real
+uvicorn, on a free port of 127.0.0.1, in a thread of the test process; and Chatter, an
+environment whose every episode has CHATTER_TURNS turns, whatever the model says."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from rlhf_env.protocol import Message, Start, Step
+
+START_SECONDS = 10
+
+
+@contextmanager
+def served(apps: Mapping[str, FastAPI]) -> Iterator[str]:
+    """The base URL of a server with each app mounted at /<name>; stopped on leaving."""
+    root = FastAPI()
+    for path, app in apps.items():
+        root.mount(f"/{path}", app)
+    server = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_SECONDS
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=START_SECONDS)
+
+
+CHATTER_TURNS = 3
+CHATTER_REPLY = "b c"  # a user message, between turns
+
+
+class Chatter:
+    """Answers every turn with the user message CHATTER_REPLY until CHATTER_TURNS turns
+    (a random tiny model's episodes still have several turns); scores the number of
+    words the model said. Its first message is the row's key (toy:lookup's rows)."""
+
+    async def reset(self, row: dict[str, Any]) -> Start:
+        self.turns, self.words = 0, 0
+        return Start(messages=[Message(role="user", content=str(row.get("key", "a")))])
+
+    async def step(self, message: Message) -> Step:
+        self.turns += 1
+        self.words += len((message.content or "").split())
+        reply = Message(role="user", content=CHATTER_REPLY)
+        return Step(messages=[reply], done=self.turns == CHATTER_TURNS)
+
+    async def score(self) -> float:
+        return float(self.words)

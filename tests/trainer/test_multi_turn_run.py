@@ -1,0 +1,97 @@
+"""A whole multi-turn job: PPO with a critic, split placement (the critic on a pool of its
+own), on a simulated Ray cluster with real vLLM, against a real environment server.
+
+Every episode has three turns (tests/environments.Chatter) with the environment's
+message between them, so every sample the trainer packs has tool-side tokens in its
+middle. The check that holds it all together is the engine's log-probs against the
+actor's: on every step the actor, recomputing log π over each packed multi-turn sample,
+gets the engine's value at every sampled token. A token out of place, a mask that
+counts an environment token or drops a sampled one, would break it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_env.server import app_for
+from rlhf_trainer.api.config import JobConfig
+from tests.environments import CHATTER_TURNS, Chatter, served
+from tests.specs import LOCAL_EXAMPLE
+from tests.trainer.local_runs import Trained, train
+
+pytestmark = pytest.mark.slow  # a whole run (about two minutes)
+
+STEPS = 3
+LOG_PROB_TOLERANCE = 1e-4  # fp32 kernels of vLLM and torch (test_ppo_loop's, measured 1e-6)
+
+
+def multi_turn_job(url: str, checkpoint_dir: Path) -> JobConfig:
+    """The local example, split, on toy:lookup's rows in Chatter's episodes."""
+    spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    spec["algorithm"].pop("klController", None)
+    spec["models"]["reward"] = {"environment": True}
+    spec["environments"] = [{"name": "chatter", "url": url}]
+    spec["generation"]["multiTurn"] = {
+        "environment": "chatter",
+        "toolParser": "rlhf_toy",
+        "maxTurns": CHATTER_TURNS,
+        "maxTokens": 48,
+    }
+    spec["data"] = {
+        "train": "toy:lookup",
+        "eval": "toy:lookup:heldout",
+        "maxPromptLength": 8,
+        "maxResponseLength": 4,
+    }
+    spec["trainer"].update(totalSteps=STEPS, batchSize=8, miniBatchSize=8, evalEverySteps=None)
+    spec["trainer"]["checkpoint"] = {"path": str(checkpoint_dir), "everySteps": STEPS}
+    return JobConfig.model_validate(spec)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
+    with served({"chatter": app_for(Chatter)}) as url:
+        config = multi_turn_job(f"{url}/chatter", tmp_path_factory.mktemp("multi-turn"))
+        yield train(config)
+
+
+def test_every_step_trains_whole_episodes_with_the_engines_log_probs(trained: Trained) -> None:
+    assert [s.step for s in trained.steps] == list(range(1, STEPS + 1))
+    for step in trained.steps:
+        assert step.episodes is not None
+        assert (step.episodes.turns_mean, step.episodes.cut_ratio) == (CHATTER_TURNS, 0.0)
+        assert step.rollout_log_prob_diff < LOG_PROB_TOLERANCE, step
+        assert step.critic is not None  # PPO with its critic, over the masked tokens
+        # Only the sampled tokens count: at most maxResponseLength per turn.
+        assert 0 < step.response_tokens <= 8 * CHATTER_TURNS * 4
+
+
+def test_the_reward_is_the_environments_score(trained: Trained) -> None:
+    # Chatter scores the words the model said over its turns; a tiny random model
+    # samples ~4 words a turn, never more.
+    for step in trained.steps:
+        assert 0 < step.reward_mean <= CHATTER_TURNS * 4
+
+
+def test_the_held_out_rows_are_played_as_episodes(trained: Trained) -> None:
+    evaluations = [e for step in trained.steps for e in step.evaluations]
+    assert evaluations, "no evaluation reported"
+    for evaluation in evaluations:
+        assert evaluation.prompts == 8  # toy:lookup:heldout
+        assert 0 < evaluation.reward_mean <= CHATTER_TURNS * 4
+
+
+def test_the_step_log_counts_turns_and_cuts(
+    trained: Trained, caplog: pytest.LogCaptureFixture
+) -> None:
+    from rlhf_trainer.loop.run import log_step
+
+    with caplog.at_level(logging.INFO):
+        log_step(trained.steps[-1], STEPS)
+    assert f"turns {CHATTER_TURNS:.2f}, tool calls " in caplog.text
+    assert "cut 0.00" in caplog.text

@@ -1,0 +1,219 @@
+"""Multi-turn episodes: the policy's turns and an environment's answers, token for token.
+
+    start(row) -> prompt ids ─▶ generate a turn ─▶ parse its tool calls ─▶ step
+        ▲                                                                     │
+        └──── the environment's messages as ids (ChatRenderer) ◀── not done ─┘
+    done ─▶ score ─▶ a Rollout whose loss mask is 1 on the sampled turns only
+
+The trainer owns the tokens (trajectory.py): every turn is the engine's ids as sampled,
+with their log-probs; what the environment says is appended through the chat template,
+never by re-tokenising the conversation. Limits end an episode early: `maxTurns`, the
+token budget, and deadlines per environment call, per turn and per episode. An
+environment that fails or breaks the protocol ends it too. Such an episode is "cut":
+its loss mask is all 0, its score 0, and its reason is counted, so nothing is trained
+on an episode that did not finish. The session is always closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
+from rlhf_trainer.algo.experience import Episode, Rollout
+from rlhf_trainer.api.agentic import EnvironmentConfig
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.rollout.trajectory import (
+    ChatRenderer,
+    ToolCallParser,
+    Trajectory,
+    TrajectoryLimits,
+    limit_before_next_turn,
+)
+
+log = logging.getLogger(__name__)
+
+# (prompt ids so far, most tokens to sample) -> one turn, as the engine sampled it
+GenerateTurn = Callable[[list[int], int], Awaitable[Rollout]]
+
+CLOSE_SECONDS = 10.0  # closing a session: best effort, after the episode's result is known
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_tokens: int  # the episode's budget: prompt, turns and tool results
+    turn_tokens: int  # one turn samples at most this many (data.maxResponseLength)
+    call_seconds: float  # each environment call
+    turn_seconds: float  # each turn's generation
+    episode_seconds: float
+
+    @classmethod
+    def of(cls, config: JobConfig) -> EpisodeLimits:
+        multi_turn = config.multi_turn
+        assert multi_turn is not None, "generation.multiTurn is unset"
+        return cls(
+            max_turns=multi_turn.max_turns,
+            max_tokens=multi_turn.max_tokens,
+            turn_tokens=config.data.max_response_length,
+            call_seconds=multi_turn.tool_call_timeout_seconds,
+            turn_seconds=multi_turn.turn_timeout_seconds,
+            episode_seconds=multi_turn.episode_timeout_seconds,
+        )
+
+
+class EnvironmentUnreachable(RuntimeError):
+    pass
+
+
+def check_environment(environment: EnvironmentConfig, timeout: float = 30.0) -> None:
+    """Fail now, naming the environment, if it does not answer its health check (the
+    driver asks before any role starts, rather than every episode failing later)."""
+
+    async def health() -> None:
+        async with EnvironmentClient(environment.url, timeout=timeout) as client:
+            await client.health()
+
+    try:
+        asyncio.run(health())
+    except EnvironmentCallFailed as failed:
+        raise EnvironmentUnreachable(
+            f"environment {environment.name!r} cannot be reached: {failed}"
+        ) from failed
+
+
+class EpisodeRunner:
+    """Runs episodes of one environment, for one rollout engine's turns. Every method
+    runs on the engine's event loop (the HTTP client belongs to it)."""
+
+    def __init__(
+        self,
+        environment: EnvironmentClient,
+        renderer: ChatRenderer,
+        tool_parser: str,
+        limits: EpisodeLimits,
+    ) -> None:
+        self.environment = environment
+        self.renderer = renderer
+        self.tool_parser = tool_parser
+        self.limits = limits
+
+    async def run(self, row: dict[str, Any], generate: GenerateTurn, version: int) -> Rollout:
+        """One episode of `row`, to its end or its cut (never raises for the
+        environment's failures or the limits: they are the episode's `cut`). `version`:
+        the engine's policy version now, the label of an episode cut before any turn."""
+        # Until the environment opens it: one token, so a cut episode still packs.
+        episode = _Progress(Trajectory(prompt_ids=[self.renderer.end_of_turn_id]), version)
+        try:
+            async with asyncio.timeout(self.limits.episode_seconds):
+                await self._play(row, generate, episode)
+        except TimeoutError:
+            episode.trajectory.cut_short("episode_timeout")
+        except EnvironmentCallFailed as failed:
+            episode.trajectory.cut_short(f"environment_error: {failed}")
+        finally:
+            if episode.session is not None:
+                await self._close(episode.session)
+        return episode.rollout()
+
+    async def _play(self, row: dict[str, Any], generate: GenerateTurn, episode: _Progress) -> None:
+        limits, renderer = self.limits, self.renderer
+        started = await self.environment.start(row, timeout=limits.call_seconds)
+        episode.session = started.session
+        trajectory = episode.trajectory = Trajectory(
+            prompt_ids=renderer.prompt_ids(started.messages, started.tools)
+        )
+        parser = ToolCallParser(self.tool_parser, renderer.tokenizer, started.tools)
+        while True:
+            room = limits.max_tokens - len(trajectory.token_ids)
+            if room <= 0:
+                return trajectory.cut_short("token_budget")
+            try:
+                async with asyncio.timeout(limits.turn_seconds):
+                    turn = await generate(trajectory.token_ids, min(limits.turn_tokens, room))
+            except TimeoutError:
+                return trajectory.cut_short("turn_timeout")
+            message = parser.parse(
+                renderer.assistant_text(turn.response_token_ids), trajectory.turns
+            )
+            episode.add_turn(turn, len(message.tool_calls))
+            if not turn.finished and room <= limits.turn_tokens:
+                return trajectory.cut_short("token_budget")  # the budget ended the turn
+            stepped = await self.environment.step(
+                started.session, message, timeout=limits.call_seconds
+            )
+            if stepped.done:
+                episode.score = await self.environment.score(
+                    started.session, timeout=limits.call_seconds
+                )
+                return None
+            reason = limit_before_next_turn(
+                trajectory, TrajectoryLimits(limits.max_turns, limits.max_tokens)
+            )
+            if reason is not None:
+                return trajectory.cut_short(reason)
+            trajectory.add_observed(
+                renderer.observation_ids(stepped.messages, closed=turn.finished)
+            )
+
+    async def _close(self, session: str) -> None:
+        """Close the session, whatever happened to the episode; a failure is logged (the
+        environment's own idle timeout is the backstop), never raised over its result."""
+        try:
+            await asyncio.shield(self.environment.close(session, timeout=CLOSE_SECONDS))
+        except (EnvironmentCallFailed, TimeoutError) as failed:
+            log.warning("session %s was not closed: %s", session, failed)
+
+
+class _Progress:
+    """An episode as it goes: its trajectory, its session, the version spans of its
+    turns (response-relative), and its score once the environment gave it."""
+
+    def __init__(self, trajectory: Trajectory, version: int) -> None:
+        self.trajectory = trajectory
+        self.version = version
+        self.session: str | None = None
+        self.spans: list[tuple[int, int]] = []  # (version, first response token index)
+        self.score: float | None = None
+
+    def add_turn(self, turn: Rollout, tool_calls: int) -> None:
+        offset = len(self.trajectory.token_ids) - len(self.trajectory.prompt_ids)
+        spans = turn.version_spans or ((turn.policy_version, 0),)
+        self.spans += [(version, offset + start) for version, start in spans]
+        self.trajectory.add_sampled(
+            turn.response_token_ids, turn.response_log_probs, turn.policy_version, tool_calls
+        )
+
+    def rollout(self) -> Rollout:
+        """The episode as the trainer takes it (see Rollout and Episode). One that ended
+        without a score was cut: its loss mask is all 0 (Trajectory.loss_mask)."""
+        trajectory, prompt = self.trajectory, len(self.trajectory.prompt_ids)
+        versions = [version for version, _ in self.spans] or [self.version]
+        return Rollout(
+            prompt_token_ids=trajectory.prompt_ids,
+            response_token_ids=trajectory.token_ids[prompt:],
+            response_log_probs=trajectory.log_probs[prompt:],
+            finished=trajectory.cut is None,
+            policy_version=min(versions),
+            version_spans=tuple(_merged(self.spans)),
+            loss_mask=tuple(trajectory.loss_mask[prompt:]),
+            episode=Episode(
+                score=self.score if trajectory.cut is None and self.score is not None else 0.0,
+                turns=trajectory.turns,
+                tool_calls=trajectory.tool_calls,
+                version_span=max(versions) - min(versions),
+                cut=trajectory.cut,
+            ),
+        )
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Spans with a repeated version joined to the one before (turns of one policy)."""
+    merged: list[tuple[int, int]] = []
+    for version, start in spans:
+        if not merged or merged[-1][0] != version:
+            merged.append((version, start))
+    return merged
