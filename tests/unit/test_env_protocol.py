@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -22,6 +17,7 @@ from pydantic import ValidationError
 
 from rlhf_env.__main__ import main
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
+from rlhf_env.process import EnvironmentDidNotStart, served_locally
 from rlhf_env.protocol import FunctionCall, Message, Start, Step, Tool, ToolCall, describe
 from rlhf_env.server import app_for
 from rlhf_env.toys import Calculator, Lookup
@@ -434,58 +430,28 @@ def test_a_call_past_its_deadline_and_a_server_that_is_not_there(server: str) ->
 # --- the command line ---
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def test_serve_runs_a_class_from_a_module_in_a_process_of_its_own() -> None:
+    """`python -m rlhf_env serve`, started as a local run starts it (served_locally)."""
+    with served_locally("tests.unit.test_env_protocol:Counter") as url:
 
-
-def test_serve_runs_a_class_from_a_module(tmp_path: Path) -> None:
-    port, log = free_port(), tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "trainer_image")])}
-    command = [
-        sys.executable,
-        "-m",
-        "rlhf_env",
-        "serve",
-        "tests.unit.test_env_protocol:Counter",
-        "--port",
-        str(port),
-    ]
-    with log.open("w") as output:
-        served = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT
-        )
-    try:
-        wait_until_healthy(f"http://127.0.0.1:{port}", served, log)
-
-        async def scenario() -> float:
-            async with EnvironmentClient(f"http://127.0.0.1:{port}") as client:
+        async def scenario() -> tuple[float, str]:
+            async with EnvironmentClient(url) as client:
                 started = await client.start({"start": 41})
                 await client.step(started.session, answer("stop"))
                 score = await client.score(started.session)
                 await client.close(started.session)
-                return score
+                return score, (await client.health()).environment
 
-        assert run(scenario) == 42.0
-    finally:
-        served.terminate()
-        served.wait(timeout=10)
-    assert "started (1 live)" in log.read_text() and "closed (0 live)" in log.read_text()
+        assert run(scenario) == (42.0, "Counter")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/healthz", timeout=1)  # stopped on leaving
 
 
-def wait_until_healthy(url: str, served: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if served.poll() is not None:
-            pytest.fail(f"the server exited with {served.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).json()["environment"] == "Counter":
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    pytest.fail(f"the server did not answer /healthz within 30 s: {log.read_text()}")
+def test_a_class_that_cannot_be_served_fails_naming_it_with_the_servers_words() -> None:
+    with pytest.raises(EnvironmentDidNotStart) as failed, served_locally("rlhf_env.toys:Nope"):
+        pass
+    assert "the environment rlhf_env.toys:Nope exited with status 2" in str(failed.value)
+    assert "module 'rlhf_env.toys' has no attribute 'Nope'" in str(failed.value)
 
 
 @pytest.mark.parametrize(

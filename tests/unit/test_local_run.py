@@ -234,3 +234,39 @@ def test_off_a_terminal_there_is_no_bar_and_no_control_characters(tmp_path: Path
     assert "Run summary" in text
     assert "step" not in text.split("Run summary")[0]  # no bar before the table
     assert not any(ord(c) < 32 and c != "\n" for c in text), repr(text)
+
+
+def test_a_local_run_serves_the_environments_named_by_class_while_it_runs() -> None:
+    import asyncio
+
+    import yaml
+
+    from rlhf_env.client import EnvironmentClient
+    from rlhf_trainer.api.agentic import EnvironmentConfig
+    from rlhf_trainer.api.config import JobConfig
+    from rlhf_trainer.cluster.local import local_environments
+    from rlhf_trainer.rollout.episodes import EnvironmentUnreachable, check_environment
+    from tests.specs import LOCAL_EXAMPLE
+
+    spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    spec["environments"] = [
+        {"name": "lookup", "serve": "rlhf_env.toys:LetterLookup"},
+        {"name": "remote", "url": "http://tools.team.svc:8000"},
+    ]
+    config = JobConfig.model_validate(spec)
+    with pytest.raises(EnvironmentUnreachable, match="'lookup' has no url: an environment given"):
+        check_environment(config.environment("lookup"))  # what a cluster driver would say
+
+    with local_environments(config) as served:
+        lookup, remote = served.environments
+        assert remote == config.environments[1]
+        assert lookup.serve is None and lookup.url is not None
+        check_environment(lookup)  # it answers
+
+        async def health() -> str:
+            async with EnvironmentClient(str(lookup.url)) as client:
+                return (await client.health()).environment
+
+        assert asyncio.run(health()) == "LetterLookup"
+    with pytest.raises(EnvironmentUnreachable, match="'lookup' cannot be reached"):
+        check_environment(EnvironmentConfig(name="lookup", url=lookup.url), timeout=2)

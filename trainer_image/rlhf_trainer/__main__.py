@@ -155,7 +155,7 @@ def train_locally(
     a summary at the end. Ctrl-C checkpoints and stops: exit status 130."""
     from rich.console import Console
 
-    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.cluster.local import local_environments, local_ray_cluster
     from rlhf_trainer.loop.interrupt import stop_on_interrupt
     from rlhf_trainer.loop.run import Interrupted, run_job
     from rlhf_trainer.telemetry.local_run import LocalRunWatch
@@ -171,7 +171,12 @@ def train_locally(
     every = config.trainer.checkpoint.every_steps
     watch = LocalRunWatch(folder, metrics, progress, config.samples_per_step, every)
     interrupted: Interrupted | None = None
-    with stop_on_interrupt() as stop, progress, local_ray_cluster(config):
+    with (
+        stop_on_interrupt() as stop,
+        progress,
+        local_environments(config) as config,
+        local_ray_cluster(config),
+    ):
         try:
             final = run_job(config, job, reporter, metrics, trace or folder.trace, watch, stop)
             last_checkpoint, output = final.last_checkpoint, final.output

@@ -284,6 +284,14 @@ class RLHFJobSpec(JobConfig):
     rules = (
         *JobConfig.rules,
         Rule(
+            "environments",
+            "in a cluster every environment needs its url: the operator does not run "
+            "environments yet (serve is for local runs)",
+            "!has(self.environments) || self.environments.all(e, has(e.url))",
+            lambda s: all(e.url is not None for e in s.environments),
+            lambda s: "serve: " + ", ".join(e.name for e in s.environments if e.url is None),
+        ),
+        Rule(
             "trainer.checkpoint.path",
             "must be an absolute path outside /etc/rlhf and /dev/shm when checkpointClaim "
             "mounts a volume there",

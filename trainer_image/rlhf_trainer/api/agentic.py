@@ -5,23 +5,44 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rlhf_trainer.api.rules import SpecModel
+from rlhf_trainer.api.rules import Rule, SpecModel
 
 # A DNS label, as Kubernetes names Services: the operator will name the environment's.
 ENVIRONMENT_NAME = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
 URL = r"^https?://[^\s/]+(/\S*)?$"
+CLASS_PATH = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class EnvironmentConfig(SpecModel):
-    """An environment server (the protocol of rlhf_env), reached at `url`."""
+    """An environment server (the protocol of rlhf_env): one that runs at `url`, or a
+    class that `python -m rlhf_env serve` serves (`serve`)."""
 
     name: str = Field(pattern=ENVIRONMENT_NAME, description="How the job names it.")
-    url: str = Field(
+    url: str | None = Field(
+        None,
         pattern=URL,
         max_length=2048,
         description=(
             "Where it serves the environment protocol, with its scheme: "
-            "http://lookup.team.svc:8000 (see `python -m rlhf_env serve`)."
+            "http://lookup.team.svc:8000."
+        ),
+    )
+    serve: str | None = Field(
+        None,
+        pattern=CLASS_PATH,
+        description=(
+            "An environment class in the trainer image, as module:Class "
+            "(rlhf_env.toys:LetterLookup). A local run (rlhfjob train --local, make demo) "
+            "serves it on this machine; in a cluster, give url."
+        ),
+    )
+
+    rules = (
+        Rule(
+            "",
+            "set exactly one of url or serve",
+            "has(self.url) != has(self.serve)",
+            lambda e: (e.url is None) != (e.serve is None),
         ),
     )
 

@@ -67,6 +67,27 @@ def signal_all(processes: list[Any], how: str) -> None:
 
 
 @contextmanager
+def local_environments(config: JobConfig) -> Iterator[JobConfig]:
+    """The job with each environment it names by class (`serve`) served on this machine
+    until the block ends, and its url filled in (rlhf_env.process)."""
+    from rlhf_env.process import served_locally
+
+    with contextlib.ExitStack() as stack:
+        environments = [
+            environment
+            if environment.serve is None
+            else environment.model_copy(
+                update={
+                    "url": stack.enter_context(served_locally(environment.serve)),
+                    "serve": None,
+                }
+            )
+            for environment in config.environments
+        ]
+        yield config.model_copy(update={"environments": environments})
+
+
+@contextmanager
 def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
     """A simulated Ray cluster on this machine shaped like the job's pools; yields it
     once connected. One node per pool replica, each with the logical GPUs, the pool

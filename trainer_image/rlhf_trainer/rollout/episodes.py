@@ -73,8 +73,15 @@ def check_environment(environment: EnvironmentConfig, timeout: float = 30.0) -> 
     """Fail now, naming the environment, if it does not answer its health check (the
     driver asks before any role starts, rather than every episode failing later)."""
 
+    url = environment.url
+    if url is None:
+        raise EnvironmentUnreachable(
+            f"environment {environment.name!r} has no url: an environment given by its class "
+            "(serve) runs only in a local run (rlhfjob train --local); in a cluster, give url"
+        )
+
     async def health() -> None:
-        async with EnvironmentClient(environment.url, timeout=timeout) as client:
+        async with EnvironmentClient(url, timeout=timeout) as client:
             await client.health()
 
     try:

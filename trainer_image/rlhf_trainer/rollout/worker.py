@@ -213,6 +213,8 @@ def episode_runner(config: JobConfig) -> EpisodeRunner | None:
     if multi_turn is None:
         return None
     actor = config.models.actor
-    environment = EnvironmentClient(config.environment(multi_turn.environment).url)
+    url = config.environment(multi_turn.environment).url
+    assert url is not None, "the driver checked that the environment has a url"
+    environment = EnvironmentClient(url)
     renderer = ChatRenderer(chat_tokenizer(actor), actor.path or "the tiny model")
     return EpisodeRunner(environment, renderer, multi_turn.tool_parser, EpisodeLimits.of(config))
