@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from rlhf_env.protocol import Message, Tool, ToolFunction
+from rlhf_trainer.algo.diagnostics import EpisodeStats
+from rlhf_trainer.algo.experience import Episode
 from rlhf_trainer.rollout.trajectory import (
     ChatRenderer,
     TemplateNotIncremental,
@@ -20,7 +22,6 @@ from rlhf_trainer.rollout.trajectory import (
     Trajectory,
     TrajectoryLimits,
     UnknownToolParser,
-    cuts_by_reason,
     limit_before_next_turn,
     template_message,
 )
@@ -237,8 +238,10 @@ def test_a_cut_trajectory_is_not_trained_on(reason: str) -> None:
 
 def test_cuts_are_counted_by_kind() -> None:
     reasons = ["max_turns", "environment_error: timeout", "environment_error: HTTP 500", None]
-    trajectories = [Trajectory(prompt_ids=[1], cut=reason) for reason in reasons]
-    assert cuts_by_reason(trajectories) == {"max_turns": 1, "environment_error": 2}
+    episodes = [Episode(score=0.0, turns=1, tool_calls=0, version_span=0, cut=r) for r in reasons]
+    stats = EpisodeStats(tuple(episodes))
+    assert stats.cuts == {"environment_error": 2, "max_turns": 1}
+    assert stats.cut_ratio == 0.75
 
 
 def test_version_span_over_turns() -> None:

@@ -4,10 +4,11 @@ the critic's), and the metrics and the job's status are made from these types.""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.algo.experience import Episode, Rollout
 
 
 @dataclass(frozen=True)
@@ -55,26 +56,28 @@ class ResponseStats:
 class EpisodeStats:
     """The batch's multi-turn episodes (generation.multiTurn)."""
 
-    turns_mean: float  # assistant turns per episode
-    tool_calls_mean: float  # tool calls parsed per episode
-    cut_ratio: float  # share of episodes cut by a limit or an error: masked, not trained on
-    cuts: dict[str, int]  # cut episodes by reason ("max_turns", "environment_error", ...)
-    version_span_max: int  # policy versions between an episode's oldest and newest turn
+    episodes: tuple[Episode, ...]  # (B,) one per sample, at least one
 
     @classmethod
     def of(cls, rollouts: Sequence[Rollout]) -> EpisodeStats | None:
-        episodes = [r.episode for r in rollouts if r.episode is not None]
-        if not episodes:
-            return None
-        cuts: dict[str, int] = {}
-        for episode in episodes:
-            if episode.cut is not None:
-                reason = episode.cut.split(":")[0]  # an error's message is no label
-                cuts[reason] = cuts.get(reason, 0) + 1
-        return cls(
-            turns_mean=sum(e.turns for e in episodes) / len(episodes),
-            tool_calls_mean=sum(e.tool_calls for e in episodes) / len(episodes),
-            cut_ratio=sum(cuts.values()) / len(episodes),
-            cuts=cuts,
-            version_span_max=max(e.version_span for e in episodes),
-        )
+        episodes = tuple(r.episode for r in rollouts if r.episode is not None)
+        return cls(episodes) if episodes else None
+
+    @property
+    def turns_mean(self) -> float:  # assistant turns per episode
+        return sum(e.turns for e in self.episodes) / len(self.episodes)
+
+    @property
+    def tool_calls_mean(self) -> float:  # tool calls parsed per episode
+        return sum(e.tool_calls for e in self.episodes) / len(self.episodes)
+
+    @property
+    def cuts(self) -> dict[str, int]:
+        """Cut episodes by reason ("max_turns", "environment_error", ...): the kind of
+        reason only, so that an environment's error messages are no metric labels."""
+        reasons = Counter(e.cut.split(":")[0] for e in self.episodes if e.cut is not None)
+        return dict(sorted(reasons.items()))
+
+    @property
+    def cut_ratio(self) -> float:  # share cut by a limit or an error: masked, not trained on
+        return sum(self.cuts.values()) / len(self.episodes)

@@ -192,6 +192,7 @@ class Episode:
     # ..."), None if the environment ended it. A cut episode is not trained on (its loss
     # mask is all 0), and it counts as a score of 0 in its group's baseline.
     cut: str | None = None
+    step_seconds: tuple[float, ...] = ()  # each step call to the environment, in order
 
 
 @dataclass(frozen=True)

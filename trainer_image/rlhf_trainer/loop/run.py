@@ -185,6 +185,8 @@ class Run:
         m.kl.set(result.kl)
         m.kl_coef.set(result.kl_coef)
         m.observe_diagnostics(result.actor, result.critic, result.responses)
+        if result.episodes is not None:
+            m.observe_episodes(result.episodes)
         for evaluation in result.evaluations:
             m.observe_eval(evaluation)
         progress = self.progress(result)

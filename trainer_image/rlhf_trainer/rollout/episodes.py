@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -149,9 +150,11 @@ class EpisodeRunner:
             episode.add_turn(turn, len(message.tool_calls))
             if not turn.finished and room <= limits.turn_tokens:
                 return trajectory.cut_short("token_budget")  # the budget ended the turn
+            asked = time.monotonic()
             stepped = await self.environment.step(
                 started.session, message, timeout=limits.call_seconds
             )
+            episode.step_seconds.append(time.monotonic() - asked)
             if stepped.done:
                 episode.score = await self.environment.score(
                     started.session, timeout=limits.call_seconds
@@ -185,6 +188,7 @@ class _Progress:
         self.session: str | None = None
         self.spans: list[tuple[int, int]] = []  # (version, first response token index)
         self.score: float | None = None
+        self.step_seconds: list[float] = []  # each environment step call's
 
     def add_turn(self, turn: Rollout, tool_calls: int) -> None:
         offset = len(self.trajectory.token_ids) - len(self.trajectory.prompt_ids)
@@ -213,6 +217,7 @@ class _Progress:
                 tool_calls=trajectory.tool_calls,
                 version_span=max(versions) - min(versions),
                 cut=trajectory.cut,
+                step_seconds=tuple(self.step_seconds),
             ),
         )
 

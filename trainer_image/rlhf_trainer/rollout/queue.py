@@ -178,10 +178,16 @@ class Sample:
                     (int(version), int(start)) for version, start in r["version_spans"]
                 ),
                 loss_mask=tuple(int(m) for m in r.get("loss_mask", ())),
-                episode=None if r.get("episode") is None else Episode(**r["episode"]),
+                episode=episode_from_json(r.get("episode")),
             ),
             policy_versions=tuple(int(v) for v in data["policy_versions"]),
         )
+
+
+def episode_from_json(data: Mapping[str, Any] | None) -> Episode | None:
+    if data is None:
+        return None
+    return Episode(**{**data, "step_seconds": tuple(data.get("step_seconds", ()))})
 
 
 def staleness(sample: Sample, trained_version: int) -> int:

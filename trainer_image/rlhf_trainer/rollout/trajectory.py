@@ -19,8 +19,7 @@ imports without them.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -151,12 +150,6 @@ def limit_before_next_turn(trajectory: Trajectory, limits: TrajectoryLimits) -> 
     if len(trajectory.token_ids) >= limits.max_tokens:
         return "token_budget"
     return None
-
-
-def cuts_by_reason(trajectories: Iterable[Trajectory]) -> Counter[str]:
-    """Cut trajectories counted by the kind of reason (the part before a colon), so that
-    an environment's error messages do not each become a metric label of their own."""
-    return Counter(t.cut.split(":")[0] for t in trajectories if t.cut is not None)
 
 
 class UnknownToolParser(ValueError):

@@ -27,9 +27,10 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, ResponseStats
+from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, EpisodeStats, ResponseStats
 from rlhf_trainer.api.progress import EvalProgress, TrainingProgress
 from rlhf_trainer.telemetry.engine_stats import EngineSeries
+from rlhf_trainer.telemetry.episode_metrics import EpisodeSeries
 from rlhf_trainer.telemetry.timeline import Span
 
 Interval = tuple[float, float]  # (start, end) in seconds
@@ -151,6 +152,7 @@ class TrainerMetrics:
         # rlhf_critic_* at all (a gauge stuck at 0 would read as a real value).
         self.diagnostics: dict[str, dict[str, Gauge]] = {}
         self.eval_gauges: dict[str, Gauge] = {}  # rlhf_eval_*, likewise
+        self.episodes: EpisodeSeries | None = None  # rlhf_env_*, likewise
         r.register(_PoolBusyRatio(self))
         # rlhf_vllm_*{pool,engine}: vLLM's own metrics, as each rollout engine reports
         # them to the driver (cluster.engine_stats).
@@ -229,6 +231,12 @@ class TrainerMetrics:
                 self.diagnostics[prefix] = diagnostic_gauges(self.registry, prefix)
             for name, value in asdict(stats).items():
                 self.diagnostics[prefix][name].set(value)
+
+    def observe_episodes(self, stats: EpisodeStats) -> None:
+        """rlhf_env_*: a step's multi-turn episodes."""
+        if self.episodes is None:
+            self.episodes = EpisodeSeries(self.registry)
+        self.episodes.observe(stats)
 
     def pool_busy_ratios(self) -> dict[str, float]:
         """Per pool: busy time over wall time since the trainer started, in [0, 1]."""
