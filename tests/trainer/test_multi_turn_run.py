@@ -1,5 +1,5 @@
-"""A whole multi-turn job: PPO with a critic, split placement (the critic on a pool of its
-own), on a simulated Ray cluster with real vLLM, against a real environment server.
+"""A whole multi-turn job: PPO with a critic, split and fully async, on a simulated Ray
+cluster with real vLLM, against a real environment server.
 
 Every episode has three turns (tests/environments.Chatter) with the environment's
 message between them, so every sample the trainer packs has tool-side tokens in its
@@ -30,9 +30,15 @@ STEPS = 3
 LOG_PROB_TOLERANCE = 1e-4  # fp32 kernels of vLLM and torch (test_ppo_loop's, measured 1e-6)
 
 
-def multi_turn_job(url: str, checkpoint_dir: Path) -> JobConfig:
-    """The local example, split, on toy:lookup's rows in Chatter's episodes."""
+def multi_turn_job(mode: str, url: str, checkpoint_dir: Path) -> JobConfig:
+    """The local example on toy:lookup's rows in Chatter's episodes: split (the critic on
+    a pool of its own), or fully async at staleness 0 (the rollout on a pool of its
+    own: every episode sampled by the weights it is trained against)."""
     spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    if mode == "async":
+        spec["pools"][1]["name"] = spec["roles"]["rollout"] = "rollout"
+        spec["roles"]["critic"] = spec["roles"]["actor"]
+        spec["async"] = {"stalenessThreshold": 0}
     spec["algorithm"].pop("klController", None)
     spec["models"]["reward"] = {"environment": True}
     spec["environments"] = [{"name": "chatter", "url": url}]
@@ -53,11 +59,13 @@ def multi_turn_job(url: str, checkpoint_dir: Path) -> JobConfig:
     return JobConfig.model_validate(spec)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
+@pytest.fixture(scope="module", params=["split", "async"])
+def trained(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Trained]:
     with served({"chatter": app_for(Chatter)}) as url:
-        config = multi_turn_job(f"{url}/chatter", tmp_path_factory.mktemp("multi-turn"))
-        yield train(config)
+        checkpoints = tmp_path_factory.mktemp(request.param)
+        yield train(multi_turn_job(request.param, f"{url}/chatter", checkpoints))
 
 
 def test_every_step_trains_whole_episodes_with_the_engines_log_probs(trained: Trained) -> None:

@@ -211,7 +211,7 @@ def test_async_checkpoint_state_json_round_trip() -> None:
     state = AsyncState(
         admission={"admitted_since_sync": 3, "admitted_total": 17},
         queued=[sample(14, version=2), sample(15, prompt_index=8, version=3)],
-        in_flight=[(16, 9, [1, 5, 6])],
+        in_flight=[(16, 9, [1, 5, 6]), (17, 9, {"key": "c", "value": "x"})],  # a multi-turn row
     )
     assert AsyncState.from_json(json.loads(json.dumps(state.to_json()))) == state
 

@@ -80,7 +80,7 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
     }
     if samples > 1 and draw(st.booleans()):
         spec["algorithm"]["dynamicSampling"] = {"maxAttempts": draw(st.integers(1, 10))}
-    if not asynchronous and draw(st.booleans()):
+    if draw(st.booleans()):
         spec["environments"] = [{"name": "tools", "url": "http://tools.team.svc:8000"}]
         spec["generation"]["multiTurn"] = {
             "environment": "tools",

@@ -283,12 +283,6 @@ def _multi_turn_rules() -> tuple[Rule, ...]:
             "&& self.models.reward.environment)",
             lambda c: (c.multi_turn is not None) == c.models.reward.environment,
         ),
-        Rule(
-            "generation.multiTurn",
-            "is synchronous or split for now: fully async (async) does not run episodes yet",
-            f"!has({multi_turn}) || !has(self.async)",
-            lambda c: c.multi_turn is None or c.async_ is None,
-        ),
     )
 
 

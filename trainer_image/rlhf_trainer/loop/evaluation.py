@@ -26,7 +26,7 @@ from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.api.sections import EvalGeneration
 from rlhf_trainer.cluster.groups import answered, finished, join
 from rlhf_trainer.data.prompts import Prompt
-from rlhf_trainer.loop.sync import PPOTrainer, split_list
+from rlhf_trainer.loop.sync import PPOTrainer, rollout_input, split_list
 from rlhf_trainer.telemetry.progress import eval_text
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Evaluator:
         weights pushed are loaded); returns the evaluation this one waited for, if any."""
         done = self.finish(wait=True)
         rollout = self.trainer.groups[Role.ROLLOUT]
-        asked = [p.token_ids if self.config.multi_turn is None else p.fields for p in self.asked]
+        asked = [rollout_input(self.config, p) for p in self.asked]
         shards = split_list(asked, rollout.world_size)
         answers = rollout.run_each("evaluate", shards, step)
         self.trainer.weight_sync.wait_before_next_push(answers, ANSWER_TIMEOUT_S)

@@ -31,7 +31,7 @@ from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.elastic_rollout import ElasticRollout
-from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, split_list
+from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
@@ -61,8 +61,12 @@ class AsyncState:
             admission={key: int(value) for key, value in data["admission"].items()},
             queued=[Sample.from_json(s) for s in data["queued"]],
             in_flight=[
-                (int(uid), int(index), [int(t) for t in tokens])
-                for uid, index, tokens in data["in_flight"]
+                (
+                    int(uid),
+                    int(index),
+                    given if isinstance(given, dict) else [int(t) for t in given],
+                )
+                for uid, index, given in data["in_flight"]
             ],
         )
 
@@ -207,7 +211,7 @@ class AsyncPPOTrainer:
         n = self.group_size
         self.admit_again(
             [
-                ((first + i) * n + j, p, self.prompts.prompts[p].token_ids)
+                ((first + i) * n + j, p, rollout_input(self.config, self.prompts.prompts[p]))
                 for i, p in enumerate(self.prompts.next_indices(count))
                 for j in range(n)
             ]

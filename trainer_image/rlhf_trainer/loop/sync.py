@@ -215,12 +215,8 @@ class PPOTrainer:
         """samplesPerPrompt responses to each prompt, a group's next to each other: with
         generation.multiTurn, an episode per sample, which the prompt's row starts."""
         rollout = self.groups[Role.ROLLOUT]
-        inputs: list[Any]  # token ids, or multi-turn rows
-        if self.config.multi_turn is None:
-            method, inputs = PHASE_METHOD[Phase.GENERATE], [p.token_ids for p in prompts]
-        else:
-            method, inputs = "run_episodes", [p.fields for p in prompts]
-        grouped = [item for item in inputs for _ in range(self.group_size)]
+        method = PHASE_METHOD[Phase.GENERATE] if self.config.multi_turn is None else "run_episodes"
+        grouped = [rollout_input(self.config, p) for p in prompts for _ in range(self.group_size)]
         shards = split_list(grouped, rollout.world_size)
         calls = rollout.run_each(method, shards, step, attempt, phase=Phase.GENERATE)
         return [r for shard in join(calls) for r in shard]
@@ -299,6 +295,12 @@ def critic_stats(updates: Calls, experience: Experience) -> CriticStats | None:
             experience.values, experience.returns, experience.response_mask
         ),
     )
+
+
+def rollout_input(config: JobConfig, prompt: Prompt) -> list[int] | dict[str, Any]:
+    """What a rollout engine is given for a prompt: its token ids, or with
+    generation.multiTurn the row its environment starts an episode from."""
+    return prompt.token_ids if config.multi_turn is None else prompt.fields
 
 
 def episode_score(rollout: Rollout) -> float:

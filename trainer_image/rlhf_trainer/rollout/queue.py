@@ -53,7 +53,9 @@ MIN_REMEMBERED_UIDS = 1 << 16
 # intervals' worth of samples covers that with room to spare.
 REMEMBERED_INTERVALS = 4
 
-Admitted = tuple[int, int, list[int]]  # a prompt given to an engine: (uid, prompt index, token ids)
+# A prompt given to an engine: (uid, prompt index, its token ids; with
+# generation.multiTurn, the environment row its episode starts from).
+Admitted = tuple[int, int, list[int] | dict[str, Any]]
 
 
 class AdmissionControl:

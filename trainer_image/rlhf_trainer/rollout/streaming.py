@@ -6,7 +6,10 @@ worker's methods (called one at a time by Ray) hand work to that loop and return
 its bookkeeping runs on that loop too. Every admitted prompt becomes one request; when it
 finishes, its sample is put into the queue and it leaves `in_flight` in the same
 step of the loop, so a snapshot taken on the loop sees each sample in exactly one
-place.
+place. With generation.multiTurn a prompt is an environment row, and its sample a whole
+episode: a weight sync pauses it within a turn (the engine keeps the request) or between
+turns (its next turn waits for the engine), and its turns carry the versions that
+sampled them, so its staleness is its oldest turn's.
 """
 
 from __future__ import annotations
@@ -47,19 +50,23 @@ class StreamingRollout(EngineWorker):
             self.engine.spawn(self._generate(admitted))
 
     async def _generate(self, admitted: Admitted) -> None:
-        uid, index, token_ids = admitted
+        uid, index, given = admitted
         self.in_flight[uid] = admitted
         self._mark_activity()
         generation = self.config.generation
+        seed = derive_seed(self.config.trainer.seed, "sample", uid)
         try:
-            rollout = await self.engine.generate(
-                str(uid),
-                token_ids,
-                max_tokens=self.config.data.max_response_length,
-                temperature=generation.temperature,
-                top_p=generation.top_p,
-                seed=derive_seed(self.config.trainer.seed, "sample", uid),
-            )
+            if isinstance(given, dict):  # an episode: turns across weight syncs, each labelled
+                (rollout,) = await self.episodes_of([given], str(uid), seed)
+            else:
+                rollout = await self.engine.generate(
+                    str(uid),
+                    given,
+                    max_tokens=self.config.data.max_response_length,
+                    temperature=generation.temperature,
+                    top_p=generation.top_p,
+                    seed=seed,
+                )
         except Exception as error:
             # Nobody awaits this request: without word, the trainer would wait for
             # its batch until the queue timeout (an hour).
