@@ -257,3 +257,21 @@ def test_version_span_over_turns() -> None:
 def test_a_sampled_turn_needs_a_log_prob_per_token() -> None:
     with pytest.raises(ValueError, match="2 ids but 1 log-probs"):
         Trajectory(prompt_ids=[1]).add_sampled([2, 3], [-0.1], version=0)
+
+
+def test_a_template_that_drops_the_tools_is_named_once(
+    tokenizer: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SmolLM2's template renders no tools: the prompt is the same with and without them,
+    and the model would never see them unless the environment's messages describe them."""
+    renderer = ChatRenderer(tokenizer, MODEL)
+    question = [Message(role="user", content="What is 2 + 3?")]
+    with caplog.at_level("WARNING"):
+        with_tools = renderer.prompt_ids(question, [LOOKUP])
+        renderer.prompt_ids(question, [LOOKUP])
+    assert with_tools == renderer.prompt_ids(question, [])
+    warnings = [r.getMessage() for r in caplog.records if "does not render tools" in r.getMessage()]
+    assert warnings == [
+        f"{MODEL}: its chat template does not render tools, so the model sees the "
+        "environment's tools (lookup) only where its messages describe them"
+    ]

@@ -19,6 +19,7 @@ imports without them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ from rlhf_env.protocol import FunctionCall, Message, Tool, ToolCall
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,7 @@ class ChatRenderer:
         self.end_of_turn_id = eot_id
         self.end_of_turn = tokenizer.decode([eot_id])
         self._before = self._render(STAND_IN, generation_prompt=False)
+        self._warned_about_tools = False  # checked once, on the first prompt with tools
         self._glue = self._glue_after_end_of_turn()
 
     def prompt_ids(self, messages: Sequence[Message], tools: Sequence[Tool]) -> list[int]:
@@ -240,6 +244,15 @@ class ChatRenderer:
         for single-turn chat prompts (data/prompts.py): a template writes its own."""
         rendered = [template_message(m) for m in messages]
         text = self._render(rendered, generation_prompt=True, tools=tools)
+        if tools and not self._warned_about_tools:
+            self._warned_about_tools = True
+            if text == self._render(rendered, generation_prompt=True):
+                log.warning(
+                    "%s: its chat template does not render tools, so the model sees the "
+                    "environment's tools (%s) only where its messages describe them",
+                    self.model,
+                    ", ".join(t.function.name for t in tools),
+                )
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
