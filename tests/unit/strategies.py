@@ -183,7 +183,9 @@ def rule_damaged_jobs(draw: st.DrawFn) -> dict[str, Any]:
         "async": lambda: spec.__setitem__("async", {}),
         "kl": lambda: spec["algorithm"].__setitem__("klCoef", draw(st.sampled_from([0, 0.0, 0.1]))),
         "reward": lambda: spec["models"].__setitem__("reward", draw(st.sampled_from(
-            [{"path": "/rm"}, {"function": "f"}, {}, {"path": "/rm", "function": "f"}]))),
+            [{"path": "/rm"}, {"function": "f"}, {}, {"path": "/rm", "function": "f"},
+             {"url": "http://s:1"}, {"url": "http://s:1", "function": "f"},
+             {"function": "f", "requests": {}}]))),
         "model": lambda: spec["models"].__setitem__("actor", draw(st.sampled_from(
             [{"path": "m", "tiny": {}}, {"tiny": {"hiddenSize": 64, "numHeads": 4}}, {}]))),
         "estimator": lambda: spec["algorithm"].__setitem__("advantageEstimator", draw(st.sampled_from(ESTIMATORS))),

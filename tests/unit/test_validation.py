@@ -147,7 +147,7 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
     ("model-path-and-tiny", _set("spec.models.actor.path", "org/model"), "spec.models.actor",
      "set exactly one of path or tiny", True),
     ("reward-neither", _set("spec.models.reward", {}), "spec.models.reward",
-     "set exactly one of path, function or environment", True),
+     "set exactly one of path, function, environment or url", True),
     ("multi-turn-zero-turns", _set("spec.generation.multiTurn", {"environment": "t", "maxTurns": 0}),
      "spec.generation.multiTurn.maxTurns", "greater than or equal to 1", False),
     ("multi-turn-budget-below-prompt",

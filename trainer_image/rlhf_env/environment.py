@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, cast
 
 from rlhf_env.protocol import Message, Start, Step
@@ -64,19 +64,7 @@ class NotAnEnvironment(ValueError):
 
 def load_environment_class(target: str) -> type[Environment]:
     """The class that `module:Class` names; NotAnEnvironment saying what is wrong."""
-    module_name, colon, class_name = target.partition(":")
-    if not colon or not module_name or not class_name:
-        raise NotAnEnvironment(f"expected module:Class (e.g. my_envs:Lookup), got {target!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # a user's module may fail in any way while importing
-        raise NotAnEnvironment(
-            f"cannot import module {module_name!r} (from {target!r}): "
-            f"{type(error).__name__}: {error}"
-        ) from error
-    found = getattr(module, class_name, None)
-    if found is None:
-        raise NotAnEnvironment(f"module {module_name!r} has no attribute {class_name!r}")
+    found = _load(target, "module:Class (e.g. my_envs:Lookup)")
     if not inspect.isclass(found):
         raise NotAnEnvironment(f"{target} is a {type(found).__name__}, expected a class")
     missing = [name for name in REQUIRED_METHODS if not callable(getattr(found, name, None))]
@@ -86,6 +74,32 @@ def load_environment_class(target: str) -> type[Environment]:
             f"(an environment has {', '.join(REQUIRED_METHODS)})"
         )
     return cast("type[Environment]", found)  # its methods are checked above
+
+
+def load_function(target: str) -> Callable[..., float]:
+    """The function that `module:function` names (a reward: serve-reward)."""
+    found = _load(target, "module:function (e.g. my_rewards:score)")
+    if inspect.isclass(found) or not callable(found):
+        raise NotAnEnvironment(f"{target} is a {type(found).__name__}, expected a function")
+    return cast("Callable[..., float]", found)
+
+
+def _load(target: str, expected: str) -> Any:
+    """What `module:name` names, imported; NotAnEnvironment saying what is wrong."""
+    module_name, colon, name = target.partition(":")
+    if not colon or not module_name or not name:
+        raise NotAnEnvironment(f"expected {expected}, got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # a user's module may fail in any way while importing
+        raise NotAnEnvironment(
+            f"cannot import module {module_name!r} (from {target!r}): "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    found = getattr(module, name, None)
+    if found is None:
+        raise NotAnEnvironment(f"module {module_name!r} has no attribute {name!r}")
+    return found
 
 
 async def call_method(environment: object, name: str, *args: Any) -> Any:

@@ -12,6 +12,7 @@ only the placement differs. Every call carries its phase's name to the timeline.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlhf_env.rewards import RewardClient, ScoredSample
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, EpisodeStats, ResponseStats
 from rlhf_trainer.algo.estimators import compute_advantages
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
@@ -27,6 +29,7 @@ from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
 from rlhf_trainer.api.progress import EvalProgress
+from rlhf_trainer.api.sections import RewardRequests, RewardSource
 from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
@@ -113,6 +116,7 @@ class PPOTrainer:
         self.timeline = timeline
         self.plan = plan_placement(config)
         self.reward = reward_function(config.models.reward)
+        self.reward_service = reward_client(config.models.reward)  # models.reward.url
         self.group_size = config.generation.samples_per_prompt
         self.policy_version = 0  # the actor's weights: bumped by every update
         self.kl_coef = config.algorithm.kl_coef  # moved by an adaptive klController
@@ -248,6 +252,15 @@ class PPOTrainer:
         episode's environment (its score came with the rollout)."""
         if self.config.models.reward.environment:
             return torch.tensor([episode_score(r) for r in rollouts])
+        if self.reward_service is not None:
+            with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
+                samples = [
+                    ScoredSample(
+                        prompt=p.text, response=self.decode(r.response_token_ids), row=p.fields
+                    )
+                    for p, r in zip(prompts, rollouts, strict=True)
+                ]
+                return torch.tensor(asyncio.run(self.reward_service.score(samples)))
         if self.reward is None:
             scores: torch.Tensor = gather(scoring[Phase.REWARD])
             return scores
@@ -294,6 +307,20 @@ def critic_stats(updates: Calls, experience: Experience) -> CriticStats | None:
         explained_variance=explained_variance(
             experience.values, experience.returns, experience.response_mask
         ),
+    )
+
+
+def reward_client(source: RewardSource) -> RewardClient | None:
+    """The client of the reward service that models.reward.url names; None without."""
+    if source.url is None:
+        return None
+    requests = source.requests or RewardRequests()
+    return RewardClient(
+        source.url,
+        timeout=requests.timeout_seconds,
+        retries=requests.retries,
+        concurrency=requests.concurrency,
+        batch_size=requests.batch_size,
     )
 
 

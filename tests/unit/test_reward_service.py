@@ -1,0 +1,168 @@
+"""Rewards as a service (models.reward.url) over real HTTP: a uvicorn server in a thread
+serves reward functions and misbehaving scorers; the trainer's RewardClient batches,
+bounds its requests in flight, retries what may pass, and names the URL when it fails."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, HTTPException
+
+from rlhf_env.__main__ import main
+from rlhf_env.rewards import (
+    RewardClient,
+    RewardServiceFailed,
+    ScoredSample,
+    ScoreRequest,
+    reward_app_for,
+)
+from rlhf_operator.api.validation import InvalidJob, parse_spec
+from tests.environments import served
+
+
+def length_reward(prompt: str, response: str, answer: str = "") -> float:
+    """The response's words, plus 10 when it says the row's answer."""
+    return len(response.split()) + (10.0 if answer and answer in response else 0.0)
+
+
+def broken_reward(prompt: str, response: str, **row: str) -> float:
+    raise ValueError("no answer column")
+
+
+class Scorer:
+    """A hand-made scorer that counts its requests and how many ran at once."""
+
+    def __init__(self, fail_first: int = 0, status: int = 503, delay: float = 0.0) -> None:
+        self.fail_first, self.status, self.delay = fail_first, status, delay
+        self.requests, self.running, self.most_running = 0, 0, 0
+        self.lock = threading.Lock()
+
+    def app(self, rewards: Any = None) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/score")
+        async def score(request: ScoreRequest) -> dict[str, Any]:
+            with self.lock:
+                self.requests += 1
+                self.running += 1
+                self.most_running = max(self.most_running, self.running)
+                failing = self.requests <= self.fail_first
+            try:
+                await asyncio.sleep(self.delay)
+                if failing:
+                    raise HTTPException(self.status, "not now")
+                given = [len(s.response) for s in request.samples] if rewards is None else rewards
+                return {"rewards": given}
+            finally:
+                with self.lock:
+                    self.running -= 1
+
+        return app
+
+
+SCORERS = {
+    "flaky": Scorer(fail_first=2),
+    "refusing": Scorer(fail_first=100, status=403),
+    "slow": Scorer(delay=0.2),
+    "short": Scorer(),
+    "nan": Scorer(),
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    apps = {
+        "length": reward_app_for(length_reward),
+        "broken": reward_app_for(broken_reward),
+        "short": SCORERS["short"].app(rewards=[1.0]),
+        "nan": SCORERS["nan"].app(rewards=[float("nan")]),
+        **{name: SCORERS[name].app() for name in ("flaky", "refusing", "slow")},
+    }
+    with served(apps) as url:
+        yield url
+
+
+def samples(count: int) -> list[ScoredSample]:
+    return [ScoredSample(prompt="q", response="a " * i, row={"answer": "7"}) for i in range(count)]
+
+
+def score(url: str, batch: list[ScoredSample], **options: Any) -> list[float]:
+    return asyncio.run(RewardClient(url, backoff=0.01, **options).score(batch))
+
+
+def test_a_reward_function_is_served_in_batches_and_answers_in_order(server: str) -> None:
+    batch = [*samples(130), ScoredSample(prompt="q", response="it is 7", row={"answer": "7"})]
+    assert score(f"{server}/length", batch, batch_size=64) == [*range(130), 13.0]
+
+
+def test_requests_in_flight_are_bounded(server: str) -> None:
+    scorer = SCORERS["slow"]
+    assert score(f"{server}/slow", samples(12), batch_size=1, concurrency=3) == [
+        2.0 * i for i in range(12)
+    ]
+    assert (scorer.requests, scorer.most_running) == (12, 3)
+
+
+def test_a_request_that_fails_for_now_is_retried(server: str) -> None:
+    assert score(f"{server}/flaky", samples(3), retries=3) == [0.0, 2.0, 4.0]
+    assert SCORERS["flaky"].requests == 3  # two 503s, then the answer
+
+
+def test_a_service_that_keeps_failing_is_named_with_its_reason(server: str) -> None:
+    with pytest.raises(RewardServiceFailed) as failed:
+        score(f"{server}/broken", samples(2), retries=1)
+    assert str(failed.value) == (
+        f"reward service at {server}/broken/score failed: HTTP 500: "
+        '{"detail":"broken_reward raised ValueError: no answer column"} (after 2 attempts)'
+    )
+    with pytest.raises(RewardServiceFailed, match=r"no answer within 0\.05 s \(after 1 attempts\)"):
+        score(f"{server}/slow", samples(1), retries=0, timeout=0.05)
+    with pytest.raises(RewardServiceFailed, match="ConnectError"):
+        score("http://127.0.0.1:9", samples(1), retries=0)
+
+
+def test_answers_that_no_retry_changes_fail_at_once(server: str) -> None:
+    with pytest.raises(RewardServiceFailed, match="HTTP 403"):
+        score(f"{server}/refusing", samples(1), retries=5)
+    assert SCORERS["refusing"].requests == 1
+    with pytest.raises(RewardServiceFailed, match="1 rewards for 3 samples"):
+        score(f"{server}/short", samples(3))
+    with pytest.raises(RewardServiceFailed, match=r"the answer breaks the protocol: rewards\.0"):
+        score(f"{server}/nan", samples(1))
+
+
+def test_serve_reward_refuses_what_is_not_a_function(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve-reward", "rlhf_env.toys:Lookup"]) == 2
+    assert capsys.readouterr().err == (
+        "python -m rlhf_env serve-reward: rlhf_env.toys:Lookup is a type, expected a function\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("reward", "path", "words"),
+    [
+        ({"url": "scorer.team.svc:8000"}, "spec.models.reward.url", "should match pattern"),
+        ({"function": "toy_copy", "requests": {"retries": 1}}, "spec.models.reward.requests",
+         "only with url"),
+        ({"url": "http://s:1", "function": "toy_copy"}, "spec.models.reward",
+         "set exactly one of path, function, environment or url"),
+        ({"url": "http://s:1", "requests": {"concurrency": 0}},
+         "spec.models.reward.requests.concurrency", "greater than or equal to 1"),
+    ],
+)  # fmt: skip
+def test_a_bad_reward_service_is_refused_naming_the_field(
+    reward: dict[str, Any], path: str, words: str
+) -> None:
+    import yaml
+
+    from tests.specs import LOCAL_EXAMPLE
+
+    spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    spec["models"]["reward"] = reward
+    with pytest.raises(InvalidJob) as caught:
+        parse_spec(spec)
+    assert any(e.path == path and words in e.message for e in caught.value.errors), caught.value
