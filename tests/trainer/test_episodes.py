@@ -35,6 +35,8 @@ from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
 from rlhf_trainer.rollout.trajectory import ChatRenderer
 from tests.environments import CHATTER_REPLY, CHATTER_TURNS, Chatter, served
 
+pytestmark = pytest.mark.slow  # one vLLM engine for the module (~30 s to start)
+
 TINY = TinyModel(architecture="qwen2", hidden_size=128, num_layers=2, num_heads=4, vocab_size=64)
 LOG_PROB_TOLERANCE = 1e-3  # fp32 on both sides, as in test_rollout_vllm
 TURNS = CHATTER_TURNS
