@@ -97,7 +97,7 @@ class EnvironmentSpec(EnvironmentConfig):
         ),
     )
 
-    rules = (
+    rules = (  # replaces EnvironmentConfig's url-or-serve
         Rule(
             "",
             "set exactly one of url (an environment that runs already) or serve or command "
