@@ -81,7 +81,12 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
     if samples > 1 and draw(st.booleans()):
         spec["algorithm"]["dynamicSampling"] = {"maxAttempts": draw(st.integers(1, 10))}
     if draw(st.booleans()):
-        spec["environments"] = [{"name": "tools", "url": "http://tools.team.svc:8000"}]
+        spec["environments"] = [draw(st.sampled_from([
+            {"name": "tools", "url": "http://tools.team.svc:8000"},
+            {"name": "tools", "serve": "rlhf_env.toys:LetterLookup"},
+            {"name": "tools", "image": "tools:1", "command": ["serve"], "port": 9000,
+             "replicas": 2, "resources": {"cpu": 1}, "egress": True},
+        ]))]  # fmt: skip
         spec["generation"]["multiTurn"] = {
             "environment": "tools",
             "maxTurns": draw(st.integers(1, 16)),
@@ -194,6 +199,12 @@ def rule_damaged_jobs(draw: st.DrawFn) -> dict[str, Any]:
         "dynamic": lambda: spec["algorithm"].__setitem__("dynamicSampling", {}),
         "multi-turn": lambda: spec["generation"].__setitem__("multiTurn", {"environment": draw(st.sampled_from(["tools", "none"])), "maxTokens": draw(st.sampled_from([100, 4096]))}),
         "environments": lambda: spec.__setitem__("environments", [{"name": "tools", "url": "http://t:1"}] * draw(st.integers(0, 2))),
+        "operator-run-environment": lambda: spec.__setitem__("environments", [draw(st.sampled_from([
+            {"name": "tools"}, {"name": "tools", "serve": "a:B"}, {"name": "tools", "command": ["x"]},
+            {"name": "tools", "url": "http://t:1", "serve": "a:B"}, {"name": "tools", "url": "http://t:1", "command": ["x"]},
+            {"name": "tools", "url": "http://t:1", "image": "i", "egress": False},
+            {"name": "tools-with-a-long-name", "serve": "a:B"}, {"name": "tools-with-a-long-name", "url": "http://t:1"},
+            {"name": "tools", "serve": "a:B", "env": [{"name": "A", "value": "1"}] * draw(st.integers(1, 2))}]))]),
         "reward-environment": lambda: spec["models"].__setitem__("reward", {"environment": draw(st.booleans())}),
         "critic-model": lambda: spec["models"].__setitem__("critic", {"path": "/models/critic"}),
         "separation": lambda: (spec.__setitem__("separation", "gpu"),

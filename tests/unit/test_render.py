@@ -278,7 +278,13 @@ def test_with_network_access_a_job_admits_its_own_pods_prometheus_and_kuberay_on
     children = render("fully-async.yaml", network=NetworkAccess(PROMETHEUS, KUBERAY))
     assert list(children)[-1] == "RayJob"  # still created last, after its dependencies
     policy = children["NetworkPolicy"]
-    job_pods = {"matchLabels": {"rlhf.dev/job": "fully-async"}}
+    job_pods = {  # by component: an environment's pods carry the job label too
+        "matchLabels": {"rlhf.dev/job": "fully-async"},
+        "matchExpressions": [
+            {"key": "app.kubernetes.io/component", "operator": "In",
+             "values": ["head", "worker", "submitter"]}
+        ],
+    }  # fmt: skip
     assert policy["metadata"]["ownerReferences"][0]["name"] == "fully-async"
     assert policy["spec"]["podSelector"] == job_pods
     assert policy["spec"]["policyTypes"] == ["Ingress"]

@@ -162,10 +162,51 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      "spec.environments[0].url", "should match pattern", False),
     ("environment-url-and-serve",
      lambda j: (_multi_turn(j), _set("spec.environments.0.serve", "rlhf_env.toys:Lookup")(j)),
-     "spec.environments[0]", "set exactly one of url or serve", True),
-    ("environment-served-in-a-cluster",
-     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "serve": "a:B"})(j)),
-     "spec.environments", "the operator does not run environments yet", True),
+     "spec.environments[0]", "set exactly one of url (an environment that runs already) or serve or command", True),
+    ("environment-url-and-command",
+     lambda j: (_multi_turn(j), _set("spec.environments.0.command", ["serve-it"])(j)),
+     "spec.environments[0]", "set exactly one of url", True),
+    ("environment-neither-url-nor-serve-nor-command",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools"})(j)),
+     "spec.environments[0]", "set exactly one of url", True),
+    ("environment-url-with-image",
+     lambda j: (_multi_turn(j), _set("spec.environments.0.image", "envs:1")(j)),
+     "spec.environments[0].url", "with url, leave image, port, replicas, resources, env, egress unset: they are for an "
+     "environment the operator runs (got image)", True),
+    ("environment-url-with-egress-and-replicas",
+     lambda j: (_multi_turn(j), _set("spec.environments.0.egress", False)(j),
+                _set("spec.environments.0.replicas", 2)(j)),
+     "spec.environments[0].url", "(got replicas, egress)", True),
+    ("environment-name-too-long-for-its-service",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "a-long-tool-server1", "serve": "a:B"})(j),
+                _set("spec.generation.multiTurn.environment", "a-long-tool-server1")(j)),
+     "spec.environments[0].name", "must be at most 18 characters when the operator runs the environment: "
+     "its Service, <job>-env-<name>, must fit in 63 with a job name of up to 40 (got 19)", True),
+    ("environment-zero-replicas",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "serve": "a:B", "replicas": 0})(j)),
+     "spec.environments[0].replicas", "greater than or equal to 1", False),
+    ("environment-too-many-replicas",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "serve": "a:B", "replicas": 65})(j)),
+     "spec.environments[0].replicas", "less than or equal to 64", False),
+    ("environment-bad-port",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "serve": "a:B", "port": 0})(j)),
+     "spec.environments[0].port", "greater than or equal to 1", False),
+    ("environment-empty-command",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "command": []})(j)),
+     "spec.environments[0].command", "at least 1 item", False),
+    ("environment-env-twice",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "serve": "a:B", "env": [
+         {"name": "A", "value": "1"}, {"name": "A", "value": "2"}]})(j)),
+     "spec.environments[0].env", "env names must be unique", True),
+    ("environment-bad-memory",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "serve": "a:B",
+                                                             "resources": {"memory": "lots"}})(j)),
+     "spec.environments[0].resources.memory", "must be a quantity", False),
+    ("environment-job-name-starts-with-a-digit",
+     lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "serve": "a:B"})(j),
+                _set("metadata.name", "1st-job")(j)),
+     "", "metadata.name must start with a letter when the operator runs environments: each one's "
+     "Service, <job>-env-<name>, is a DNS-1035 label (got '1st-job')", True),
     ("multi-turn-reward-function",
      lambda j: (_multi_turn(j), _set("spec.models.reward", {"function": "toy_copy"})(j)),
      "spec.models.reward.environment", "is required with generation.multiTurn", True),
@@ -381,3 +422,39 @@ def test_an_output_on_a_claim_every_pod_mounts_is_accepted_and_handed_to_the_tra
     assert config.output.dtype == output.get("dtype", "bf16")
     assert config.trainer.export.every_steps == 5
     assert "claim" not in config.model_dump(by_alias=True)["output"]  # the operator's part
+
+
+def test_an_environment_the_operator_runs_passes_both_validators(local_job: Job) -> None:
+    _multi_turn(local_job)
+    local_job["spec"]["environments"] = [
+        {"name": "tools", "serve": "rlhf_env.toys:LetterLookup", "replicas": 2, "egress": True},
+        {"name": "sandbox", "image": "sandbox:1", "command": ["sandbox-serve"], "port": 9000,
+         "resources": {"cpu": 2}, "env": [{"name": "MODE", "value": "strict"}]},
+        {"name": "external-tools-of-another-team", "url": "http://x.team.svc:8000"},
+    ]  # fmt: skip
+    spec = parse_job(local_job).spec
+    assert cel_errors(local_job) == []
+    # A job whose environments all run elsewhere keeps any valid name.
+    _multi_turn(local_job)
+    local_job["metadata"]["name"] = "1st-job"
+    assert parse_job(local_job).metadata.name == "1st-job" and cel_errors(local_job) == []
+    # The trainer gets each one's URL, the Services' by their short names.
+    urls = {e.name: e.url for e in spec.job_config("local-cpu").environments}
+    assert urls == {
+        "tools": "http://local-cpu-env-tools:8000",
+        "sandbox": "http://local-cpu-env-sandbox:9000",
+        "external-tools-of-another-team": "http://x.team.svc:8000",
+    }
+    assert all(e.serve is None for e in spec.job_config("local-cpu").environments)
+
+
+def test_a_local_run_serves_serve_itself_and_refuses_a_command_only_environment(
+    local_job: Job,
+) -> None:
+    _multi_turn(local_job)
+    local_job["spec"]["environments"] = [{"name": "tools", "serve": "rlhf_env.toys:LetterLookup"}]
+    [tools] = parse_job(local_job).spec.job_config().environments
+    assert (tools.url, tools.serve) == (None, "rlhf_env.toys:LetterLookup")
+    local_job["spec"]["environments"] = [{"name": "tools", "command": ["serve-it"]}]
+    with pytest.raises(ValueError, match="tools gives only a command, which runs in a cluster"):
+        parse_job(local_job).spec.job_config()

@@ -58,6 +58,17 @@ in the chart's README. No wildcards, no Secrets, and no delete but of a failed R
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch]
+# The environments a job's operator runs (spec.environments[] without url).
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch]
+# Each environment's NetworkPolicy, and with networkPolicy.enabled each job's own.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
@@ -68,9 +79,4 @@ in the chart's README. No wildcards, no Secrets, and no delete but of a failed R
 - apiGroups: [kueue.x-k8s.io]
   resources: [workloads]
   verbs: [list, patch]
-{{- if .Values.networkPolicy.enabled }}
-- apiGroups: [networking.k8s.io]
-  resources: [networkpolicies]
-  verbs: [get, list, watch, create, patch]
-{{- end }}
 {{- end -}}

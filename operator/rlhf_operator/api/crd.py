@@ -24,6 +24,7 @@ from rlhf_operator.api.job import (
     SHORT_NAMES,
     SINGULAR,
     VERSION,
+    RLHFJob,
     RLHFJobSpec,
     RLHFJobStatus,
 )
@@ -133,7 +134,8 @@ def root_schema() -> Schema:
                 f"self.metadata.name.matches('{JOB_NAME_PATTERN}')",
                 "message": f"metadata.name must be at most {MAX_JOB_NAME} lowercase letters, "
                 "digits and '-' (the job's children are named after it)",
-            }
+            },
+            *({"rule": r.cel, "message": r.message} for r in RLHFJob.rules),
         ],
     }
 

@@ -12,6 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints
 
+from rlhf_operator.api.environments import EnvironmentSpec
+from rlhf_operator.api.podspec import JOB_NAME_PATTERN as JOB_NAME_PATTERN  # re-exported
+from rlhf_operator.api.podspec import MAX_JOB_NAME as MAX_JOB_NAME
 from rlhf_operator.api.podspec import (
     Affinity,
     NodeSelector,
@@ -43,11 +46,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "RLHFJob"
 SINGULAR = "rlhfjob"
 SHORT_NAMES = ["rlhf"]
-
-# Children are named after the job (e.g. the RayCluster KubeRay derives from the RayJob
-# and its pods); 40 characters keeps every derived name within Kubernetes' limits.
-MAX_JOB_NAME = 40
-JOB_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 # What may change on an existing job. Everything else is fixed at creation: the CRD's
 # transition rules reject other changes at admission. Replicas resize a pool's worker
@@ -223,6 +221,16 @@ class RLHFJobSpec(JobConfig):
     pools: list[Pool] = Field(  # type: ignore[assignment]  # narrows JobConfig's pools
         min_length=1, max_length=16, description=POOLS_DESCRIPTION, json_schema_extra=POOLS_LIST_MAP
     )
+    environments: list[EnvironmentSpec] = Field(  # type: ignore[assignment]  # narrows JobConfig's
+        default_factory=list,
+        max_length=16,
+        description=(
+            "Environment servers that multi-turn episodes run in: each at its url, or run by "
+            "the operator as the job's own Deployment and Service (serve, or image and "
+            "command). Names must be unique."
+        ),
+        json_schema_extra=POOLS_LIST_MAP,
+    )
     separation: Separation = Field(
         Separation.NODE,
         description=(
@@ -283,14 +291,6 @@ class RLHFJobSpec(JobConfig):
 
     rules = (
         *JobConfig.rules,
-        Rule(
-            "environments",
-            "in a cluster every environment needs its url: the operator does not run "
-            "environments yet (serve is for local runs)",
-            "!has(self.environments) || self.environments.all(e, has(e.url))",
-            lambda s: all(e.url is not None for e in s.environments),
-            lambda s: "serve: " + ", ".join(e.name for e in s.environments if e.url is None),
-        ),
         Rule(
             "trainer.checkpoint.path",
             "must be an absolute path outside /etc/rlhf and /dev/shm when checkpointClaim "
@@ -387,13 +387,18 @@ class RLHFJobSpec(JobConfig):
         path = self.trainer.checkpoint.path
         return path if path is not None or not self.checkpoint_claim else CHECKPOINT_MOUNT
 
-    def job_config(self) -> JobConfig:
-        """The trainer-facing part, as the trainer will read it from its ConfigMap."""
+    def job_config(self, job_name: str | None = None) -> JobConfig:
+        """The trainer-facing part, as the trainer will read it from its ConfigMap.
+
+        `job_name`: in a cluster, the job's: the trainer reaches each environment the
+        operator runs at its Service. None: a local run, which serves `serve` itself.
+        """
         fields = {name: getattr(self, name) for name in JobConfig.model_fields}
         # Dumping through JobConfig keeps only its fields (a Pool dumps as a PoolConfig).
         wire = JobConfig.model_construct(**fields).model_dump(by_alias=True, exclude_none=True)
         if self.checkpoint_path is not None:
             wire["trainer"]["checkpoint"]["path"] = self.checkpoint_path
+        wire["environments"] = [e.for_trainer(job_name) for e in self.environments]
         return JobConfig.model_validate(wire)
 
 
@@ -431,3 +436,19 @@ class RLHFJob(SpecModel):
     metadata: ObjectMeta
     spec: RLHFJobSpec
     status: RLHFJobStatus | None = None
+
+    # At the root, the only place CEL sees metadata.name (crd.root_schema emits it).
+    rules = (
+        Rule(
+            "",
+            "metadata.name must start with a letter when the operator runs environments: "
+            "each one's Service, <job>-env-<name>, is a DNS-1035 label",
+            "!has(self.spec.environments) || self.spec.environments.all(e, has(e.url)) || "
+            "self.metadata.name.matches('^[a-z]')",
+            lambda j: (
+                j.metadata.name[:1].isalpha()
+                or all(not e.operator_run for e in j.spec.environments)
+            ),
+            lambda j: f"got {j.metadata.name!r}",
+        ),
+    )

@@ -116,6 +116,11 @@ class PodResources(SpecModel):
         )
 
 
+# Children are named after the job (e.g. the RayCluster KubeRay derives from the RayJob
+# and its pods); 40 characters keeps every derived name within Kubernetes' limits.
+MAX_JOB_NAME = 40
+JOB_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
 # A DNS-1123 label (volume names) and subdomain (object names), as the API server checks.
 DnsLabel = Annotated[
     str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)

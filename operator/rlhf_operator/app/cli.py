@@ -76,7 +76,7 @@ def print_plans(paths: list[Path], profile_name: str | None = None) -> int:
             print("\n".join(problems))
             return 1
         for job in jobs:
-            config = job.spec.job_config()
+            config = job.spec.job_config(job.metadata.name)  # as in a cluster
             print(f"{job.metadata.name} ({path})")
             print(describe(plan_placement(config)))
             if profile is not None:
@@ -113,7 +113,12 @@ def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
     job = jobs[0]
     with tempfile.TemporaryDirectory(prefix="rlhfjob-") as directory:
         spec = Path(directory) / f"{job.metadata.name}.json"  # the driver names the job by it
-        spec.write_text(job.spec.job_config().model_dump_json(by_alias=True, exclude_none=True))
+        try:
+            config = job.spec.job_config()  # serve environments: the trainer serves them here
+        except ValueError as error:
+            print(f"{path}: {error}")
+            return 1
+        spec.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
         command = [sys.executable, "-m", "rlhf_trainer", "--spec", str(spec), "--local"]
         if trace is not None:
             command += ["--trace", str(trace)]
@@ -137,7 +142,9 @@ def export_checkpoint(checkpoint: Path, directory: Path, dtype: str, spec: Path 
     with tempfile.TemporaryDirectory(prefix="rlhfjob-") as temp:
         config = Path(temp) / "spec.json"
         config.write_text(
-            jobs[0].spec.job_config().model_dump_json(by_alias=True, exclude_none=True)
+            jobs[0]
+            .spec.job_config(jobs[0].metadata.name)
+            .model_dump_json(by_alias=True, exclude_none=True)
         )
         return run_in_foreground([*command, "--spec", str(config)])
 

@@ -41,10 +41,13 @@ CHILD_KINDS = [
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("ray.io", "v1", "rayjobs"),
+    # Each operator-run environment's; a job's own policy too, with the chart's
+    # networkPolicy values.
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 NETWORK = NetworkAccess.from_env()  # the chart's networkPolicy values, if enabled
-if NETWORK is not None:
-    CHILD_KINDS.append(("networking.k8s.io", "v1", "networkpolicies"))
 
 
 @kopf.on.startup()

@@ -39,6 +39,8 @@ KINDS = {
     "Role": Kind("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
+    "Service": Kind("v1", "services"),
+    "Deployment": Kind("apps/v1", "deployments"),
     "RayJob": Kind("ray.io/v1", "rayjobs"),
     "RayCluster": Kind("ray.io/v1", "rayclusters"),
     "RLHFJob": Kind(API_VERSION, PLURAL),

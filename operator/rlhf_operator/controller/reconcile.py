@@ -44,12 +44,17 @@ from rlhf_trainer.api.progress import PoolResize
 log = logging.getLogger(__name__)
 
 # The fields of each child that follow the spec after creation (the rest is fixed at
-# creation, like the job's own immutable fields).
+# creation, like the job's own immutable fields). A field drifts only where the rendered
+# value is not already in the live one (`drifted`): the API server fills in defaults
+# (a Deployment's strategy and probe timings, a Service's clusterIP and ipFamilies), and
+# a merge patch of the rendered value leaves those as they are, so they are no drift.
 OWNED_FIELDS = {
     "ConfigMap": ("data",),
     "Role": ("rules",),
     "RoleBinding": ("subjects",),
     "NetworkPolicy": ("spec",),
+    "Deployment": ("spec",),  # an environment's: its pods as rendered, and replicas
+    "Service": ("spec",),  # its selector and port; clusterIP (immutable) is never patched
 }
 WARNING_PHASES = (Phase.FAILED,)
 CHILD_REQUESTS = 8  # requests for jobs' children in flight at once, over all reconciles
@@ -167,7 +172,8 @@ class Reconciler:
             self.kube.create(desired)
             return
         self._check_owner(ref, existing)
-        drift = {f: desired[f] for f in OWNED_FIELDS.get(kind, ()) if existing.get(f) != desired[f]}
+        owned = OWNED_FIELDS.get(kind, ())
+        drift = {f: desired[f] for f in owned if drifted(existing.get(f), desired[f])}
         if drift:
             self.kube.patch(kind, ref.namespace, name, drift)
 
@@ -332,3 +338,26 @@ def _phase_message(status: RLHFJobStatus) -> str:
 def _invalid_message(status: RLHFJobStatus) -> str | None:
     invalid = next((c for c in status.conditions if c.type == "Invalid"), None)
     return invalid.message if invalid and invalid.status == "True" else None
+
+
+def drifted(live: Any, rendered: Any) -> bool:
+    """Whether a JSON merge patch of `rendered` would change `live`: a key of a map that
+    is missing or differs, a list of another length or with a differing item (a merge
+    patch replaces lists whole, so the items are compared the same way). Keys only the
+    live object has are the API server's defaults. An empty list or map is what the
+    server stores as absent (egress: [] of a policy that allows none)."""
+    if isinstance(rendered, dict):
+        if live is None and not rendered:
+            return False
+        return not isinstance(live, dict) or any(
+            drifted(live.get(key), value) for key, value in rendered.items()
+        )
+    if isinstance(rendered, list):
+        if live is None and not rendered:
+            return False
+        return (
+            not isinstance(live, list)
+            or len(live) != len(rendered)
+            or any(drifted(a, b) for a, b in zip(live, rendered, strict=True))
+        )
+    return bool(live != rendered)

@@ -7,13 +7,8 @@ collector removes it with the job and a re-render always names the same objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from rlhf_operator.api.job import (
-    API_VERSION,
     GROUP,
-    KIND,
     PLURAL,
     Device,
     Pool,
@@ -21,6 +16,16 @@ from rlhf_operator.api.job import (
     Separation,
 )
 from rlhf_operator.api.podspec import PodResources
+from rlhf_operator.render.environments import render_environments
+from rlhf_operator.render.meta import JOB_LABEL as JOB_LABEL  # re-exported
+from rlhf_operator.render.meta import (
+    JOB_POD_COMPONENTS,
+    Obj,
+    labels,
+    metadata,
+    pods_of,
+)
+from rlhf_operator.render.meta import JobRef as JobRef
 from rlhf_operator.render.network import (
     RAY_DASHBOARD_PORT,
     RAY_METRICS_PORT,
@@ -41,8 +46,6 @@ from rlhf_operator.render.pod import (
 )
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 
-Obj = dict[str, Any]
-
 RAY_VERSION = "2.60.0"  # the Ray in the trainer image (a test keeps it equal to the pin)
 SPEC_FILE = "spec.json"
 # The driver runs in the head pod (KubeRay submits the entrypoint there) and serves
@@ -62,7 +65,6 @@ ENTRYPOINT = (
     f"python -m rlhf_trainer --spec {SPEC_MOUNT}/{SPEC_FILE} --metrics-port {TRAINER_METRICS_PORT}"
 )
 
-JOB_LABEL = f"{GROUP}/job"
 SCHEDULER_LABEL = "ray.io/scheduler-name"  # KubeRay: the batch scheduler of the pods
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue: the LocalQueue that admits the RayJob
 HEAD_DEFAULTS = PodResources(cpu=2, memory="8Gi")
@@ -70,76 +72,30 @@ HEAD_DEFAULTS = PodResources(cpu=2, memory="8Gi")
 SUBMITTER_RESOURCES = PodResources(cpu="200m", memory="512Mi")
 
 
-@dataclass(frozen=True)
-class JobRef:
-    """Identity of the RLHFJob that owns the rendered objects."""
-
-    name: str
-    namespace: str
-    uid: str
-
-    @property
-    def spec_configmap(self) -> str:
-        return f"{self.name}-spec"
-
-    @property
-    def reporter(self) -> str:
-        return f"{self.name}-reporter"
-
-    @property
-    def rayjob(self) -> str:
-        return self.name
-
-
 def render_children(
     job: JobRef, spec: RLHFJobSpec, network: NetworkAccess | None = None
 ) -> list[Obj]:
-    """Every object the job owns, in creation order (the RayJob's dependencies first);
-    with `network`, a NetworkPolicy that admits only what the job needs."""
+    """Every object the job owns, in creation order (the RayJob's dependencies first, the
+    RayJob last); with `network`, a NetworkPolicy that admits only what the job needs."""
     policy = []
     if network is not None:
         meta = metadata(job, job.name, "network")
-        job_pods = {"matchLabels": {JOB_LABEL: job.name}}
+        # By component, not the job label alone: the environments' pods carry that too,
+        # and they run the model's tool calls; they must not reach the Ray head.
+        job_pods = pods_of(job, JOB_POD_COMPONENTS)
         policy = [render_network_policy(meta, job_pods, network, TRAINER_METRICS_PORT)]
     return [
         render_spec_configmap(job, spec),
         *render_reporter_rbac(job),
         *policy,
+        *render_environments(job, spec),
         render_rayjob(job, spec),
     ]
 
 
-def labels(job: JobRef, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "rlhf-trainer",
-        "app.kubernetes.io/instance": job.name,
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/managed-by": "rlhf-operator",
-        JOB_LABEL: job.name,
-    }
-
-
-def metadata(job: JobRef, name: str, component: str) -> Obj:
-    return {
-        "name": name,
-        "namespace": job.namespace,
-        "labels": labels(job, component),
-        "ownerReferences": [
-            {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "name": job.name,
-                "uid": job.uid,
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ],
-    }
-
-
 def render_spec_configmap(job: JobRef, spec: RLHFJobSpec) -> Obj:
     """The validated trainer-facing spec, mounted into every Ray pod."""
-    config = spec.job_config().model_dump_json(by_alias=True, exclude_none=True, indent=1)
+    config = spec.job_config(job.name).model_dump_json(by_alias=True, exclude_none=True, indent=1)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

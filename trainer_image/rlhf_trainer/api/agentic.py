@@ -3,6 +3,8 @@ use one (`generation.multiTurn`). See docs/concepts/environments.md."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from rlhf_trainer.api.rules import Rule, SpecModel
@@ -37,7 +39,7 @@ class EnvironmentConfig(SpecModel):
         ),
     )
 
-    rules = (
+    rules: ClassVar[tuple[Rule, ...]] = (  # the operator's EnvironmentSpec replaces them
         Rule(
             "",
             "set exactly one of url or serve",

@@ -1,0 +1,173 @@
+"""spec.environments[] as the operator sees it: an environment that already runs (`url`),
+or one the operator runs as the job's own service (`serve` or `command`).
+
+An operator-run environment becomes a Deployment, a Service and a NetworkPolicy, all
+named `<job>-env-<name>` (render/environments.py); the trainer gets the Service's URL
+in place of `serve` (RLHFJobSpec.job_config).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
+
+from rlhf_operator.api.podspec import MAX_JOB_NAME, EnvVar, PodResources, _list_map, _unique
+from rlhf_trainer.api.agentic import CLASS_PATH, EnvironmentConfig
+from rlhf_trainer.api.rules import Rule
+
+SERVICE_INFIX = "-env-"
+# The Service `<job>-env-<name>` is a DNS-1035 label: 63 characters at most.
+MAX_ENVIRONMENT_NAME = 63 - MAX_JOB_NAME - len(SERVICE_INFIX)
+DEFAULT_PORT = 8000
+DEFAULT_REPLICAS = 1
+# The protocol's server is small (one Python process, sessions in memory): enough for a
+# toy; an environment that runs code or holds big state sets its own.
+DEFAULT_RESOURCES = PodResources(cpu="500m", memory="1Gi")
+
+# The fields only an operator-run environment has. With url they would be ignored, so
+# they are refused (command too, by the first rule). None of them has a default in the
+# schema: the API server would fill it in, and url environments would carry it.
+_RUN_FIELDS = ("image", "port", "replicas", "resources", "env", "egress")
+
+Argument = Annotated[str, StringConstraints(max_length=4096)]
+
+
+class EnvironmentSpec(EnvironmentConfig):
+    """An environment server: one that runs at `url`, or one the operator runs for the
+    job (`serve`, or an image and `command`) as a Deployment and a Service that only the
+    job's Ray pods may reach."""
+
+    serve: str | None = Field(  # the trainer's field, described for a cluster
+        None,
+        pattern=CLASS_PATH,
+        description=(
+            "An environment class in the image, as module:Class (rlhf_env.toys:LetterLookup): "
+            "the operator runs `python -m rlhf_env serve` on it (a local run serves it on "
+            "this machine)."
+        ),
+    )
+    image: str | None = Field(
+        None, min_length=1, description="The environment's image. Unset: the job's spec.image."
+    )
+    command: list[Argument] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description=(
+            "The container's command, serving the environment protocol on port with "
+            "GET /healthz. Unset (with serve): python -m rlhf_env serve <serve> --host "
+            "0.0.0.0 --port <port>."
+        ),
+    )
+    port: int | None = Field(
+        None, ge=1, le=65535, description=f"The port it serves on. Unset: {DEFAULT_PORT}."
+    )
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description=(
+            f"Pods serving it (unset: {DEFAULT_REPLICAS}); the Service balances connections "
+            "over them, so the environment must not keep a session's state in one pod when "
+            "above 1."
+        ),
+    )
+    resources: PodResources | None = Field(
+        None,
+        description=(
+            f"CPU and memory of each pod (request and limit). Unset (either): "
+            f"{DEFAULT_RESOURCES.cpu} CPU, {DEFAULT_RESOURCES.memory}."
+        ),
+    )
+    env: list[EnvVar] | None = Field(
+        None,
+        max_length=64,
+        json_schema_extra=_list_map("name"),
+        description=(
+            "Its environment variables (secrets by reference). The job's pods.env is not "
+            "passed on: an environment runs the model's tool calls."
+        ),
+    )
+    egress: bool | None = Field(
+        None,
+        description=(
+            "Let its pods open connections (unset: false: no egress at all, DNS included; "
+            "only the job's Ray pods may connect to them)."
+        ),
+    )
+
+    rules = (  # replaces EnvironmentConfig's url-or-serve
+        Rule(
+            "",
+            "set exactly one of url (an environment that runs already) or serve or command "
+            "(one the operator runs)",
+            "has(self.url) != (has(self.serve) || has(self.command))",
+            lambda e: (e.url is None) != (e.serve is None and e.command is None),
+        ),
+        Rule(
+            "url",
+            f"with url, leave {', '.join(_RUN_FIELDS)} unset: they are for an environment "
+            "the operator runs",
+            "!has(self.url) || !(" + " || ".join(f"has(self.{f})" for f in _RUN_FIELDS) + ")",
+            lambda e: e.url is None or all(getattr(e, f) is None for f in _RUN_FIELDS),
+            lambda e: "got " + ", ".join(f for f in _RUN_FIELDS if getattr(e, f) is not None),
+        ),
+        Rule(
+            "name",
+            f"must be at most {MAX_ENVIRONMENT_NAME} characters when the operator runs the "
+            f"environment: its Service, <job>{SERVICE_INFIX}<name>, must fit in 63 with a "
+            f"job name of up to {MAX_JOB_NAME}",
+            f"has(self.url) || size(self.name) <= {MAX_ENVIRONMENT_NAME}",
+            lambda e: e.url is not None or len(e.name) <= MAX_ENVIRONMENT_NAME,
+            lambda e: f"got {len(e.name)}",
+        ),
+        _unique("env", "name", "env names"),
+    )
+
+    @property
+    def operator_run(self) -> bool:
+        """Whether the operator runs it (no url)."""
+        return self.url is None
+
+    @property
+    def serving_port(self) -> int:
+        return DEFAULT_PORT if self.port is None else self.port
+
+    @property
+    def replica_count(self) -> int:
+        return DEFAULT_REPLICAS if self.replicas is None else self.replicas
+
+    def container_command(self) -> list[str]:
+        """What the container runs: the spec's command, else rlhf_env serving `serve`."""
+        if self.command is not None:
+            return list(self.command)
+        assert self.serve is not None  # the first rule: serve or command without url
+        listen = ["--host", "0.0.0.0", "--port", str(self.serving_port)]  # from other pods
+        return ["python", "-m", "rlhf_env", "serve", self.serve, *listen]
+
+    def for_trainer(self, job_name: str | None) -> dict[str, str]:
+        """This environment as the trainer's spec gives it (exactly one of url, serve).
+
+        `job_name`: in a cluster, the job's; the Ray pods share its namespace, so the
+        Service's short name resolves. None: a local run, which serves `serve` itself.
+        """
+        if self.url is not None:
+            return {"name": self.name, "url": self.url}
+        if job_name is not None:
+            service = service_name(job_name, self.name)
+            return {"name": self.name, "url": f"http://{service}:{self.serving_port}"}
+        if self.serve is None:
+            raise ValueError(
+                f"environments: {self.name} gives only a command, which runs in a cluster; "
+                "a local run serves an environment by its serve (module:Class) or uses its url"
+            )
+        return {"name": self.name, "serve": self.serve}
+
+    def pod_resources(self) -> PodResources:
+        return (self.resources or PodResources()).filled(DEFAULT_RESOURCES)
+
+
+def service_name(job_name: str, environment: str) -> str:
+    """The Deployment, Service and NetworkPolicy of an operator-run environment."""
+    return f"{job_name}{SERVICE_INFIX}{environment}"

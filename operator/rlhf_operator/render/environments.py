@@ -1,0 +1,149 @@
+"""The environments a job's operator runs: for each, a Deployment, a ClusterIP Service
+and a NetworkPolicy, all named `<job>-env-<name>` and owned by the job.
+
+An environment executes the model's tool calls, so its pods get the least: restricted
+Pod Security with a read-only root filesystem, no service-account token, no service
+links, none of the job's own env or volumes, no egress unless `egress` asks, and
+ingress only from the job's Ray pods. Pure, like children.py.
+"""
+
+from __future__ import annotations
+
+from rlhf_operator.api.environments import EnvironmentSpec, service_name
+from rlhf_operator.api.job import GROUP, RLHFJobSpec
+from rlhf_operator.render.meta import (
+    JOB_LABEL,
+    RAY_POD_COMPONENTS,
+    JobRef,
+    Obj,
+    labels,
+    metadata,
+    pods_of,
+)
+from rlhf_operator.render.pod import (
+    container_resources,
+    container_security,
+    pod_metadata,
+    pod_security,
+    pod_settings,
+)
+
+COMPONENT = "environment"  # not a Ray pod's: the job's own NetworkPolicy leaves them out
+ENVIRONMENT_LABEL = f"{GROUP}/environment"  # the environment's name, on its pods
+PORT_NAME = "env"
+HEALTH_PATH = "/healthz"  # rlhf_env's server answers it once the class is loaded
+# A read-only root filesystem, and Python or a library may still want a scratch place.
+SCRATCH = {"name": "tmp", "mountPath": "/tmp"}
+SCRATCH_SIZE = "256Mi"  # counts against the ephemeral storage limit below
+EPHEMERAL_STORAGE = "512Mi"  # request and limit: logs and /tmp; an eviction names it
+
+
+def render_environments(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
+    """Each operator-run environment's Deployment, Service and NetworkPolicy; nothing for
+    one that runs at its url."""
+    return [
+        obj
+        for env in spec.environments
+        if env.operator_run
+        for obj in (
+            render_deployment(job, spec, env),
+            render_service(job, env),
+            render_environment_policy(job, env),
+        )
+    ]
+
+
+def selector(job: JobRef, env: EnvironmentSpec) -> dict[str, str]:
+    """The labels of exactly this environment's pods (job names are unique in a namespace)."""
+    return {JOB_LABEL: job.name, ENVIRONMENT_LABEL: env.name}
+
+
+def render_deployment(job: JobRef, spec: RLHFJobSpec, env: EnvironmentSpec) -> Obj:
+    name = service_name(job.name, env.name)
+    port = env.serving_port
+    container: Obj = {
+        "name": "environment",
+        "image": env.image or spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": env.container_command(),
+        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        # Ready once the class is loaded and answers; restarted only when its port has
+        # not accepted a connection for a minute (a restart ends the sessions it holds).
+        "readinessProbe": {
+            "httpGet": {"path": HEALTH_PATH, "port": PORT_NAME},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "tcpSocket": {"port": PORT_NAME},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "resources": container_resources(
+            env.pod_resources(), {"ephemeral-storage": EPHEMERAL_STORAGE}
+        ),
+        "securityContext": {**container_security(), "readOnlyRootFilesystem": True},
+        "volumeMounts": [SCRATCH],
+    }
+    if env.env:  # none of the job's pods.env: it may hold the trainer's secrets
+        container["env"] = [e.to_dict() for e in env.env]
+    pod: Obj = {
+        "automountServiceAccountToken": False,  # it never talks to the API server
+        "enableServiceLinks": False,  # no variables naming the namespace's other Services
+        "securityContext": pod_security(),
+        "containers": [container],
+        "volumes": [{"name": SCRATCH["name"], "emptyDir": {"sizeLimit": SCRATCH_SIZE}}],
+        **pod_settings(spec),  # pull secrets and priority, as the job's other pods
+    }
+    pod_labels = {**labels(job, COMPONENT), ENVIRONMENT_LABEL: env.name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(job, name, COMPONENT),
+        "spec": {
+            "replicas": env.replica_count,
+            "selector": {"matchLabels": selector(job, env)},
+            "template": {"metadata": pod_metadata(spec, pod_labels), "spec": pod},
+        },
+    }
+
+
+def render_service(job: JobRef, env: EnvironmentSpec) -> Obj:
+    """The name the trainer reaches the environment at (RLHFJobSpec.job_config)."""
+    port = env.serving_port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(job, service_name(job.name, env.name), COMPONENT),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(job, env),
+            "ports": [
+                {"name": PORT_NAME, "port": port, "targetPort": PORT_NAME, "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def render_environment_policy(job: JobRef, env: EnvironmentSpec) -> Obj:
+    """Ingress from the job's Ray pods only, on the environment's port; egress none, or
+    all with `egress: true`. Always rendered: unlike the job's own policy, it needs to
+    know nothing of the platform."""
+    ray_pods = pods_of(job, RAY_POD_COMPONENTS)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(job, service_name(job.name, env.name), COMPONENT),
+        "spec": {
+            "podSelector": {"matchLabels": selector(job, env)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": ray_pods}],
+                    "ports": [{"protocol": "TCP", "port": env.serving_port}],
+                }
+            ],
+            "egress": [{}] if env.egress else [],
+        },
+    }
