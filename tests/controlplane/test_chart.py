@@ -220,7 +220,8 @@ def test_the_manifest_scan_reports_what_is_not_excepted() -> None:
     manifests = render()
     for container in deployment(manifests)["containers"]:
         del container["securityContext"]
-    pods = [m for m in example_manifests() if m["kind"] in ("Pod", "NetworkPolicy")]
+    # An environment's pods come from its Deployment, which its NetworkPolicy targets.
+    pods = [m for m in example_manifests() if m["kind"] in ("Pod", "Deployment", "NetworkPolicy")]
     without_policies = [m for m in pods if m["kind"] == "Pod"]
     left = {
         (check, where)
@@ -318,7 +319,12 @@ def test_with_only_the_charts_permissions_a_job_runs_in_a_restricted_namespace(
                          "--dry-run=server", check=False)  # fmt: skip
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
     policy = get_json(cp, "networkpolicy", name, "-n", release.jobs)
-    assert policy["spec"]["podSelector"] == {"matchLabels": {"rlhf.dev/job": name}}
+    # The job's Ray pods, by component: not its environments' pods (model-written tool calls).
+    assert policy["spec"]["podSelector"] == {
+        "matchLabels": {"rlhf.dev/job": name},
+        "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                              "values": ["head", "worker", "submitter"]}],
+    }  # fmt: skip
     log = chart_operator.log_path.read_text()
     # A refusal reads "Forbidden" (the client's "Reason: Forbidden", kopf's
     # APIForbiddenError); a bare "403" once matched a timestamp's milliseconds.

@@ -21,7 +21,12 @@ from .util import bound_claim, eventually, get_json, kubectl_as, rlhfjob
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
 # cpu-cluster trains for real on the real node (test_real_job.py).
-CLUSTER_EXAMPLES = [p for p in EXAMPLES if p.name not in ("local-cpu.yaml", "cpu-cluster.yaml")]
+# The examples that put each pool on a node group of its own (the others run on this
+# machine: locally, or on the tests' real node).
+CLUSTER_EXAMPLES = [
+    p for p in EXAMPLES
+    if p.name not in ("local-cpu.yaml", "cpu-cluster.yaml", "agentic-cluster.yaml", "agentic-tools.yaml")
+]  # fmt: skip
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -183,6 +188,37 @@ def test_children_deleted_out_of_band_are_recreated(
         )
         assert again["metadata"]["ownerReferences"][0]["name"] == "colocated"
     assert len(get_json(cp, "rayjobs", "-n", namespace)["items"]) == 1
+
+
+def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    cp = controlplane
+    apply_example(cp, namespace, "agentic-cluster.yaml")
+    name = "agentic-cluster-env-lookup"
+    made = {kind: eventually(lambda k=kind: get(cp, k, name, namespace), f"{kind} {name}")
+            for kind in ("deployment", "service", "networkpolicy")}  # fmt: skip
+    for obj in made.values():
+        assert obj["metadata"]["ownerReferences"][0]["name"] == "agentic-cluster"
+    pod = made["deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["containers"][0]["command"][:4] == ["python", "-m", "rlhf_env", "serve"]
+    assert made["service"]["spec"]["sessionAffinity"] == "ClientIP"
+    policy = made["networkpolicy"]["spec"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and not policy.get("egress")
+    spec = get(cp, "configmap", "agentic-cluster-spec", namespace)
+    environments = json.loads((spec or {})["data"]["spec.json"])["environments"]
+    assert environments == [{"name": "lookup", "url": f"http://{name}:8000"}]
+    # Its pods are what a restricted namespace admits (the server checks, creates nothing).
+    template = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "env-check"},
+                "spec": pod | {"containers": pod["containers"]}}  # fmt: skip
+    cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    cp.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
+               input=yaml.safe_dump(template))  # fmt: skip
+
+    cp.kubectl("delete", "rlhfjob", "agentic-cluster", "-n", namespace, "--wait=true")
+    for kind in made:
+        eventually(lambda k=kind: get(cp, k, name, namespace) is None, f"{kind} {name} to go")
 
 
 @pytest.mark.slow

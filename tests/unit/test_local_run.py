@@ -268,5 +268,5 @@ def test_a_local_run_serves_the_environments_named_by_class_while_it_runs() -> N
                 return (await client.health()).environment
 
         assert asyncio.run(health()) == "LetterLookup"
-    with pytest.raises(EnvironmentUnreachable, match="'lookup' cannot be reached"):
-        check_environment(EnvironmentConfig(name="lookup", url=lookup.url), timeout=2)
+    with pytest.raises(EnvironmentUnreachable, match="'lookup' did not answer within 3 s: "):
+        check_environment(EnvironmentConfig(name="lookup", url=lookup.url), wait_seconds=3)

@@ -141,6 +141,7 @@ def test_an_image_and_command_replace_the_defaults() -> None:
     assert container["env"] == sandbox["env"]
     [service] = of_kind(objects, "Service")
     assert service["spec"]["ports"][0]["port"] == 9000
+    assert service["spec"]["sessionAffinity"] == "ClientIP"  # a session's calls, one replica
     [policy] = of_kind(objects, "NetworkPolicy")
     assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9000}]
     config = json.loads(of_kind(objects, "ConfigMap")[0]["data"]["spec.json"])
@@ -201,7 +202,7 @@ def test_the_reconciler_patches_new_kinds_only_on_real_drift() -> None:
     rendered = service["spec"]
     live = json.loads(json.dumps(rendered))  # as the API server stores it: defaults added
     live |= {"clusterIP": "10.0.0.7", "clusterIPs": ["10.0.0.7"], "ipFamilies": ["IPv4"],
-             "sessionAffinity": "None", "internalTrafficPolicy": "Cluster"}  # fmt: skip
+             "internalTrafficPolicy": "Cluster"}  # fmt: skip
     assert not drifted(live, rendered)
     live["selector"] = {"app": "other"}
     assert drifted(live, rendered)

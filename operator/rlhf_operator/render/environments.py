@@ -118,6 +118,9 @@ def render_service(job: JobRef, env: EnvironmentSpec) -> Obj:
         "metadata": metadata(job, service_name(job.name, env.name), COMPONENT),
         "spec": {
             "type": "ClusterIP",
+            # A session lives in one replica's memory: each Ray pod keeps to one replica,
+            # so every call of a session reaches the pod that holds it.
+            "sessionAffinity": "ClientIP",
             "selector": selector(job, env),
             "ports": [
                 {"name": PORT_NAME, "port": port, "targetPort": PORT_NAME, "protocol": "TCP"}

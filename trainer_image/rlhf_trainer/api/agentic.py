@@ -19,7 +19,8 @@ class EnvironmentConfig(SpecModel):
     """An environment server (the protocol of rlhf_env): one that runs at `url`, or a
     class that `python -m rlhf_env serve` serves (`serve`)."""
 
-    name: str = Field(pattern=ENVIRONMENT_NAME, description="How the job names it.")
+    # maxLength bounds the CEL rules' cost over the list (the API server estimates it).
+    name: str = Field(pattern=ENVIRONMENT_NAME, max_length=40, description="How the job names it.")
     url: str | None = Field(
         None,
         pattern=URL,
@@ -54,7 +55,9 @@ class MultiTurnConfig(SpecModel):
     calls, alternate with the environment's answers until it says the episode is done or a
     limit cuts it. A cut episode is counted and never trained on."""
 
-    environment: str = Field(description="The environments[] entry each episode runs in.")
+    environment: str = Field(
+        max_length=40, description="The environments[] entry each episode runs in."
+    )
     tool_parser: str = Field(
         "hermes",
         min_length=1,

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 GenerateTurn = Callable[[list[int], int], Awaitable[Rollout]]
 
 CLOSE_SECONDS = 10.0  # closing a session: best effort, after the episode's result is known
+ENVIRONMENT_WAIT_SECONDS = 600.0  # for an environment to answer at the start (image pulls)
+HEALTH_CALL_SECONDS = 10.0
+HEALTH_POLL_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,12 @@ class EnvironmentUnreachable(RuntimeError):
     pass
 
 
-def check_environment(environment: EnvironmentConfig, timeout: float = 30.0) -> None:
-    """Fail now, naming the environment, if it does not answer its health check (the
-    driver asks before any role starts, rather than every episode failing later)."""
-
+def check_environment(
+    environment: EnvironmentConfig, wait_seconds: float = ENVIRONMENT_WAIT_SECONDS
+) -> None:
+    """Wait until the environment answers its health check, or fail naming it (the driver
+    asks before any role starts, rather than every episode failing later). It may still
+    be starting: the operator starts its pods beside the Ray cluster's."""
     url = environment.url
     if url is None:
         raise EnvironmentUnreachable(
@@ -81,15 +86,24 @@ def check_environment(environment: EnvironmentConfig, timeout: float = 30.0) -> 
             "(serve) runs only in a local run (rlhfjob train --local); in a cluster, give url"
         )
 
-    async def health() -> None:
-        async with EnvironmentClient(url, timeout=timeout) as client:
-            await client.health()
+    async def healthy() -> None:
+        deadline = time.monotonic() + wait_seconds
+        async with EnvironmentClient(url) as client:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    await client.health(timeout=max(min(HEALTH_CALL_SECONDS, left), 0.1))
+                    return
+                except EnvironmentCallFailed:
+                    if left <= HEALTH_POLL_SECONDS:
+                        raise
+                await asyncio.sleep(HEALTH_POLL_SECONDS)
 
     try:
-        asyncio.run(health())
+        asyncio.run(healthy())
     except EnvironmentCallFailed as failed:
         raise EnvironmentUnreachable(
-            f"environment {environment.name!r} cannot be reached: {failed}"
+            f"environment {environment.name!r} did not answer within {wait_seconds:g} s: {failed}"
         ) from failed
 
 
