@@ -198,7 +198,10 @@ def play(turns: list[Message]) -> tuple[LetterLookup, list[list[Message]]]:
     [
         ([assistant(None, lookup_call("c")), assistant("x ")], 1.0),
         ([assistant(None, lookup_call("c")), assistant("x y </s>")], 1.0),
-        ([assistant(None, lookup_call("d")), assistant(None, lookup_call("c")), assistant("x")], 1.0),
+        (
+            [assistant(None, lookup_call("d")), assistant(None, lookup_call("c")), assistant("x")],
+            1.0,
+        ),
         ([assistant(None, lookup_call("c")), assistant("y x")], 0.5),
         ([assistant(None, lookup_call("c")), assistant(None)], 0.5),
         ([assistant(None, lookup_call("d")), assistant("x")], 0.25),
