@@ -17,7 +17,7 @@ include tests/images/images.mk
 # The control plane's launcher needs the venv's kubernetes client; it loads the images
 # into its real node.
 cluster: install images
-.PHONY: help images install tmux real-model test test-shuffled unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-elastic bench-weight-sync bench-algorithms bench-learning bench-real-model bench-gpu-train-step bench-contention bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-gpu-train-step bench-contention bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -143,6 +143,9 @@ bench-algorithms: install  ## benchmark: PPO (critic) vs GRPO (no critic), same 
 
 bench-learning: install  ## benchmark: held-out reward of sync, split and fully async, same samples (~50 min)
 	$(PY) -m bench.learning.run
+
+bench-agentic: install  ## benchmark: the tiny model learning a tool task (examples/agentic-tools.yaml), held-out score and tool calls (~10 min)
+	$(PY) -m bench.agentic.run
 
 bench-weight-sync: install  ## benchmark: a 400 MB policy into one and two vLLM engines, end to end, vs memcpy
 	$(PY) -m bench.weight_sync.run

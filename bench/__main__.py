@@ -19,6 +19,7 @@ BENCHES = {  # name -> module
     "elastic": "bench.async.elastic",
     "algorithms": "bench.algorithms.run",
     "learning": "bench.learning.run",
+    "agentic": "bench.agentic.run",
     "weight_sync": "bench.weight_sync.run",
     "operator": "bench.operator.run",
     "real_model": "bench.real_model.run",
@@ -54,6 +55,12 @@ HEADLINES = {  # name -> the figures its summary shows
         "async-s0.5.held_out_vs_sync",
         "async-s0.5.samples_per_s",
         "sync-colocated.samples_per_s",
+    ],
+    "agentic": [
+        "example.held_out_start",
+        "example.held_out_final",
+        "example.tool_calls_first",
+        "example.tool_calls_last",
     ],
     "weight_sync": [
         "transfer_one_of_memcpy",

@@ -14,6 +14,7 @@ from tests.unit.conftest import EXAMPLES, load
 
 EXPECTED = {
     "agentic-cluster.yaml": (Mode.SPLIT, {"policy": 1, "value": 1}),
+    "agentic-tools.yaml": (Mode.COLOCATED, {"policy": 1}),
     "asymmetric-3-5.yaml": (Mode.SPLIT, {"policy": 3, "value": 5}),
     "asymmetric-6-2.yaml": (Mode.SPLIT, {"policy": 6, "value": 2}),
     "colocated.yaml": (Mode.COLOCATED, {"all": 8}),

@@ -134,9 +134,19 @@ def test_the_renderer_appends_exactly_the_tool_result(
 
 @pytest.mark.parametrize(
     ("text", "key"),
-    [("call c </s>", "c"), ("call c", "c"), ("  call   h  ", "h")],
+    [
+        ("call c </s>", "c"),
+        ("call c", "c"),
+        ("  call   h  ", "h"),
+        ("call a b", "a"),
+        ("call call", "call"),
+        ("call c d e </s>", "c"),
+    ],
 )
-def test_a_call_is_the_word_call_then_one_word(parser: ToolCallParser, text: str, key: str) -> None:
+def test_a_call_is_a_turn_whose_first_word_is_call(
+    parser: ToolCallParser, text: str, key: str
+) -> None:
+    """The word after "call" is the argument; the rest of the turn is ignored."""
     message = parser.parse(text, turn=2)
     assert message.content is None
     assert [(c.id, c.function.name, c.function.parsed_arguments()) for c in message.tool_calls] == [
@@ -146,7 +156,7 @@ def test_a_call_is_the_word_call_then_one_word(parser: ToolCallParser, text: str
 
 @pytest.mark.parametrize(
     ("text", "content"),
-    [("c </s>", "c"), ("call", "call"), ("call a b", "call a b"), ("a call b", "a call b")],
+    [("c </s>", "c"), ("call", "call"), ("call </s>", "call"), ("a call b", "a call b")],
 )
 def test_anything_else_is_content(parser: ToolCallParser, text: str, content: str) -> None:
     message = parser.parse(text, turn=0)
@@ -187,14 +197,20 @@ def play(turns: list[Message]) -> tuple[LetterLookup, list[list[Message]]]:
     ("turns", "score"),
     [
         ([assistant(None, lookup_call("c")), assistant("x ")], 1.0),
-        ([assistant(None, lookup_call("c")), assistant("y")], 0.5),
-        ([assistant("x")], 0.5),
-        ([assistant(None, lookup_call("d")), assistant("x")], 0.5),
-        ([assistant(None, lookup_call("d")), assistant("y")], 0.0),
+        ([assistant(None, lookup_call("c")), assistant("x y </s>")], 1.0),
+        (
+            [assistant(None, lookup_call("d")), assistant(None, lookup_call("c")), assistant("x")],
+            1.0,
+        ),
+        ([assistant(None, lookup_call("c")), assistant("y x")], 0.5),
+        ([assistant(None, lookup_call("c")), assistant(None)], 0.5),
+        ([assistant(None, lookup_call("d")), assistant("x")], 0.25),
+        ([assistant(None, lookup_call("d")), assistant("y")], 0.25),
+        ([assistant("x")], 0.0),  # a guess, even a right one, earns nothing
         ([assistant("call c")], 0.0),
     ],
 )
-def test_letter_lookup_scores_the_lookup_and_the_answer_by_halves(
+def test_letter_lookup_scores_a_call_the_key_then_the_answer(
     turns: list[Message], score: float
 ) -> None:
     environment, _ = play(turns)

@@ -4,8 +4,9 @@
   table. Score 1 when the final answer is the key's value.
 - Calculator: the row holds numbers to add; the `calculate` tool evaluates integer
   `+ - *` expressions. Score 1 when the final answer is their sum.
-- LetterLookup: Lookup in single words, for the tiny models' vocabulary; graded, so a
-  randomly initialised model earns some reward.
+- LetterLookup: Lookup in single words, for the tiny models' vocabulary; graded (any
+  call, the right key, the right answer), so a randomly initialised model earns some
+  reward.
 
 Both end the episode at the first assistant message without tool calls (the answer), and
 answer a bad call (an unknown tool, arguments that do not parse) with a tool message that
@@ -137,6 +138,12 @@ class Calculator:
         return 1.0 if self.answer == str(self.expected) else 0.0
 
 
+def first_word(text: str | None) -> str | None:
+    """The first word of a message's content; None when it has none."""
+    words = (text or "").split()
+    return words[0] if words else None
+
+
 NO_SUCH_KEY = "0"  # LetterLookup's answer to a wrong key: a word of the tiny vocabulary
 
 
@@ -147,14 +154,22 @@ class LetterLookup:
     row's key with its value and any other key with "0". Rendered by the tiny chat
     template, an ideal episode reads `c = call c</s> result x = x</s>`.
 
-    Score: 0.5 for calling lookup with the row's key before answering, plus 0.5 for an
-    answer (content stripped) equal to the value; 0 when neither. Graded, because a
-    random tiny model almost never does both: each half alone is within its reach.
+    Score, a ladder whose every rung is within reach of the one below:
+      0     no lookup;
+      0.25  a lookup, of another key only;
+      0.5   a lookup of the row's key;
+      1     that, and an answer whose first word is the value.
+    The answer counts only after the lookup of the row's key: the value is random per
+    row, so an answer without it is a guess (1 in 8), and a guess earns nothing. Graded,
+    because a random tiny model almost never does it all: it says "call" first about
+    once in 64 turns, and GRPO needs rewards that differ within a group to learn from.
+    The answer is judged by its first word, as the rlhf_toy parser reads a call by its
+    first two: what follows is noise a tiny model need not learn to stop.
     """
 
     def reset(self, row: dict[str, Any]) -> Start:
         self.key, self.value = str(row["key"]), str(row["value"])
-        self.asked_right_key = False
+        self.called, self.asked_right_key = False, False
         self.answer: str | None = None
         lookup = tool("lookup", "The value stored under a key.", "key", "the key to look up")
         return Start(messages=[Message(role="user", content=self.key)], tools=[lookup])
@@ -166,11 +181,14 @@ class LetterLookup:
         return Step(messages=answer_tool_calls(message, {"lookup": self._lookup}))
 
     def score(self) -> float:
-        looked_up = 0.5 if self.asked_right_key else 0.0
-        answered = 0.5 if self.answer == self.value else 0.0
-        return looked_up + answered
+        if not self.called:
+            return 0.0
+        if not self.asked_right_key:
+            return 0.25
+        return 1.0 if first_word(self.answer) == self.value else 0.5
 
     def _lookup(self, arguments: dict[str, Any]) -> str:
+        self.called = True
         if str(arguments["key"]) != self.key:
             return NO_SUCH_KEY
         self.asked_right_key = True

@@ -1,10 +1,12 @@
 """vLLM tool parser `rlhf_toy`: the tool-call syntax of the tiny models' chat template.
 
-A tiny model's turn is a few words (models.TINY_CHAT_TEMPLATE). A turn that reads
-`call X` (the word "call", then exactly one word; a trailing end-of-turn token is
-ignored) calls the request's first tool with X as its first required argument; any
-other turn is content, with no calls. One word of syntax is all a randomly initialised
-model needs to stumble on a call, and all the toy environments (rlhf_env.toys) take.
+A tiny model's turn is a few words (models.TINY_CHAT_TEMPLATE). A turn whose first
+word is "call" calls the request's first tool with the next word as its first required
+argument, and the rest of the turn is ignored (a trailing end-of-turn token too); any
+other turn is content, with no calls. Forgiving on purpose: a randomly initialised
+model must stumble on a call by itself, and two chosen words then a stop is a 1 in
+64^3 event for a 64-word vocabulary, while a first word of "call" is 1 in 64: within
+reach of a few hundred episodes, and the toy environments (rlhf_env.toys) need no more.
 
 Registered under vLLM's own tool-parser registry, so `ToolCallParser("rlhf_toy", ...)`
 reads tiny models' turns as it reads real models' turns with "hermes".
@@ -42,8 +44,8 @@ def first_argument(parameters: dict[str, Any] | None) -> str | None:
 
 
 def call_word(words: Sequence[str]) -> str | None:
-    """X when the words are exactly `call X`, else None."""
-    if len(words) == 2 and words[0] == CALL:
+    """X when the words start `call X` (whatever follows), else None."""
+    if len(words) >= 2 and words[0] == CALL:
         return words[1]
     return None
 
@@ -52,7 +54,7 @@ def call_word(words: Sequence[str]) -> str | None:
 # name resolves in any process that imports this module, or that can import it by path.
 @ToolParserManager.register_module(NAME)
 class ToyToolParser(ToolParser):  # type: ignore[misc]  # vLLM is untyped here
-    """`call X` -> one call of the request's first tool; anything else -> content."""
+    """`call X ...` -> one call of the request's first tool; anything else -> content."""
 
     # The syntax is not JSON: vLLM's JSON-guided decoding for tool_choice "required" or
     # a named tool would force a format this parser never reads.

@@ -1,0 +1,156 @@
+"""Benchmark: does the tiny model learn to use a tool, from random initialisation?
+
+examples/agentic-tools.yaml (toy:lookup in rlhf_env.toys:LetterLookup: call the lookup
+tool with the key, answer with what it returned; GRPO, 8 episodes a key, synchronous,
+one simulated GPU) trained once per seed (trainer.seed 0, 1, 2 by default), against
+LetterLookup served in this process (uvicorn in a thread, as the tests serve it). The
+held-out keys (toy:lookup:heldout, 8 key-value pairs never trained on) are played
+every EVAL_EVERY steps, 8 episodes each at temperature 1 (the example's generation.eval).
+
+Reported per variant, as median (min-max) over the seeds:
+    held_out_start    the held-out score before training (step 0)
+    held_out_final    the held-out score after the last step
+    pass_final        the share of held-out episodes scoring 1 (looked up, answered right)
+    tool_calls_first  tool calls per training episode at the first step
+    tool_calls_last   the same at the last step
+    seconds           the steps' wall-clock, start-up left out
+and on stderr a line per run (variant, seed, steps, seconds, the figures above).
+
+Variants other than the example, for comparison (name them to run them, interleaved
+with the example within each seed): `ppo-critic` (PPO with a critic, 64 episodes a
+step, one per key, critic lr 1e-3) and `turns3-tokens4` (3 turns of up to 4 tokens).
+
+Run: make bench-agentic (about 10 minutes). Arguments, optional: steps (the example's
+totalSteps), seeds (3), the other variants to run (comma-separated).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.harness import Measurement, run_bench
+from rlhf_env.server import app_for
+from rlhf_env.toys import LetterLookup
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.cluster.local import local_ray_cluster
+from rlhf_trainer.loop.run import run_job
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.report import ConsoleReporter
+from tests.environments import served
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "agentic-tools.yaml"
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else None  # None: the example's
+SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+OTHERS = sys.argv[3].split(",") if len(sys.argv) > 3 else []
+EVAL_EVERY = 25
+
+Spec = dict[str, Any]
+
+
+def with_critic(spec: Spec) -> None:
+    """PPO with a critic on the same pool: one episode per key, as many per step."""
+    spec["roles"]["critic"] = spec["roles"]["actor"]
+    spec["algorithm"]["advantageEstimator"] = "gae"
+    per_step = spec["trainer"]["batchSize"] * spec["generation"]["samplesPerPrompt"]
+    spec["generation"]["samplesPerPrompt"] = 1
+    spec["trainer"].update(batchSize=per_step, criticLearningRate=1.0e-3)
+
+
+def with_longer_turns(spec: Spec) -> None:
+    """Room for a second call and for words after the first: 3 turns of up to 4 tokens."""
+    spec["data"]["maxResponseLength"] = 4
+    spec["generation"]["multiTurn"].update(maxTurns=3, maxTokens=32)
+
+
+VARIANTS: dict[str, Callable[[Spec], None]] = {
+    "example": lambda spec: None,
+    "ppo-critic": with_critic,
+    "turns3-tokens4": with_longer_turns,
+}
+
+
+def job(variant: str, seed: int, url: str, checkpoints: Path) -> JobConfig:
+    """The example as `variant` changes it, for `seed`, talking to the environment at `url`."""
+    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    spec["environments"] = [{"name": "lookup", "url": url}]
+    trainer = spec["trainer"]
+    trainer.update(seed=seed, evalEverySteps=EVAL_EVERY)
+    trainer["totalSteps"] = STEPS or trainer["totalSteps"]
+    trainer["checkpoint"] = {"path": str(checkpoints), "everySteps": 1_000_000}
+    VARIANTS[variant](spec)
+    return JobConfig.model_validate(spec)
+
+
+SEEN: dict[str, int] = {}  # variant -> runs so far (its next seed)
+
+
+def train(variant: str, url: str) -> Measurement:
+    """The variant's next seed: its held-out scores and tool-call rates."""
+    seed = SEEN.get(variant, 0)
+    SEEN[variant] = seed + 1
+    steps: list[StepResult] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = job(variant, seed, url, Path(tmp))
+        with local_ray_cluster(config):
+            on_step = partial(record, steps)
+            run_job(config, "bench", ConsoleReporter(every=1e9), on_step=on_step)
+    measured = figures(steps)
+    shown = ", ".join(f"{key} {value:.3f}" for key, value in measured.items())
+    print(f"run: {variant} seed {seed}, {len(steps)} steps: {shown}", file=sys.stderr, flush=True)
+    return measured
+
+
+def record(steps: list[StepResult], step: StepResult) -> None:
+    """Keep the step; show the run's progress every EVAL_EVERY steps (on stderr)."""
+    steps.append(step)
+    if step.step % 5 == 0 and step.episodes is not None:
+        print(
+            f"  step {step.step}: reward {step.reward_mean:.3f}, tool calls "
+            f"{step.episodes.tool_calls_mean:.2f}, {step.seconds:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def figures(steps: list[StepResult]) -> Measurement:
+    """One run's figures (see the module doc) from its steps."""
+    evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
+    first, last = steps[0].episodes, steps[-1].episodes
+    assert evaluations[0].step == 0, "no held-out evaluation before training"
+    assert first is not None and last is not None, "no multi-turn episodes reported"
+    return {
+        "held_out_start": evaluations[0].reward_mean,
+        "held_out_final": evaluations[-1].reward_mean,
+        "pass_final": evaluations[-1].pass_at_1,
+        "tool_calls_first": first.tool_calls_mean,
+        "tool_calls_last": last.tool_calls_mean,
+        "seconds": sum(s.seconds for s in steps),
+    }
+
+
+def compare(run: dict[str, Measurement]) -> Measurement:
+    """Within one seed, every other variant's final held-out score less the example's."""
+    base = run["example"]["held_out_final"]
+    return {
+        f"{name}.held_out_vs_example": measured["held_out_final"] - base
+        for name, measured in run.items()
+        if name != "example"
+    }
+
+
+def main() -> None:
+    with served({"lookup": app_for(LetterLookup)}) as root:
+        names = ["example", *OTHERS]
+        variants = {name: partial(train, name, f"{root}/lookup") for name in names}
+        run_bench("agentic", variants, SEEDS, compare, steps=STEPS, eval_every=EVAL_EVERY)
+
+
+if __name__ == "__main__":
+    main()
