@@ -214,7 +214,7 @@ def describe(plan: PlacementPlan) -> str:
         dp = f"dp={role.data_parallel_size}" + (
             f" x tp={role.tensor_parallel_size}" if role.tensor_parallel_size > 1 else ""
         )
-        where = "driver CPU (rule-based)" if role.pool == DRIVER else f"{role.pool}, {dp}"
+        where = "driver CPU (no model)" if role.pool == DRIVER else f"{role.pool}, {dp}"
         lines.append(f"  {role.role}: {where}")
     lines.append("one step (' || ' = at the same time, ' -> ' = one after another):")
     for lane in plan.background:
