@@ -210,8 +210,7 @@ def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
     environments = json.loads((spec or {})["data"]["spec.json"])["environments"]
     assert environments == [{"name": "lookup", "url": f"http://{name}:8000"}]
     # Its pods are what a restricted namespace admits (the server checks, creates nothing).
-    template = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "env-check"},
-                "spec": pod | {"containers": pod["containers"]}}  # fmt: skip
+    template = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "env-check"}, "spec": pod}
     cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
     cp.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
                input=yaml.safe_dump(template))  # fmt: skip

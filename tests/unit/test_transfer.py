@@ -17,6 +17,8 @@ HOST, IPC, NCCL = Backend.HOST, Backend.IPC, Backend.NCCL
 
 # example -> (backend with CUDA, world size, per-engine rank offsets)
 EXPECTED = {
+    "agentic-cluster.yaml": (HOST, 2, (1,)),  # device: cpu
+    "agentic-tools.yaml": (IPC, 2, (1,)),  # on a GPU machine; HOST without CUDA
     "asymmetric-3-5.yaml": (IPC, 4, (1, 2, 3)),
     "asymmetric-6-2.yaml": (IPC, 7, (1, 2, 3, 4, 5, 6)),
     "colocated.yaml": (IPC, 9, (1, 2, 3, 4, 5, 6, 7, 8)),

@@ -184,8 +184,9 @@ class EpisodeRunner:
             )
 
     async def _close(self, session: str) -> None:
-        """Close the session, whatever happened to the episode; a failure is logged (the
-        environment's own idle timeout is the backstop), never raised over its result."""
+        """Close the session, whatever happened to the episode; a failure is logged,
+        naming the session, never raised over the episode's result. (The server keeps
+        no idle timeout yet: a session left open holds its memory until the server stops.)"""
         try:
             await asyncio.shield(self.environment.close(session, timeout=CLOSE_SECONDS))
         except (EnvironmentCallFailed, TimeoutError) as failed:
