@@ -61,8 +61,14 @@ def test_the_stack_imports_at_the_pinned_versions() -> None:
 
 ROOT = Path(__file__).parents[2]
 # What the Dockerfiles copy to install the package: the wheel is built from these alone.
-PACKAGE_SOURCES = ["pyproject.toml", "README.md", "operator", "trainer_image/rlhf_trainer"]
-PACKAGES = [ROOT / "operator" / "rlhf_operator", ROOT / "trainer_image" / "rlhf_trainer"]
+PACKAGE_SOURCES = [
+    "pyproject.toml", "README.md", "operator", "trainer_image/rlhf_trainer", "trainer_image/rlhf_env"
+]  # fmt: skip
+PACKAGES = [
+    ROOT / "operator" / "rlhf_operator",
+    ROOT / "trainer_image" / "rlhf_trainer",
+    ROOT / "trainer_image" / "rlhf_env",
+]
 
 
 @dataclass(frozen=True)
@@ -144,9 +150,11 @@ PROBE = """
 import json, sys
 import rlhf_operator.api.job  # reads schemas/affinity.json, the package data, on import
 import rlhf_trainer.__main__
+import rlhf_env.__main__
 print(json.dumps({
     "rlhf_operator": rlhf_operator.__file__,
     "rlhf_trainer": rlhf_trainer.__file__,
+    "rlhf_env": rlhf_env.__file__,
     "editable_hooks": [name for name in sys.modules if name.startswith("__editable__")],
 }))
 """
@@ -155,7 +163,7 @@ print(json.dumps({
 def test_the_packages_import_from_the_installed_wheel(installed: Venv, tmp_path: Path) -> None:
     result = run([installed.python, "-I", "-c", PROBE], cwd=tmp_path, env=isolated_env(installed))
     found = json.loads(result.stdout)
-    for package in ("rlhf_operator", "rlhf_trainer"):
+    for package in ("rlhf_operator", "rlhf_trainer", "rlhf_env"):
         assert Path(found[package]).is_relative_to(installed.site_packages), found
     assert found["editable_hooks"] == []
     # The console script of the wheel, on the operator's API and its package data.
