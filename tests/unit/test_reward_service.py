@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,11 +34,16 @@ def broken_reward(prompt: str, response: str, **row: str) -> float:
     raise ValueError("no answer column")
 
 
-class Scorer:
-    """A hand-made scorer that counts its requests and how many ran at once."""
+GATHER_SECONDS = 5.0
 
-    def __init__(self, fail_first: int = 0, status: int = 503, delay: float = 0.0) -> None:
-        self.fail_first, self.status, self.delay = fail_first, status, delay
+
+class Scorer:
+    """A hand-made scorer that counts its requests and how many ran at once. With
+    `gather`, a request is held until that many are in flight (or GATHER_SECONDS pass):
+    how many run at once is then the client's limit, not the timing of their arrival."""
+
+    def __init__(self, fail_first: int = 0, status: int = 503, gather: int = 0) -> None:
+        self.fail_first, self.status, self.gather = fail_first, status, gather
         self.requests, self.running, self.most_running = 0, 0, 0
         self.lock = threading.Lock()
 
@@ -52,7 +58,9 @@ class Scorer:
                 self.most_running = max(self.most_running, self.running)
                 failing = self.requests <= self.fail_first
             try:
-                await asyncio.sleep(self.delay)
+                held_until = time.monotonic() + GATHER_SECONDS
+                while self.running < self.gather and time.monotonic() < held_until:
+                    await asyncio.sleep(0.01)
                 if failing:
                     raise HTTPException(self.status, "not now")
                 given = [len(s.response) for s in request.samples] if rewards is None else rewards
@@ -67,7 +75,7 @@ class Scorer:
 SCORERS = {
     "flaky": Scorer(fail_first=2),
     "refusing": Scorer(fail_first=100, status=403),
-    "slow": Scorer(delay=0.2),
+    "slow": Scorer(gather=3),
     "short": Scorer(),
     "nan": Scorer(),
 }
