@@ -1,9 +1,12 @@
 """Environment servers for tests: the real protocol server (rlhf_env.server) under a real
-uvicorn, on a free port of 127.0.0.1, in a thread of the test process; and Chatter, an
-environment whose every episode has CHATTER_TURNS turns, whatever the model says."""
+uvicorn, on a free port of 127.0.0.1, in a thread of the test process; Chatter, an
+environment whose every episode has CHATTER_TURNS turns, whatever the model says; and
+Replica, a Chatter that says which process played it and can die mid-session."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -60,3 +63,30 @@ class Chatter:
 
     async def score(self) -> float:
         return float(self.words)
+
+
+class Replica(Chatter):
+    """A Chatter that scores its server's process id (which replica played the episode).
+    A row with `die_once: <path>` kills the server at its episode's second step, with
+    SIGKILL, if no file is at that path yet (it creates one first): the first replica to
+    get there dies mid-session, once; a restart of the episode elsewhere goes on."""
+
+    async def reset(self, row: dict[str, Any]) -> Start:
+        self.marker = row.get("die_once")
+        return await super().reset(row)
+
+    async def step(self, message: Message) -> Step:
+        if self.turns == 1 and self.marker is not None and _created(self.marker):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await super().step(message)
+
+    async def score(self) -> float:
+        return float(os.getpid())
+
+
+def _created(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_env.client import EnvironmentClient
 from rlhf_env.protocol import Message, Step
+from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_env.server import app_for
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.sections import ModelSource, TinyModel
@@ -121,14 +122,16 @@ def run_episodes(
     recorded = Recorded(engine)
 
     async def scenario() -> tuple[list[Rollout], int]:
+        replicas = EnvironmentReplicas(f"{server}/{environment}")
         async with EnvironmentClient(f"{server}/{environment}") as client:
-            runner = EpisodeRunner(client, renderer, "rlhf_toy", limits)
+            runner = EpisodeRunner(replicas, renderer, "rlhf_toy", limits)
             rollouts = await asyncio.gather(
                 *(
                     runner.run({"key": "a"}, recorded.for_episode(i), version=7)
                     for i in range(count)
                 )
             )
+            await replicas.aclose()
             return list(rollouts), (await client.health()).sessions
 
     rollouts, sessions = engine.call(scenario())

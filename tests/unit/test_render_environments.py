@@ -101,7 +101,7 @@ def test_the_service_selects_exactly_its_environments_pods_and_the_trainer_gets_
     deployments = {d["metadata"]["name"]: d for d in of_kind(objects, "Deployment")}
     assert set(services) == set(deployments) == {"agentic-env-lookup", "agentic-env-calc"}
     for name, service in services.items():
-        assert service["spec"]["type"] == "ClusterIP"
+        assert service["spec"]["clusterIP"] == "None"  # headless: one address per replica
         assert service["spec"]["ports"] == [
             {"name": "env", "port": 8000, "targetPort": "env", "protocol": "TCP"}
         ]
@@ -141,7 +141,7 @@ def test_an_image_and_command_replace_the_defaults() -> None:
     assert container["env"] == sandbox["env"]
     [service] = of_kind(objects, "Service")
     assert service["spec"]["ports"][0]["port"] == 9000
-    assert service["spec"]["sessionAffinity"] == "ClientIP"  # a session's calls, one replica
+    assert service["spec"]["clusterIP"] == "None"  # headless: the trainer picks each replica
     [policy] = of_kind(objects, "NetworkPolicy")
     assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9000}]
     config = json.loads(of_kind(objects, "ConfigMap")[0]["data"]["spec.json"])
@@ -201,8 +201,8 @@ def test_the_reconciler_patches_new_kinds_only_on_real_drift() -> None:
     [service] = of_kind(children(LOOKUP), "Service")
     rendered = service["spec"]
     live = json.loads(json.dumps(rendered))  # as the API server stores it: defaults added
-    live |= {"clusterIP": "10.0.0.7", "clusterIPs": ["10.0.0.7"], "ipFamilies": ["IPv4"],
-             "internalTrafficPolicy": "Cluster"}  # fmt: skip
+    live |= {"clusterIPs": ["None"], "ipFamilies": ["IPv4"], "type": "ClusterIP",
+             "internalTrafficPolicy": "Cluster", "sessionAffinity": "None"}  # fmt: skip
     assert not drifted(live, rendered)
     live["selector"] = {"app": "other"}
     assert drifted(live, rendered)

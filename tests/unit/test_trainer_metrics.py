@@ -162,7 +162,7 @@ def test_a_critic_free_job_exports_no_critic_series() -> None:
     assert not any(name.startswith("rlhf_critic_") for name in names), names
 
 
-def test_episodes_are_counted_by_turns_calls_cuts_and_environment_seconds() -> None:
+def test_episodes_are_counted_by_turns_calls_cuts_restarts_and_environment_seconds() -> None:
     from rlhf_trainer.algo.diagnostics import EpisodeStats
     from rlhf_trainer.algo.experience import Episode
 
@@ -170,11 +170,12 @@ def test_episodes_are_counted_by_turns_calls_cuts_and_environment_seconds() -> N
     assert not any(m.name.startswith("rlhf_env_") for m in metrics.registry.collect())
     episodes = (
         Episode(1.0, turns=3, tool_calls=2, version_span=0, step_seconds=(0.02, 0.3, 0.004)),
-        Episode(0.0, turns=1, tool_calls=0, version_span=1, cut="turn_timeout"),
+        Episode(0.0, turns=1, tool_calls=0, version_span=1, cut="turn_timeout", restarts=2),
         Episode(0.0, turns=2, tool_calls=1, version_span=0, cut="environment_error: HTTP 500 ..."),
     )
     metrics.observe_episodes(EpisodeStats(episodes))
     assert value(metrics, "rlhf_env_episodes_total") == 3
+    assert value(metrics, "rlhf_env_session_restarts_total") == 2
     assert value(metrics, "rlhf_env_cut_episodes_total", reason="turn_timeout") == 1
     assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_error") == 1
     assert value(metrics, "rlhf_env_turns_sum") == 6

@@ -11,6 +11,7 @@ import pytest
 
 from rlhf_operator.api.crd import RESIZE_MESSAGE
 from tests.unit.celcheck import cel_errors
+from tests.unit.conftest import EXAMPLES, load
 
 Job = dict[str, Any]
 
@@ -83,3 +84,23 @@ def test_a_fully_async_jobs_own_rollout_pool_may_change_size_without_checkpoints
     spec["roles"]["ref"] = "rollout"
     shared = changed(local_job, lambda j: j["spec"]["pools"][2].update(replicas=3))
     assert ("spec.pools", RESIZE_MESSAGE) in cel_errors(shared, old=local_job)
+
+
+def test_an_environments_replicas_may_change_while_the_job_runs_and_nothing_else() -> None:
+    """The trainer spreads sessions over whatever replicas the headless Service answers
+    with (rlhf_env.replicas), so only replicas may change; the rest is fixed."""
+    job = load(EXAMPLES[0].parent / "agentic-cluster.yaml")
+    scaled = changed(job, lambda j: j["spec"]["environments"][0].update(replicas=3))
+    assert cel_errors(scaled, old=job) == []
+    other_class = changed(job, lambda j: j["spec"]["environments"][0].update(serve="m:Other"))
+    assert ("spec.environments[0]", "only an environment's replicas can change after creation") in (
+        cel_errors(other_class, old=job)
+    )
+    added = {"name": "extra", "url": "http://tools:8000"}
+    more = changed(job, lambda j: j["spec"]["environments"].append(added))
+    assert ("spec.environments", "environments cannot be added, removed or renamed after "
+            "creation") in cel_errors(more, old=job)  # fmt: skip
+    none = changed(job, lambda j: j["spec"].pop("environments"))
+    assert ("spec.environments", "environments cannot be added or removed after creation") in (
+        cel_errors(none, old=job)
+    )

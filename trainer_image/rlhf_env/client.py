@@ -36,10 +36,21 @@ Answer = TypeVar("Answer", bound=BaseModel)
 
 
 class EnvironmentCallFailed(Exception):
-    """A call to an environment server that got no valid answer."""
+    """A call to an environment server that got no valid answer. `unreachable`: the
+    connection failed or broke (the server is gone), as opposed to an error it sent,
+    an answer that breaks the protocol, or no answer in time."""
 
-    def __init__(self, call: str, url: str, reason: str, status: int | None = None) -> None:
+    def __init__(
+        self,
+        call: str,
+        url: str,
+        reason: str,
+        status: int | None = None,
+        *,
+        unreachable: bool = False,
+    ) -> None:
         self.call, self.url, self.reason, self.status = call, url, reason, status
+        self.unreachable = unreachable
         status_text = f"HTTP {status}: " if status is not None else ""
         super().__init__(f"environment {call} at {url} failed: {status_text}{reason}")
 
@@ -48,11 +59,13 @@ class EnvironmentClient:
     """Calls one environment server. `timeout` is each call's whole deadline, in seconds
     (connecting, sending, the environment's work, the answer); each call can override it."""
 
-    def __init__(self, url: str, *, timeout: float = 60.0) -> None:
+    def __init__(
+        self, url: str, *, timeout: float = 60.0, headers: dict[str, str] | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
         # httpx's own timeouts are per read or write; the deadline is ours (asyncio.timeout).
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=None)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=None, headers=headers)
 
     async def start(self, row: dict[str, Any], *, timeout: float | None = None) -> Started:
         body = StartRequest(row=row).model_dump(mode="json")
@@ -125,7 +138,8 @@ class EnvironmentClient:
             raise EnvironmentCallFailed(call, url, f"no answer within {deadline:g} s") from error
         except httpx.HTTPError as error:
             reason = f"{type(error).__name__}: {error or 'no detail'}"
-            raise EnvironmentCallFailed(call, url, reason) from error
+            unreachable = isinstance(error, httpx.TransportError)
+            raise EnvironmentCallFailed(call, url, reason, unreachable=unreachable) from error
         if not response.is_success:
             raise EnvironmentCallFailed(call, url, server_reason(response), response.status_code)
         return response

@@ -18,7 +18,7 @@ from rlhf_operator.api.job import (
     JOB_NAME_PATTERN,
     KIND,
     MAX_JOB_NAME,
-    MUTABLE_POOL_FIELDS,
+    MUTABLE_ITEM_FIELDS,
     MUTABLE_SPEC_FIELDS,
     PLURAL,
     SHORT_NAMES,
@@ -150,19 +150,30 @@ def _with_transition_rules(spec: Schema) -> Schema:
         if name not in MUTABLE_SPEC_FIELDS:
             spec["x-kubernetes-validations"].append({
                 "rule": _unchanged(spec, name),
-                "message": "cannot change after creation (only suspend and pool replicas can)",
+                "message": "cannot change after creation (only suspend and the replicas of "
+                           "pools and environments can)",
                 "fieldPath": f".{name}",
             })  # fmt: skip
-    pools = spec["properties"]["pools"]
-    same_names = "oldSelf.all(o, self.exists(p, p.name == o.name))"
-    _add_rule(pools, f"size(self) == size(oldSelf) && {same_names}",
-              "pools cannot be added, removed or renamed after creation")  # fmt: skip
+    _only_replicas_change(spec["properties"]["pools"], "pools", "a pool")
     _add_rule(spec, _RESIZE_NEEDS_CHECKPOINTS, RESIZE_MESSAGE, field_path=".pools")
-    pool = pools["items"]
-    fixed = [f for f in pool["properties"] if f not in MUTABLE_POOL_FIELDS]
-    _add_rule(pool, " && ".join(_unchanged(pool, f) for f in fixed),
-              "only a pool's replicas can change after creation")  # fmt: skip
+    _add_rule(spec, "has(self.environments) == has(oldSelf.environments)",
+              "environments cannot be added or removed after creation",
+              field_path=".environments")  # fmt: skip
+    _only_replicas_change(spec["properties"]["environments"], "environments", "an environment")
     return spec
+
+
+def _only_replicas_change(named_list: Schema, plural: str, one: str) -> None:
+    """Rules on a list keyed by name: no item added, removed or renamed, and an item's
+    fields fixed but its replicas (MUTABLE_ITEM_FIELDS). The item's rule compares it with
+    the old item of its name (a list-map's items correlate by key)."""
+    same_names = "oldSelf.all(o, self.exists(p, p.name == o.name))"
+    _add_rule(named_list, f"size(self) == size(oldSelf) && {same_names}",
+              f"{plural} cannot be added, removed or renamed after creation")  # fmt: skip
+    item = named_list["items"]
+    fixed = [f for f in item["properties"] if f not in MUTABLE_ITEM_FIELDS]
+    _add_rule(item, " && ".join(_unchanged(item, f) for f in fixed),
+              f"only {one}'s replicas can change after creation")  # fmt: skip
 
 
 def _unchanged(parent: Schema, field: str) -> str:

@@ -68,9 +68,10 @@ class EnvironmentSpec(EnvironmentConfig):
         ge=1,
         le=64,
         description=(
-            f"Pods serving it (unset: {DEFAULT_REPLICAS}); the Service balances connections "
-            "over them, so the environment must not keep a session's state in one pod when "
-            "above 1."
+            f"Pods serving it (unset: {DEFAULT_REPLICAS}); it may change while the job "
+            "runs. The trainer keeps each session on the replica that started it, spreads "
+            "new sessions over the ready replicas, and starts a session again elsewhere "
+            "when its replica dies."
         ),
     )
     resources: PodResources | None = Field(

@@ -50,8 +50,9 @@ SHORT_NAMES = ["rlhf"]
 # What may change on an existing job. Everything else is fixed at creation: the CRD's
 # transition rules reject other changes at admission. Replicas resize a pool's worker
 # group; suspend stops and restarts the job.
-MUTABLE_SPEC_FIELDS = ("suspend", "pools")
-MUTABLE_POOL_FIELDS = ("name", "replicas")  # name is the key the API server matches pools by
+MUTABLE_SPEC_FIELDS = ("suspend", "pools", "environments")
+# Of a pool or an environment; name is the key the API server matches old and new items by.
+MUTABLE_ITEM_FIELDS = ("name", "replicas")
 
 # A resource name, qualified (rdma/hca_shared_devices_a) or not (hugepages-2Mi).
 ResourceName = Annotated[

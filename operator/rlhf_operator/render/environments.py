@@ -110,17 +110,17 @@ def render_deployment(job: JobRef, spec: RLHFJobSpec, env: EnvironmentSpec) -> O
 
 
 def render_service(job: JobRef, env: EnvironmentSpec) -> Obj:
-    """The name the trainer reaches the environment at (RLHFJobSpec.job_config)."""
+    """The name the trainer reaches the environment at (RLHFJobSpec.job_config).
+    Headless: the name resolves to each ready replica's address, and the trainer picks
+    the replica of each session (rlhf_env.replicas), since a session lives in one
+    replica's memory and a proxy would balance its calls over all of them."""
     port = env.serving_port
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(job, service_name(job.name, env.name), COMPONENT),
         "spec": {
-            "type": "ClusterIP",
-            # A session lives in one replica's memory: each Ray pod keeps to one replica,
-            # so every call of a session reaches the pod that holds it.
-            "sessionAffinity": "ClientIP",
+            "clusterIP": "None",
             "selector": selector(job, env),
             "ports": [
                 {"name": PORT_NAME, "port": port, "targetPort": PORT_NAME, "protocol": "TCP"}

@@ -79,5 +79,9 @@ class EpisodeStats:
         return dict(sorted(reasons.items()))
 
     @property
+    def restarts(self) -> int:  # sessions started again on another replica (a replica died)
+        return sum(e.restarts for e in self.episodes)
+
+    @property
     def cut_ratio(self) -> float:  # share cut by a limit or an error: masked, not trained on
         return sum(self.cuts.values()) / len(self.episodes)

@@ -193,6 +193,7 @@ class Episode:
     # mask is all 0), and it counts as a score of 0 in its group's baseline.
     cut: str | None = None
     step_seconds: tuple[float, ...] = ()  # each step call to the environment, in order
+    restarts: int = 0  # times its replica died and it started again on another
 
 
 @dataclass(frozen=True)

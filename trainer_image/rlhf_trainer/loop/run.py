@@ -288,6 +288,7 @@ def episodes_text(episodes: EpisodeStats) -> str:
     return (
         f"turns {episodes.turns_mean:.2f}, tool calls {episodes.tool_calls_mean:.2f}, "
         f"cut {episodes.cut_ratio:.2f}{f' ({cuts})' if cuts else ''}"
+        + (f", sessions restarted {episodes.restarts}" if episodes.restarts else "")
     )
 
 

@@ -12,6 +12,10 @@ token budget, and deadlines per environment call, per turn and per episode. An
 environment that fails or breaks the protocol ends it too. Such an episode is "cut":
 its loss mask is all 0, its score 0, and its reason is counted, so nothing is trained
 on an episode that did not finish. The session is always closed.
+
+Sessions spread over the environment's replicas (rlhf_env.replicas). One whose replica
+dies (unreachable, not an error the replica sent) starts again from its row on another
+replica, counted in Episode.restarts, within the episode's deadline.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
+from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_trainer.algo.experience import Episode, Rollout
 from rlhf_trainer.api.agentic import EnvironmentConfig
 from rlhf_trainer.api.config import JobConfig
@@ -44,6 +49,7 @@ CLOSE_SECONDS = 10.0  # closing a session: best effort, after the episode's resu
 ENVIRONMENT_WAIT_SECONDS = 600.0  # for an environment to answer at the start (image pulls)
 HEALTH_CALL_SECONDS = 10.0
 HEALTH_POLL_SECONDS = 2.0
+MAX_SESSION_RESTARTS = 2  # an episode whose replica died starts again elsewhere, this often
 
 
 @dataclass(frozen=True)
@@ -113,12 +119,12 @@ class EpisodeRunner:
 
     def __init__(
         self,
-        environment: EnvironmentClient,
+        replicas: EnvironmentReplicas,
         renderer: ChatRenderer,
         tool_parser: str,
         limits: EpisodeLimits,
     ) -> None:
-        self.environment = environment
+        self.replicas = replicas
         self.renderer = renderer
         self.tool_parser = tool_parser
         self.limits = limits
@@ -126,24 +132,61 @@ class EpisodeRunner:
     async def run(self, row: dict[str, Any], generate: GenerateTurn, version: int) -> Rollout:
         """One episode of `row`, to its end or its cut (never raises for the
         environment's failures or the limits: they are the episode's `cut`). `version`:
-        the engine's policy version now, the label of an episode cut before any turn."""
-        # Until the environment opens it: one token, so a cut episode still packs.
-        episode = _Progress(Trajectory(prompt_ids=[self.renderer.end_of_turn_id]), version)
+        the engine's policy version now, the label of an episode cut before any turn.
+        A replica that dies under it (its connection refused or broken) is left, and
+        the episode starts again on another, at most MAX_SESSION_RESTARTS times."""
+        episode = _Progress.opening(self.renderer, version)
+        lost: list[str] = []  # the replicas that died under it
         try:
             async with asyncio.timeout(self.limits.episode_seconds):
-                await self._play(row, generate, episode)
+                while True:
+                    try:
+                        await self._play_on_a_replica(row, generate, episode, lost)
+                        break
+                    except EnvironmentCallFailed as failed:
+                        if not await self._restartable(failed, lost):
+                            raise
+                        log.warning("%s: the episode starts again on another replica", failed)
+                        episode = _Progress.opening(self.renderer, version, restarts=len(lost))
         except TimeoutError:
             episode.trajectory.cut_short("episode_timeout")
         except EnvironmentCallFailed as failed:
             episode.trajectory.cut_short(f"environment_error: {failed}")
-        finally:
-            if episode.session is not None:
-                await self._close(episode.session)
         return episode.rollout()
 
-    async def _play(self, row: dict[str, Any], generate: GenerateTurn, episode: _Progress) -> None:
+    async def _play_on_a_replica(
+        self, row: dict[str, Any], generate: GenerateTurn, episode: _Progress, lost: list[str]
+    ) -> None:
+        """Play the episode on the replica with the fewest sessions, outside `lost`; a
+        replica that cannot be reached is marked down and added to `lost`."""
+        async with self.replicas.session(avoid=lost) as environment:
+            try:
+                await self._play(environment, row, generate, episode)
+            except EnvironmentCallFailed as failed:
+                if failed.unreachable:
+                    self.replicas.mark_down(environment.url)
+                    lost.append(environment.url)
+                raise
+            finally:
+                if episode.session is not None:
+                    await self._close(environment, episode.session)
+
+    async def _restartable(self, failed: EnvironmentCallFailed, lost: list[str]) -> bool:
+        return (
+            failed.unreachable
+            and len(lost) <= MAX_SESSION_RESTARTS
+            and await self.replicas.others(lost)
+        )
+
+    async def _play(
+        self,
+        environment: EnvironmentClient,
+        row: dict[str, Any],
+        generate: GenerateTurn,
+        episode: _Progress,
+    ) -> None:
         limits, renderer = self.limits, self.renderer
-        started = await self.environment.start(row, timeout=limits.call_seconds)
+        started = await environment.start(row, timeout=limits.call_seconds)
         episode.session = started.session
         trajectory = episode.trajectory = Trajectory(
             prompt_ids=renderer.prompt_ids(started.messages, started.tools)
@@ -165,12 +208,10 @@ class EpisodeRunner:
             if not turn.finished and room <= limits.turn_tokens:
                 return trajectory.cut_short("token_budget")  # the budget ended the turn
             asked = time.monotonic()
-            stepped = await self.environment.step(
-                started.session, message, timeout=limits.call_seconds
-            )
+            stepped = await environment.step(started.session, message, timeout=limits.call_seconds)
             episode.step_seconds.append(time.monotonic() - asked)
             if stepped.done:
-                episode.score = await self.environment.score(
+                episode.score = await environment.score(
                     started.session, timeout=limits.call_seconds
                 )
                 return None
@@ -183,12 +224,12 @@ class EpisodeRunner:
                 renderer.observation_ids(stepped.messages, closed=turn.finished)
             )
 
-    async def _close(self, session: str) -> None:
+    async def _close(self, environment: EnvironmentClient, session: str) -> None:
         """Close the session, whatever happened to the episode; a failure is logged,
         naming the session, never raised over the episode's result. (The server keeps
         no idle timeout yet: a session left open holds its memory until the server stops.)"""
         try:
-            await asyncio.shield(self.environment.close(session, timeout=CLOSE_SECONDS))
+            await asyncio.shield(environment.close(session, timeout=CLOSE_SECONDS))
         except (EnvironmentCallFailed, TimeoutError) as failed:
             log.warning("session %s was not closed: %s", session, failed)
 
@@ -197,13 +238,19 @@ class _Progress:
     """An episode as it goes: its trajectory, its session, the version spans of its
     turns (response-relative), and its score once the environment gave it."""
 
-    def __init__(self, trajectory: Trajectory, version: int) -> None:
+    def __init__(self, trajectory: Trajectory, version: int, restarts: int = 0) -> None:
         self.trajectory = trajectory
         self.version = version
+        self.restarts = restarts  # sessions started again on another replica before it
         self.session: str | None = None
         self.spans: list[tuple[int, int]] = []  # (version, first response token index)
         self.score: float | None = None
         self.step_seconds: list[float] = []  # each environment step call's
+
+    @classmethod
+    def opening(cls, renderer: ChatRenderer, version: int, restarts: int = 0) -> _Progress:
+        """Until the environment opens it: one token, so a cut episode still packs."""
+        return cls(Trajectory(prompt_ids=[renderer.end_of_turn_id]), version, restarts)
 
     def add_turn(self, turn: Rollout, tool_calls: int) -> None:
         offset = len(self.trajectory.token_ids) - len(self.trajectory.prompt_ids)
@@ -233,6 +280,7 @@ class _Progress:
                 version_span=max(versions) - min(versions),
                 cut=trajectory.cut,
                 step_seconds=tuple(self.step_seconds),
+                restarts=self.restarts,
             ),
         )
 

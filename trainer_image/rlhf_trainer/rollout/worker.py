@@ -10,7 +10,7 @@ import itertools
 from dataclasses import asdict
 from typing import Any
 
-from rlhf_env.client import EnvironmentClient
+from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import EvalGeneration, GenerationConfig
@@ -166,7 +166,7 @@ class EngineWorker(Worker):
 
     def close(self) -> None:
         if self.episodes is not None:
-            self.engine.call(self.episodes.environment.aclose())
+            self.engine.call(self.episodes.replicas.aclose())
         self.engine.shutdown()
         self.segments.close()
         if self.relay is not None:
@@ -215,6 +215,6 @@ def episode_runner(config: JobConfig) -> EpisodeRunner | None:
     actor = config.models.actor
     url = config.environment(multi_turn.environment).url
     assert url is not None, "the driver checked that the environment has a url"
-    environment = EnvironmentClient(url)
+    replicas = EnvironmentReplicas(url)  # sessions spread over the environment's pods
     renderer = ChatRenderer(chat_tokenizer(actor), actor.path or "the tiny model")
-    return EpisodeRunner(environment, renderer, multi_turn.tool_parser, EpisodeLimits.of(config))
+    return EpisodeRunner(replicas, renderer, multi_turn.tool_parser, EpisodeLimits.of(config))

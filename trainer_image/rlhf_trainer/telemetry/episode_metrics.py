@@ -25,6 +25,11 @@ class EpisodeSeries:
             ["reason"],
             registry=r,
         )
+        self.restarts = Counter(
+            "rlhf_env_session_restarts",
+            "Sessions started again on another replica because theirs died",
+            registry=r,
+        )
         self.turns = Histogram(
             "rlhf_env_turns", "Assistant turns per episode", buckets=TURN_BUCKETS, registry=r
         )
@@ -52,5 +57,6 @@ class EpisodeSeries:
             for seconds in episode.step_seconds:
                 self.step_seconds.observe(seconds)
         self.episodes.inc(len(stats.episodes))
+        self.restarts.inc(stats.restarts)
         for reason, count in stats.cuts.items():
             self.cut.labels(reason).inc(count)
