@@ -203,7 +203,7 @@ def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
     pod = made["deployment"]["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     assert pod["containers"][0]["command"][:4] == ["python", "-m", "rlhf_env", "serve"]
-    assert made["service"]["spec"]["sessionAffinity"] == "ClientIP"
+    assert made["service"]["spec"]["clusterIP"] == "None"  # headless: the trainer picks replicas
     policy = made["networkpolicy"]["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"] and not policy.get("egress")
     spec = get(cp, "configmap", "agentic-cluster-spec", namespace)
@@ -214,6 +214,14 @@ def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
     cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
     cp.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
                input=yaml.safe_dump(template))  # fmt: skip
+
+    # Its replicas may change while the job runs, and nothing else of it.
+    job = "agentic-cluster"
+    patch_job(cp, namespace, job, "json", '[{"op": "add", "path": "/spec/environments/0/replicas", "value": 2}]')  # fmt: skip
+    eventually(lambda: (get(cp, "deployment", name, namespace) or {})["spec"]["replicas"] == 2,
+               "the environment's Deployment scaled to 2")  # fmt: skip
+    refused = patch_job(cp, namespace, job, "json", '[{"op": "replace", "path": "/spec/environments/0/serve", "value": "m:Other"}]', check=False)  # fmt: skip
+    assert "only an environment's replicas can change after creation" in refused.stderr
 
     cp.kubectl("delete", "rlhfjob", "agentic-cluster", "-n", namespace, "--wait=true")
     for kind in made:

@@ -28,9 +28,9 @@ ALLOWED = {
 }
 
 REJECTED = {
-    "pool-gpus": (lambda j: j["spec"]["pools"][0].update(gpusPerNode=2), "spec.pools[0]",
+    "pool-gpus": (lambda j: j["spec"]["pools"][0].update(gpusPerNode=2), "spec.pools[0].gpusPerNode",
                   "only a pool's replicas can change after creation"),
-    "pool-node-selector-added": (lambda j: j["spec"]["pools"][1].update(nodeSelector={"pool": "b"}), "spec.pools[1]",
+    "pool-node-selector-added": (lambda j: j["spec"]["pools"][1].update(nodeSelector={"pool": "b"}), "spec.pools[1].nodeSelector",
                                  "only a pool's replicas can change after creation"),
     "pool-added": (lambda j: j["spec"]["pools"].append({"name": "extra", "gpusPerNode": 1}), "spec.pools",
                    "pools cannot be added, removed or renamed after creation"),
@@ -93,9 +93,10 @@ def test_an_environments_replicas_may_change_while_the_job_runs_and_nothing_else
     scaled = changed(job, lambda j: j["spec"]["environments"][0].update(replicas=3))
     assert cel_errors(scaled, old=job) == []
     other_class = changed(job, lambda j: j["spec"]["environments"][0].update(serve="m:Other"))
-    assert ("spec.environments[0]", "only an environment's replicas can change after creation") in (
-        cel_errors(other_class, old=job)
-    )
+    assert (
+        "spec.environments[0].serve",
+        "only an environment's replicas can change after creation",
+    ) in (cel_errors(other_class, old=job))
     added = {"name": "extra", "url": "http://tools:8000"}
     more = changed(job, lambda j: j["spec"]["environments"].append(added))
     assert ("spec.environments", "environments cannot be added, removed or renamed after "

@@ -165,15 +165,17 @@ def _with_transition_rules(spec: Schema) -> Schema:
 
 def _only_replicas_change(named_list: Schema, plural: str, one: str) -> None:
     """Rules on a list keyed by name: no item added, removed or renamed, and an item's
-    fields fixed but its replicas (MUTABLE_ITEM_FIELDS). The item's rule compares it with
-    the old item of its name (a list-map's items correlate by key)."""
+    fields fixed but its replicas (MUTABLE_ITEM_FIELDS). The item's rules compare it with
+    the old item of its name (a list-map's items correlate by key): one rule per field,
+    naming it, as one rule over them all costs more than the API server allows."""
     same_names = "oldSelf.all(o, self.exists(p, p.name == o.name))"
     _add_rule(named_list, f"size(self) == size(oldSelf) && {same_names}",
               f"{plural} cannot be added, removed or renamed after creation")  # fmt: skip
     item = named_list["items"]
-    fixed = [f for f in item["properties"] if f not in MUTABLE_ITEM_FIELDS]
-    _add_rule(item, " && ".join(_unchanged(item, f) for f in fixed),
-              f"only {one}'s replicas can change after creation")  # fmt: skip
+    for field in item["properties"]:
+        if field not in MUTABLE_ITEM_FIELDS:
+            _add_rule(item, _unchanged(item, field),
+                      f"only {one}'s replicas can change after creation", f".{field}")  # fmt: skip
 
 
 def _unchanged(parent: Schema, field: str) -> str:
