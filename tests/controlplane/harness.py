@@ -98,6 +98,8 @@ class NodeGroup:
     gpus: int = 0
     cpu: str = "32"
     memory: str = "256Gi"
+    # As a kubelet reports its disk: a pod that requests some (an environment's) fits.
+    ephemeral_storage: str = "200Gi"
 
     def node_names(self) -> list[str]:
         return [f"kwok-{self.pool}-{i}" for i in range(self.count)]
@@ -484,7 +486,12 @@ def kubeconfig_yaml(server: str, pki: Path) -> str:
 def node_manifests(groups: Sequence[NodeGroup]) -> list[dict]:
     nodes = []
     for group in groups:
-        resources = {"cpu": group.cpu, "memory": group.memory, "pods": "110"}
+        resources = {
+            "cpu": group.cpu,
+            "memory": group.memory,
+            "ephemeral-storage": group.ephemeral_storage,
+            "pods": "110",
+        }
         if group.gpus:
             resources[GPU_RESOURCE] = str(group.gpus)
         for name in group.node_names():

@@ -14,10 +14,11 @@ import yaml
 
 from rlhf_operator.controller.resizes import STOP_ASKED
 
-from .harness import REPO_ROOT, ControlPlane
+from .harness import DEFAULT_NODE_GROUPS, REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
 from .util import bound_claim, eventually, get_json, kubectl_as, rlhfjob
 
+CPU_NODES = next(g for g in DEFAULT_NODE_GROUPS if not g.gpus)
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
 # cpu-cluster trains for real on the real node (test_real_job.py).
@@ -190,12 +191,43 @@ def test_children_deleted_out_of_band_are_recreated(
     assert len(get_json(cp, "rayjobs", "-n", namespace)["items"]) == 1
 
 
+def condition_when(
+    cp: ControlPlane, name: str, namespace: str, kind: str, **expected: str
+) -> dict[str, Any] | None:
+    """The job's condition `kind` once its fields have the given values, else None."""
+    conditions = job_status(cp, name, namespace).get("conditions") or []
+    found = next((c for c in conditions if c["type"] == kind), None)
+    return found if found and all(found.get(k) == v for k, v in expected.items()) else None
+
+
 def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
-    cp = controlplane
-    apply_example(cp, namespace, "agentic-cluster.yaml")
-    name = "agentic-cluster-env-lookup"
+    cp, job, name = controlplane, "agentic-cluster", "agentic-cluster-env-lookup"
+    # The one node without the GPU taint, where the environment's pod fits, takes no new
+    # pods at first: EnvironmentsReady says the scheduler's reason, then the pod runs.
+    cpu_node = CPU_NODES.node_names()[0]
+    cp.kubectl("cordon", cpu_node)
+    try:
+        apply_example(cp, namespace, "agentic-cluster.yaml")
+        waiting = eventually(lambda: condition_when(cp, job, namespace, "EnvironmentsReady",
+                                                    reason="Unschedulable"),
+                             "EnvironmentsReady to say why the pod waits")  # fmt: skip
+    finally:
+        cp.kubectl("uncordon", cpu_node)
+    message = waiting["message"]
+    assert waiting["status"] == "False" and message.startswith(
+        "0/1 environments have all their replicas ready; environment lookup: "
+        f"0 of 1 replicas ready, pod {name}-"
+    ), waiting
+    assert "Unschedulable: 0/" in message and "node(s) were unschedulable" in message, message
+    events = eventually(lambda: [e for e in get_json(cp, "events", "-n", namespace, "--field-selector",
+                                                     "reason=Unschedulable")["items"]
+                                 if e["message"] == message], "a Warning event saying it")  # fmt: skip
+    assert [e["type"] for e in events] == ["Warning"], events
+    ready = eventually(lambda: condition_when(cp, job, namespace, "EnvironmentsReady", status="True"),
+                       "EnvironmentsReady once the pod runs")  # fmt: skip
+    assert ready["message"] == "1/1 environments have all their replicas ready"
     made = {kind: eventually(lambda k=kind: get(cp, k, name, namespace), f"{kind} {name}")
             for kind in ("deployment", "service", "networkpolicy")}  # fmt: skip
     for obj in made.values():

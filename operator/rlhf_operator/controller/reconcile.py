@@ -115,7 +115,7 @@ class Reconciler:
         resize = None
         if restart is not None and restart.action is Action.NONE:
             resize = decide_resize(spec, rayjob, old.training)
-        workload = None
+        workload, live = None, None
         if resize is not None and resize.action is ResizeAction.REPLACE and rayjob is not None:
             # As for a restart, the deletion's event brings the reconcile that creates
             # the next attempt, with the spec's sizes.
@@ -131,15 +131,14 @@ class Reconciler:
                 new = blocked_status(old, generation, KUBERAY_INCOMPATIBLE, blocked, now)
                 self._write_status(job, old, new)
                 return Reconciled(new, requeue_after=RECHECK_SECONDS)
-            rayjob = self._ensure_children(ref, spec, children, rayjob)
+            rayjob, live = self._ensure_children(ref, spec, children, rayjob)
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
             workload = self._sync_workload(spec, rayjob)
         elif restart is not None and restart.action is Action.DELETE and restart.failure:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
-        pods = self.kube.list("Pod", namespace, f"{JOB_LABEL}={name}")  # head, pools, submitter
-        observed = Observed(rayjob, pods, workload)
+        observed = self._observe(ref, spec, rayjob, workload, live)
         new = compute_status(spec, generation, observed, old, now, restart, resize)
         self._write_status(job, old, new)
         wait = restart.wait_seconds if restart and restart.action in WAITING else None
@@ -147,35 +146,56 @@ class Reconciler:
             wait = QUEUED_RECHECK_SECONDS
         return Reconciled(new, requeue_after=wait)
 
+    def _observe(
+        self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None, workload: Obj | None,
+        live: list[Obj] | None,
+    ) -> Observed:  # fmt: skip
+        """What the status is computed from. `live`: the children as _ensure_children
+        left them (None where this reconcile ensured none: it looks for itself)."""
+        selector = f"{JOB_LABEL}={ref.name}"
+        pods = self.kube.list("Pod", ref.namespace, selector)  # head, pools, submitter, envs
+        if live is not None:
+            deployments = [c for c in live if c["kind"] == "Deployment"]
+        elif any(env.operator_run for env in spec.environments):
+            # A failed attempt or a resize: the environments' Deployments stay as they are.
+            deployments = self.kube.list("Deployment", ref.namespace, selector)
+        else:
+            deployments = []
+        return Observed(rayjob, pods, workload, deployments)
+
     def _ensure_children(
         self, ref: JobRef, spec: RLHFJobSpec, children: list[Obj], rayjob: Obj | None
-    ) -> Obj | None:
+    ) -> tuple[Obj | None, list[Obj]]:
+        """The RayJob as it now is, and the other children (those that exist)."""
         *dependencies, desired_rayjob = children
         # No RayJob means a new job (or one whose children were wiped): try creating
         # first, which saves a read per child on the path users wait on. The RayJob's
         # pods need the others (their ServiceAccount, the ConfigMap), which need nothing
         # from each other: they are made at once, one round trip instead of four.
         missing = rayjob is None
-        list(self.fanout.map(lambda desired: self._ensure(ref, desired, missing), dependencies))
+        ensured = self.fanout.map(lambda desired: self._ensure(ref, desired, missing), dependencies)
+        live = [obj for obj in ensured if obj is not None]
         if rayjob is None:
             created = self.kube.create(desired_rayjob)
-            return created or self.kube.get("RayJob", ref.namespace, ref.rayjob)
+            return created or self.kube.get("RayJob", ref.namespace, ref.rayjob), live
         self._check_owner(ref, rayjob)
-        return self._sync_rayjob(ref, spec, rayjob, desired_rayjob)
+        return self._sync_rayjob(ref, spec, rayjob, desired_rayjob), live
 
-    def _ensure(self, ref: JobRef, desired: Obj, likely_missing: bool) -> None:
+    def _ensure(self, ref: JobRef, desired: Obj, likely_missing: bool) -> Obj | None:
+        """Create the child, or bring its OWNED_FIELDS to the rendered values; returns it
+        as the API server has it (None: its namespace is going)."""
         kind, name = desired["kind"], desired["metadata"]["name"]
-        if likely_missing and self.kube.create(desired) is not None:
-            return
+        if likely_missing and (created := self.kube.create(desired)) is not None:
+            return created
         existing = self.kube.get(kind, ref.namespace, name)
         if existing is None:
-            self.kube.create(desired)
-            return
+            return self.kube.create(desired)
         self._check_owner(ref, existing)
         owned = OWNED_FIELDS.get(kind, ())
         drift = {f: desired[f] for f in owned if drifted(existing.get(f), desired[f])}
         if drift:
-            self.kube.patch(kind, ref.namespace, name, drift)
+            return self.kube.patch(kind, ref.namespace, name, drift)
+        return existing
 
     def _check_owner(self, ref: JobRef, obj: Obj) -> None:
         owners = obj["metadata"].get("ownerReferences") or []
@@ -266,8 +286,8 @@ class Reconciler:
             reason = "InvalidSpec" if invalid else new.phase.value
             self._post_event(job, reason, invalid or _phase_message(new), warning)
         said = warnings(old)
-        for reason, message in warnings(new).items():
-            if said.get(reason) != message:
+        for (kind, reason), message in warnings(new).items():
+            if said.get((kind, reason)) != message:
                 self._post_event(job, reason, message, warning=True)
 
     def _post_event(self, job: Obj, reason: str, message: str, warning: bool) -> None:

@@ -6,7 +6,7 @@ and is carried over untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -18,28 +18,36 @@ from rlhf_operator.api.job import (
     RLHFJobSpec,
     RLHFJobStatus,
 )
-from rlhf_operator.controller.pods import pod_problems
+from rlhf_operator.controller.environments import CONDITION as ENVIRONMENTS_READY
+from rlhf_operator.controller.environments import environments_ready, is_environment_pod
+from rlhf_operator.controller.pods import (
+    PODS_FAILING,
+    UNSCHEDULABLE,
+    pod_problems,
+    short,
+    terminating,
+    unscheduled,
+)
 from rlhf_operator.controller.resizes import ResizeAction, ResizeDecision
 from rlhf_operator.controller.restarts import FIRST_LINE, Action, Decision
 from rlhf_trainer.api.names import POOL_LABEL
 from rlhf_trainer.api.progress import TrainingProgress
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
-# PoolsReady's reason while the scheduler cannot place a pool's pod (its message says
-# why, as the scheduler said it on the pod).
-UNSCHEDULABLE = "Unschedulable"
-QUEUED = "Queued"  # ... and while Kueue has not admitted the job (its message: Kueue's reason)
-# ... and while a pod's container cannot start or ends in error (its message: the kubelet's).
-PODS_FAILING = "PodsFailing"
+# PoolsReady's reasons: pods.UNSCHEDULABLE while the scheduler cannot place a pool's pod,
+# pods.PODS_FAILING while a container cannot start or ends in error, and this while
+# Kueue has not admitted the job (its message: Kueue's reason).
+QUEUED = "Queued"
 # Ready's reason while the installed KubeRay cannot run the job (nothing is created).
 KUBERAY_INCOMPATIBLE = "KubeRayIncompatible"
 # Conditions whose (type, reason) is news the user must see: each new message is an Event.
 WARNING_CONDITIONS = {
     ("PoolsReady", UNSCHEDULABLE),
     ("PoolsReady", PODS_FAILING),
+    (ENVIRONMENTS_READY, UNSCHEDULABLE),
+    (ENVIRONMENTS_READY, PODS_FAILING),
     ("Ready", KUBERAY_INCOMPATIBLE),
 }
-MAX_SCHEDULER_MESSAGE = 300
 
 # KubeRay's RayJob.status.jobDeploymentStatus -> our phase (Complete is resolved by
 # jobStatus; anything not listed, e.g. a new KubeRay state, reads as Provisioning).
@@ -57,8 +65,10 @@ class Observed:
     """What the reconciler saw of the job's children."""
 
     rayjob: dict[str, Any] | None
-    pods: list[dict[str, Any]]
+    pods: list[dict[str, Any]]  # all the job's: head, pools, submitter, environments
     workload: dict[str, Any] | None = None  # Kueue's, for a queued job (spec.queueName)
+    # The Deployments of the environments the operator runs.
+    deployments: list[dict[str, Any]] = field(default_factory=list)
 
 
 def finished(status: RLHFJobStatus) -> bool:
@@ -90,10 +100,12 @@ def blocked_status(
     )
 
 
-def warnings(status: RLHFJobStatus) -> dict[str, str]:
-    """reason -> message of the conditions in WARNING_CONDITIONS."""
+def warnings(status: RLHFJobStatus) -> dict[tuple[str, str], str]:
+    """(type, reason) -> message of the conditions in WARNING_CONDITIONS."""
     return {
-        c.reason: c.message for c in status.conditions if (c.type, c.reason) in WARNING_CONDITIONS
+        (c.type, c.reason): c.message
+        for c in status.conditions
+        if (c.type, c.reason) in WARNING_CONDITIONS
     }
 
 
@@ -109,9 +121,6 @@ def compute_status(
     """`restart`: what the reconciler decided about a failed attempt (restarts.decide);
     `resize`: about an attempt whose pools changed size (resizes.decide_resize)."""
     pools = [_pool_status(spec, pool.name, observed.pods) for pool in spec.pools]
-    ready_pools = sum(p.ready_gpus == p.desired_gpus for p in pools)
-    unscheduled = [w for pool in pools if (w := _unscheduled(pool, observed.pods))]
-    failing = pod_problems(observed.pods)
     restarting = restart is not None and restart.action is not Action.NONE
     resizing = resize is not None and resize.action is not ResizeAction.NONE
     if finished(old):  # a finished job keeps its outcome, even once its RayJob is gone
@@ -122,24 +131,21 @@ def compute_status(
         phase = Phase.RESIZING if resizing else _phase(spec, observed.rayjob)
     failure = restart.failure if restart and restart.failure else old.last_failure
     recorded = restart is not None and restart.action is Action.RECORD
-    all_ready = ready_pools == len(pools)
 
-    queued = [_queued(spec, observed.workload)] if phase is Phase.QUEUED else []
-    pools_reason = "PoolsReady" if all_ready else "PoolsNotReady"
-    if failing and phase not in TERMINAL:
-        pools_reason = PODS_FAILING
-    if unscheduled or queued:
-        pools_reason = QUEUED if queued else UNSCHEDULABLE
-    pools_message = "; ".join(
-        [f"{ready_pools}/{len(pools)} pools have all their GPUs", *unscheduled, *queued, *failing]
-    )
-    ready_message = queued[0] if queued else _phase_message(phase, failure, old.training)
+    if phase is Phase.QUEUED:
+        ready_message = _queued(spec, observed.workload)
+    else:
+        ready_message = _phase_message(phase, failure, old.training)
     if resize is not None and resizing:
         ready_message = _resize_message(resize)
+    # The environments' readiness says why they wait; the phase follows the RayJob alone
+    # (the trainer waits for each environment's /healthz, and fails naming it).
+    envs = environments_ready(spec, observed.deployments, observed.pods)
     conditions = old.conditions
     for kind, ok, reason, message in (
         ("Invalid", False, "Valid", "the spec is valid"),
-        ("PoolsReady", all_ready, pools_reason, pools_message),
+        ("PoolsReady", *_pools_ready(spec, pools, observed, phase)),
+        *([(ENVIRONMENTS_READY, envs.ok, envs.reason, envs.message)] if envs else []),
         ("Ready", phase is Phase.RUNNING, phase.value, ready_message),
     ):  # fmt: skip
         conditions = _set_condition(conditions, kind, ok, reason, message, now, generation)
@@ -150,7 +156,7 @@ def compute_status(
         observed_generation=generation,
         conditions=conditions,
         pools=pools,
-        pools_ready=f"{ready_pools}/{len(pools)}",
+        pools_ready=_ready_fraction(pools),
         training=old.training,
         ray_job=(observed.rayjob or {}).get("metadata", {}).get("name", old.ray_job),
         ray_cluster=rayjob_status.get("rayClusterName") or old.ray_cluster,
@@ -160,6 +166,31 @@ def compute_status(
         last_failure=failure,
         resizing=list(resize.resizes) if resize is not None and resizing else None,
     )
+
+
+def _pools_ready(
+    spec: RLHFJobSpec, pools: list[PoolStatus], observed: Observed, phase: Phase
+) -> tuple[bool, str, str]:
+    """PoolsReady: whether every pool has all its GPUs, its reason, its message."""
+    unplaced = [w for pool in pools if (w := _unscheduled(pool, observed.pods))]
+    # The Ray job's pods; the environments' have a condition of their own.
+    failing = pod_problems([p for p in observed.pods if not is_environment_pod(p)])
+    queued = [_queued(spec, observed.workload)] if phase is Phase.QUEUED else []
+    all_ready = all(p.ready_gpus == p.desired_gpus for p in pools)
+    reason = "PoolsReady" if all_ready else "PoolsNotReady"
+    if failing and phase not in TERMINAL:
+        reason = PODS_FAILING
+    if unplaced or queued:
+        reason = QUEUED if queued else UNSCHEDULABLE
+    message = "; ".join(
+        [f"{_ready_fraction(pools)} pools have all their GPUs", *unplaced, *queued, *failing]
+    )
+    return all_ready, reason, message
+
+
+def _ready_fraction(pools: list[PoolStatus]) -> str:
+    """Pools with all their GPUs / pools, e.g. '1/2'."""
+    return f"{sum(p.ready_gpus == p.desired_gpus for p in pools)}/{len(pools)}"
 
 
 def _resize_message(resize: ResizeDecision) -> str:
@@ -230,7 +261,7 @@ def _queued(spec: RLHFJobSpec, workload: dict[str, Any] | None) -> str:
     reserved = next((c for c in conditions if c.get("type") == "QuotaReserved"), None)
     if reserved is None or reserved.get("status") == "True" or not reserved.get("message"):
         return f"{where}: waiting for Kueue"
-    said = " ".join(str(reserved["message"]).split())[:MAX_SCHEDULER_MESSAGE]
+    said = short(reserved["message"])
     return f"{where}: {reserved.get('reason') or 'Pending'}: {said}"
 
 
@@ -251,12 +282,8 @@ def _unscheduled(pool: PoolStatus, pods: list[dict[str, Any]]) -> str | None:
     """Why the scheduler has not placed one of the pool's pods, as it said on the pod:
     "pool rollout: 0/8 GPUs, Unschedulable: 0/5 nodes are available: ..."."""
     for pod in _of_pool(pods, pool.name):
-        for condition in (pod.get("status") or {}).get("conditions") or []:
-            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-                said = " ".join(str(condition.get("message", "")).split())[:MAX_SCHEDULER_MESSAGE]
-                reason = condition.get("reason") or "NotScheduled"
-                gpus = f"{pool.ready_gpus}/{pool.desired_gpus} GPUs"
-                return f"pool {pool.name}: {gpus}, {reason}: {said}"
+        if why := unscheduled(pod):
+            return f"pool {pool.name}: {pool.ready_gpus}/{pool.desired_gpus} GPUs, {why}"
     return None
 
 
@@ -265,7 +292,7 @@ def _of_pool(pods: list[dict[str, Any]], pool_name: str) -> list[dict[str, Any]]
 
 
 def _is_ready(pod: dict[str, Any]) -> bool:
-    if pod["metadata"].get("deletionTimestamp"):
+    if terminating(pod):
         return False
     status = pod.get("status") or {}
     conditions = status.get("conditions") or []
