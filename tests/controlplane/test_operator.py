@@ -248,12 +248,20 @@ def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
                input=yaml.safe_dump(template))  # fmt: skip
 
     # Its replicas may change while the job runs, and nothing else of it.
-    job = "agentic-cluster"
     patch_job(cp, namespace, job, "json", '[{"op": "add", "path": "/spec/environments/0/replicas", "value": 2}]')  # fmt: skip
     eventually(lambda: (get(cp, "deployment", name, namespace) or {})["spec"]["replicas"] == 2,
                "the environment's Deployment scaled to 2")  # fmt: skip
     refused = patch_job(cp, namespace, job, "json", '[{"op": "replace", "path": "/spec/environments/0/serve", "value": "m:Other"}]', check=False)  # fmt: skip
     assert "only an environment's replicas can change after creation" in refused.stderr
+
+    # Once the job has ended, its environments' pods would only hold resources.
+    done = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
+    cp.kubectl("patch", "rayjob", job, "-n", namespace, "--subresource=status",
+               "--type=merge", "-p", json.dumps({"status": done}))  # fmt: skip
+    eventually(lambda: (get(cp, "deployment", name, namespace) or {})["spec"]["replicas"] == 0,
+               "the environment scaled to 0 when the job ended")  # fmt: skip
+    assert condition_when(cp, job, namespace, "EnvironmentsReady", reason="EnvironmentsStopped")
+    assert job_status(cp, job, namespace)["phase"] == "Succeeded"
 
     cp.kubectl("delete", "rlhfjob", "agentic-cluster", "-n", namespace, "--wait=true")
     for kind in made:

@@ -194,3 +194,19 @@ def test_a_pool_and_an_environment_both_unschedulable_are_two_warnings() -> None
         ("EnvironmentsReady", "Unschedulable"),
         ("PoolsReady", "Unschedulable"),
     ]
+
+
+def test_a_finished_jobs_environments_are_scaled_to_0_and_say_so() -> None:
+    from rlhf_operator.api.job import Phase
+    from rlhf_operator.render.children import JobRef
+    from rlhf_operator.render.environments import render_stopped_environments
+
+    [stopped] = render_stopped_environments(JobRef("agentic-cluster", "ns", "uid-1"), SPEC)
+    assert stopped["kind"] == "Deployment" and stopped["spec"]["replicas"] == 0
+    done = RLHFJobStatus(phase=Phase.SUCCEEDED, completion_time=T0)
+    running = [deployment("lookup")]  # not yet scaled down: the condition says what is asked
+    status = compute_status(SPEC, 2, Observed(None, [], deployments=running), done, T0)
+    [ended] = [c for c in status.conditions if c.type == "EnvironmentsReady"]
+    assert (ended.status, ended.reason) == ("False", "EnvironmentsStopped")
+    assert ended.message == "the job has ended: its environments are scaled to 0"
+    assert not warnings(status)

@@ -19,6 +19,7 @@ from rlhf_operator.render.environments import COMPONENT, ENVIRONMENT_LABEL
 from rlhf_operator.render.meta import COMPONENT_LABEL
 
 CONDITION = "EnvironmentsReady"  # also its reason when True
+STOPPED = "EnvironmentsStopped"  # its reason once the job has ended (scaled to 0)
 # Its reason while a replica is merely on its way; while a pod cannot be placed, or a
 # container cannot start or keeps failing: UNSCHEDULABLE, PODS_FAILING, as PoolsReady's.
 NOT_READY = "EnvironmentsNotReady"
@@ -41,14 +42,19 @@ class _Waiting:
 
 
 def environments_ready(
-    spec: RLHFJobSpec, deployments: list[dict[str, Any]], pods: list[dict[str, Any]]
+    spec: RLHFJobSpec,
+    deployments: list[dict[str, Any]],
+    pods: list[dict[str, Any]],
+    ended: bool = False,
 ) -> Verdict | None:
     """None when the job runs no environment. `deployments`: the live Deployments of its
     environments (a missing one is not ready); `pods`: the job's pods (any others are
-    ignored)."""
+    ignored); `ended`: the job has finished, and its environments are scaled to 0."""
     run = [env for env in spec.environments if env.operator_run]
     if not run:
         return None
+    if ended:
+        return Verdict(False, STOPPED, "the job has ended: its environments are scaled to 0")
     by_name = {_environment_of(d): d for d in deployments}
     waiting = [
         w for env in run if (w := _waiting(env, by_name.get(env.name), _pods_of(pods, env.name)))

@@ -38,6 +38,7 @@ from rlhf_operator.controller.status import (
     warnings,
 )
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
+from rlhf_operator.render.environments import render_stopped_environments
 from rlhf_operator.render.network import NetworkAccess
 from rlhf_trainer.api.progress import PoolResize
 
@@ -135,6 +136,8 @@ class Reconciler:
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
             workload = self._sync_workload(spec, rayjob)
+        elif finished(old):
+            live = self._ensure_all(ref, render_stopped_environments(ref, spec))
         elif restart is not None and restart.action is Action.DELETE and restart.failure:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
@@ -173,13 +176,21 @@ class Reconciler:
         # pods need the others (their ServiceAccount, the ConfigMap), which need nothing
         # from each other: they are made at once, one round trip instead of four.
         missing = rayjob is None
-        ensured = self.fanout.map(lambda desired: self._ensure(ref, desired, missing), dependencies)
-        live = [obj for obj in ensured if obj is not None]
+        live = self._ensure_all(ref, dependencies, missing)
         if rayjob is None:
             created = self.kube.create(desired_rayjob)
             return created or self.kube.get("RayJob", ref.namespace, ref.rayjob), live
         self._check_owner(ref, rayjob)
         return self._sync_rayjob(ref, spec, rayjob, desired_rayjob), live
+
+    def _ensure_all(
+        self, ref: JobRef, objects: list[Obj], likely_missing: bool = False
+    ) -> list[Obj]:
+        """_ensure each at once (they need nothing from each other); those that exist."""
+        ensured = self.fanout.map(
+            lambda desired: self._ensure(ref, desired, likely_missing), objects
+        )
+        return [obj for obj in ensured if obj is not None]
 
     def _ensure(self, ref: JobRef, desired: Obj, likely_missing: bool) -> Obj | None:
         """Create the child, or bring its OWNED_FIELDS to the rendered values; returns it

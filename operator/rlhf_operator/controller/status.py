@@ -140,7 +140,7 @@ def compute_status(
         ready_message = _resize_message(resize)
     # The environments' readiness says why they wait; the phase follows the RayJob alone
     # (the trainer waits for each environment's /healthz, and fails naming it).
-    envs = environments_ready(spec, observed.deployments, observed.pods)
+    envs = environments_ready(spec, observed.deployments, observed.pods, finished(old))
     conditions = old.conditions
     for kind, ok, reason, message in (
         ("Invalid", False, "Valid", "the spec is valid"),

@@ -58,6 +58,15 @@ def selector(job: JobRef, env: EnvironmentSpec) -> dict[str, str]:
     return {JOB_LABEL: job.name, ENVIRONMENT_LABEL: env.name}
 
 
+def render_stopped_environments(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
+    """The environments' Deployments once the job has ended, scaled to 0: their pods
+    would only hold resources. The Services and policies stay until the job is deleted."""
+    stopped = [render_deployment(job, spec, env) for env in spec.environments if env.operator_run]
+    for deployment in stopped:
+        deployment["spec"]["replicas"] = 0
+    return stopped
+
+
 def render_deployment(job: JobRef, spec: RLHFJobSpec, env: EnvironmentSpec) -> Obj:
     name = service_name(job.name, env.name)
     port = env.serving_port
