@@ -268,7 +268,6 @@ def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
         eventually(lambda k=kind: get(cp, k, name, namespace) is None, f"{kind} {name} to go")
 
 
-@pytest.mark.slow
 def group_replicas(obj: dict[str, Any] | None) -> dict[str, int]:
     """A RayJob's or RayCluster's worker groups: name -> replicas."""
     spec = (obj or {}).get("spec", {})
@@ -276,6 +275,7 @@ def group_replicas(obj: dict[str, Any] | None) -> dict[str, int]:
     return {g["groupName"]: g["replicas"] for g in groups}
 
 
+@pytest.mark.slow
 def test_resizes_change_the_rollout_pool_in_place_and_the_trainer_pool_by_a_new_attempt(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
