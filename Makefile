@@ -115,6 +115,7 @@ lint: install controlplane  ## ruff, mypy, the import contracts (the layering), 
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint trainer_image/Dockerfile
 	$(VENV)/bin/hadolint operator/Dockerfile
+	$(VENV)/bin/hadolint environment_image/Dockerfile
 	$(PY) -m tests.controlplane.scan_manifests  # the chart and every example, as rendered
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)

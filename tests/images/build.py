@@ -82,6 +82,12 @@ IMAGES = {
         _TRAINER,
         (("STACK", "cpu"),),
     ),
+    "environment": Image(
+        f"localhost/rlhf-environment:{VERSION}",
+        "environment_image/Dockerfile",
+        ("pyproject.toml", "constraints.txt", "README.md", "trainer_image/requirements-cpu.txt",
+         "trainer_image/rlhf_env"),
+    ),  # fmt: skip
     "trainer-gpu": Image(
         f"localhost/rlhf-trainer:{VERSION}",
         "trainer_image/Dockerfile",
@@ -89,7 +95,7 @@ IMAGES = {
         (("STACK", "gpu"),),
     ),
 }
-DEFAULT = ("operator", "trainer-cpu")
+DEFAULT = ("operator", "trainer-cpu", "environment")
 
 
 def run(*command: str, capture: bool = False) -> str:

@@ -4,8 +4,9 @@
 # Include this fragment from the top-level Makefile, or use it alone:
 # `make -f tests/images/images.mk images`.
 #
-#   make images                 the operator and the CPU trainer image (what the tests run):
-#                               localhost/rlhf-operator:VERSION, localhost/rlhf-trainer:VERSION-cpu
+#   make images                 the operator, the CPU trainer and the environment image (what
+#                               the tests run): localhost/rlhf-operator:VERSION,
+#                               localhost/rlhf-trainer:VERSION-cpu, localhost/rlhf-environment:VERSION
 #   make image-trainer-gpu      the GPU trainer image, localhost/rlhf-trainer:VERSION (vLLM's
 #                               CUDA build, some 10 GB more), only where asked
 #   make images IMAGES="operator trainer-cpu trainer-gpu"
@@ -17,14 +18,14 @@
 # Not PYTHON: the top Makefile's PYTHON is the interpreter that creates the venv. The build
 # needs only the standard library (3.11, for tomllib).
 IMAGES_PYTHON ?= python3
-IMAGES ?= operator trainer-cpu
+IMAGES ?= operator trainer-cpu environment
 # Installs wait for another's dpkg lock (CI installs packages in parallel make jobs).
 APT_GET ?= apt-get -o DPkg::Lock::Timeout=600
 IMAGES_SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: images image-trainer-gpu image-tools
 
-images: image-tools  ## build the operator and CPU trainer images with buildah (IMAGES=... to choose)
+images: image-tools  ## build the operator, CPU trainer and environment images with buildah (IMAGES=... to choose)
 	$(IMAGES_PYTHON) -m tests.images.build $(IMAGES)
 
 image-trainer-gpu: image-tools  ## build the GPU trainer image with buildah (vLLM's CUDA stack)
