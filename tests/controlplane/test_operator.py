@@ -385,6 +385,8 @@ def test_suspend_and_resume(
     (lambda s: s.update({"async": {}}), "fully async needs the rollout on a pool of its own"),
     (lambda s: s["trainer"].update(miniBatchSize=60), "must be a multiple of the actor pool's GPUs"),
     (lambda s: s["pools"][0].update(gpusPerNode=0), "spec.pools[0].gpusPerNode: Invalid value: 0"),
+    (lambda s: s["models"].update(reward={"function": "file:score.py:score"}),
+     "a file: reward needs the ConfigMap that holds the file"),
 ])  # fmt: skip
 def test_bad_specs_are_refused_at_admission_and_create_nothing(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str, change: Any, message: str

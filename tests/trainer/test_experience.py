@@ -17,7 +17,7 @@ from rlhf_trainer.algo.experience import (
 )
 from rlhf_trainer.algo.ppo import gae, whiten
 from rlhf_trainer.api.algorithm import AlgorithmConfig
-from rlhf_trainer.api.sections import RewardSource
+from rlhf_trainer.api.reward import RewardSource
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import reward_function, toy_copy
 from rlhf_trainer.loop.sync import max_abs_diff, split_list

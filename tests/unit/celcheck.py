@@ -1,7 +1,8 @@
 """Evaluate a CRD's CEL rules the way the API server does, for tests without a cluster.
 
 The API server first applies schema defaults, then evaluates every
-`x-kubernetes-validations` rule with `self` bound to the node that declares it.
+`x-kubernetes-validations` rule with `self` bound to the node that declares it, a
+property named as a CEL reserved word escaped (`function` is `self.__function__`).
 (The control-plane tests check the same rules on a real API server.)
 """
 
@@ -78,9 +79,9 @@ def _walk(
         transition = "oldSelf" in rule["rule"]
         if transition and (old is _MISSING or old is None):
             continue  # transition rules run on updates, where the old value exists
-        bindings = {"self": celpy.json_to_cel(value)}
+        bindings = {"self": celpy.json_to_cel(_escaped(schema, value))}
         if transition:
-            bindings["oldSelf"] = celpy.json_to_cel(old)
+            bindings["oldSelf"] = celpy.json_to_cel(_escaped(schema, old))
         try:
             ok = _program(rule["rule"]).evaluate(bindings)
         except Exception as error:  # an evaluation error rejects the object too
@@ -96,6 +97,25 @@ def _walk(
         keys = schema.get("x-kubernetes-list-map-keys")
         for index, item in enumerate(value):
             _walk(schema["items"], item, _correlated(item, old, keys), f"{path}[{index}]", found)
+
+
+# CEL's reserved words: the API server names a property spelled as one `__word__`.
+CEL_RESERVED = {"true", "false", "null", "in", "as", "break", "const", "continue", "else",
+                "for", "function", "if", "import", "let", "loop", "package", "namespace",
+                "return", "var", "void", "while"}  # fmt: skip
+
+
+def _escaped(schema: dict[str, Any], value: Any) -> Any:
+    """`value` with its properties named as CEL sees them (`function` -> `__function__`)."""
+    properties = schema.get("properties")
+    if isinstance(value, dict) and properties:
+        return {
+            (f"__{key}__" if key in CEL_RESERVED else key): _escaped(properties.get(key, {}), v)
+            for key, v in value.items()
+        }
+    if isinstance(value, list) and "items" in schema:
+        return [_escaped(schema["items"], v) for v in value]
+    return value
 
 
 def _correlated(item: Any, old: Any, keys: list[str] | None) -> Any:

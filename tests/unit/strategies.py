@@ -190,7 +190,9 @@ def rule_damaged_jobs(draw: st.DrawFn) -> dict[str, Any]:
         "reward": lambda: spec["models"].__setitem__("reward", draw(st.sampled_from(
             [{"path": "/rm"}, {"function": "f"}, {}, {"path": "/rm", "function": "f"},
              {"url": "http://s:1"}, {"url": "http://s:1", "function": "f"},
-             {"function": "f", "requests": {}}]))),
+             {"function": "f", "requests": {}}, {"function": "file:s.py:f"},
+             {"function": "file:s.py:f", "configMap": "rw"}, {"function": "file:s.txt:f", "configMap": "rw"},
+             {"function": "f", "configMap": "rw"}, {"path": "/rm", "configMap": "rw"}]))),
         "model": lambda: spec["models"].__setitem__("actor", draw(st.sampled_from(
             [{"path": "m", "tiny": {}}, {"tiny": {"hiddenSize": 64, "numHeads": 4}}, {}]))),
         "estimator": lambda: spec["algorithm"].__setitem__("advantageEstimator", draw(st.sampled_from(ESTIMATORS))),

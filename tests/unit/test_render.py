@@ -260,6 +260,20 @@ def test_an_output_claim_is_mounted_at_output_on_every_pod_as_the_actor_writes_t
     assert all(v["name"] != "output" for p in pod_specs(on_checkpoints) for v in p["volumes"])
 
 
+def test_a_reward_files_configmap_is_mounted_read_only_on_every_ray_pod() -> None:
+    manifest = load(EXAMPLES[0].parent / "cpu-cluster.yaml")
+    manifest["spec"]["models"]["reward"] = {"function": "file:score.py:score", "configMap": "rw"}
+    pods = pod_specs(manifest)
+    assert len(pods) >= 2  # the head, which runs the driver, and the workers
+    for pod in pods:
+        files = {"name": "reward-files", "configMap": {"name": "rw", "defaultMode": 0o444}}
+        assert files in pod["volumes"]
+        mount = {"name": "reward-files", "mountPath": "/etc/rlhf/reward", "readOnly": True}
+        assert mount in pod["containers"][0]["volumeMounts"]
+    without = pod_specs(load(EXAMPLES[0].parent / "cpu-cluster.yaml"))
+    assert "reward-files" not in str(without)
+
+
 def test_a_critic_free_job_renders_no_critic_and_one_worker_group_per_pool() -> None:
     objects = render("grpo-split.yaml")
     cluster = objects["RayJob"]["spec"]["rayClusterSpec"]

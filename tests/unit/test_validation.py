@@ -214,6 +214,21 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      "spec.models.reward.environment", "is required with generation.multiTurn", True),
     ("reward-function-bad-name", _set("spec.models.reward.function", "rm --all"),
      "spec.models.reward.function", "should match pattern", False),
+    ("reward-file-without-its-configmap", _set("spec.models.reward", {"function": "file:score.py:score"}),
+     "spec.models.reward.configMap", "a file: reward needs the ConfigMap that holds the file", True),
+    ("reward-configmap-without-a-file", _set("spec.models.reward", {"function": "toy_copy", "configMap": "rw"}),
+     "spec.models.reward.configMap", "only with a file: function", True),
+    ("reward-file-not-python", _set("spec.models.reward", {"function": "file:score.txt:score", "configMap": "rw"}),
+     "spec.models.reward.function", "NAME.py a ConfigMap key (letters, digits, '-', '_' and '.') and "
+     "FUNCTION a Python identifier (got 'file:score.txt:score')", True),
+    ("reward-file-not-a-configmap-key", _set("spec.models.reward", {"function": "file:my score.py:f", "configMap": "rw"}),
+     "spec.models.reward.function", "NAME.py a ConfigMap key", True),
+    ("reward-file-function-not-an-identifier", _set("spec.models.reward", {"function": "file:s.py:2x", "configMap": "rw"}),
+     "spec.models.reward.function", "FUNCTION a Python identifier", True),
+    ("reward-file-without-a-function", _set("spec.models.reward", {"function": "file:score.py", "configMap": "rw"}),
+     "spec.models.reward.function", "a file: reward is 'file:NAME.py:FUNCTION'", True),
+    ("reward-configmap-bad-name", _set("spec.models.reward", {"function": "file:s.py:f", "configMap": "My_Reward"}),
+     "spec.models.reward.configMap", "should match pattern", False),
     ("gpu-separation-disjoint-nodes",
      lambda j: (_set("spec.separation", "gpu")(j), _set("spec.pools.0.nodeSelector", {"pool": "a"})(j),
                 _set("spec.pools.1.nodeSelector", {"pool": "b"})(j)),
@@ -280,6 +295,10 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      "spec.pods.volumes[0]", "a volume needs exactly one source", True),
     ("volume-reserved-name", _set("spec.pods", {"volumes": [{"name": "dshm", "mountPath": "/x", "emptyDir": {}}]}),
      "spec.pods.volumes[0].name", "the operator's own (got 'dshm')", True),
+    ("volume-named-as-the-reward-files", _set("spec.pods", {"volumes": [{"name": "reward-files", "mountPath": "/x", "emptyDir": {}}]}),
+     "spec.pods.volumes[0].name", "the operator's own (got 'reward-files')", True),
+    ("volume-over-the-reward-files", _set("spec.pods", {"volumes": [{"name": "m", "mountPath": "/etc/rlhf/reward", "emptyDir": {}}]}),
+     "spec.pods.volumes[0].mountPath", "must be outside /etc/rlhf and /dev/shm", True),
     ("volume-over-the-spec", _set("spec.pods", {"volumes": [{"name": "m", "mountPath": "/etc/rlhf/m", "emptyDir": {}}]}),
      "spec.pods.volumes[0].mountPath", "must be outside /etc/rlhf and /dev/shm", True),
     ("volume-relative-path", _set("spec.pods", {"volumes": [{"name": "m", "mountPath": "models", "emptyDir": {}}]}),
@@ -422,6 +441,14 @@ def test_an_output_on_a_claim_every_pod_mounts_is_accepted_and_handed_to_the_tra
     assert config.output.dtype == output.get("dtype", "bf16")
     assert config.trainer.export.every_steps == 5
     assert "claim" not in config.model_dump(by_alias=True)["output"]  # the operator's part
+
+
+def test_a_file_reward_in_a_configmap_passes_both_validators(local_job: Job) -> None:
+    reward = {"function": "file:score-v2.py:score_answer", "configMap": "team.rewards"}
+    _set("spec.models.reward", reward)(local_job)
+    config = parse_job(local_job).spec.job_config()
+    assert cel_errors(local_job) == []
+    assert config.models.reward.function == "file:score-v2.py:score_answer"
 
 
 def test_an_environment_the_operator_runs_passes_both_validators(local_job: Job) -> None:

@@ -2,7 +2,8 @@
 
 The spec is the JobConfig JSON the operator writes into the job's ConfigMap. With
 `--local` the job runs on this machine, on a simulated Ray cluster shaped like its
-pools (logical GPUs; on a CPU-only machine vLLM and torch run on the CPU).
+pools (logical GPUs; on a CPU-only machine vLLM and torch run on the CPU), and a
+`file:` reward is read from the spec's directory unless --reward-files names another.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.names import REWARD_FILES_ENV, REWARD_FILES_MOUNT
 from rlhf_trainer.api.plan import describe, plan_placement
 from rlhf_trainer.api.rules import field_errors
 from rlhf_trainer.api.sections import OutputConfig
@@ -51,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free)"
     )
+    parser.add_argument(
+        "--reward-files",
+        type=Path,
+        help="the directory a 'file:NAME.py:FUNCTION' reward is read from; default: "
+        f"${REWARD_FILES_ENV}, else {REWARD_FILES_MOUNT} (the operator's mount of "
+        "models.reward.configMap), or with --local the spec's directory",
+    )
     args = parser.parse_args(argv)
     try:
         config = JobConfig.model_validate_json(args.spec.read_text())
@@ -75,7 +84,17 @@ def main(argv: list[str] | None = None) -> int:
         trace=args.trace,
         metrics_port=args.metrics_port,
         run_dir=args.run_dir,
+        reward_files=reward_files_for(args.spec, args.reward_files, args.local),
     )
+
+
+def reward_files_for(spec: Path, given: Path | None, local: bool) -> Path | None:
+    """The directory of a `file:` reward: the one given; for a local run, which has no
+    ConfigMap, the spec's own directory (the current one for a bare file name); None in a
+    cluster: the operator's mount (data.tasks.reward_files)."""
+    if given is not None:
+        return given.resolve()
+    return spec.parent.resolve() if local else None
 
 
 def train(
@@ -86,9 +105,11 @@ def train(
     trace: Path | None = None,
     metrics_port: int | None = None,
     run_dir: Path | None = None,
+    reward_files: Path | None = None,
 ) -> int:
     """Run the job to its last step (resuming from a checkpoint); the exit status.
-    Bad local settings (the run folder, the metrics port) fail before Ray starts."""
+    Bad local settings (the run folder, the metrics port) fail before Ray starts.
+    `reward_files`: the directory of a `file:` reward (run_job's default when None)."""
     from rlhf_trainer.cluster.local import connect_to_cluster
     from rlhf_trainer.loop.resize import ResizeWatch
     from rlhf_trainer.loop.run import Interrupted, run_job
@@ -113,7 +134,8 @@ def train(
             return 2
         logging.info("metrics on port %d", server.server_port)
     if local:
-        return train_locally(in_run_folder(config, folder), job, folder, metrics, trace)
+        local_config = in_run_folder(config, folder)
+        return train_locally(local_config, job, folder, metrics, trace, reward_files)
     if not os.environ.get("RAY_ADDRESS"):
         print(
             "no Ray cluster to join: RAY_ADDRESS is not set (a RayJob sets it for its "
@@ -125,7 +147,8 @@ def train(
     reporter = reporter_from_env()
     watch = ResizeWatch(config, reporter.resizing) if isinstance(reporter, StatusReporter) else None
     try:
-        run_job(config, job, reporter, metrics, trace, stop=watch or (lambda: False))
+        stop = watch or (lambda: False)
+        run_job(config, job, reporter, metrics, trace, stop=stop, reward_files=reward_files)
     except Interrupted as stopped:  # only a resize stops a run on the cluster
         logging.info("%s, for a resize; the operator starts the next attempt", stopped)
     return 0
@@ -149,7 +172,12 @@ def in_run_folder(config: JobConfig, folder: RunFolder) -> JobConfig:
 
 
 def train_locally(
-    config: JobConfig, job: str, folder: RunFolder, metrics: TrainerMetrics, trace: Path | None
+    config: JobConfig,
+    job: str,
+    folder: RunFolder,
+    metrics: TrainerMetrics,
+    trace: Path | None,
+    reward_files: Path | None = None,
 ) -> int:
     """Train on a simulated cluster on this machine, with a live bar, the run folder and
     a summary at the end. Ctrl-C checkpoints and stops: exit status 130."""
@@ -178,7 +206,8 @@ def train_locally(
         local_ray_cluster(config),
     ):
         try:
-            final = run_job(config, job, reporter, metrics, trace or folder.trace, watch, stop)
+            trace = trace or folder.trace
+            final = run_job(config, job, reporter, metrics, trace, watch, stop, reward_files)
             last_checkpoint, output = final.last_checkpoint, final.output
         except Interrupted as stopped:
             interrupted, last_checkpoint, output = stopped, stopped.checkpoint, None

@@ -131,7 +131,8 @@ ObjectName = Annotated[
 AbsolutePath = Annotated[str, StringConstraints(pattern=r"^/[^:]*$", max_length=1024)]
 
 # The operator's own mounts and variables: a job's settings may not take their places.
-RESERVED_VOLUMES = ("spec", "dshm", "checkpoints", "output")
+REWARD_FILES_VOLUME = "reward-files"  # models.reward.configMap
+RESERVED_VOLUMES = ("spec", "dshm", "checkpoints", "output", REWARD_FILES_VOLUME)
 RESERVED_MOUNT_PATHS = ("/etc/rlhf", "/dev/shm")
 RESERVED_ENV = ("RLHF_JOB_NAME", "RLHF_JOB_NAMESPACE")
 RESERVED_LABEL_PREFIX = "rlhf.dev/"

@@ -104,7 +104,8 @@ def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
     """Run a one-job file on this machine; needs the trainer stack (make install).
 
     The trainer runs as its own process, `python -m rlhf_trainer --local`, on the spec the
-    operator would hand over: the operator package imports only the trainer's API.
+    operator would hand over: the operator package imports only the trainer's API. A
+    `file:` reward is read from the manifest's directory (there is no ConfigMap).
     """
     jobs, problems = read_jobs(path)
     if problems or len(jobs) != 1:
@@ -120,6 +121,8 @@ def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
             return 1
         spec.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
         command = [sys.executable, "-m", "rlhf_trainer", "--spec", str(spec), "--local"]
+        # No ConfigMap here: a file: reward is read from beside the manifest.
+        command += ["--reward-files", str(path.parent.resolve())]
         if trace is not None:
             command += ["--trace", str(trace)]
         if run_dir is not None:

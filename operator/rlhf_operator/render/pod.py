@@ -12,12 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlhf_operator.api.job import OUTPUT_MOUNT, RLHFJobSpec
-from rlhf_operator.api.podspec import PodResources, Quantity, Toleration
+from rlhf_operator.api.podspec import REWARD_FILES_VOLUME, PodResources, Quantity, Toleration
+from rlhf_trainer.api.names import REWARD_FILES_MOUNT
 
 Obj = dict[str, Any]
 
 SPEC_MOUNT = "/etc/rlhf"
 RUN_AS_USER = 1000  # the trainer image's non-root user
+READ_ONLY_FILES = 0o444  # a reward's file: read by the driver, written by no one
 
 
 def pod_metadata(spec: RLHFJobSpec, labels: Obj, annotations: Obj | None = None) -> Obj:
@@ -104,6 +106,10 @@ def mounts(spec: RLHFJobSpec) -> list[Obj]:
         found.append({"name": "checkpoints", "mountPath": spec.checkpoint_path})
     if spec.output is not None and spec.output.claim:
         found.append({"name": "output", "mountPath": OUTPUT_MOUNT})
+    if spec.models.reward.config_map is not None:
+        found.append(
+            {"name": REWARD_FILES_VOLUME, "mountPath": REWARD_FILES_MOUNT, "readOnly": True}
+        )
     for volume in spec.pods.volumes or []:
         mount = {"name": volume.name, "mountPath": volume.mount_path}
         found.append(mount | ({"readOnly": True} if volume.read_only else {}))
@@ -125,6 +131,11 @@ def volumes(spec_configmap: str, spec: RLHFJobSpec, shm_size: Quantity | None) -
     if spec.output is not None and spec.output.claim:
         # The actor's rank 0 writes the export; every pod mounts it, as the checkpoints.
         found.append({"name": "output", "persistentVolumeClaim": {"claimName": spec.output.claim}})
+    if spec.models.reward.config_map is not None:
+        # The file of a `file:` reward: the driver (on the head) imports it; the workers
+        # mount it too, so every Ray pod of the job sees the same files.
+        files = {"name": spec.models.reward.config_map, "defaultMode": READ_ONLY_FILES}
+        found.append({"name": REWARD_FILES_VOLUME, "configMap": files})
     for volume in spec.pods.volumes or []:  # the name and its source, not where it mounts
         wire = volume.to_dict()
         found.append({k: v for k, v in wire.items() if k not in ("mountPath", "readOnly")})

@@ -1,5 +1,5 @@
-"""The names the operator and the trainer share: the API group, the pool label and
-the pool's Ray resource."""
+"""The names the operator and the trainer share: the API group, the pool label, the
+pool's Ray resource and where a reward's files are mounted."""
 
 from __future__ import annotations
 
@@ -15,3 +15,11 @@ POOL_LABEL = "rlhf.dev/pool"
 def pool_resource(pool: str) -> str:
     """The Ray logical resource a pool's nodes carry, for placing roles onto the pool."""
     return f"rlhf-pool-{pool}"
+
+
+# Where the operator mounts models.reward.configMap in the Ray pods: the directory a
+# `file:NAME.py:FUNCTION` reward is read from (RLHF_REWARD_FILES overrides it). It lies
+# below the spec's ConfigMap mount, /etc/rlhf: the kubelet makes the mount point of a
+# volume nested in a ConfigMap volume.
+REWARD_FILES_MOUNT = "/etc/rlhf/reward"
+REWARD_FILES_ENV = "RLHF_REWARD_FILES"

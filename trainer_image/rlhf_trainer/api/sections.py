@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_trainer.api.agentic import URL, MultiTurnConfig
+from rlhf_trainer.api.agentic import MultiTurnConfig
+from rlhf_trainer.api.reward import RewardSource
 from rlhf_trainer.api.rules import Rule, SpecModel
 
 TINY_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels need head_dim >= 32
@@ -55,87 +56,6 @@ class ModelSource(SpecModel):
             "set exactly one of path or tiny",
             "has(self.path) != has(self.tiny)",
             lambda m: (m.path is None) != (m.tiny is None),
-        ),
-    )
-
-
-REWARD_FUNCTION_PATTERN = r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$"
-
-
-class RewardRequests(SpecModel):
-    """How the trainer calls a reward service (models.reward.url)."""
-
-    timeout_seconds: float = Field(30.0, gt=0, le=3600, description="Each request's deadline.")
-    retries: int = Field(
-        3,
-        ge=0,
-        le=20,
-        description=(
-            "Tries again after a timeout, a refused connection, a 5xx or a 429, with "
-            "exponential backoff from 0.5 s."
-        ),
-    )
-    concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight at once, at most.")
-    batch_size: int = Field(64, ge=1, le=65536, description="Samples a request, at most.")
-
-
-class RewardSource(SpecModel):
-    """The reward: a reward model, a rule-based function of the prompt and response, a
-    reward service, or a multi-turn episode's environment."""
-
-    path: str | None = Field(
-        None, min_length=1, description="A reward model checkpoint (local directory or hub id)."
-    )
-    function: str | None = Field(
-        None,
-        pattern=REWARD_FUNCTION_PATTERN,
-        description=(
-            "A rule-based reward: a built-in name ('toy_copy', or 'math_answer': the last "
-            "number of the response against the row's answer column) or 'module:function' "
-            "importable in the trainer image, called as f(prompt, response, **the row's "
-            "other columns) -> float."
-        ),
-    )
-
-    environment: bool = Field(
-        False,
-        description=(
-            "The reward is the final score of each episode's environment (generation.multiTurn)."
-        ),
-    )
-    url: str | None = Field(
-        None,
-        pattern=URL,
-        max_length=2048,
-        description=(
-            "A reward service, with its scheme (http://scorer.team.svc:8000): batches of "
-            "{prompt, response, row} in, rewards out (`python -m rlhf_env serve-reward "
-            "module:function` serves a reward function)."
-        ),
-    )
-    requests: RewardRequests | None = Field(
-        None, description="How url is called (defaults when unset)."
-    )
-
-    rules = (
-        Rule(
-            "",
-            "set exactly one of path, function, environment or url",
-            "(has(self.path) ? 1 : 0) + (has(self.function) ? 1 : 0) "
-            "+ (has(self.environment) && self.environment ? 1 : 0) + (has(self.url) ? 1 : 0) == 1",
-            lambda m: (
-                (m.path is not None)
-                + (m.function is not None)
-                + m.environment
-                + (m.url is not None)
-                == 1
-            ),
-        ),
-        Rule(
-            "requests",
-            "only with url",
-            "!has(self.requests) || has(self.url)",
-            lambda m: m.requests is None or m.url is not None,
         ),
     )
 

@@ -36,17 +36,23 @@ pair in 8 is held out by the same stable hash as toy:copy's strings:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import itertools
+import os
 import random
 import re
 import string
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from types import ModuleType
+from typing import Any, cast
 
-from rlhf_trainer.api.sections import RewardSource
+from rlhf_trainer.api.names import REWARD_FILES_ENV, REWARD_FILES_MOUNT
+from rlhf_trainer.api.reward import RewardSource, file_function, is_file_function
 from rlhf_trainer.models import BOS, EOS, SEPARATOR
 
 LETTERS = string.ascii_lowercase  # every letter earns the "a letter" credit
@@ -217,13 +223,16 @@ def toy_rows(source: str, count: int, seed: int) -> list[dict[str, str]]:
     return MULTI_TURN_HELD_OUT[task]() if held_out else MULTI_TURN_TASKS[task](count, seed)
 
 
-def reward_function(source: RewardSource) -> RewardFunction | None:
-    """The rule-based reward the spec names (built-in or `module:function`); None when
-    the reward is a model."""
+def reward_function(source: RewardSource, files: Path | None = None) -> RewardFunction | None:
+    """The rule-based reward the spec names: built in, `module:function`, or
+    `file:NAME.py:FUNCTION` read from the directory `files` (default: reward_files());
+    None when the reward is not a function. Call it once: a file is imported anew."""
     if source.function is None:
         return None
     if source.function in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[source.function]
+    if is_file_function(source.function):
+        return _function_in_file(source.function, files or reward_files())
     module, _, name = source.function.partition(":")
     if not name:
         raise ValueError(
@@ -232,3 +241,44 @@ def reward_function(source: RewardSource) -> RewardFunction | None:
         )
     function: RewardFunction = getattr(importlib.import_module(module), name)
     return function
+
+
+def reward_files() -> Path:
+    """Where `file:` rewards are read: the operator's mount of models.reward.configMap,
+    unless RLHF_REWARD_FILES names another directory."""
+    return Path(os.environ.get(REWARD_FILES_ENV) or REWARD_FILES_MOUNT)
+
+
+def _function_in_file(function: str, files: Path) -> RewardFunction:
+    """FUNCTION of `file:NAME.py:FUNCTION`, from `files`/NAME.py."""
+    file_name, name = file_function(function)
+    path = files / file_name
+    where = f"models.reward.function: {function!r}"
+    if not path.is_file():
+        raise ValueError(
+            f"{where}: no file {path} (expected {file_name}, a key of models.reward.configMap, "
+            f"mounted at {files}; a local run reads it from the manifest's directory)"
+        )
+    module = _import_file(path, where)
+    found = getattr(module, name, None)
+    if found is None or inspect.isclass(found) or not callable(found):
+        what = "nothing" if found is None else f"a {type(found).__name__}"
+        raise ValueError(f"{where}: {path} has no function {name!r} (found {what} by that name)")
+    return cast("RewardFunction", found)
+
+
+def _import_file(path: Path, where: str) -> ModuleType:
+    """The Python file at `path`, imported as a module of its own name (one per file)."""
+    name = f"rlhf_reward_file_{zlib.crc32(str(path.resolve()).encode()):08x}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a .py path always has a loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in the file looks its module up there
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # a user's file may fail in any way while importing
+        del sys.modules[name]
+        raise ValueError(
+            f"{where}: cannot import {path}: {type(error).__name__}: {error}"
+        ) from error
+    return module

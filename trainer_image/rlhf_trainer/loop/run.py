@@ -304,10 +304,12 @@ def run_job(
     trace: Path | None = None,
     on_step: Callable[[StepResult], None] | None = None,
     stop: Callable[[], bool] = lambda: False,
+    reward_files: Path | None = None,
 ) -> TrainingProgress:
     """Train the job on the connected Ray cluster; returns the final progress. Raises
-    Interrupted when `stop()` turned true (checked after each step)."""
-    with open_run(config, job, reporter, metrics, trace) as run:
+    Interrupted when `stop()` turned true (checked after each step). `reward_files`: the
+    directory of a `file:` reward (default: data.tasks.reward_files())."""
+    with open_run(config, job, reporter, metrics, trace, reward_files) as run:
         run.start()
         return run.train(on_step, stop)
 
@@ -319,6 +321,7 @@ def open_run(
     reporter: Reporter,
     metrics: TrainerMetrics | None = None,
     trace: Path | None = None,
+    reward_files: Path | None = None,
 ) -> Iterator[Run]:
     """The job's roles started on the connected Ray cluster, as a Run not yet started;
     on leaving, the trace is written and every role stopped."""
@@ -337,8 +340,9 @@ def open_run(
         check_target(Path(config.output.path))
     if config.multi_turn is not None:  # an environment out of reach fails now too
         check_environment(config.environment(config.multi_turn.environment))
-    reward = reward_function(config.models.reward)
-    if reward is not None:  # before any role starts: a mismatch fails in seconds
+    # Loaded once, before any role starts: a missing file or a mismatch fails in seconds.
+    reward = reward_function(config.models.reward, reward_files)
+    if reward is not None:
         check_reward_arguments(reward, prompts.prompts[0].fields, "data.train")
         if held_out:
             check_reward_arguments(reward, held_out[0].fields, "data.eval")
@@ -356,6 +360,7 @@ def open_run(
             lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=False)),
             int(tokenizer.pad_token_id),
             timeline,
+            reward,
         )
         streaming = AsyncPPOTrainer(trainer, queue, metrics) if queue else None
         evaluator = Evaluator(trainer, held_out) if held_out else None

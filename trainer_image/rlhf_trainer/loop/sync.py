@@ -29,11 +29,11 @@ from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
 from rlhf_trainer.api.progress import EvalProgress
-from rlhf_trainer.api.sections import RewardRequests, RewardSource
+from rlhf_trainer.api.reward import RewardRequests, RewardSource
 from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
-from rlhf_trainer.data.tasks import RewardFunction, reward_function
+from rlhf_trainer.data.tasks import RewardFunction
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.telemetry.metrics import union_seconds
@@ -107,6 +107,7 @@ class PPOTrainer:
         decode: Decode,
         pad_id: int,
         timeline: Timeline,
+        reward: RewardFunction | None,
     ) -> None:
         self.config = config
         self.groups = groups
@@ -115,7 +116,7 @@ class PPOTrainer:
         self.pad_id = pad_id
         self.timeline = timeline
         self.plan = plan_placement(config)
-        self.reward = reward_function(config.models.reward)
+        self.reward = reward  # the rule-based reward (data.tasks.reward_function), if any
         self.reward_service = reward_client(config.models.reward)  # models.reward.url
         self.group_size = config.generation.samples_per_prompt
         self.policy_version = 0  # the actor's weights: bumped by every update
