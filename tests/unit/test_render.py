@@ -268,7 +268,7 @@ def test_a_reward_files_configmap_is_mounted_read_only_on_every_ray_pod() -> Non
     for pod in pods:
         files = {"name": "reward-files", "configMap": {"name": "rw", "defaultMode": 0o444}}
         assert files in pod["volumes"]
-        mount = {"name": "reward-files", "mountPath": "/etc/rlhf/reward", "readOnly": True}
+        mount = {"name": "reward-files", "mountPath": "/etc/rlhf-reward", "readOnly": True}
         assert mount in pod["containers"][0]["volumeMounts"]
     without = pod_specs(load(EXAMPLES[0].parent / "cpu-cluster.yaml"))
     assert "reward-files" not in str(without)

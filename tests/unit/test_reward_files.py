@@ -51,7 +51,7 @@ def test_the_files_are_read_from_the_operators_mount_unless_the_variable_says(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(REWARD_FILES_ENV, raising=False)
-    assert reward_files() == Path(REWARD_FILES_MOUNT) == Path("/etc/rlhf/reward")
+    assert reward_files() == Path(REWARD_FILES_MOUNT) == Path("/etc/rlhf-reward")
     monkeypatch.setenv(REWARD_FILES_ENV, str(tmp_path))
     (tmp_path / "score.py").write_text(SCORE_PY)
     score = reward_function(file_reward())

@@ -133,7 +133,7 @@ AbsolutePath = Annotated[str, StringConstraints(pattern=r"^/[^:]*$", max_length=
 # The operator's own mounts and variables: a job's settings may not take their places.
 REWARD_FILES_VOLUME = "reward-files"  # models.reward.configMap
 RESERVED_VOLUMES = ("spec", "dshm", "checkpoints", "output", REWARD_FILES_VOLUME)
-RESERVED_MOUNT_PATHS = ("/etc/rlhf", "/dev/shm")
+RESERVED_MOUNT_PATHS = ("/etc/rlhf", "/etc/rlhf-reward", "/dev/shm")
 RESERVED_ENV = ("RLHF_JOB_NAME", "RLHF_JOB_NAMESPACE")
 RESERVED_LABEL_PREFIX = "rlhf.dev/"
 RESERVED_LABELS = tuple(
@@ -220,7 +220,7 @@ class Volume(SpecModel):
         ),
         Rule(
             "mountPath",
-            f"must be outside {' and '.join(RESERVED_MOUNT_PATHS)} (the operator's mounts)",
+            f"must be outside {', '.join(RESERVED_MOUNT_PATHS)} (the operator's mounts)",
             " && ".join(
                 f"self.mountPath != '{p}' && !self.mountPath.startsWith('{p}/')"
                 for p in RESERVED_MOUNT_PATHS

@@ -18,8 +18,8 @@ def pool_resource(pool: str) -> str:
 
 
 # Where the operator mounts models.reward.configMap in the Ray pods: the directory a
-# `file:NAME.py:FUNCTION` reward is read from (RLHF_REWARD_FILES overrides it). It lies
-# below the spec's ConfigMap mount, /etc/rlhf: the kubelet makes the mount point of a
-# volume nested in a ConfigMap volume.
-REWARD_FILES_MOUNT = "/etc/rlhf/reward"
+# `file:NAME.py:FUNCTION` reward is read from (RLHF_REWARD_FILES overrides it). Beside the
+# spec's ConfigMap mount (/etc/rlhf), not in it: a mount point inside a read-only
+# ConfigMap volume cannot be made.
+REWARD_FILES_MOUNT = "/etc/rlhf-reward"
 REWARD_FILES_ENV = "RLHF_REWARD_FILES"
