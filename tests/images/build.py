@@ -85,9 +85,8 @@ IMAGES = {
     "environment": Image(
         f"localhost/rlhf-environment:{VERSION}",
         "environment_image/Dockerfile",
-        ("pyproject.toml", "constraints.txt", "README.md", "trainer_image/requirements-cpu.txt",
-         "trainer_image/rlhf_env"),
-    ),  # fmt: skip
+        (*_CODE[:3], "trainer_image/requirements-cpu.txt", "trainer_image/rlhf_env"),
+    ),
     "trainer-gpu": Image(
         f"localhost/rlhf-trainer:{VERSION}",
         "trainer_image/Dockerfile",
