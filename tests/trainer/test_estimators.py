@@ -178,3 +178,19 @@ def test_the_estimator_and_the_values_must_agree() -> None:
         compute_advantages(
             torch.ones(2), mask, None, mask, mask, AlgorithmConfig(advantage_estimator="grpo"), 2
         )
+
+
+def test_an_unscored_sample_is_not_trained_on_and_scores_0_in_its_groups_baseline() -> None:
+    """NaN: a sample the reward service failed. Unmasked, it would make every advantage
+    of its group NaN, and with it the whole batch's loss."""
+    scores = torch.tensor([1.0, math.nan, 0.5, 0.0])
+    mask = torch.ones(4, 3)
+    kept, masked = estimators.without_unscored(scores, mask)
+    assert kept.tolist() == [1.0, 0.0, 0.5, 0.0]
+    assert masked.tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 1], [1, 1, 1]]
+    assert mask.sum() == 12  # the caller's mask is left as it was
+    grpo = AlgorithmConfig(advantage_estimator="grpo", kl_mode="loss")
+    zeros = torch.zeros(4, 3)
+    advantages = compute_advantages(kept, zeros, zeros, None, masked, grpo, 2, 0.0)
+    assert torch.isfinite(advantages.advantages).all()
+    assert advantages.advantages[1].abs().sum() == 0  # masked: nothing of it counts

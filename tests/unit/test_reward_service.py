@@ -34,6 +34,13 @@ def broken_reward(prompt: str, response: str, **row: str) -> float:
     raise ValueError("no answer column")
 
 
+def picky_reward(prompt: str, response: str, **row: str) -> float:
+    """The response's words; fails on a row that asks it to."""
+    if row.get("fail"):
+        raise ValueError("asked to fail")
+    return float(len(response.split()))
+
+
 GATHER_SECONDS = 5.0
 
 
@@ -86,6 +93,7 @@ def server() -> Iterator[str]:
     apps = {
         "length": reward_app_for(length_reward),
         "broken": reward_app_for(broken_reward),
+        "picky": reward_app_for(picky_reward),
         "short": SCORERS["short"].app(rewards=[1.0]),
         "nan": SCORERS["nan"].app(rewards=[float("nan")]),
         **{name: SCORERS[name].app() for name in ("flaky", "refusing", "slow")},
@@ -133,6 +141,22 @@ def test_a_service_that_keeps_failing_is_named_with_its_reason(server: str) -> N
         score("http://127.0.0.1:9", samples(1), retries=0)
 
 
+def test_a_batch_that_fails_leaves_its_samples_unscored_and_the_rest_are_scored(
+    server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What the trainer asks (score_each): the samples of the batch the scorer failed
+    are None, named in the log with the URL and the reason; the other batches count."""
+    batch = [ScoredSample(prompt="q", response="a a", row={"fail": "yes"}) for _ in range(2)]
+    batch += samples(3)
+    client = RewardClient(f"{server}/picky", backoff=0.01, retries=1, batch_size=2)
+    assert asyncio.run(client.score_each(batch)) == [None, None, 0.0, 1.0, 2.0]
+    [logged] = [r.getMessage() for r in caplog.records if "unscored" in r.getMessage()]
+    assert logged.startswith(f"reward service at {server}/picky/score failed: HTTP 500")
+    assert logged.endswith("(after 2 attempts): 2 samples left unscored")
+    gone = RewardClient("http://127.0.0.1:9", retries=0, batch_size=2)
+    assert asyncio.run(gone.score_each(samples(3))) == [None, None, None]
+
+
 def test_answers_that_no_retry_changes_fail_at_once(server: str) -> None:
     with pytest.raises(RewardServiceFailed, match="HTTP 403"):
         score(f"{server}/refusing", samples(1), retries=5)
@@ -174,3 +198,22 @@ def test_a_bad_reward_service_is_refused_naming_the_field(
     with pytest.raises(InvalidJob) as caught:
         parse_spec(spec)
     assert any(e.path == path and words in e.message for e in caught.value.errors), caught.value
+
+
+def test_steps_in_a_row_with_unscored_samples_fail_the_run_at_the_limit_naming_it() -> None:
+    import torch
+
+    from rlhf_trainer.api.reward import RewardSource
+    from rlhf_trainer.loop.sync import UnscoredSteps
+
+    source = RewardSource(url="http://scorer:8000", requests={"maxUnscoredSteps": 2})
+    steps = UnscoredSteps(source)
+    some, none = torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 0.0])
+    assert [steps.count(1, some), steps.count(2, none), steps.count(3, some)] == [1, 0, 1]
+    with pytest.raises(RewardServiceFailed) as failed:
+        steps.count(4, some)  # the second in a row
+    assert str(failed.value) == (
+        "reward service at http://scorer:8000 failed: step 4: 2 steps in a row left samples "
+        "unscored, 1 of 2 this one (models.reward.requests.maxUnscoredSteps is 2); the log "
+        "names each failure"
+    )

@@ -12,7 +12,8 @@ outgrew the image moves out unchanged: `python -m rlhf_env serve-reward module:f
 and `concurrency` requests at once. A request that times out, cannot connect, or gets a
 5xx or a 429 is retried `retries` times with exponential backoff; anything else (a 4xx,
 an answer that breaks the protocol, a count that does not match) fails at once. Every
-failure is one `RewardServiceFailed` that names the URL and the reason.
+failure is one `RewardServiceFailed` that names the URL and the reason; `score_each`
+leaves a failed batch's samples unscored (None) instead, and scores the rest.
 """
 
 from __future__ import annotations
@@ -73,15 +74,35 @@ class RewardClient:
         self.batch_size, self.concurrency = batch_size, concurrency
 
     async def score(self, samples: Sequence[ScoredSample]) -> list[float]:
-        """One reward per sample, in order."""
+        """One reward per sample, in order; RewardServiceFailed if any batch failed."""
+        rewards = await self.score_each(samples, partial=False)
+        return [reward for reward in rewards if reward is not None]
+
+    async def score_each(
+        self, samples: Sequence[ScoredSample], *, partial: bool = True
+    ) -> list[float | None]:
+        """One reward per sample, in order. `partial`: a batch that fails (after its
+        retries) is None for each of its samples, logged naming the URL and the reason,
+        and the others are still scored; else its failure is raised."""
         batches = [
             samples[start : start + self.batch_size]
             for start in range(0, len(samples), self.batch_size)
         ]
         slots = asyncio.Semaphore(self.concurrency)  # of this call's loop
         async with httpx.AsyncClient(timeout=None) as http:
-            scored = await asyncio.gather(*(self._score_batch(http, slots, b) for b in batches))
-        return [reward for batch in scored for reward in batch]
+            scored = await asyncio.gather(
+                *(self._score_batch(http, slots, b) for b in batches), return_exceptions=partial
+            )
+        rewards: list[float | None] = []
+        for batch, result in zip(batches, scored, strict=True):
+            if isinstance(result, RewardServiceFailed):
+                log.error("%s: %d samples left unscored", result, len(batch))
+                rewards += [None] * len(batch)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                rewards += result
+        return rewards
 
     async def _score_batch(
         self, http: httpx.AsyncClient, slots: asyncio.Semaphore, batch: Sequence[ScoredSample]

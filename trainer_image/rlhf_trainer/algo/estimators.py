@@ -137,3 +137,12 @@ def compute_advantages(
     if estimator.startswith("reinforce++"):
         advantages = whiten(advantages, mask)
     return Advantages(advantages=advantages, returns=None, kl=kl)
+
+
+def without_unscored(scores: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Samples with no reward (NaN: the reward service failed them) are not trained on:
+    (B,) the scores with 0 in their place, and (B, T) the response mask with their rows
+    0, as a cut episode's (its score 0 in its group's baseline, nothing of it counted)."""
+    scored = ~torch.isnan(scores)
+    kept = response_mask * scored.unsqueeze(1).to(response_mask.dtype)
+    return torch.where(scored, scores, torch.zeros_like(scores)), kept

@@ -43,6 +43,16 @@ class RewardRequests(SpecModel):
     )
     concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight at once, at most.")
     batch_size: int = Field(64, ge=1, le=65536, description="Samples a request, at most.")
+    max_unscored_steps: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description=(
+            "A request that still fails after its retries leaves its samples unscored: "
+            "they are not trained on, and are counted. The job fails, naming the URL, once "
+            "this many steps in a row had unscored samples."
+        ),
+    )
 
 
 def is_file_function(function: str | None) -> bool:

@@ -106,6 +106,10 @@ class Evaluator:
         step, self.pending = self.pending.step, None
         rollouts = [r for engine in join(calls, ANSWER_TIMEOUT_S) for r in engine]
         rewards = self.trainer.score_alone(self.asked, rollouts)
+        if unscored := int(torch.isnan(rewards).sum()):
+            log.warning("held-out step %d: %d samples unscored (the reward service failed "
+                        "them): counted as reward 0", step, unscored)  # fmt: skip
+            rewards = rewards.nan_to_num(0.0)
         self.last = evaluation_of(step, rollouts, rewards, self.sampling)
         done = self.last
         log.info("held-out reward %s, policy v%d", eval_text(done), done.policy_version)

@@ -182,6 +182,7 @@ class Run:
         m.tokens_generated.inc(result.response_tokens)
         m.samples_trained.inc(self.config.samples_per_step)
         m.dropped_groups.inc(result.dropped_groups)
+        m.unscored_samples.inc(result.unscored)
         m.kl.set(result.kl)
         m.kl_coef.set(result.kl_coef)
         m.observe_diagnostics(result.actor, result.critic, result.responses)
@@ -277,6 +278,7 @@ def log_step(result: StepResult, total: int) -> None:
         f"response length {responses.length_mean:.1f} (cut {responses.truncated_ratio:.2f})",
         f"importance weights capped {actor.importance_capped:.4f}",  # off-policy correction
         *([f"groups dropped {result.dropped_groups}"] if result.dropped_groups else []),
+        *([f"unscored {result.unscored} (not trained on)"] if result.unscored else []),
         *([episodes_text(result.episodes)] if result.episodes else []),
         f"{result.seconds:.2f} s",
     ]

@@ -13,6 +13,7 @@ only the placement differs. Every call carries its phase's name to the timeline.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlhf_env.rewards import RewardClient, ScoredSample
+from rlhf_env.rewards import RewardClient, RewardServiceFailed, ScoredSample
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, EpisodeStats, ResponseStats
-from rlhf_trainer.algo.estimators import compute_advantages
+from rlhf_trainer.algo.estimators import compute_advantages, without_unscored
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
 from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.algo.ppo import explained_variance
@@ -84,6 +85,7 @@ class StepResult:
     evaluations: tuple[EvalProgress, ...] = ()
     rollout_engines: int = 0  # fully async: the engines serving as the step ended
     episodes: EpisodeStats | None = None  # multi-turn rollouts only
+    unscored: int = 0  # samples without a reward (the reward service failed them): masked
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class PPOTrainer:
         self.group_size = config.generation.samples_per_prompt
         self.policy_version = 0  # the actor's weights: bumped by every update
         self.kl_coef = config.algorithm.kl_coef  # moved by an adaptive klController
+        self.unscored = UnscoredSteps(config.models.reward)
         # opened by the run
         self.weight_sync = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
 
@@ -173,6 +176,9 @@ class PPOTrainer:
         scoring = self.run_stage("score", batch, skip=(Phase.REWARD,) if scores is not None else ())
         if scores is None:
             scores = self.score(sampled.prompts, sampled.rollouts, scoring)
+        unscored = self.unscored.count(step, scores)
+        scores, unscored_masked = without_unscored(scores, batch.response_mask)
+        batch = replace(batch, response_mask=unscored_masked)
         recomputed = gather_if(scoring, Phase.ACTOR_LOG_PROB)  # unless oldLogProbs: rollout
         old_log_probs = batch.rollout_log_probs if recomputed is None else recomputed
         values = gather_if(scoring, Phase.VALUES)
@@ -214,6 +220,7 @@ class PPOTrainer:
             responses=ResponseStats.of(sampled.rollouts),
             episodes=EpisodeStats.of(sampled.rollouts),
             dropped_groups=sampled.dropped_groups,
+            unscored=unscored,
         )
 
     def generate(self, prompts: Sequence[Prompt], step: int, attempt: int = 0) -> list[Rollout]:
@@ -249,8 +256,9 @@ class PPOTrainer:
     def score(
         self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout], scoring: Calls
     ) -> torch.Tensor:
-        """(B,) one reward per response: from the reward model, the rule here, or each
-        episode's environment (its score came with the rollout)."""
+        """(B,) one reward per response: from the reward model, the rule here, the reward
+        service (NaN for a sample it failed), or each episode's environment (its score
+        came with the rollout)."""
         if self.config.models.reward.environment:
             return torch.tensor([episode_score(r) for r in rollouts])
         if self.reward_service is not None:
@@ -261,7 +269,8 @@ class PPOTrainer:
                     )
                     for p, r in zip(prompts, rollouts, strict=True)
                 ]
-                return torch.tensor(asyncio.run(self.reward_service.score(samples)))
+                rewards = asyncio.run(self.reward_service.score_each(samples))
+                return torch.tensor([math.nan if r is None else r for r in rewards])
         if self.reward is None:
             scores: torch.Tensor = gather(scoring[Phase.REWARD])
             return scores
@@ -297,6 +306,30 @@ class PPOTrainer:
             if span.end > since:  # clipped: async generation runs across steps
                 by_phase.setdefault(span.phase, []).append((max(span.start, since), span.end))
         return {phase: union_seconds(intervals) for phase, intervals in by_phase.items()}
+
+
+@dataclass
+class UnscoredSteps:
+    """Steps in a row with samples the reward left unscored (NaN: the reward service
+    failed them); the run fails, naming the reward, once there are
+    models.reward.requests.maxUnscoredSteps of them."""
+
+    source: RewardSource
+    in_a_row: int = 0
+
+    def count(self, step: int, scores: torch.Tensor) -> int:
+        """The step's unscored samples, (B,) scores in."""
+        unscored = int(torch.isnan(scores).sum())
+        self.in_a_row = self.in_a_row + 1 if unscored else 0
+        limit = (self.source.requests or RewardRequests()).max_unscored_steps
+        if self.in_a_row >= limit:
+            raise RewardServiceFailed(
+                self.source.url or "the driver",
+                f"step {step}: {self.in_a_row} steps in a row left samples unscored, "
+                f"{unscored} of {len(scores)} this one (models.reward.requests."
+                f"maxUnscoredSteps is {limit}); the log names each failure",
+            )
+        return unscored
 
 
 def critic_stats(updates: Calls, experience: Experience) -> CriticStats | None:

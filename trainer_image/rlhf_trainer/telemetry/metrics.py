@@ -139,6 +139,11 @@ class TrainerMetrics:
             "Groups dynamic sampling dropped (all rewards equal) and generated again",
             registry=r,
         )
+        self.unscored_samples = Counter(
+            "rlhf_reward_unscored_samples",
+            "Samples the reward service failed to score after its retries (not trained on)",
+            registry=r,
+        )
         self._add_streaming_series(r)
         self.policy_version = Gauge(
             "rlhf_policy_version", "Version of the policy being trained", registry=r
