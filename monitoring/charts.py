@@ -42,6 +42,9 @@ class Chart:
 class Row:
     title: str
     charts: tuple[Chart, ...]
+    # Series only a multi-turn job exports (generation.multiTurn): its panels are empty
+    # for any other job, and the tests check them on a multi-turn run.
+    multi_turn: bool = False
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,13 @@ TRAINING = Dashboard(
                     "The version of the policy being trained: one per actor update.",
                     *step_gauges(("rlhf_policy_version", "version")),
                 ),
+                chart(
+                    "Unscored samples",
+                    "Samples per second the reward service failed to score after its "
+                    "retries: not trained on (models.reward.requests.maxUnscoredSteps).",
+                    (rate("rlhf_reward_unscored_samples_total"), "{{rlhfjob}}"),
+                    unit="ops",
+                ),
             ),
         ),
         Row(
@@ -266,6 +273,47 @@ TRAINING = Dashboard(
                     unit="ops",
                 ),
             ),
+        ),
+        Row(
+            "Multi-turn episodes",
+            (
+                chart(
+                    "Episodes and cuts",
+                    "Episodes trained on per second, and those cut by a limit or an "
+                    "environment error (masked, not trained on), by reason.",
+                    (rate("rlhf_env_episodes_total"), "{{rlhfjob}} episodes"),
+                    (
+                        rate("rlhf_env_cut_episodes_total", by="rlhfjob, reason"),
+                        "{{rlhfjob}} cut: {{reason}}",
+                    ),
+                    unit="ops",
+                ),
+                chart(
+                    "Turns and tool calls",
+                    "Per episode, median and p95: assistant turns, and the tool calls "
+                    "parsed from them.",
+                    (quantile(0.5, "rlhf_env_turns"), "{{rlhfjob}} turns p50"),
+                    (quantile(0.95, "rlhf_env_turns"), "{{rlhfjob}} turns p95"),
+                    (quantile(0.5, "rlhf_env_tool_calls"), "{{rlhfjob}} tool calls p50"),
+                ),
+                chart(
+                    "Environment calls",
+                    "Seconds of each step call to the environment (its tools, answered): "
+                    "median and p95. Slow tools hold every episode's next turn.",
+                    (quantile(0.5, "rlhf_env_step_seconds"), "{{rlhfjob}} p50"),
+                    (quantile(0.95, "rlhf_env_step_seconds"), "{{rlhfjob}} p95"),
+                    unit="s",
+                ),
+                chart(
+                    "Version span and restarts",
+                    "Policy versions between an episode's oldest and newest turn (p95: "
+                    "fully async's partial rollouts), and sessions per second started again "
+                    "on another replica because theirs died.",
+                    (quantile(0.95, "rlhf_env_version_span"), "{{rlhfjob}} version span p95"),
+                    (rate("rlhf_env_session_restarts_total"), "{{rlhfjob}} restarts"),
+                ),
+            ),
+            multi_turn=True,
         ),
         Row(
             "Fully asynchronous",

@@ -163,12 +163,14 @@ class Prometheus:
         """Until every target has been scraped `count` times within a minute."""
         self.wait_for(f"min(count_over_time(up[1m])) >= {count}")
 
-    def panels_without_data(self, dashboard: Dashboard) -> dict[str, str]:
+    def panels_without_data(self, dashboard: Dashboard, multi_turn: bool = False) -> dict[str, str]:
         """Each query of the dashboard's own series run as Grafana would (every variable
         at "All"): those that return nothing, by chart title. A query Prometheus refuses
-        raises PromQLError. Charts of other exporters are only parsed."""
+        raises PromQLError. Charts of other exporters are only parsed. `multi_turn`: the
+        rows of multi-turn jobs' series (Row.multi_turn) only; else every other row."""
         empty = {}
-        for chart in dashboard.charts():
+        rows = [row for row in dashboard.rows if row.multi_turn == multi_turn]
+        for chart in (chart for row in rows for chart in row.charts):
             for query in chart.queries:
                 try:
                     result = self.query(as_promql(query.expr))

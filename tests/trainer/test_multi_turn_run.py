@@ -6,21 +6,28 @@ message between them, so every sample the trainer packs has tool-side tokens in 
 middle. The check that holds it all together is the engine's log-probs against the
 actor's: on every step the actor, recomputing log π over each packed multi-turn sample,
 gets the engine's value at every sampled token. A token out of place, a mask that
-counts an environment token or drops a sampled one, would break it.
+counts an environment token or drops a sampled one, would break it. A real Prometheus
+scrapes each run, and the training dashboard's multi-turn panels must show it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
+from monitoring.dashboards import TRAINING
 from rlhf_env.server import app_for
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
+from tests.conftest import skip_or_fail
+from tests.controlplane.harness import free_ports
 from tests.environments import CHATTER_TURNS, Chatter, served
+from tests.prometheus import BINARY, Prometheus, Target
 from tests.specs import LOCAL_EXAMPLE
 from tests.trainer.local_runs import Trained, train
 
@@ -59,13 +66,50 @@ def multi_turn_job(mode: str, url: str, checkpoint_dir: Path) -> JobConfig:
     return JobConfig.model_validate(spec)
 
 
+@dataclass
+class MultiTurnRun:
+    trained: Trained
+    prometheus: Prometheus | None  # None where no Prometheus is built
+
+
 @pytest.fixture(scope="module", params=["split", "async"])
-def trained(
+def run(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Trained]:
+) -> Iterator[MultiTurnRun]:
+    """The run, its metrics scraped by a real Prometheus while it trains (as a job's
+    driver pod is), and served on after it ends, as the dashboards test's runs are."""
+    tmp = tmp_path_factory.mktemp(request.param)
     with served({"chatter": app_for(Chatter)}) as url:
-        checkpoints = tmp_path_factory.mktemp(request.param)
-        yield train(multi_turn_job(request.param, f"{url}/chatter", checkpoints))
+        config = multi_turn_job(request.param, f"{url}/chatter", tmp / "checkpoints")
+        metrics = TrainerMetrics(pools=[p.name for p in config.pools])
+        if not BINARY.exists():
+            yield MultiTurnRun(train(config, metrics), None)
+            return
+        [port] = free_ports(1)
+        server = serve_metrics(metrics.registry, port, addr="127.0.0.1")
+        target = Target(port, {"namespace": "local", "rlhfjob": request.param})
+        try:
+            with Prometheus(tmp, [target]) as prometheus:
+                trained = train(config, metrics)
+                episodes = STEPS * config.samples_per_step
+                prometheus.wait_for(f"rlhf_env_episodes_total == {episodes}")
+                yield MultiTurnRun(trained, prometheus)
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture(scope="module")
+def trained(run: MultiTurnRun) -> Trained:
+    return run.trained
+
+
+def test_the_dashboards_multi_turn_panels_show_the_run_on_prometheus(run: MultiTurnRun) -> None:
+    if run.prometheus is None:
+        skip_or_fail("no Prometheus: run make controlplane")
+    assert run.prometheus is not None
+    assert [r.title for r in TRAINING.rows if r.multi_turn] == ["Multi-turn episodes"]
+    assert run.prometheus.panels_without_data(TRAINING, multi_turn=True) == {}
 
 
 def test_every_step_trains_whole_episodes_with_the_engines_log_probs(trained: Trained) -> None:

@@ -180,6 +180,10 @@ def micro_batch_rows(batch: Sequences, size: int | None) -> list[Tensor]:
     return list(torch.split(order, size or max(len(order), 1)))
 
 
+# Why an episode was cut, by kind (an environment_error's reason follows a colon).
+CUT_REASONS = ("max_turns", "token_budget", "turn_timeout", "episode_timeout", "environment_error")
+
+
 @dataclass(frozen=True)
 class Episode:
     """How a multi-turn rollout went, against its environment."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from rlhf_trainer.algo.diagnostics import EpisodeStats
+from rlhf_trainer.algo.experience import CUT_REASONS
 
 TURN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256)
 VERSION_SPAN_BUCKETS = (0, 1, 2, 3, 4, 8, 16)
@@ -25,6 +26,8 @@ class EpisodeSeries:
             ["reason"],
             registry=r,
         )
+        for reason in CUT_REASONS:  # each at 0 from the start: a rate of none is no data
+            self.cut.labels(reason)
         self.restarts = Counter(
             "rlhf_env_session_restarts",
             "Sessions started again on another replica because theirs died",
