@@ -18,7 +18,8 @@ and on stderr a line per run (variant, seed, steps, seconds, the figures above).
 
 Variants other than the example, for comparison (name them to run them, interleaved
 with the example within each seed): `ppo-critic` (PPO with a critic, 64 episodes a
-step, one per key, critic lr 1e-3) and `turns3-tokens4` (3 turns of up to 4 tokens).
+step, one per key, critic lr 1e-3), `turns3-tokens4` (3 turns of up to 4 tokens) and
+`async` (fully async at staleness 1, the rollout on a pool of its own).
 
 Run: make bench-agentic (about 10 minutes). Arguments, optional: steps (the example's
 totalSteps), seeds (3), the other variants to run (comma-separated).
@@ -69,10 +70,19 @@ def with_longer_turns(spec: Spec) -> None:
     spec["generation"]["multiTurn"].update(maxTurns=3, maxTokens=32)
 
 
+def fully_async(spec: Spec) -> None:
+    """Fully async at staleness 1: the rollout on a pool of its own (one more simulated
+    GPU), streaming episodes while the actor trains on the batch before."""
+    spec["pools"].append({"name": "rollout", "replicas": 1, "gpusPerNode": 1})
+    spec["roles"]["rollout"] = "rollout"
+    spec["async"] = {"stalenessThreshold": 1}
+
+
 VARIANTS: dict[str, Callable[[Spec], None]] = {
     "example": lambda spec: None,
     "ppo-critic": with_critic,
     "turns3-tokens4": with_longer_turns,
+    "async": fully_async,
 }
 
 
