@@ -126,6 +126,9 @@ def test_replicas_added_while_the_job_runs_take_the_next_sessions() -> None:
         replicas.mark_down("http://10.0.0.2:8000")
         async with replicas.session() as fourth, replicas.session() as fifth:
             picked += [fourth.url, fifth.url]  # the one down is left while another is up
+        answer.remove("http://10.0.0.2:8000")  # its pod went: its client is closed
+        async with replicas.session():
+            assert second.is_closed and not first.is_closed
         await replicas.aclose()
         return picked
 

@@ -92,6 +92,10 @@ class EnvironmentClient:
     async def health(self, *, timeout: float | None = None) -> Health:
         return await self._call("health", "GET", "/healthz", Health, None, timeout)
 
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed
+
     async def aclose(self) -> None:
         await self._http.aclose()
 

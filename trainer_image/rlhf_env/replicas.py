@@ -111,11 +111,15 @@ class EnvironmentReplicas:
         ]
 
     async def _replicas(self) -> list[str]:
-        """The replicas' base URLs, looked up again once RESOLVE_SECONDS old. A client is
-        kept for every replica seen (a session open on one that left ends on its own)."""
+        """The replicas' base URLs, looked up again once RESOLVE_SECONDS old. The client
+        of a replica that left is closed once no session is open on it (pods come and go
+        with new addresses: their clients must not pile up)."""
         if time.monotonic() - self._resolved_at >= self._resolve_seconds:
             self._current = [url.rstrip("/") for url in await self._resolve(self.url)]
             self._resolved_at = time.monotonic()  # after: a session picked meanwhile waits too
+            for url in [u for u in self._clients if u not in self._current]:
+                if not self._open.get(url):
+                    await self._clients.pop(url).aclose()
             host = urlsplit(self.url).netloc
             for url in self._current:
                 if url not in self._clients:
