@@ -108,7 +108,8 @@ def test_the_second_job_waits_queued_with_kueues_reason_until_the_first_finishes
     eventually(lambda: admitted(cp, "second", namespace), "Kueue to admit the second job")
     eventually(lambda: job_status(cp, "second", namespace).get("phase") not in (None, "Queued"),
                "the second job to leave Queued")  # fmt: skip
-    assert job_status(cp, "first", namespace)["phase"] == "Succeeded"
+    eventually(lambda: job_status(cp, "first", namespace).get("phase") == "Succeeded",
+               "the first job to be Succeeded")  # fmt: skip
 
     # Suspending a queued job deactivates its Workload, and Kueue suspends the RayJob.
     cp.kubectl("patch", "rlhfjob", "second", "-n", namespace, "--type=merge",

@@ -260,8 +260,10 @@ def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
                "--type=merge", "-p", json.dumps({"status": done}))  # fmt: skip
     eventually(lambda: (get(cp, "deployment", name, namespace) or {})["spec"]["replicas"] == 0,
                "the environment scaled to 0 when the job ended")  # fmt: skip
-    assert condition_when(cp, job, namespace, "EnvironmentsReady", reason="EnvironmentsStopped")
-    assert job_status(cp, job, namespace)["phase"] == "Succeeded"
+    # The Deployment is scaled before the status is written: both are waited for.
+    eventually(lambda: condition_when(cp, job, namespace, "EnvironmentsReady", reason="EnvironmentsStopped"),
+               "EnvironmentsReady to say the environments stopped")  # fmt: skip
+    eventually(lambda: job_status(cp, job, namespace).get("phase") == "Succeeded", "phase Succeeded")
 
     cp.kubectl("delete", "rlhfjob", "agentic-cluster", "-n", namespace, "--wait=true")
     for kind in made:
