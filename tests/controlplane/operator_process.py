@@ -78,7 +78,8 @@ class OperatorProcess:
             return log.read().decode(errors="replace")
 
     def metric(self, name: str) -> float:
-        """The value of an unlabelled sample, e.g. a histogram's _count."""
+        """The value of a sample as /metrics writes it, e.g. a histogram's _count, or
+        `name{label="value",...}` with its labels in their declared order (0 if absent)."""
         for line in self._get("/metrics")[1].splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])

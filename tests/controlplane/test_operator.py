@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from rlhf_operator.controller.events import EventRecorder
+from rlhf_operator.controller.kube import Kube
 from rlhf_operator.controller.resizes import STOP_ASKED
 
 from .harness import DEFAULT_NODE_GROUPS, REPO_ROOT, ControlPlane
@@ -168,6 +170,46 @@ def test_example_runs_each_pool_on_its_own_node_group(
                "garbage collection of the RayJob and its pods")  # fmt: skip
 
 
+def test_the_operator_reads_pods_and_children_from_its_watches_not_per_event(
+    operator: OperatorProcess,
+) -> None:
+    """After the examples' jobs ran, their pods went Running and were deleted (above):
+    many reconciles, and not one LIST of pods or Deployments (a reconcile used to LIST a
+    job's pods at every event)."""
+    requests = "rlhf_operator_api_requests_total"
+    assert operator.metric("rlhf_operator_reconcile_duration_seconds_count") >= 20
+    assert operator.metric(f'{requests}{{verb="create",kind="RayJob"}}') >= 1  # it is counted
+    assert operator.metric(f'{requests}{{verb="list",kind="Pod"}}') == 0
+    # Children exist once made: each reconcile after that checks them in memory.
+    assert operator.metric(f'{requests}{{verb="get",kind="ConfigMap"}}') <= 2 * len(
+        CLUSTER_EXAMPLES
+    )
+
+
+def test_the_same_event_again_is_counted_on_the_one_already_posted(
+    controlplane: ControlPlane, namespace: str
+) -> None:
+    cp = controlplane
+    recorder = EventRecorder(Kube(cp.api_client()), now=lambda: datetime.now(UTC))
+    job = {"metadata": {"name": "counted", "namespace": namespace, "uid": "0a1b2c3d"}}
+    stuck, placed = "pool value: 0/16 GPUs, Unschedulable", "pool value: 16/16 GPUs"
+
+    def posted() -> list[tuple[str, str, int]]:
+        found = get_json(cp, "events", "-n", namespace, "--field-selector",
+                         "involvedObject.name=counted")["items"]  # fmt: skip
+        return sorted((e["type"], e["message"], e["count"]) for e in found)
+
+    for _ in range(3):
+        recorder.post(job, "Unschedulable", stuck, warning=True)
+    recorder.post(job, "Unschedulable", placed, warning=True)
+    recorder.post(job, "Unschedulable", stuck, warning=False)  # another type: another Event
+    assert posted() == [("Normal", stuck, 1), ("Warning", placed, 1), ("Warning", stuck, 3)]
+    # Gone (Events expire after an hour): the next one is posted afresh.
+    cp.kubectl("delete", "events", "-n", namespace, "--all")
+    recorder.post(job, "Unschedulable", stuck, warning=True)
+    assert posted() == [("Warning", stuck, 1)]
+
+
 def test_children_deleted_out_of_band_are_recreated(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
@@ -263,7 +305,9 @@ def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
     # The Deployment is scaled before the status is written: both are waited for.
     eventually(lambda: condition_when(cp, job, namespace, "EnvironmentsReady", reason="EnvironmentsStopped"),
                "EnvironmentsReady to say the environments stopped")  # fmt: skip
-    eventually(lambda: job_status(cp, job, namespace).get("phase") == "Succeeded", "phase Succeeded")
+    eventually(
+        lambda: job_status(cp, job, namespace).get("phase") == "Succeeded", "phase Succeeded"
+    )
 
     cp.kubectl("delete", "rlhfjob", "agentic-cluster", "-n", namespace, "--wait=true")
     for kind in made:

@@ -1,7 +1,8 @@
 """kopf registration. kopf watches, peers and runs the event loop; it writes nothing.
 
-Every event about a job or one of its children (found by the job label) puts the job's
-key on a work queue; workers take keys and run one level-based reconcile each. No
+Every event about a job or one of its children (found by the job label) is kept in a
+cache (the reconcile reads from it) and puts the job's key on a work queue; workers take
+keys and run one level-based reconcile each. No
 finalizers (deleting a job never waits for the operator) and no timers: a deleted
 child, a pod becoming ready or KubeRay updating its RayJob is itself an event.
 """
@@ -20,7 +21,8 @@ from aiohttp import web
 
 from rlhf_operator.api import job as api
 from rlhf_operator.app import metrics
-from rlhf_operator.controller.kube import Kube, load_config
+from rlhf_operator.controller.cache import CachedKube, ObjectCache
+from rlhf_operator.controller.kube import KINDS, load_config
 from rlhf_operator.controller.reconcile import Reconciler
 from rlhf_operator.controller.workqueue import Key, WorkQueue
 from rlhf_operator.render.children import JOB_LABEL
@@ -47,6 +49,8 @@ CHILD_KINDS = [
     ("", "v1", "services"),
     ("networking.k8s.io", "v1", "networkpolicies"),
 ]
+KIND_OF = {kind.plural: name for name, kind in KINDS.items()}  # "pods" -> "Pod"
+CACHED_KINDS = frozenset({"RLHFJob", *(KIND_OF[plural] for _, _, plural in CHILD_KINDS)})
 NETWORK = NetworkAccess.from_env()  # the chart's networkPolicy values, if enabled
 
 
@@ -59,7 +63,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     # The work queue already merges bursts of events per job; kopf need not wait for more.
     settings.batching.batch_window = 0.01
     memo.queue = WorkQueue()
-    memo.reconciler = Reconciler(Kube(load_config()), network=NETWORK)
+    # Filled by the handlers below before they queue a job: reconciles read from it.
+    memo.cache = ObjectCache(CACHED_KINDS)
+    memo.reconciler = Reconciler(CachedKube(load_config(), memo.cache), network=NETWORK)
     memo.gauges = metrics.JobGauges()
     memo.failures = {}
     memo.executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="reconcile")
@@ -97,19 +103,25 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)  # type: ignore[arg-type]
 async def job_changed(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo,
                       **_: Any) -> None:  # fmt: skip
+    memo.cache.observe("RLHFJob", event["type"], event["object"])
     if event["type"] == "DELETED":
         memo.gauges.observe(namespace, name, None)
     else:
         memo.queue.add((namespace, name))
 
 
-async def child_changed(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    memo.queue.add((namespace, labels[JOB_LABEL]))
+def child_changed(kind: str) -> Any:
+    async def changed(event: kopf.RawEvent, labels: kopf.Labels, namespace: str,
+                      memo: kopf.Memo, **_: Any) -> None:  # fmt: skip
+        memo.cache.observe(kind, event["type"], event["object"])
+        memo.queue.add((namespace, labels[JOB_LABEL]))
+
+    return changed
 
 
 for _group, _version, _plural in CHILD_KINDS:
     kopf.on.event(_group, _version, _plural, labels={JOB_LABEL: kopf.PRESENT},
-                  id=f"child-{_plural}")(child_changed)  # type: ignore[arg-type]  # fmt: skip
+                  id=f"child-{_plural}")(child_changed(KIND_OF[_plural]))  # fmt: skip
 
 
 async def _work(memo: kopf.Memo) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import Counter
 
 from rlhf_operator.api.job import API_VERSION, PLURAL
 
@@ -47,6 +48,14 @@ KINDS = {
     "Workload": Kind("kueue.x-k8s.io/v1beta2", "workloads"),
     "CustomResourceDefinition": Kind("apiextensions.k8s.io/v1", "customresourcedefinitions"),
 }
+
+# What the operator asks of the API server, by verb and kind: reads are answered from the
+# watches' cache (cache.py), so per-event GETs and LISTs show up here as a regression.
+REQUESTS = Counter(
+    "rlhf_operator_api_requests_total",
+    "Requests the operator made to the Kubernetes API server",
+    ["verb", "kind"],
+)
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -95,6 +104,7 @@ class Kube:
         return bool(response.status == 200)
 
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        REQUESTS.labels("get", kind).inc()
         try:
             return self._call("GET", KINDS[kind].path(namespace, name))
         except ApiException as error:
@@ -105,6 +115,7 @@ class Kube:
     def create(self, obj: Obj) -> Obj | None:
         """Create; None if it already exists (409 means someone, maybe we, made it) or
         its namespace is being deleted (and the owner with it)."""
+        REQUESTS.labels("create", obj["kind"]).inc()
         path = KINDS[obj["kind"]].path(obj["metadata"]["namespace"])
         try:
             return self._call("POST", path, body=obj)
@@ -115,6 +126,7 @@ class Kube:
 
     def patch(self, kind: str, namespace: str, name: str, patch: Any,
               content_type: str = MERGE_PATCH, subresource: str | None = None) -> Obj:  # fmt: skip
+        REQUESTS.labels("patch", kind).inc()
         return self._call(
             "PATCH", KINDS[kind].path(namespace, name, subresource), patch, content_type
         )
@@ -122,6 +134,7 @@ class Kube:
     def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
         """Delete that object (by uid: never a newer one of the same name); its
         dependents follow in the background. Gone already is fine."""
+        REQUESTS.labels("delete", kind).inc()
         options = {"preconditions": {"uid": uid}, "propagationPolicy": "Background"}
         try:
             self._call("DELETE", KINDS[kind].path(namespace, name), body=options)
@@ -130,6 +143,7 @@ class Kube:
                 raise
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        REQUESTS.labels("list", kind).inc()
         found = self._call(
             "GET", KINDS[kind].path(namespace), query=[("labelSelector", label_selector)]
         )

@@ -1,7 +1,8 @@
 """Level-based reconcile of one RLHFJob: make the children match the spec, then report.
 
 Called with a job's key whenever anything about the job or its children changed; it
-reads the current state afresh each time, so a missed or repeated call does no harm.
+reads the current state each time (from the watches' cache, controller/cache.py), so a
+missed or repeated call does no harm.
 It is the only writer of the job's status (except `training`, the trainer's).
 """
 
@@ -16,8 +17,9 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from rlhf_operator.api.job import API_VERSION, KIND, Phase, RLHFJobSpec, RLHFJobStatus
+from rlhf_operator.api.job import Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.api.validation import InvalidJob, parse_spec
+from rlhf_operator.controller.events import EventRecorder
 from rlhf_operator.controller.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.controller.kuberay import RECHECK_SECONDS, KubeRayCheck
 from rlhf_operator.controller.resizes import (
@@ -89,6 +91,7 @@ class Reconciler:
         self.now = now
         self.network = network  # give each job a NetworkPolicy (the chart's choice)
         self.kuberay = KubeRayCheck(kube)
+        self.events = EventRecorder(kube, now)
         self.fanout = ThreadPoolExecutor(CHILD_REQUESTS, thread_name_prefix="children")
 
     def reconcile(self, namespace: str, name: str) -> Reconciled:
@@ -271,9 +274,12 @@ class Reconciler:
     def _sync_cluster_replicas(self, ref: JobRef, rayjob: Obj, wanted_groups: list[Obj]) -> None:
         """KubeRay does not push a RayJob's cluster spec to a running cluster, so scale
         the live RayCluster too (checked every time: the RayJob may have been patched by
-        a reconcile that died before getting here)."""
+        a reconcile that died before getting here). Not read when no pool resizes in
+        place: there is nothing to scale."""
         name = (rayjob.get("status") or {}).get("rayClusterName")
-        cluster = self.kube.get("RayCluster", ref.namespace, name) if name else None
+        if not wanted_groups or not name:
+            return
+        cluster = self.kube.get("RayCluster", ref.namespace, name)
         if cluster is None:
             return
         ops = _replica_ops(cluster["spec"]["workerGroupSpecs"], wanted_groups, at="/spec")
@@ -295,37 +301,11 @@ class Reconciler:
             warning = bool(invalid) or new.phase in WARNING_PHASES
             warning |= new.phase is Phase.SUCCEEDED and not reported_to_the_end(new.training)
             reason = "InvalidSpec" if invalid else new.phase.value
-            self._post_event(job, reason, invalid or _phase_message(new), warning)
+            self.events.post(job, reason, invalid or _phase_message(new), warning)
         said = warnings(old)
         for (kind, reason), message in warnings(new).items():
             if said.get((kind, reason)) != message:
-                self._post_event(job, reason, message, warning=True)
-
-    def _post_event(self, job: Obj, reason: str, message: str, warning: bool) -> None:
-        meta = job["metadata"]
-        now = self.now().isoformat().replace("+00:00", "Z")
-        self.kube.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Event",
-                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-                "involvedObject": {
-                    "apiVersion": API_VERSION,
-                    "kind": KIND,
-                    "name": meta["name"],
-                    "namespace": meta["namespace"],
-                    "uid": meta["uid"],
-                },
-                "type": "Warning" if warning else "Normal",
-                "reason": reason,
-                "message": message[:1024],
-                "firstTimestamp": now,
-                "lastTimestamp": now,
-                "count": 1,
-                "source": {"component": "rlhf-operator"},
-                "reportingComponent": "rlhf-operator",
-            }
-        )
+                self.events.post(job, reason, message, warning=True)
 
 
 def _replica_ops(live: list[Obj], wanted: list[Obj], at: str) -> list[dict[str, Any]]:

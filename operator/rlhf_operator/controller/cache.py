@@ -1,0 +1,125 @@
+"""What the operator's watches have seen, so a reconcile reads from memory, not the API
+server, as KubeRay reads from its informers' caches.
+
+kopf watches the jobs and every kind of child (app/handlers.py); each handler stores the
+event's object here before it queues the job, so the reconcile an event brings sees at
+least that event. The reconcile's own writes are stored too (read-your-writes): its next
+look sees the status it wrote, and does not post the same event again. An object is
+replaced only by one at least as new (by resourceVersion), so a late watch event does
+not undo a write.
+
+A get that misses asks the API server: an object made since the last event, or not yet
+listed while the operator starts. A list is answered from memory alone: at start-up,
+before kopf has listed everything, it may see fewer pods for a moment, and the events
+that follow bring the reconcile that sees them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+from rlhf_operator.controller.kube import MERGE_PATCH, Kube, Obj
+
+DELETED = "DELETED"
+
+
+def _version(obj: Obj) -> int:
+    """The object's resourceVersion as a number (etcd's revision); -1 if it has none."""
+    version = str(obj["metadata"].get("resourceVersion") or "")
+    return int(version) if version.isdigit() else -1
+
+
+def matches(labels: dict[str, str], selector: str) -> bool:
+    """Whether `labels` match `selector`, a comma-separated list of key=value (the only
+    form the operator asks for)."""
+    for term in selector.split(","):
+        key, sep, value = term.partition("=")
+        if not sep or "!" in key:
+            raise ValueError(f"label selector {selector!r}: only key=value terms are cached")
+        if labels.get(key.strip()) != value.strip():
+            return False
+    return True
+
+
+class ObjectCache:
+    """The last seen version of each object of the cached kinds, by namespace and name."""
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        self.kinds = kinds
+        self._lock = threading.Lock()
+        # kind -> namespace -> name -> object
+        self._objects: dict[str, dict[str, dict[str, Obj]]] = {kind: {} for kind in kinds}
+
+    def observe(self, kind: str, event_type: str | None, obj: Obj) -> None:
+        """A watch event (`event_type` None: kopf's initial listing) or a write's answer."""
+        # A list's items carry no kind; kopf's bodies are its own to change.
+        obj = {**copy.deepcopy(obj), "kind": kind}
+        meta = obj["metadata"]
+        with self._lock:
+            names = self._objects[kind].setdefault(meta["namespace"], {})
+            known = names.get(meta["name"])
+            if known is not None and _version(obj) < _version(known):
+                return  # older than what a write already stored
+            if event_type == DELETED:
+                names.pop(meta["name"], None)
+            else:
+                names[meta["name"]] = obj
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        with self._lock:
+            found = self._objects[kind].get(namespace, {}).get(name)
+        return copy.deepcopy(found)  # the caller may change what it reads
+
+    def list(self, kind: str, namespace: str, selector: str) -> list[Obj]:
+        with self._lock:
+            found = [
+                obj
+                for obj in self._objects[kind].get(namespace, {}).values()
+                if matches(obj["metadata"].get("labels") or {}, selector)
+            ]
+        return copy.deepcopy(found)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(names) for by_ns in self._objects.values() for names in by_ns.values())
+
+
+class CachedKube(Kube):
+    """Kube whose reads of the cached kinds come from `cache`, and whose writes of them
+    are stored in it; every other kind goes to the API server as before."""
+
+    def __init__(self, api: Any, cache: ObjectCache) -> None:
+        super().__init__(api)
+        self.cache = cache
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        if kind not in self.cache.kinds:
+            return super().get(kind, namespace, name)
+        found = self.cache.get(kind, namespace, name)
+        if found is None:  # made since the last event, or not listed yet: ask
+            found = super().get(kind, namespace, name)
+            if found is not None:
+                self.cache.observe(kind, None, found)
+        return found
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        if kind not in self.cache.kinds:
+            return super().list(kind, namespace, label_selector)
+        return self.cache.list(kind, namespace, label_selector)
+
+    def create(self, obj: Obj) -> Obj | None:
+        created = super().create(obj)
+        self._store(obj["kind"], created)
+        return created
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Any,
+              content_type: str = MERGE_PATCH, subresource: str | None = None) -> Obj:  # fmt: skip
+        patched = super().patch(kind, namespace, name, patch, content_type, subresource)
+        self._store(kind, patched)
+        return patched
+
+    def _store(self, kind: str, obj: Obj | None) -> None:
+        if obj is not None and kind in self.cache.kinds:
+            self.cache.observe(kind, None, obj)

@@ -1,0 +1,87 @@
+"""The watches' cache the reconcile reads from (controller/cache.py): newest version wins,
+deletions, label selectors, and copies. That the operator then makes no per-event read
+is proven on a real API server (tests/controlplane/test_operator.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rlhf_operator.controller.cache import CachedKube, ObjectCache, matches
+
+
+def pod(name: str, version: int, job: str = "a", namespace: str = "ns") -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "resourceVersion": str(version),
+            "labels": {"rlhf.dev/job": job},
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+def test_a_late_event_does_not_undo_a_newer_write() -> None:
+    cache = ObjectCache(frozenset({"Pod"}))
+    cache.observe("Pod", None, pod("p", 7))  # a write's answer
+    cache.observe("Pod", "MODIFIED", pod("p", 5) | {"status": {"phase": "Pending"}})
+    found = cache.get("Pod", "ns", "p")
+    assert found is not None and found["metadata"]["resourceVersion"] == "7"
+    assert found["kind"] == "Pod"  # list items and kopf bodies may lack it
+    cache.observe("Pod", "MODIFIED", pod("p", 9) | {"status": {"phase": "Failed"}})
+    assert (cache.get("Pod", "ns", "p") or {})["status"]["phase"] == "Failed"
+
+
+def test_a_deletion_removes_the_object_unless_a_newer_one_is_known() -> None:
+    cache = ObjectCache(frozenset({"Pod"}))
+    cache.observe("Pod", None, pod("p", 3))
+    cache.observe("Pod", "DELETED", pod("p", 4))
+    assert cache.get("Pod", "ns", "p") is None and len(cache) == 0
+    cache.observe("Pod", "ADDED", pod("q", 10))  # made again under the same name: newer
+    cache.observe("Pod", "DELETED", pod("q", 8))  # the old one's deletion, late
+    assert cache.get("Pod", "ns", "q") is not None
+
+
+def test_a_list_selects_by_namespace_and_labels_and_returns_copies() -> None:
+    cache = ObjectCache(frozenset({"Pod"}))
+    for name, job, namespace in [("a1", "a", "ns"), ("a2", "a", "ns"), ("b1", "b", "ns"),
+                                 ("a3", "a", "other")]:  # fmt: skip
+        cache.observe("Pod", "ADDED", pod(name, 1, job, namespace))
+    found = cache.list("Pod", "ns", "rlhf.dev/job=a")
+    assert sorted(p["metadata"]["name"] for p in found) == ["a1", "a2"]
+    found[0]["status"]["phase"] = "Changed"  # the reconcile may change what it reads
+    again = cache.list("Pod", "ns", "rlhf.dev/job=a")
+    assert {p["status"]["phase"] for p in again} == {"Running"}
+    assert cache.list("Pod", "nowhere", "rlhf.dev/job=a") == []
+
+
+def test_selectors_are_equality_terms_only() -> None:
+    labels = {"rlhf.dev/job": "a", "app": "x"}
+    assert matches(labels, "rlhf.dev/job=a,app=x")
+    assert not matches(labels, "rlhf.dev/job=a,app=y")
+    assert not matches({}, "rlhf.dev/job=a")
+    for unsupported in ("rlhf.dev/job", "rlhf.dev/job!=a", "app in (x)"):
+        with pytest.raises(ValueError, match="only key=value terms"):
+            matches(labels, unsupported)
+
+
+class NoApiServer:
+    """Stands in for the ApiClient where a test proves no request is made: any use fails."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the API server was asked ({name})")
+
+
+def test_reads_of_cached_kinds_make_no_request() -> None:
+    cache = ObjectCache(frozenset({"Pod", "RayJob"}))
+    cache.observe("RayJob", "ADDED", pod("j", 1) | {"spec": {"suspend": False}})
+    cache.observe("Pod", "ADDED", pod("p", 1))
+    kube = CachedKube(NoApiServer(), cache)
+    assert (kube.get("RayJob", "ns", "j") or {})["spec"] == {"suspend": False}
+    assert [p["metadata"]["name"] for p in kube.list("Pod", "ns", "rlhf.dev/job=a")] == ["p"]
+    with pytest.raises(AssertionError, match="the API server was asked"):
+        kube.get("RayCluster", "ns", "c")  # not cached: asked
+    with pytest.raises(AssertionError, match="the API server was asked"):
+        kube.get("RayJob", "ns", "missing")  # a miss: asked
