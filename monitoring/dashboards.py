@@ -404,6 +404,19 @@ OPERATOR = Dashboard(
                     "Jobs waiting to be reconciled.",
                     ("sum(rlhf_operator_queue_depth)", "queued"),
                 ),
+                chart(
+                    "API server requests",
+                    "What the operator asks of the Kubernetes API server, by verb and kind. "
+                    "It reads jobs, pods and children from its watches: reads here are "
+                    "misses (a child just made), the RayCluster of a pool resized in place, "
+                    "and Kueue's Workloads.",
+                    (
+                        "sum by (verb, kind) "
+                        "(rate(rlhf_operator_api_requests_total[$__rate_interval]))",
+                        "{{verb}} {{kind}}",
+                    ),
+                    unit="reqps",
+                ),
             ),
         ),
     ),
