@@ -14,6 +14,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from .harness import ControlPlane, free_ports
 
 
@@ -77,12 +79,13 @@ class OperatorProcess:
             log.seek(self._log_start)
             return log.read().decode(errors="replace")
 
-    def metric(self, name: str) -> float:
-        """The value of a sample as /metrics writes it, e.g. a histogram's _count, or
-        `name{label="value",...}` with its labels in their declared order (0 if absent)."""
-        for line in self._get("/metrics")[1].splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the sample `name` with exactly these labels, e.g. a histogram's
+        _count (0 if it has none yet)."""
+        for family in text_string_to_metric_families(self._get("/metrics")[1]):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
         return 0.0
 
     def kill(self) -> None:
