@@ -168,23 +168,21 @@ def test_example_runs_each_pool_on_its_own_node_group(
     cp.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=true")
     eventually(lambda: get(cp, "rayjob", name, namespace) is None and not worker_pods(cp, name, namespace),
                "garbage collection of the RayJob and its pods")  # fmt: skip
+    assert_reads_come_from_the_watches(operator)
 
 
-def test_the_operator_reads_pods_and_children_from_its_watches_not_per_event(
-    operator: OperatorProcess,
-) -> None:
-    """After the examples' jobs ran, their pods went Running and were deleted (above):
-    many reconciles, and not one LIST of pods or Deployments (a reconcile used to LIST a
-    job's pods at every event)."""
+def assert_reads_come_from_the_watches(operator: OperatorProcess) -> None:
+    """Its pods went Running and were deleted: many reconciles, and not one LIST of pods
+    (a reconcile used to LIST a job's pods, and GET each child, at every event)."""
 
     def requests(verb: str, kind: str) -> float:
         return operator.metric("rlhf_operator_api_requests_total", verb=verb, kind=kind)
 
-    assert operator.metric("rlhf_operator_reconcile_duration_seconds_count") >= 20
-    assert requests("create", "RayJob") >= len(CLUSTER_EXAMPLES)  # requests are counted
+    assert operator.metric("rlhf_operator_reconcile_duration_seconds_count") >= 10
+    assert requests("create", "RayJob") >= 1  # requests are counted
     assert requests("list", "Pod") == 0
-    # Children exist once made: each reconcile after that checks them in memory.
-    assert requests("get", "ConfigMap") <= 2 * len(CLUSTER_EXAMPLES)
+    # A child is read from the API server only when the cache misses it (just made).
+    assert requests("get", "ConfigMap") <= 2 * requests("create", "RayJob")
 
 
 def test_the_same_event_again_is_counted_on_the_one_already_posted(
@@ -204,7 +202,7 @@ def test_the_same_event_again_is_counted_on_the_one_already_posted(
         recorder.post(job, "Unschedulable", stuck, warning=True)
     recorder.post(job, "Unschedulable", placed, warning=True)
     recorder.post(job, "Unschedulable", stuck, warning=False)  # another type: another Event
-    assert posted() == [("Normal", stuck, 1), ("Warning", placed, 1), ("Warning", stuck, 3)]
+    assert posted() == sorted([("Warning", stuck, 3), ("Warning", placed, 1), ("Normal", stuck, 1)])
     # Gone (Events expire after an hour): the next one is posted afresh.
     cp.kubectl("delete", "events", "-n", namespace, "--all")
     recorder.post(job, "Unschedulable", stuck, warning=True)
