@@ -289,13 +289,13 @@ class Reconciler:
             )
 
     def _write_status(self, job: Obj, old: RLHFJobStatus, new: RLHFJobStatus) -> None:
-        """Patch status only when it changed; leave the trainer's `training` alone."""
+        """Patch status only when it changed; leave the trainer's `training` alone. The
+        events that say what changed are posted first: once the status shows a change,
+        its event is there (an operator that dies in between posts it again, rather than
+        never; Events aggregate)."""
         mine, before = _without_training(new), _without_training(old)
         if mine == before:
             return
-        meta = job["metadata"]
-        self.kube.patch("RLHFJob", meta["namespace"], meta["name"], {"status": mine},
-                        subresource="status")  # fmt: skip
         invalid = _invalid_message(new)
         if new.phase != old.phase or invalid != _invalid_message(old):
             warning = bool(invalid) or new.phase in WARNING_PHASES
@@ -306,6 +306,9 @@ class Reconciler:
         for (kind, reason), message in warnings(new).items():
             if said.get((kind, reason)) != message:
                 self.events.post(job, reason, message, warning=True)
+        meta = job["metadata"]
+        self.kube.patch("RLHFJob", meta["namespace"], meta["name"], {"status": mine},
+                        subresource="status")  # fmt: skip
 
 
 def _replica_ops(live: list[Obj], wanted: list[Obj], at: str) -> list[dict[str, Any]]:
