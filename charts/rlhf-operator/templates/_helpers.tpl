@@ -74,7 +74,7 @@ in the chart's README. No wildcards, no Secrets, and no delete but of a failed R
   verbs: [list, watch]
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, patch]  # patch: a repeated Event is counted on the one posted
 # Kueue (spec.queueName): read why a job waits; deactivate it while suspended.
 - apiGroups: [kueue.x-k8s.io]
   resources: [workloads]

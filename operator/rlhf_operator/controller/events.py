@@ -66,12 +66,13 @@ class EventRecorder:
 
     def _bump(self, key: _Key, seen: tuple[str, str, int], now: str) -> bool:
         """Count the Event posted before once more; False if it is gone (Events expire
-        after an hour, by default)."""
+        after an hour, by default) or may not be patched (a Role from before the
+        operator aggregated): then a new one is posted."""
         namespace, name, count = seen
         try:
             self.kube.patch("Event", namespace, name, {"count": count + 1, "lastTimestamp": now})
         except ApiException as error:
-            if error.status != 404:
+            if error.status not in (403, 404):
                 raise
             return False
         self._remember(key, (namespace, name, count + 1))
