@@ -2,9 +2,9 @@
 
 Every event about a job or one of its children (found by the job label) is kept in a
 cache (the reconcile reads from it) and puts the job's key on a work queue; workers take
-keys and run one level-based reconcile each. No
-finalizers (deleting a job never waits for the operator) and no timers: a deleted
-child, a pod becoming ready or KubeRay updating its RayJob is itself an event.
+keys and run one level-based reconcile each. No finalizers (deleting a job never waits
+for the operator) and no timers: a deleted child, a pod becoming ready or KubeRay
+updating its RayJob is itself an event.
 """
 
 from __future__ import annotations
