@@ -30,6 +30,15 @@ def test_a_late_event_does_not_undo_a_newer_write() -> None:
     found = cache.get("Pod", "ns", "p")
     assert found is not None and found["metadata"]["resourceVersion"] == "7"
     assert found["kind"] == "Pod"  # list items and kopf bodies may lack it
+    cache.observe(
+        "Pod",
+        "MODIFIED",
+        pod("p", 8)
+        | {"metadata": pod("p", 8)["metadata"] | {"managedFields": [{"manager": "kubelet"}]}},
+    )
+    assert (
+        "managedFields" not in (cache.get("Pod", "ns", "p") or {})["metadata"]
+    )  # never read: not kept
     cache.observe("Pod", "MODIFIED", pod("p", 9) | {"status": {"phase": "Failed"}})
     assert (cache.get("Pod", "ns", "p") or {})["status"]["phase"] == "Failed"
 

@@ -54,9 +54,11 @@ class ObjectCache:
 
     def observe(self, kind: str, event_type: str | None, obj: Obj) -> None:
         """A watch event (`event_type` None: kopf's initial listing) or a write's answer."""
-        # A list's items carry no kind; kopf's bodies are its own to change.
+        # A list's items carry no kind; kopf's bodies are its own to change; managedFields
+        # (who set which field) are often the object's largest part, and never read.
         obj = {**copy.deepcopy(obj), "kind": kind}
         meta = obj["metadata"]
+        meta.pop("managedFields", None)
         with self._lock:
             names = self._objects[kind].setdefault(meta["namespace"], {})
             known = names.get(meta["name"])
