@@ -16,8 +16,9 @@ that follow bring the reconcile that sees them.
 
 from __future__ import annotations
 
-import copy
+import json
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from rlhf_operator.controller.kube import MERGE_PATCH, Kube, Obj
@@ -25,10 +26,24 @@ from rlhf_operator.controller.kube import MERGE_PATCH, Kube, Obj
 DELETED = "DELETED"
 
 
-def _version(obj: Obj) -> int:
-    """The object's resourceVersion as a number (etcd's revision); -1 if it has none."""
-    version = str(obj["metadata"].get("resourceVersion") or "")
-    return int(version) if version.isdigit() else -1
+@dataclass(frozen=True)
+class _Stored:
+    """One object as JSON: a tenth of the memory of its dicts, and each read parses a
+    fresh copy (the reconcile may change what it reads)."""
+
+    version: int  # its resourceVersion as a number (etcd's revision); -1 if none
+    labels: dict[str, str]
+    json: str
+
+    @classmethod
+    def of(cls, obj: Obj) -> _Stored:
+        version = str(obj["metadata"].get("resourceVersion") or "")
+        labels = dict(obj["metadata"].get("labels") or {})
+        return cls(int(version) if version.isdigit() else -1, labels, json.dumps(obj))
+
+    def object(self) -> Obj:
+        obj: Obj = json.loads(self.json)
+        return obj
 
 
 def matches(labels: dict[str, str], selector: str) -> bool:
@@ -50,38 +65,37 @@ class ObjectCache:
         self.kinds = kinds
         self._lock = threading.Lock()
         # kind -> namespace -> name -> object
-        self._objects: dict[str, dict[str, dict[str, Obj]]] = {kind: {} for kind in kinds}
+        self._objects: dict[str, dict[str, dict[str, _Stored]]] = {kind: {} for kind in kinds}
 
     def observe(self, kind: str, event_type: str | None, obj: Obj) -> None:
         """A watch event (`event_type` None: kopf's initial listing) or a write's answer."""
-        # A list's items carry no kind; kopf's bodies are its own to change; managedFields
-        # (who set which field) are often the object's largest part, and never read.
-        obj = {**copy.deepcopy(obj), "kind": kind}
-        meta = obj["metadata"]
-        meta.pop("managedFields", None)
+        # A list's items carry no kind. managedFields (who set which field) are often an
+        # object's largest part, and never read.
+        meta = {k: v for k, v in obj["metadata"].items() if k != "managedFields"}
+        stored = _Stored.of({**obj, "kind": kind, "metadata": meta})
         with self._lock:
             names = self._objects[kind].setdefault(meta["namespace"], {})
             known = names.get(meta["name"])
-            if known is not None and _version(obj) < _version(known):
+            if known is not None and stored.version < known.version:
                 return  # older than what a write already stored
             if event_type == DELETED:
                 names.pop(meta["name"], None)
             else:
-                names[meta["name"]] = obj
+                names[meta["name"]] = stored
 
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         with self._lock:
             found = self._objects[kind].get(namespace, {}).get(name)
-        return copy.deepcopy(found)  # the caller may change what it reads
+        return None if found is None else found.object()
 
     def list(self, kind: str, namespace: str, selector: str) -> list[Obj]:
         with self._lock:
             found = [
-                obj
-                for obj in self._objects[kind].get(namespace, {}).values()
-                if matches(obj["metadata"].get("labels") or {}, selector)
+                stored
+                for stored in self._objects[kind].get(namespace, {}).values()
+                if matches(stored.labels, selector)
             ]
-        return copy.deepcopy(found)
+        return [stored.object() for stored in found]
 
     def __len__(self) -> int:
         with self._lock:
