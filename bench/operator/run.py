@@ -1,13 +1,13 @@
 """Benchmark: create -> child latency of our operator against KubeRay's own, in one run.
 
-On one real control plane (tests/controlplane), for N = 1, 100, 500:
+On one real control plane (tests/controlplane), for N = 1, 100, 500, 1000:
   ours:    create N RLHFJobs, time until each one's RayJob appears (watch ADDED);
   kuberay: create N RayJobs, time until each one's RayCluster appears.
 N = 1 is one job at a time, ROUNDS_OF_ONE times, ours and KubeRay's alternating (one
 sample of a single job is noise). Jobs are created with suspend: true so KubeRay does
 not start pods for them; the KubeRay side uses our rendered RayJob unsuspended, so
 KubeRay does its usual work. Prints one JSON line per N, with the operator's peak RSS so
-far. Run: make bench-operator (about 10 minutes); sizes can be given: `... run 1 100`.
+far. Run: make bench-operator (about 25 minutes); sizes can be given: `... run 1 100`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tests.controlplane.harness import ControlPlane
 from tests.controlplane.operator_process import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[2]
-SIZES = [int(n) for n in sys.argv[1:]] or [1, 100, 500]
+SIZES = [int(n) for n in sys.argv[1:]] or [1, 100, 500, 1000]
 CLIENT_THREADS = 8
 ROUNDS_OF_ONE = 20
 
