@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from rlhf_trainer.algo.experience import Episode, Rollout
 from rlhf_trainer.cluster.queue import spawn_queue
-from rlhf_trainer.loop.elastic_rollout import EngineLedger
+from rlhf_trainer.loop.elastic_rollout import EngineLedger, start_retry_delay
 from rlhf_trainer.loop.fully_async import AsyncState
 from rlhf_trainer.rollout.queue import (
     MIN_REMEMBERED_UIDS,
@@ -270,6 +270,11 @@ def test_ledger_knows_what_each_engine_holds_until_it_is_taken() -> None:
     ledger.assign([2], [[(0, 5, [1])]])  # given to engine 2 instead
     assert ledger.held_by([0]) == [] and ledger.held_by([2]) == [0, 2]
     assert len(ledger) == 2
+
+
+def test_engines_that_could_not_start_wait_longer_at_each_failure_up_to_a_limit() -> None:
+    delays = [start_retry_delay(failures) for failures in range(1, 8)]
+    assert delays == [30, 60, 120, 240, 480, 600, 600]
 
 
 def test_never_a_partial_batch() -> None:

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.cluster.groups import WorkerGroup, finished, join
 from rlhf_trainer.cluster.hangs import RanksLost
-from rlhf_trainer.cluster.placement import PlacementTimeout
+from rlhf_trainer.cluster.placement import PlacementTimeout, WorkerSlot
 from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.rollout.queue import Admitted
 from rlhf_trainer.rollout.streaming import StreamingRollout
@@ -36,6 +38,24 @@ log = logging.getLogger(__name__)
 
 # The timeline's marks of the rollout pool changing: the spans of the work it took.
 ENGINES_LOST, ENGINES_JOINED = "engines_lost", "engines_joined"
+# Engines that could not start are started again in their slots after this, doubled
+# at each failure in a row, up to the most: a node that cannot hold one (a broken GPU,
+# an image that will not pull) costs a try now and then, not a busy loop or the run.
+START_RETRY_S = 30.0
+START_RETRY_MAX_S = 600.0
+
+
+def start_retry_delay(failures: int) -> float:
+    """Seconds to wait before starting engines again after `failures` failures in a row."""
+    return float(min(START_RETRY_MAX_S, START_RETRY_S * 2 ** (failures - 1)))
+
+
+@dataclass(frozen=True)
+class StartRetry:
+    """Slots whose engines could not start, to start again once `due` (monotonic s)."""
+
+    slots: tuple[WorkerSlot, ...]
+    due: float
 
 
 class EngineLedger:
@@ -77,6 +97,8 @@ class ElasticRollout:
         self.ledger = EngineLedger()
         self.lost = 0  # engines lost so far
         self.joining: list[WorkerGroup] = []  # engines starting in the background
+        self.retries: list[StartRetry] = []  # engines that could not start, to start again
+        self.start_failures: dict[tuple[WorkerSlot, ...], int] = {}  # in a row, by slots
         # Told the ranks of engines lost, once the others are the group (the evaluation
         # asks them again what the lost ones were answering).
         self.on_lost: list[Callable[[Sequence[int]], None]] = []
@@ -93,34 +115,55 @@ class ElasticRollout:
         return RanksLost(Role.ROLLOUT, self.group.pool, dead) if dead else None
 
     def lose(self, lost: RanksLost) -> tuple[list[int], list[Admitted]]:
-        """Go on without the engines of `lost`; raises it when none is left. Returns the
-        positions, in the group before, of the engines that go on, and what the lost
-        ones owed (to admit again)."""
+        """Go on without the engines of `lost`, and without any more that die while
+        that is done: in rounds, until a round ends with every engine that serves alive.
+        Raises RanksLost (naming every engine lost) when none is left. Returns the ranks
+        lost, and what they owed (to admit again)."""
+        gone: list[int] = []
+        dying = list(lost.ranks)
+        with self.core.timeline.span(self.group.pool, Role.ROLLOUT, ENGINES_LOST):
+            while dying:
+                gone += dying
+                self.drop(dying)
+                try:
+                    self.regroup()
+                except Exception:  # a call met one more that died (or stopped)
+                    if not (dying := self.group.dead_ranks()):
+                        raise
+                    continue
+                dying = self.group.dead_ranks()
+            owed = join([self.queue.not_received.remote(self.ledger.held_by(gone))])[0]
+        log.warning("%s: going on with %d engine(s); %d sample(s) they owed are generated "
+                    "again on them", RanksLost(Role.ROLLOUT, self.group.pool, gone),
+                    self.group.world_size, len(owed))  # fmt: skip
+        self.lost += len(gone)
+        self.count()
+        self.metrics.samples_readmitted.inc(len(owed))
+        return gone, self.ledger.admitted(owed)
+
+    def drop(self, ranks: list[int]) -> None:
+        """The engines of `ranks` out of the group, for good (one that only stopped
+        answering must not come back and generate), and new ones started in their
+        slots; those who listen are told."""
         before = self.group
-        serving = before.without(lost.ranks)
+        serving = before.without(ranks)
         if serving.world_size == 0:
-            raise lost
-        # For good: one that only stopped answering must not come back and generate.
+            raise RanksLost(Role.ROLLOUT, before.pool, ranks)
         gone = before.without(serving.ranks)
         gone.shutdown(grace_s=0)
         self.start(self.core.groups.respawn(Role.ROLLOUT, gone.slots, *self.worker))
+        self.core.groups.replace(serving)
+        for listener in self.on_lost:
+            listener(ranks)
+
+    def regroup(self) -> None:
+        """The weight transfer set up again for the engines that serve; an update a
+        failed push left open on them is closed unserved (paused until the next push:
+        never half loaded)."""
         weight_sync = self.core.weight_sync
-        with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_LOST):
-            self.core.groups.replace(serving)
-            for listener in self.on_lost:
-                listener(lost.ranks)
-            weight_sync.wait_for_engines()  # the calls below would queue behind theirs
-            # Paused until the next push, if a push was under way: never half loaded.
-            join(serving.run("abandon_weight_update"), weight_sync.timeout_s)
-            weight_sync.reopen(serving)
-            owed = join([self.queue.not_received.remote(self.ledger.held_by(lost.ranks))])[0]
-        log.warning("%s: going on with %d engine(s); %d sample(s) it owed are generated "
-                    "again on them", lost, serving.world_size, len(owed))  # fmt: skip
-        self.lost += len(lost.ranks)
-        self.count()
-        self.metrics.samples_readmitted.inc(len(owed))
-        kept = [i for i, rank in enumerate(before.ranks) if rank not in lost.ranks]
-        return kept, self.ledger.admitted(owed)
+        weight_sync.wait_for_engines()  # the calls below would queue behind theirs
+        join(self.group.run("abandon_weight_update"), weight_sync.timeout_s)
+        weight_sync.reopen(self.group)
 
     @property
     def worker(self) -> tuple[Any, ...]:
@@ -137,7 +180,8 @@ class ElasticRollout:
 
     def ready_to_join(self) -> WorkerGroup | None:
         """The engines started in the background that are up, as one group (None if
-        none is). Starts engines on the pool's free GPUs first, if there are any."""
+        none is). Starts engines on the pool's free GPUs first, if there are any, and
+        again in the slots of those that could not start, once their wait is over."""
         try:
             more = self.core.groups.start_more(self.core.plan, Role.ROLLOUT, *self.worker)
         except PlacementTimeout as error:  # Ray gave them to a lost engine's bundle first
@@ -145,12 +189,34 @@ class ElasticRollout:
             more = None
         self.start([more] if more is not None else [])
         up = [group for group in self.joining if finished(group.ready)]
-        if not up:
-            return None
         self.joining = [group for group in self.joining if group not in up]
-        for group in up:
-            join(group.ready)  # an engine that could not start fails the run, saying why
-        return functools.reduce(WorkerGroup.joined, up)
+        started = [group for group in up if self.started(group)]
+        now = time.monotonic()
+        due = [retry for retry in self.retries if retry.due <= now]
+        self.retries = [retry for retry in self.retries if retry.due > now]
+        for retry in due:
+            self.start(self.core.groups.respawn(Role.ROLLOUT, retry.slots, *self.worker))
+        self.count()
+        return functools.reduce(WorkerGroup.joined, started) if started else None
+
+    def started(self, group: WorkerGroup) -> bool:
+        """Whether the engines of `group` (whose start has ended) are up. If not, they
+        are shut down, and started again in their slots after a wait (`StartRetry`)."""
+        try:
+            join(group.ready)
+        except Exception as error:  # its process died, or its engine could not be built
+            failures = self.start_failures.get(group.slots, 0) + 1
+            self.start_failures[group.slots] = failures
+            delay = start_retry_delay(failures)
+            group.shutdown(grace_s=0)
+            self.retries.append(StartRetry(group.slots, time.monotonic() + delay))
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            log.warning("rollout rank(s) %s could not start on pool %s (%s); starting "
+                        "again in their slots in %.0f s", list(group.ranks), group.pool,
+                        reason, delay)  # fmt: skip
+            return False
+        self.start_failures.pop(group.slots, None)
+        return True
 
     def join(self, joining: WorkerGroup) -> None:
         """Take the engines of `joining` in (between the trainer's calls to the engines)."""
@@ -166,4 +232,5 @@ class ElasticRollout:
         pool, engines = self.group.pool, self.metrics.rollout_engines
         engines.labels(pool, "serving").set(self.group.world_size)
         engines.labels(pool, "lost").set(self.lost)
-        engines.labels(pool, "joining").set(sum(group.world_size for group in self.joining))
+        starting = sum(group.world_size for group in self.joining)
+        engines.labels(pool, "joining").set(starting + sum(len(r.slots) for r in self.retries))

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.cluster.groups import WorkerGroup, join, join_watching
-from rlhf_trainer.cluster.hangs import RanksLost
+from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.elastic_rollout import ElasticRollout
@@ -38,6 +38,8 @@ from rlhf_trainer.telemetry.metrics import TrainerMetrics
 log = logging.getLogger(__name__)
 
 QUEUE_TIMEOUT_S = 3600.0  # a batch that takes longer to generate than this is a fault
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -88,9 +90,9 @@ class AsyncPPOTrainer:
         # Groups taken from the queue (to train, or dropped): admitted ones not taken
         # are outstanding, queued or in flight, which no engine needs asking.
         self.groups_taken = 0
-        # The engines' admissions after the last sync: the trainer goes on without
-        # waiting for them, and waits before its next sync.
-        self.rollout_pending: list[Any] = []
+        # The engines' admissions since the last wait, by engine rank: the trainer goes
+        # on without waiting for them, and waits before its next sync.
+        self.rollout_pending: list[tuple[int, Any]] = []
         self.elastic = ElasticRollout(core, queue, metrics)
 
     @property
@@ -168,25 +170,37 @@ class AsyncPPOTrainer:
         timing, and the update must not depend on it (at staleness 0 a run is then
         reproducible, and a resumed one replays by value)."""
         taken = self.queue.get_batch.remote(groups * self.group_size, QUEUE_TIMEOUT_S)
-        while True:
-            try:
-                # An engine that dies fills the queue no more: go on without it at once.
-                samples: list[Sample] | None = join_watching(taken, self.rollout)
-                break
-            except RanksLost as lost:
-                self.lose_engines(lost)
+        # An engine that dies fills the queue no more: go on without it at once.
+        samples = self.surviving(lambda: join_watching(taken, self.rollout), "the batch's wait")
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         self.groups_taken += groups
         self.elastic.ledger.taken(s.uid for s in samples)
         return sorted(samples, key=lambda sample: sample.uid)
 
+    def surviving(
+        self, calls: Callable[[], T], what: str, lost_in: type[Exception] = RankDied
+    ) -> T:
+        """`calls` to the engines, made again after each loss of engines they meet: an
+        engine whose process died (RankDied; with `lost_in`, any failure while an
+        engine is found dead) is dropped and what it owed given to the others
+        (`lose_engines`). A failure with every engine alive is raised, and so is the
+        loss of the last one. `what` names the calls in the log."""
+        while True:
+            try:
+                return calls()
+            except lost_in:
+                if (lost := self.elastic.dead()) is None:
+                    raise
+                self.lose_engines(lost)
+            log.warning("%s failed on the engine(s) lost; again on those that serve", what)
+
     def lose_engines(self, lost: RanksLost) -> None:
         """Go on with the engines that live, and admit what the lost ones owed to them
-        (`ElasticRollout.lose`); raises `lost` when no engine is left."""
-        kept, owed = self.elastic.lose(lost)
-        if self.rollout_pending:
-            self.rollout_pending = [self.rollout_pending[i] for i in kept]
+        (`ElasticRollout.lose`, which also takes any that die meanwhile); raises
+        RanksLost when no engine is left."""
+        gone, owed = self.elastic.lose(lost)
+        self.rollout_pending = [(r, call) for r, call in self.rollout_pending if r not in gone]
         self.admit_again(owed)
 
     def change_engines(self) -> None:
@@ -218,19 +232,24 @@ class AsyncPPOTrainer:
         )
 
     def admit_again(self, admitted: list[Admitted]) -> None:
+        """Give `admitted` to the engines that serve, in even shards. An engine runs
+        its calls in order, so no admission waits for another."""
         rollout = self.rollout
         if admitted:
             shards = split_list(admitted, rollout.world_size)
             self.elastic.ledger.assign(rollout.ranks, shards)
-            self.rollout_pending = rollout.run_each(
-                "admit", shards, after=self.rollout_pending or None
-            )
+            calls = rollout.run_each("admit", shards)
+            self.rollout_pending += zip(rollout.ranks, calls, strict=True)
 
     def wait_for_rollout(self) -> None:
-        """Wait for the admissions since the last sync (raising what they raised);
-        they return at once."""
-        pending, self.rollout_pending = self.rollout_pending, []
-        join(pending, self.core.weight_sync.timeout_s)
+        """Wait for the admissions since the last wait (they return at once); an engine
+        that died in one is lost, and what it owed admitted again."""
+
+        def wait() -> None:
+            join([call for _, call in self.rollout_pending], self.core.weight_sync.timeout_s)
+            self.rollout_pending = []
+
+        self.surviving(wait, "the admissions")
 
     def sync_weights(self) -> None:
         """Hand the new policy to the engines; in-flight requests continue on it
@@ -238,11 +257,10 @@ class AsyncPPOTrainer:
         Then admit what the staleness limit allows."""
         started = time.time()
         self.change_engines()
-        rollout = self.rollout
         assert self.config.async_ is not None
         if not self.config.async_.partial_rollout:
             self.wait_for_rollout()
-            join(rollout.run("drain"))
+            self.surviving(lambda: join(self.rollout.run("drain")), "the drain")
         self.push_weights()
         self.metrics.weight_sync_seconds.observe(time.time() - started)
         self.admission.on_weight_sync(self.admission.admitted_total - self.groups_taken)
@@ -251,26 +269,26 @@ class AsyncPPOTrainer:
     def push_weights(self) -> None:
         """Hand the actor's weights to the engines. Each pauses only while it loads
         them (its requests in flight keep their tokens), then goes on with them. An
-        engine lost in the push fails it; the others then take it again whole."""
-        self.wait_for_rollout()
-        while True:
-            try:
-                self.core.weight_sync.push(self.core.policy_version)
-                return
-            except Exception:
-                if (lost := self.elastic.dead()) is None:
-                    raise
-                self.lose_engines(lost)  # raises `lost` when none is left
-            log.warning("the weight push to v%d failed on the engine(s) lost; pushing "
-                        "again to those that serve", self.core.policy_version)  # fmt: skip
-            self.wait_for_rollout()  # the admissions of what the lost ones owed
+        engine lost in the push fails it (whatever the error then: the transfer's own,
+        or a peer's); the others then take it again whole."""
+
+        def push() -> None:
+            self.wait_for_rollout()  # with the admissions of what lost ones owed
+            self.core.weight_sync.push(self.core.policy_version)
+
+        self.surviving(push, f"the weight push to v{self.core.policy_version}", Exception)
 
     def checkpoint_state(self) -> AsyncState:
-        """Pause, and take the queue and the prompts in flight (call between steps)."""
-        rollout = self.rollout
-        self.wait_for_rollout()
-        join(rollout.run("pause"))
-        in_flight = [a for rank in join(rollout.run("snapshot")) for a in rank]
+        """Pause, and take the queue and the prompts in flight (call between steps). An
+        engine lost meanwhile is dropped, and the prompts it held are in flight on the
+        others by the time they are taken."""
+
+        def paused_in_flight() -> list[Admitted]:
+            self.wait_for_rollout()
+            join(self.rollout.run("pause"))
+            return [a for rank in join(self.rollout.run("snapshot")) for a in rank]
+
+        in_flight = self.surviving(paused_in_flight, "the checkpoint's pause")
         queued = join([self.queue.snapshot.remote()])[0]
-        join(rollout.run("resume"))
+        self.surviving(lambda: join(self.rollout.run("resume")), "the resume after a checkpoint")
         return AsyncState(self.admission.state(), queued, in_flight)
