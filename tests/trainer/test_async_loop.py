@@ -235,6 +235,9 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     - As the checkpoint after step 12 starts, the first engine that serves dies: the
       checkpoint's pause finds it, and the prompts it held are in flight on the others
       in the checkpoint. An engine (7) starts in its bundle.
+    - The push after step 14 misses the first engine that serves, which is then told
+      it serves the new version: its samples of step 15 carry the right label on the
+      weights before. The log-probs must show it, there and nowhere else.
 
     Through all of it, nothing is trained twice or lost, and each engine, once up, takes
     the current weights at a sync and then prompts. Each fault lands on an event (the
