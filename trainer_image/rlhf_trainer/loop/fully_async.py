@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.cluster.groups import WorkerGroup, join, join_watching
 from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.data.prompts import Prompt, PromptStream
@@ -189,8 +189,10 @@ class AsyncPPOTrainer:
         while True:
             try:
                 return calls()
-            except lost_in:
-                if (lost := self.elastic.dead()) is None:
+            except lost_in as error:
+                # Engines found lost already (silent for a minute, say) need no new look.
+                lost = error if isinstance(error, RanksLost) else self.elastic.dead()
+                if lost is None or lost.role != Role.ROLLOUT:
                     raise
                 self.lose_engines(lost)
             log.warning("%s failed on the engine(s) lost; again on those that serve", what)
