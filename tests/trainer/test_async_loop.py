@@ -43,6 +43,7 @@ GROUP = 2  # samples per prompt in the resume test
 ELASTIC_STEPS = 16
 LOG_PROB_TOLERANCE = 1e-4  # float32 kernels of vLLM and torch (test_ppo_loop.py)
 MISSED_PUSH = 14  # the elastic run's push that one engine misses (its label does not)
+CHECKPOINT_STEP = 12  # the elastic run's checkpoint, where an engine is lost
 
 
 def uids(steps: list[StepResult]) -> list[int]:
@@ -232,9 +233,10 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
       in one step. The run goes on with engine 4 alone. New engines start in their
       bundles: on node 0 (6), and once Ray has found the node dead and a replacement
       has joined, on it (5).
-    - As the checkpoint after step 12 starts, the first engine that serves dies: the
-      checkpoint's pause finds it, and the prompts it held are in flight on the others
-      in the checkpoint. An engine (7) starts in its bundle.
+    - The first engine that serves holds its prompts of step 13 frozen (paused), and
+      dies as the checkpoint after step 12 starts: the checkpoint's pause finds it, and
+      the prompts it held are in flight on the others in the checkpoint. An engine (7)
+      starts in its bundle.
     - The push after step 14 misses the first engine that serves, which is then told
       it serves the new version: its samples of step 15 carry the right label on the
       weights before. The log-probs must show it, there and nowhere else.
@@ -256,7 +258,7 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     from rlhf_trainer.loop.weights import WeightSync
 
     spec = local_async_job(
-        staleness=0, total_steps=ELASTIC_STEPS, checkpoint_dir=tmp_path, every_steps=12
+        staleness=0, total_steps=ELASTIC_STEPS, checkpoint_dir=tmp_path, every_steps=CHECKPOINT_STEP
     ).to_dict()
     spec["pools"][-1]["replicas"] = 2  # the rollout pool: one engine per node
     spec["trainer"]["evalEverySteps"] = 2
@@ -264,7 +266,7 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
     push, start_evaluation = WeightSync.push, Evaluator.start
     elastic_init, elastic_start = ElasticRollout.__init__, ElasticRollout.start
-    checkpoint_state = AsyncPPOTrainer.checkpoint_state
+    admit, checkpoint_state = AsyncPPOTrainer.admit, AsyncPPOTrainer.checkpoint_state
     monkeypatch.setattr(elastic_rollout, "START_RETRY_S", 0.0)  # at the next sync
     elastic: list[ElasticRollout] = []
     events: list[str] = []  # the faults, in the order they landed
@@ -333,6 +335,13 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
             if events[-1].startswith("push"):  # the node's loss: its engine is out
                 kill_rank(rollout.group, 0, "loss")
 
+        def admit_and_hold_them_on_one(trainer: AsyncPPOTrainer) -> None:
+            """The prompts of the step after the checkpoint: the first engine's are frozen
+            in flight on it (paused), so that it still holds them when it dies."""
+            admit(trainer)
+            if trainer.core.policy_version == CHECKPOINT_STEP:
+                join(trainer.rollout.without(trainer.rollout.ranks[1:]).run("pause"))
+
         def checkpoint_that_loses_an_engine(trainer: AsyncPPOTrainer) -> AsyncState:
             if not in_checkpoint:
                 kill_rank(trainer.rollout, 0, "checkpoint")
@@ -347,6 +356,7 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
         monkeypatch.setattr(Evaluator, "start", evaluation_that_loses_an_engine)
         monkeypatch.setattr(ElasticRollout, "start", start_that_loses_the_first_on_a_new_node)
         monkeypatch.setattr(WeightSync, "push", push_after_a_node_kill)
+        monkeypatch.setattr(AsyncPPOTrainer, "admit", admit_and_hold_them_on_one)
         monkeypatch.setattr(AsyncPPOTrainer, "checkpoint_state", checkpoint_that_loses_an_engine)
         monkeypatch.setattr(ElasticRollout, "__init__", keep)
 
@@ -387,7 +397,9 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     assert {e.prompts for e in evaluations} == {64}  # whole, the lost half answered again
     text = caplog.text
     assert re.search(r"rollout rank\(s\) \[0\] are answered again", text)
-    assert engines_lost(text) == [[0], [1, 2], [4]]
+    losses = engines_lost(text)  # (ranks, what they owed)
+    assert [ranks for ranks, _ in losses] == [[0], [1, 2], [4]]
+    assert losses[0][1] > 0 and losses[2][1] > 0  # the evaluation's and the checkpoint's
     assert len(re.findall(r"rollout rank\(s\) \[3\] could not start on pool rollout", text)) == 1
     assert len(re.findall(r"weight push to v\d+ failed on the engine", text)) == 1
     assert len(re.findall(r"the checkpoint's pause failed on the engine", text)) == 1
@@ -395,15 +407,18 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     # admitted after that step (staleness 0): those the lost engine held among them.
     saved = in_checkpoint[0]
     outstanding = {s.uid for s in saved.queued} | {uid for uid, _, _ in saved.in_flight}
-    assert sorted(outstanding) == list(range(12 * BATCH, 13 * BATCH))
+    assert sorted(outstanding) == list(
+        range(CHECKPOINT_STEP * BATCH, (CHECKPOINT_STEP + 1) * BATCH)
+    )
     registry = metrics.registry
     engines = {state: registry.get_sample_value("rlhf_rollout_engines", {"pool": "rollout",
                "state": state}) for state in ("serving", "lost", "joining")}  # fmt: skip
     assert engines == {"serving": 3, "lost": 4, "joining": 0}
     readmitted = registry.get_sample_value("rlhf_samples_readmitted_total")
     assert readmitted is not None and readmitted > 0  # the lost engines owed some
-    # Every engine that joined generated, in a lost one's bundle or on a new node.
-    for rank in ("2", "4", "5", "6", "7"):
+    # The engines that serve at the end generated: all three started in lost ones'
+    # bundles (the lost ones' series go with them).
+    for rank in ("5", "6", "7"):
         joined = {"pool": "rollout", "engine": rank}
         assert (registry.get_sample_value("rlhf_vllm_generation_tokens_total", joined) or 0) > 0
     # Each step says how many engines served; the timeline marks the changes.
@@ -413,11 +428,14 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     assert marks.count("engines_lost") == 3 and marks.count("engines_joined") >= 1, marks
 
 
-def engines_lost(log: str) -> list[list[int]]:
-    """The ranks of each loss of engines the run went on from, in order."""
-    losses = re.findall(r"^.*?((?:rollout rank \d+ on pool rollout(?:, )?)+) lost .*going on with",
-                        log, re.MULTILINE)  # fmt: skip
-    return [[int(rank) for rank in re.findall(r"rank (\d+)", loss)] for loss in losses]
+def engines_lost(log: str) -> list[tuple[list[int], int]]:
+    """Each loss of engines the run went on from, in order: their ranks, and how many
+    samples they owed."""
+    losses = re.findall(r"^.*?((?:rollout rank \d+ on pool rollout(?:, )?)+) lost .*going on "
+                        r"with \d+ engine\(s\); (\d+) sample", log, re.MULTILINE)  # fmt: skip
+    return [
+        ([int(r) for r in re.findall(r"rank (\d+)", ranks)], int(owed)) for ranks, owed in losses
+    ]
 
 
 def node_alive(node_id: str) -> bool:
