@@ -39,11 +39,11 @@ BATCH = 32  # samples a step: the local example's batchSize
 GROUP = 2  # samples per prompt in the resume test
 # The elastic run: a loss at step 2, a node joining after 3 (its engine fails to start,
 # then starts), two engines lost at the second push to three (step 7 or so), one lost
-# at the checkpoint after step 12, and steps for the last one started to generate.
+# at the checkpoint after step 11, and steps for the last one started to generate.
 ELASTIC_STEPS = 16
 LOG_PROB_TOLERANCE = 1e-4  # float32 kernels of vLLM and torch (test_ppo_loop.py)
 MISSED_PUSH = 14  # the elastic run's push that one engine misses (its label does not)
-CHECKPOINT_STEP = 12  # the elastic run's checkpoint, where an engine is lost
+CHECKPOINT_STEP = 11  # the elastic run's checkpoint, where an engine is lost (no evaluation is due)
 
 
 def uids(steps: list[StepResult]) -> list[int]:
@@ -233,8 +233,8 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
       in one step. The run goes on with engine 4 alone. New engines start in their
       bundles: on node 0 (6), and once Ray has found the node dead and a replacement
       has joined, on it (5).
-    - The first engine that serves holds its prompts of step 13 frozen (paused), and
-      dies as the checkpoint after step 12 starts: the checkpoint's pause finds it, and
+    - The first engine that serves holds its prompts of step 12 frozen (paused), and
+      dies as the checkpoint after step 11 starts: the checkpoint's pause finds it, and
       the prompts it held are in flight on the others in the checkpoint. An engine (7)
       starts in its bundle.
     - The push after step 14 misses the first engine that serves, which is then told
@@ -403,7 +403,7 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     assert len(re.findall(r"rollout rank\(s\) \[3\] could not start on pool rollout", text)) == 1
     assert len(re.findall(r"weight push to v\d+ failed on the engine", text)) == 1
     assert len(re.findall(r"the checkpoint's pause failed on the engine", text)) == 1
-    # The checkpoint after step 12 holds, queued or in flight, exactly the prompts
+    # The checkpoint after step 11 holds, queued or in flight, exactly the prompts
     # admitted after that step (staleness 0): those the lost engine held among them.
     saved = in_checkpoint[0]
     outstanding = {s.uid for s in saved.queued} | {uid for uid, _, _ in saved.in_flight}
