@@ -282,6 +282,8 @@ class WorkerGroup:
             master_addr, master_port = ray.get(hosts[0].rendezvous_address.remote())
         # All ranks at once: init_process_group blocks until the whole group has joined.
         ready = [h.setup.remote(master_addr, master_port) for h in hosts]
+        for rank, slot, host, ref in zip(ranks, slots, hosts, ready, strict=True):
+            record(ref, RankCall(role, slot.pool, rank, "setup", host))  # named if it fails
         return cls(role, slots, hosts, ready, ranks)
 
     def run(
