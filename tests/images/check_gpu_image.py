@@ -6,9 +6,11 @@ after building it:
 
 A working container of the image (from buildah's storage, never pulled) runs
 tests/images/inside_gpu_image.py as the image's user, with that script and the
-repository's examples/ mounted read-only: it imports rlhf_trainer, vLLM's CUDA build and
-vLLM's NCCL and IPC weight-transfer engines, and runs `rlhfjob validate` on every
-example. It prints one line per check; the exit status is non-zero when any failed."""
+repository's examples/ mounted read-only: it imports rlhf_trainer, vLLM's CUDA build,
+vLLM's NCCL and IPC weight-transfer engines and vLLM's CUDA kernels (over a stub of the
+NVIDIA driver's libcuda.so.1, which they link and which only a GPU node has), and runs
+`rlhfjob validate` on every example. It prints one line per check; the exit status is
+non-zero when any failed."""
 
 from __future__ import annotations
 

@@ -8,15 +8,19 @@ the GPU image's check runs the repository's script on every example, read-only."
 
 from __future__ import annotations
 
+import ctypes.util
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from collections import defaultdict
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs
 from tests.images import inside_gpu_image
 from tests.images.build import IMAGES, Image, ignore_patterns, ignored, inputs_digest
 from tests.images.check_gpu_image import SCRIPT, run_command
@@ -484,13 +488,14 @@ def test_the_gpu_image_check_runs_the_repositorys_script_on_the_examples_read_on
 def test_the_gpu_image_checks_name_every_example(tmp_path: Path) -> None:
     names = [name for name, _ in inside_gpu_image.checks(ROOT / "examples")]
     examples = sorted((ROOT / "examples").glob("*.yaml"))
-    assert names[:4] == [
+    assert names[:5] == [
         "import rlhf_trainer",
         "vLLM's CUDA build",
         "vLLM's NCCL engine",
         "vLLM's IPC engine",
+        "vLLM's CUDA kernels",
     ]
-    assert names[4:] == [f"rlhfjob validate {path}" for path in examples]
+    assert names[5:] == [f"rlhfjob validate {path}" for path in examples]
     with pytest.raises(SystemExit, match="no examples"):
         inside_gpu_image.checks(tmp_path)
 
@@ -506,4 +511,49 @@ def test_a_failed_gpu_image_check_is_named_and_the_rest_run(
     assert capsys.readouterr().out.splitlines() == [
         "FAILED  vLLM's CUDA build: ImportError: libcuda.so.1: cannot open shared object file",
         "ok      the next: seen",
+    ]
+
+
+def _no_stub_needed() -> str | None:
+    if not (shutil.which("gcc") and shutil.which("nm")):
+        return "no gcc or nm"
+    return "an NVIDIA driver is installed here" if ctypes.util.find_library("cuda") else None
+
+
+@needs(_no_stub_needed())
+def test_an_extension_that_links_the_driver_loads_over_its_stub(tmp_path: Path) -> None:
+    """As vLLM's CUDA kernels in the GPU image: an extension linked to libcuda.so.1 loads
+    where there is no driver once the stub (its functions, "no device") is loaded."""
+    linked_against, stub_folder = tmp_path / "driver", tmp_path / "stub"
+    linked_against.mkdir()
+    stub_folder.mkdir()
+    inside_gpu_image.stub_driver(["cuMemCreate", "cuCtxGetCurrent"], linked_against)
+    source = tmp_path / "ext.c"
+    source.write_text(
+        "#include <string.h>\nint cuMemCreate(void); int cuCtxGetCurrent(void);\n"
+        'int probe(void) { return cuMemCreate() + cuCtxGetCurrent() + (int)strlen(""); }\n'
+    )
+    extension = tmp_path / "ext.so"
+    compile_ = ["gcc", "-shared", "-fPIC", "-o", str(extension), str(source)]
+    subprocess.run([*compile_, f"-L{linked_against}", "-l:libcuda.so.1"], check=True)
+
+    functions = inside_gpu_image.driver_functions([extension])
+    assert functions == ["cuCtxGetCurrent", "cuMemCreate"]  # not strlen
+    stub = inside_gpu_image.stub_driver(functions, stub_folder)
+    assert stub.name == "libcuda.so.1"
+    load = (  # in a process of its own: this one keeps no libcuda.so.1
+        "import ctypes, sys\n"
+        "try:\n    ctypes.CDLL(sys.argv[1])\nexcept OSError as error:\n    print(error)\n"
+        "ctypes.CDLL(sys.argv[2], mode=ctypes.RTLD_GLOBAL)\n"
+        "print(ctypes.CDLL(sys.argv[1]).probe())\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", load, str(extension), str(stub)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert loaded.stdout.splitlines() == [
+        "libcuda.so.1: cannot open shared object file: No such file or directory",
+        "200",  # CUDA_ERROR_NO_DEVICE, twice
     ]
