@@ -137,8 +137,8 @@ POOLS = Dashboard(
                 ),
                 chart(
                     "Engines serving and lost",
-                    "Rollout engines serving, and those lost with their pod or node: "
-                    "fully async goes on without them, generating again what they owed.",
+                    "Rollout engines serving, and those lost (a vLLM engine that died, a pod "
+                    "or node gone), each replaced in its bundle; their work is done again.",
                     (series("rlhf_rollout_engines", POOL), "{{pool}} {{state}}"),
                 ),
             ),

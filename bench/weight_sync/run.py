@@ -12,6 +12,8 @@ policy of a few hundred MB, against this machine's memcpy in the same run.
                       start_weight_update, a bucket at a time into the model (vLLM's
                       layerwise reload), finish_weight_update with the version, and
                       the engine checked to serve it
+    end_to_end_ring   end_to_end_one with every tensor packed into the sender's ring,
+                      none read in place: what the in-place read saves end to end
     end_to_end_two    two real engines, the second on another simulated node: it takes
                       the buckets over gloo into a ring of its own
     memcpy            one torch copy of as many bytes, in one process: the bound
@@ -145,7 +147,7 @@ class Sender:
         address = ray.util.get_node_ip_address()
         setup = TransferSetup(address, free_port(), len(engines), remote, BUCKET_BYTES, 600.0)
         client = self.clients[name] = Client(engines)
-        kind = RingSource if name == "transfer_ring" else PolicySource
+        kind = RingSource if name.endswith("_ring") else PolicySource
         source = kind(self.model, self.tied, torch.float32)
         info = trainer_init_info(0, setup)
         self.transfers[name] = WeightTransferTrainerFactory.trainer_init(
@@ -187,9 +189,11 @@ def main() -> None:
             ray.remote(Engine).options(**on_a).remote(0),
             ray.remote(Engine).options(**on_b).remote(1),
         ]
+        engine_ring = [ray.remote(Engine).options(**on_a).remote(0)]
         nbytes = ray.get(sender.open.remote("transfer_one", copying, ()))
         ray.get(sender.open.remote("transfer_ring", copying_ring, ()))
         ray.get(sender.open.remote("end_to_end_one", engines[:1], ()))
+        ray.get(sender.open.remote("end_to_end_ring", engine_ring, ()))
         ray.get(sender.open.remote("end_to_end_two", engines, (1,)))
         flat = torch.empty(nbytes, dtype=torch.uint8)
         source = torch.empty_like(flat).random_(0, 255)
@@ -215,10 +219,9 @@ def main() -> None:
             return {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
 
         memcpy()
-        variants = {
-            name: push(name)
-            for name in ("transfer_one", "transfer_ring", "end_to_end_one", "end_to_end_two")
-        }
+        pushes = ("transfer_one", "transfer_ring", "end_to_end_one", "end_to_end_ring",
+                  "end_to_end_two")  # fmt: skip
+        variants = {name: push(name) for name in pushes}
         variants["memcpy"] = memcpy
 
         def of_memcpy(run: dict[str, Measurement]) -> Measurement:

@@ -75,15 +75,18 @@ def push_skipped(version: int) -> Iterator[None]:
 
 
 def vllm_series(config: JobConfig, registry: CollectorRegistry, name: str) -> list[float]:
-    """One rlhf_vllm_ series's values, one per rollout engine in rank order: each engine
-    must have it, labelled with the rollout's pool and the engine's rank."""
+    """One rlhf_vllm_ series's values, one per rollout engine that serves, in rank order:
+    each must have it, labelled with the rollout's pool and the engine's rank (those
+    lost have none)."""
     rollout = plan_placement(config).roles[Role.ROLLOUT]
-    values = [
-        registry.get_sample_value(name, {"pool": rollout.pool, "engine": str(rank)})
-        for rank in range(rollout.data_parallel_size)
-    ]
-    assert None not in values, f"{name} per engine: {values}"
-    return [value for value in values if value is not None]
+    found = {
+        int(sample.labels["engine"]): sample.value
+        for family in registry.collect()
+        for sample in family.samples
+        if sample.name == name and sample.labels.get("pool") == rollout.pool
+    }
+    assert len(found) == rollout.data_parallel_size, f"{name} per engine: {found}"
+    return [found[rank] for rank in sorted(found)]
 
 
 RUN_TAG = "RLHF_TEST_RUN"  # environment variable: which test run a process belongs to

@@ -4,12 +4,14 @@ weights loaded into the running engine.
 One engine for the module (starting one takes ~30-60 s on a CPU). The checks compare
 vLLM with the trainer's view, transformers on the same weights: the log-prob of every
 generated token, before and after a weight update, and the greedy output; and vLLM's
-own metrics of the engine count what it generated. And the engine survives its vLLM
-engine core being killed: it restarts in place with the weights it last loaded.
+own metrics of the engine count what it generated. And an engine whose vLLM engine core
+is killed says so, naming itself, to every call (its rank's process then ends, and the
+driver replaces it: test_ppo_loop.py, test_async_loop.py).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -26,11 +28,11 @@ from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine
+from rlhf_trainer.rollout.engine_death import EngineDied
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.rollout.transfer_engines import PolicySource
-from rlhf_trainer.rollout.transfer_memory import Segment, WeightStore
+from rlhf_trainer.rollout.transfer_memory import Segment
 from rlhf_trainer.rollout.weight_sync import (
-    bucket_views,
     pack_bucket,
     plan_buckets,
     weight_specs,
@@ -54,9 +56,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def module_engine(model_dir: Path) -> Iterator[RolloutEngine]:
-    engine = RolloutEngine(
-        model_dir, max_model_len=64, gpu_memory_utilization=0.3, seed=0, max_restarts=2
-    )
+    engine = RolloutEngine(model_dir, max_model_len=64, gpu_memory_utilization=0.3, seed=0)
     yield engine
     engine.shutdown()
 
@@ -196,93 +196,47 @@ def test_the_engines_vllm_stats_count_the_tokens_of_a_batch(engine: RolloutEngin
     assert 0 <= after.kv_cache_usage <= 1
 
 
-def test_a_killed_engine_restarts_in_place_with_the_weights_it_last_loaded(
-    engine: RolloutEngine, model_dir: Path
+def test_a_killed_engine_fails_every_call_naming_itself_and_tells_its_owner(
+    model_dir: Path,
 ) -> None:
-    """SIGKILL vLLM's engine core while requests are paused halfway through their
-    responses. The engine is rebuilt in this process, loaded with the weights it last
-    loaded and still paused; the requests start again on it and finish once it resumes,
-    sampled with those weights; a seeded batch gives what it gave before the kill."""
-    prompts = prompt_ids(6)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    train_towards(policy, prompts, [[5, 6, 7, 8]] * len(prompts), steps=5)  # new weights
-    engine.load_weights(rollout_state_dict(policy).items(), version=7)
-    before = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=9)
-    restarts = engine.recovery.restarts
-
-    tokens_arrived = threading.Event()
-    requests = [
-        engine.spawn(
-            engine.generate(
-                f"survivor-{i}",
-                prompt,
-                max_tokens=32,
-                seed=100 + i,
-                on_tokens=lambda _: tokens_arrived.set(),
+    """SIGKILL vLLM's engine core while requests are halfway through their responses.
+    Nothing is rebuilt: every request in flight, and every call after, fails with
+    EngineDied naming the engine, and `on_death` (where a rollout worker ends its
+    rank's process) is told before each fails."""
+    told: list[EngineDied] = []
+    name = "rollout rank 5 (pool gen)"
+    others = {core.pid for core in engine_cores(psutil.Process().children(recursive=True))}
+    engine = RolloutEngine(model_dir, max_model_len=64, seed=0, name=name, on_death=told.append)
+    try:
+        tokens_arrived = threading.Event()
+        requests = [
+            engine.spawn(
+                engine.generate(
+                    f"doomed-{i}",
+                    prompt,
+                    max_tokens=32,
+                    seed=i,
+                    on_tokens=lambda _: tokens_arrived.set(),
+                )
             )
-        )
-        for i, prompt in enumerate(prompts)
-    ]
-    assert tokens_arrived.wait(60)
-    engine.call(engine.pause())
-    generation = engine.recovery.generation
-    kill_engine_core(engine)
-    started = time.perf_counter()
-    while engine.recovery.generation == generation:  # the restart, by the requests' failure
-        assert time.perf_counter() - started < 600, "the engine was not restarted"
-        time.sleep(0.1)
-    time.sleep(1)
-    assert not any(r.done() for r in requests), "the restarted engine did not stay paused"
-    engine.call(engine.resume())
-    rollouts = [r.result(timeout=120) for r in requests]
-    print(f"restart (engine rebuilt, weights reloaded): {engine.recovery.seconds[-1]:.1f} s")
-
-    assert engine.recovery.restarts == restarts + 1
-    assert [r.prompt_token_ids for r in rollouts] == prompts
-    assert all(r.version_spans == ((7, 0),) for r in rollouts)  # regenerated on version 7
-    assert max_log_prob_diff(policy, rollouts) < LOG_PROB_TOLERANCE
-    after = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, seed=9)
-    assert [r.response_token_ids for r in after] == [r.response_token_ids for r in before]
-    for a, b in zip(after, before, strict=True):
-        assert a.response_log_probs == pytest.approx(b.response_log_probs, abs=LOG_PROB_TOLERANCE)
-    stats = engine.stats()
-    assert stats is not None and stats.restarts == restarts + 1
-
-
-def kill_engine_core(engine: RolloutEngine) -> None:
-    """SIGKILL the engine's vLLM engine core (this process's only one)."""
-    [core] = engine_cores(psutil.Process().children(recursive=True))
-    core.kill()
-    core.wait(60)
-
-
-def test_an_engine_killed_during_a_weight_update_finishes_it_on_the_new_engine(
-    engine: RolloutEngine, model_dir: Path
-) -> None:
-    """The engine core dies after the update's buckets are loaded and before it is
-    finished. Finishing restarts the engine, which reloads the last complete weights,
-    then this update's buckets (kept as they loaded), and the update ends as if nothing
-    happened: the engine serves the new weights as the new version."""
-    prompts = prompt_ids(4)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    train_towards(policy, prompts, [[9, 10, 11, 12]] * len(prompts), steps=5)
-    weights = rollout_state_dict(policy)
-    incoming = WeightStore("rlhf-test-update")
-    incoming.fill(weights, [[name] for name in weights])
-    assert incoming.segment is not None
-    restarts = engine.recovery.restarts
-    engine.open_update()
-    for bucket in incoming.incoming:
-        memory = incoming.segment.tensor[bucket.offset : bucket.offset + bucket.nbytes]
-        engine.load_bucket(bucket.to_dict(), bucket_views(memory, bucket))
-    kill_engine_core(engine)
-    engine.close_update(version=11)
-    incoming.close()
-    assert engine.recovery.restarts == restarts + 1
-    assert engine.served_version() == 11
-    greedy = engine.generate_batch(prompts, max_tokens=MAX_TOKENS, temperature=0.0)
-    assert all(r.policy_version == 11 for r in greedy)
-    assert max_log_prob_diff(policy, greedy) < LOG_PROB_TOLERANCE
+            for i, prompt in enumerate(prompt_ids(4))
+        ]
+        assert tokens_arrived.wait(60)
+        engine.call(engine.pause())
+        [core] = [c for c in engine_cores(psutil.Process().children(recursive=True))
+                  if c.pid not in others]  # fmt: skip
+        core.kill()
+        for request in requests:
+            with pytest.raises(EngineDied, match=rf"^{re.escape(name)}: its vLLM engine died"):
+                request.result(timeout=120)
+        with pytest.raises(EngineDied, match=re.escape(name)):
+            engine.generate_batch(prompt_ids(2), max_tokens=MAX_TOKENS, seed=0)
+        assert len(told) == len(requests) + 1
+        assert all(str(died).startswith(f"{name}: its vLLM engine died") for died in told)
+        cores = {core.pid for core in engine_cores(psutil.Process().children(recursive=True))}
+        assert cores <= others, "a new engine core was built"
+    finally:
+        engine.shutdown()
 
 
 def test_an_update_abandoned_part_way_is_never_served_and_the_next_one_resumes(

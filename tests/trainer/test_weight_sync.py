@@ -2,8 +2,8 @@
 transfers between processes through vLLM's trainer-side API, to an engine on the
 sender's node (shared memory) and one on another (gloo).
 
-The vLLM side of the same backend (loading into a running engine, its version, its
-restart) is tested with real engines in test_rollout_vllm.py and test_rollout_async.py.
+The vLLM side of the same backend (loading into a running engine, its version) is
+tested with real engines in test_rollout_vllm.py and test_rollout_async.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from rlhf_trainer.models import build_tiny_model
 from rlhf_trainer.rollout import transfer_memory
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
-from rlhf_trainer.rollout.transfer_memory import RING_SLOTS, Segment, WeightStore
+from rlhf_trainer.rollout.transfer_memory import RING_SLOTS, PackedWeights, Segment
 from rlhf_trainer.rollout.weight_sync import (
     ALIGN,
     Bucket,
@@ -174,22 +174,20 @@ def test_segments_of_processes_killed_outright_are_removed_by_the_next_create(
     again.close()
 
 
-def test_the_store_keeps_the_last_complete_weights() -> None:
+def test_packed_weights_hold_every_weight_in_its_bucket() -> None:
     weights = rollout_state_dict(build_tiny_model(TINY))
-    layers = [[name] for name in weights]
-    store = WeightStore("rlhf-test-store")
-    store.fill(weights, layers)
-    assert store.latest is None, "nothing complete before a commit"
-    store.commit(3)
-    assert store.latest is not None
-    buckets, version = store.latest
-    assert version == 3 and store.segment is not None
-    memory = store.segment.tensor
-    for bucket in buckets:
-        for name, view in bucket_views(memory[bucket.offset :], bucket):
-            assert torch.equal(view, weights[name]), name
-    store.close()
-    assert store.latest is None
+    packed = PackedWeights("rlhf-test-packed", weights, [[name] for name in weights])
+    memory = packed.segment.tensor
+    seen = [
+        name
+        for bucket in packed.buckets
+        for name, view in bucket_views(memory[bucket.offset :], bucket)
+        if torch.equal(view, weights[name])
+    ]
+    assert seen == list(weights)
+    path = transfer_memory.SHM_DIR / packed.segment.name
+    packed.close()
+    assert not path.exists()
 
 
 # --- real transfers ---------------------------------------------------------------

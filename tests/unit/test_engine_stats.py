@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlhf_trainer.telemetry.engine_stats import EngineStats, across_restarts, read_engine_stats
+from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
 VLLM_LABELS = ["model_name", "engine"]
@@ -86,24 +86,3 @@ def test_an_engine_that_is_gone_loses_its_series_and_the_others_keep_theirs() ->
     metrics.engines.observe("rollout", 1, None)
     engines = {dict(labels)["engine"] for _, labels in scraped(metrics)}
     assert engines == {"0"}
-
-
-def test_an_engines_counts_carry_across_its_restarts() -> None:
-    """vLLM's counters start at zero with every engine; the rank's go on counting."""
-    assert across_restarts(None, None, 0) is None
-    live = EngineStats(2, 1, 0.5, generation_tokens=30, prompt_tokens=8)
-    assert across_restarts(live, None, 0) == live
-    retired = EngineStats(0, 0, 0.0, generation_tokens=100, prompt_tokens=40, restarts=1)
-    assert across_restarts(live, retired, 1) == EngineStats(2, 1, 0.5, 130, 48, restarts=1)
-    # between the death and the new engine's first stats: what the dead ones counted
-    assert across_restarts(None, retired, 1) == EngineStats(0, 0, 0.0, 100, 40, restarts=1)
-
-
-def test_restarts_are_exported_per_engine() -> None:
-    metrics = TrainerMetrics(pools=["rollout"])
-    metrics.engines.observe("rollout", 0, EngineStats(1, 0, 0.5, 10, 4, restarts=2))
-    metrics.engines.observe("rollout", 1, EngineStats(1, 0, 0.5, 20, 4))
-    registry = metrics.registry
-    for engine, restarts in (("0", 2), ("1", 0)):
-        labels = {"pool": "rollout", "engine": engine}
-        assert registry.get_sample_value("rlhf_engine_restarts_total", labels) == restarts

@@ -176,12 +176,11 @@ class GenerationConfig(SpecModel):
         ge=0,
         le=1000,
         description=(
-            "Times each rollout engine may be restarted in place after its vLLM engine "
-            "dies (it reloads the current policy weights and runs its requests again); "
-            "the next death fails the job. Each engine keeps a copy of the policy weights "
-            "in host memory for it; 0 keeps none. With vLLM's NCCL or IPC weight transfer "
-            "(GPUs) the weights never pass through the engine's process, and its first "
-            "death fails the job."
+            "Times the rollout engine in each bundle may be lost and replaced in a run (its "
+            "vLLM engine died, or its rollout rank's process or node was lost). A new "
+            "engine starts in the bundle and a weight push brings it to the current "
+            "policy, the same way on every weight transfer (CPU or GPU); its work is done "
+            "again. One more loss in that bundle fails the job, naming the engine."
         ),
     )
     eval: EvalGeneration = Field(

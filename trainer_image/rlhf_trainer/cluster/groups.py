@@ -17,6 +17,7 @@ engine, `engine_stats` (see `cluster.engine_stats`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -214,6 +215,19 @@ class WorkerGroup:
         kept = [i for i, rank in enumerate(self.ranks) if rank not in ranks]
         return self._of([self.slots[i] for i in kept], [self.hosts[i] for i in kept],
                         [self.ranks[i] for i in kept])  # fmt: skip
+
+    def slots_of(self, ranks: Sequence[int]) -> list[WorkerSlot]:
+        """The slots of the workers of `ranks` (their own ranks), in that order."""
+        return [self.slots[self.ranks.index(rank)] for rank in ranks]
+
+    def substituted(self, new: WorkerGroup) -> WorkerGroup:
+        """This group with the ranks of `new` in place of those in the same slots (ranks
+        replaced in their bundles): each takes the place, and so the part of a batch,
+        of the one it replaces."""
+        taking = dict(zip(new.slots, zip(new.hosts, new.ranks, strict=True), strict=True))
+        mine = zip(self.slots, self.hosts, self.ranks, strict=True)
+        kept = [taking.get(slot, (host, rank)) for slot, host, rank in mine]
+        return self._of(list(self.slots), [host for host, _ in kept], [rank for _, rank in kept])
 
     def _of(self, slots: list[WorkerSlot], hosts: list[Any], ranks: list[int]) -> WorkerGroup:
         # Ranks that started already: no futures of their start to keep.
@@ -414,6 +428,14 @@ def join(
             raise rank_died(done[0], error) from error
     forget(refs)
     return list(ray.get(list(refs)))
+
+
+def started_up(groups: Sequence[WorkerGroup], timeout_s: float) -> WorkerGroup:
+    """The ranks of `groups` (started in the background) as one group, once all are up;
+    NoAnswer past `timeout_s`, naming those not up, or RankDied naming one whose start
+    failed."""
+    join([ref for group in groups for ref in group.ready], timeout_s)
+    return functools.reduce(WorkerGroup.joined, groups)
 
 
 def join_watching(ref: ObjectRef[T], group: WorkerGroup, every_s: float = WATCH_S) -> T:

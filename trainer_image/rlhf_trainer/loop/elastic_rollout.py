@@ -1,12 +1,15 @@
 """Fully async's rollout engines as they come and go: a rollout pod or node lost, or
 nodes that join the pool (a bigger `replicas`, a replacement pod).
 
-- Lost: the engine is dropped, an update a failed push left open on the others is
-  closed unserved, the weight transfer set up again for them, and what the lost one
-  still owed is admitted to them again. `EngineLedger` knows which engine holds which
-  prompt; the queue knows which uids have arrived (`SampleQueue.not_received`), and
-  keeps a uid once, so a late answer from the lost engine is not trained twice. The
-  staleness bound holds: what is admitted again starts on the current policy.
+- Lost (its vLLM engine died, or its process or node is gone: `engine_death`): the
+  engine is dropped, an update a failed push left open on the others is closed
+  unserved, the weight transfer set up again for them, and what the lost one still
+  owed is admitted to them again. With none left, the run waits for the new ones
+  started in the lost ones' bundles, and pushes them the current weights.
+  `EngineLedger` knows which engine holds which prompt; the queue knows which uids
+  have arrived (`SampleQueue.not_received`), and keeps a uid once, so a late answer
+  from the lost engine is not trained twice. The staleness bound holds: what is
+  admitted again starts on the current policy.
 - Joined: GPUs of the pool that no placement group holds get engines, and so does the
   bundle of a lost engine (Ray places it again, on the node that replaces a lost one).
   They start in the background; the trainer takes them in at a weight sync once they
@@ -26,9 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_trainer.api.config import Role
-from rlhf_trainer.cluster.groups import WorkerGroup, finished, join
+from rlhf_trainer.cluster.groups import WorkerGroup, finished, join, started_up
 from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.placement import PlacementTimeout, WorkerSlot
+from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S
 from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.rollout.queue import Admitted
 from rlhf_trainer.rollout.streaming import StreamingRollout
@@ -95,7 +99,6 @@ class ElasticRollout:
         self.queue = queue  # the SampleQueue actor
         self.metrics = metrics
         self.ledger = EngineLedger()
-        self.lost = 0  # engines lost so far
         self.joining: list[WorkerGroup] = []  # engines starting in the background
         self.retries: list[StartRetry] = []  # engines that could not start, to start again
         self.start_failures: dict[tuple[WorkerSlot, ...], int] = {}  # in a row, by slots
@@ -117,16 +120,23 @@ class ElasticRollout:
     def lose(self, lost: RanksLost) -> tuple[list[int], list[Admitted]]:
         """Go on without the engines of `lost`, and without any more that die while
         that is done: in rounds, until a round ends with every engine that serves alive.
-        Raises RanksLost (naming every engine lost) when none is left. Returns the ranks
-        lost, and what they owed (to admit again)."""
+        Past generation.maxEngineRestarts, EngineRestartsExhausted naming them. Returns
+        the ranks lost, and what they owed (to admit again)."""
         gone: list[int] = []
         dying = list(lost.ranks)
+        unloaded: list[int] = []  # lost with none serving: their replacements need weights
         with self.core.timeline.span(self.group.pool, Role.ROLLOUT, ENGINES_LOST):
             while dying:
+                self.core.engines.count(RanksLost(Role.ROLLOUT, self.group.pool, dying))
                 gone += dying
-                self.drop(dying)
+                if not self.drop(dying):
+                    unloaded += dying
                 try:
                     self.regroup()
+                    if unloaded:
+                        self.core.weight_sync.push(self.core.policy_version)
+                        self.tell(unloaded)
+                        unloaded = []
                 except Exception:  # a call met one more that died (or stopped)
                     if not (dying := self.group.dead_ranks()):
                         raise
@@ -136,34 +146,39 @@ class ElasticRollout:
         log.warning("%s: going on with %d engine(s); %d sample(s) they owed are generated "
                     "again on them", RanksLost(Role.ROLLOUT, self.group.pool, gone),
                     self.group.world_size, len(owed))  # fmt: skip
-        self.lost += len(gone)
         self.count()
         self.metrics.samples_readmitted.inc(len(owed))
         return gone, self.ledger.admitted(owed)
 
-    def drop(self, ranks: list[int]) -> None:
+    def drop(self, ranks: list[int]) -> bool:
         """The engines of `ranks` out of the group, for good (one that only stopped
         answering must not come back and generate), and new ones started in their
-        slots; those who listen are told."""
+        slots. Whether others serve: then those who listen are told. With none left,
+        the new ones serve once up (waited for here), and need the current weights."""
         before = self.group
         serving = before.without(ranks)
-        if serving.world_size == 0:
-            raise RanksLost(Role.ROLLOUT, before.pool, ranks)
         gone = before.without(serving.ranks)
         gone.shutdown(grace_s=0)
-        self.start(self.core.groups.respawn(Role.ROLLOUT, gone.slots, *self.worker))
+        started = self.core.groups.respawn(Role.ROLLOUT, gone.slots, *self.worker)
+        if serving.world_size == 0:  # nothing can generate meanwhile: wait for them
+            log.warning("%s: no engine serves; waiting for those started in their bundles",
+                        RanksLost(Role.ROLLOUT, before.pool, ranks))  # fmt: skip
+            self.core.groups.replace(started_up(started, PLACEMENT_TIMEOUT_S))
+            return False
+        self.start(started)
         self.core.groups.replace(serving)
+        self.tell(ranks)
+        return True
+
+    def tell(self, ranks: list[int]) -> None:
+        """Tell those who listen that the engines of `ranks` are lost, once the group
+        serves without them."""
         for listener in self.on_lost:
             listener(ranks)
 
     def regroup(self) -> None:
-        """The weight transfer set up again for the engines that serve; an update a
-        failed push left open on them is closed unserved (paused until the next push:
-        never half loaded)."""
-        weight_sync = self.core.weight_sync
-        weight_sync.wait_for_engines()  # the calls below would queue behind theirs
-        join(self.group.run("abandon_weight_update"), weight_sync.timeout_s)
-        weight_sync.reopen(self.group)
+        """The weight transfer set up again for the engines that serve."""
+        self.core.weight_sync.reopen(self.group)
 
     @property
     def worker(self) -> tuple[Any, ...]:
@@ -231,6 +246,6 @@ class ElasticRollout:
     def count(self) -> None:
         pool, engines = self.group.pool, self.metrics.rollout_engines
         engines.labels(pool, "serving").set(self.group.world_size)
-        engines.labels(pool, "lost").set(self.lost)
+        engines.labels(pool, "lost").set(self.core.engines.replaced)
         starting = sum(group.world_size for group in self.joining)
         engines.labels(pool, "joining").set(starting + sum(len(r.slots) for r in self.retries))

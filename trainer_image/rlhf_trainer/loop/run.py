@@ -188,6 +188,10 @@ class Run:
         m.observe_diagnostics(result.actor, result.critic, result.responses)
         if result.episodes is not None:
             m.observe_episodes(result.episodes)
+        if self.streaming is None:  # fully async counts its engines as they come and go
+            rollout = self.trainer.groups[Role.ROLLOUT]
+            m.rollout_engines.labels(rollout.pool, "serving").set(rollout.world_size)
+            m.rollout_engines.labels(rollout.pool, "lost").set(self.trainer.engines.replaced)
         for evaluation in result.evaluations:
             m.observe_eval(evaluation)
         progress = self.progress(result)

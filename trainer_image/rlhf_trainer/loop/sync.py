@@ -36,7 +36,9 @@ from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import RewardFunction
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
+from rlhf_trainer.loop.engine_replacement import EngineReplacement
 from rlhf_trainer.loop.weights import WeightSync
+from rlhf_trainer.rollout.worker import BatchShard
 from rlhf_trainer.telemetry.metrics import union_seconds
 from rlhf_trainer.telemetry.timeline import Timeline
 
@@ -126,6 +128,7 @@ class PPOTrainer:
         self.unscored = UnscoredSteps(config.models.reward)
         # opened by the run
         self.weight_sync = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
+        self.engines = EngineReplacement(config, groups, self.weight_sync)
 
     def step(self, step: int) -> StepResult:
         """One synchronous PPO step: generate, train on it, hand the weights over."""
@@ -225,13 +228,20 @@ class PPOTrainer:
 
     def generate(self, prompts: Sequence[Prompt], step: int, attempt: int = 0) -> list[Rollout]:
         """samplesPerPrompt responses to each prompt, a group's next to each other: with
-        generation.multiTurn, an episode per sample, which the prompt's row starts."""
-        rollout = self.groups[Role.ROLLOUT]
+        generation.multiTurn, an episode per sample, which the prompt's row starts. An
+        engine lost meanwhile is replaced, and the batch generated again: the same
+        samples (`engine_replacement`)."""
         method = PHASE_METHOD[Phase.GENERATE] if self.config.multi_turn is None else "run_episodes"
         grouped = [rollout_input(self.config, p) for p in prompts for _ in range(self.group_size)]
-        shards = split_list(grouped, rollout.world_size)
-        calls = rollout.run_each(method, shards, step, attempt, phase=Phase.GENERATE)
-        return [r for shard in join(calls) for r in shard]
+
+        def on_the_engines() -> list[Rollout]:
+            rollout = self.groups[Role.ROLLOUT]
+            parts = split_list(grouped, rollout.world_size)
+            shards = [BatchShard(index, part) for index, part in enumerate(parts)]
+            calls = rollout.run_each(method, shards, step, attempt, phase=Phase.GENERATE)
+            return [r for shard in join(calls) for r in shard]
+
+        return self.engines.surviving(on_the_engines, reload=lambda: self.policy_version)
 
     def run_stage(
         self, name: str, batch: Sequences, *args: Any, skip: Sequence[Phase] = ()
@@ -289,8 +299,9 @@ class PPOTrainer:
         return self.score(prompts, rollouts, calls)
 
     def sync_weights(self, version: int) -> None:
-        """Hand the actor's weights to every rollout engine, and wait until they have them."""
-        self.weight_sync.push(version)
+        """Hand the actor's weights to every rollout engine, and wait until they have
+        them (those that replace engines lost in it too)."""
+        self.engines.surviving(lambda: self.weight_sync.push(version))
         self.policy_version = version
 
     def record_spans(self, since: float) -> dict[str, float]:

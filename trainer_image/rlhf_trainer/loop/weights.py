@@ -109,9 +109,11 @@ class WeightSync:
     def reopen(self, rollout: WorkerGroup) -> None:
         """Set the transfer up again for `rollout`: the engines that go on after some
         were lost, or with some that joined (the NCCL group regrouped: each engine's
-        ranks follow the ones before it). The old transfer is shut down on both sides
-        first. The engines keep the weights they serve."""
-        self.wait_for_engines()
+        ranks follow the ones before it). An update a failed push left open on them is
+        closed unserved first (paused until the next push: never half loaded), and the
+        old transfer is shut down on both sides. The engines keep the weights they serve."""
+        self.wait_for_engines()  # the calls below would queue behind theirs
+        join(rollout.run("abandon_weight_update"), self.timeout_s)
         self.rollout = rollout
         self.open()
 

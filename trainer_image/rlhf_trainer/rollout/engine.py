@@ -31,18 +31,9 @@ the old version; the rollout's `version_spans` come from there.
 
 Processes and metrics: see `engine_settings`, which builds vLLM's engine.
 
-Restarts. An engine whose vLLM engine core dies is rebuilt in place, in this process,
-at most `max_restarts` times (`engine_restart`). Every call runs on the live engine
-(`_alive`): one that sees the engine die waits for the restart and runs again on the
-new engine, so `generate_batch` generates its batch with the same seeds, and `generate`
-starts its request again (partial tokens are regenerated, on the current weights). The
-new engine reloads the last weights loaded, which the engine keeps (`WeightStore`): one
-copy of the policy in shared memory (~3 GB for 1.5B parameters in bf16; none if
-`max_restarts` is 0), taken bucket by bucket as they load. An engine that dies during
-an update reloads the last complete weights, then the buckets of the update so far,
-and the update goes on. Before any load the model directory's weights are current.
-Restarts need the `rlhf_host` transfer (CPU): with vLLM's NCCL or IPC transfer the
-weights never pass through this process, and a restart fails, naming the engine.
+Death. An engine whose vLLM engine core dies is not rebuilt here: every call fails with
+`EngineDied`, naming it, and `on_death` is told first (a rollout worker ends its rank's
+process there, and the driver replaces the rank in its bundle: `engine_death`).
 """
 
 from __future__ import annotations
@@ -61,17 +52,11 @@ import torch
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.transfer import choose_transfer
-from rlhf_trainer.rollout.engine_restart import (
-    EngineRecovery,
-    engine_died,
-    shut_down_quietly,
-    utility,
-)
+from rlhf_trainer.rollout.engine_death import EngineDied, engine_died, utility
 from rlhf_trainer.rollout.engine_settings import build_llm, engine_settings, sampling_params
 from rlhf_trainer.rollout.engine_updates import WeightUpdates
-from rlhf_trainer.rollout.transfer_memory import WeightStore
 from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER
-from rlhf_trainer.telemetry.engine_stats import EngineStats, across_restarts, read_engine_stats
+from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 
 T = TypeVar("T")
 
@@ -86,7 +71,6 @@ class EngineOptions:
     tensor_parallel_size: int
     seed: int
     dtype: Literal["float32", "bfloat16"]  # follows trainer.precision
-    max_restarts: int
     transfer_backend: str
 
     @classmethod
@@ -100,7 +84,6 @@ class EngineOptions:
             tensor_parallel_size=config.generation.tensor_parallel_size,
             seed=config.trainer.seed,
             dtype="bfloat16" if config.trainer.precision == "bf16" else "float32",
-            max_restarts=config.generation.max_engine_restarts,
             # The job's one decision; the actor takes it from the engines (WeightSync).
             transfer_backend=choose_transfer(config, torch.cuda.is_available()).backend.value,
         )
@@ -113,12 +96,13 @@ class EngineOptions:
 
 class RolloutEngine(WeightUpdates):
     """vLLM's AsyncLLM on a local model directory (see models.write_tiny_model), on an
-    event loop of its own, with pausable weight updates, restarted in place if it dies.
+    event loop of its own, with pausable weight updates.
 
     Log-probs are those of the distribution the tokens were sampled from (after
     temperature and top-p: vLLM's "processed_logprobs"), which is what off-policy
     correction compares the trainer's log-probs with. `name` names the engine in logs
-    and errors (a rollout rank and its pool).
+    and errors (a rollout rank and its pool). `on_death` is told when the engine is
+    found dead, before the call that found it fails.
     """
 
     def __init__(
@@ -132,9 +116,9 @@ class RolloutEngine(WeightUpdates):
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32",
         enforce_eager: bool = True,
         initial_version: int = 0,
-        max_restarts: int = 0,
         transfer_backend: str = HOST_TRANSFER,
         name: str = "rollout engine",
+        on_death: Callable[[EngineDied], None] | None = None,
     ) -> None:
         self._settings = engine_settings(  # first: it sets the environment vLLM reads
             model_dir,
@@ -148,28 +132,12 @@ class RolloutEngine(WeightUpdates):
         )
         self._llm: Any = build_llm(self._settings)
         self.policy_version = initial_version
-        # A restart reloads the weights this process keeps. With vLLM's NCCL or IPC
-        # transfer they never pass through it: there, the first death fails the run.
-        unrestartable = (
-            None
-            if transfer_backend == HOST_TRANSFER
-            else f"it cannot be restarted: with the {transfer_backend} weight transfer the "
-            "weights never pass through its process to be kept (generation.maxEngineRestarts "
-            "applies to the host transfer only)"
-        )
-        self.recovery = EngineRecovery(
-            name, max_restarts, self._restart, lambda: self.policy_version, unrestartable
-        )
         self.name = name
+        self.on_death = on_death
         self.transfer_backend = transfer_backend
         self._transfer_init: dict[str, Any] = {}  # the buckets name their segments
-        # The weights a restarted engine reloads (restarts need the host transfer).
-        store = max_restarts > 0 and transfer_backend == HOST_TRANSFER
-        self.store = WeightStore("rlhf-engine") if store else None
         self._updating = False  # between open_update and close_update
         self._resume_after_update = False  # open_update paused a running engine
-        self._paused = False  # as the callers left it (pause, resume): a new engine keeps it
-        self.retired: EngineStats | None = None  # the counts of the engines that died
         self._batch_ids = itertools.count()  # request ids of generate_batch
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm", daemon=True)
@@ -188,42 +156,22 @@ class RolloutEngine(WeightUpdates):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
     async def _alive(self, operation: Callable[[Any], Awaitable[T]]) -> T:
-        """`operation` on the live vLLM engine. If the engine is dead or dies meanwhile,
-        it is restarted (once, however many callers saw it die) and `operation` runs
-        again on the new one, so it must be safe to repeat."""
-        while True:
-            await self.recovery.settled()
-            generation, llm = self.recovery.generation, self._llm
-            try:
-                return await operation(llm)
-            except Exception as error:
-                if not engine_died(error, llm):
-                    raise
-                await self.recovery.recover(error, generation)
-
-    async def _restart(self) -> None:
-        """Replace the dead vLLM engine with a new one with the same settings, loaded
-        with the current weights (paused if the callers have it paused) before any
-        request reaches it. It is built on another thread: the loop keeps serving."""
-        loop = asyncio.get_running_loop()
-        dead, self.retired = self._llm, self.stats()
-        await loop.run_in_executor(None, shut_down_quietly, dead)
-        self._llm = llm = await loop.run_in_executor(None, build_llm, self._settings)
-        if self._paused or self._updating:
-            await self._pause(llm)
-        await self._init_transfer(llm)
-        if self.store is not None and self.store.latest is not None:
-            buckets, version = self.store.latest
-            await self._load(llm, buckets, version)
-        else:
-            await utility(llm, llm.update_weight_version(str(self.policy_version)))
-        if self._updating and self.store is not None:  # the update that was under way
-            await self._load(llm, self.store.incoming, version=None)
+        """`operation` on the vLLM engine. If the engine is dead or dies meanwhile:
+        `on_death` is told, then EngineDied, naming the engine."""
+        llm = self._llm
+        try:
+            return await operation(llm)
+        except Exception as error:
+            if not engine_died(error, llm):
+                raise
+            died = EngineDied(f"{self.name}: its vLLM engine died ({error!r})")
+            if self.on_death is not None:
+                self.on_death(died)
+            raise died from error
 
     def stats(self) -> EngineStats | None:
-        """vLLM's stats of this engine, its counts including those of the engines it
-        replaced, and how many times it was restarted. Safe from any thread."""
-        return across_restarts(read_engine_stats(), self.retired, self.recovery.restarts)
+        """vLLM's stats of this engine. Safe from any thread."""
+        return read_engine_stats()
 
     def generate_batch(
         self,
@@ -241,7 +189,7 @@ class RolloutEngine(WeightUpdates):
         appears twice in the batch still gets two different responses. The requests
         are added while the engine is paused, so they start in one batch, as in vLLM's
         synchronous `LLM.generate`: the same seed gives the same batching, and so the
-        same numerics. If the engine dies, the whole batch runs again on the new one.
+        same numerics.
         """
         params = [
             sampling_params(max_tokens, temperature, top_p, None if seed is None else seed + i)
@@ -284,8 +232,7 @@ class RolloutEngine(WeightUpdates):
         seed: int | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Rollout:
-        """Generate one response to completion, across any pauses and weight updates,
-        and engine restarts (the request starts again on the new engine).
+        """Generate one response to completion, across any pauses and weight updates.
 
         `request_id` must be unique among requests in flight. `on_tokens`, if given,
         is called with the new token ids each time some arrive (to watch progress).
@@ -358,12 +305,10 @@ class RolloutEngine(WeightUpdates):
         """Stop generating; in-flight requests keep their tokens and wait (partial
         rollouts). New requests queue until `resume`. vLLM's
         `pause_generation(mode="keep", clear_cache=False)`."""
-        self._paused = True
         await self._alive(self._pause)
 
     async def resume(self) -> None:
         """Continue the paused requests (on the new weights, if updated)."""
-        self._paused = False
         await self._alive(self._resume)
 
     @staticmethod
@@ -377,8 +322,6 @@ class RolloutEngine(WeightUpdates):
     def shutdown(self) -> None:
         """Stop the engine's processes and its loop now rather than at interpreter exit."""
         llm, self._llm = self._llm, None
-        if self.store is not None:
-            self.store.close()
         if llm is not None:
             # Dropped here too: AsyncLLM.__del__ shuts down again, and at interpreter
             # exit that fails ("'NoneType' object is not callable").

@@ -1,7 +1,7 @@
 """How a rollout engine is built: vLLM's engine arguments and environment, the engine
 itself (`build_llm`), and each request's sampling parameters. `engine.RolloutEngine`
-builds its engine here, and again after the old one died (`engine_restart`). vLLM is
-imported only inside the functions, so this module imports without it.
+builds its engine here. vLLM is imported only inside the functions, so this module
+imports without it.
 
 Processes. `AsyncLLM` always runs its engine core in a child process. With one device
 the executor is "uni": the model runs inside that one engine-core process (on CPU,

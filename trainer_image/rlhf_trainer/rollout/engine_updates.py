@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 from torch import Tensor
 
-from rlhf_trainer.rollout.engine_restart import utility
-from rlhf_trainer.rollout.transfer_memory import WeightStore
+from rlhf_trainer.rollout.engine_death import utility
+from rlhf_trainer.rollout.transfer_memory import PackedWeights
 from rlhf_trainer.rollout.weight_sync import Bucket
 
 T = TypeVar("T")
@@ -40,7 +40,6 @@ class WeightUpdates:
     """The weight updates of `RolloutEngine`, which provides what is declared here."""
 
     _llm: Any
-    store: WeightStore | None  # the weights a restarted engine reloads
     policy_version: int
     _transfer_init: dict[str, Any]
     _updating: bool  # between open_update and close_update
@@ -91,13 +90,8 @@ class WeightUpdates:
         self.call(self._alive(start))
         self._updating = True
 
-    def load_bucket(
-        self, update_info: dict[str, Any], tensors: Sequence[tuple[str, Tensor]] = ()
-    ) -> None:
-        """Load one bucket of the update (vLLM's `update_weights`). `tensors`: the
-        bucket's tensors here, for the store (a restarted engine reloads them)."""
-        if self.store is not None and tensors:
-            self.store.keep(Bucket.from_dict(update_info), tensors)
+    def load_bucket(self, update_info: dict[str, Any]) -> None:
+        """Load one bucket of the update (vLLM's `update_weights`)."""
         self.call(self._alive(lambda llm: self._load_bucket(llm, update_info)))
 
     def close_update(self, version: int) -> None:
@@ -105,8 +99,6 @@ class WeightUpdates:
         with the old weights, and resume an engine that `open_update` paused."""
         self.call(self._alive(lambda llm: self._finish(llm, version)))
         self._updating = False
-        if self.store is not None:
-            self.store.commit(version)
         if self._resume_after_update:
             self._resume_after_update = False
             self.call(self._alive(self._resume))
@@ -119,8 +111,6 @@ class WeightUpdates:
             return
         self.call(self._alive(lambda llm: utility(llm, llm.finish_weight_update())))
         self._updating = False
-        if self.store is not None:
-            self.store.discard_incoming()
 
     @staticmethod
     async def _load_bucket(llm: Any, update_info: dict[str, Any]) -> None:
@@ -138,51 +128,43 @@ class WeightUpdates:
             raise RuntimeError("vLLM could not drop the KV cache of the old weights")
         self.policy_version = version
 
-    async def _load(self, llm: Any, buckets: Sequence[Bucket], version: int | None) -> None:
-        """Load whole stored weights into `llm` (paused); `version` None: leave the
-        update open (it goes on)."""
+    async def _load(self, llm: Any, buckets: Sequence[Bucket], version: int) -> None:
+        """Load whole packed weights into `llm` (paused) as `version`."""
         await utility(llm, llm.start_weight_update())
         for bucket in buckets:
             await self._load_bucket(llm, bucket.to_dict())
-        if version is not None:
-            await self._finish(llm, version)
+        await self._finish(llm, version)
 
     async def update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Load whole new weights (checkpoint names). Call it between `pause` and
         `resume`: in-flight requests lose their KV (computed with the old weights)
         and re-prefill their prefix with the new weights on resume; the tokens they
         generate from then on count as `version`."""
-        store = self._stored(weights)
-        buckets = store.incoming
-        llm = self._llm
-        if not await utility(llm, llm.is_paused()):
-            raise RuntimeError("update_weights needs a paused engine (call pause first)")
-        await self._alive(lambda llm: self._load(llm, buckets, version))
-        self._committed(store, version)
+        packed = packed_weights(weights)
+        try:
+            llm = self._llm
+            if not await utility(llm, llm.is_paused()):
+                raise RuntimeError("update_weights needs a paused engine (call pause first)")
+            await self._alive(lambda llm: self._load(llm, packed.buckets, version))
+        finally:
+            packed.close()
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Load whole new weights and wait (from any other thread). A paused engine
         stays paused; a running one pauses for the update and resumes on the new weights."""
-        store = self._stored(weights)
-        self.open_update()
-        for bucket in store.incoming:
-            self.load_bucket(bucket.to_dict())
-        self.close_update(version)  # commits the engine's own store
-        if store is not self.store:
-            store.close()
+        packed = packed_weights(weights)
+        try:
+            self.open_update()
+            for bucket in packed.buckets:
+                self.load_bucket(bucket.to_dict())
+            self.close_update(version)
+        finally:
+            packed.close()
 
-    def _stored(self, weights: Iterable[tuple[str, Tensor]]) -> WeightStore:
-        """Whole weights as buckets in shared memory: the engine's store if it keeps
-        one, else one for this load."""
-        from vllm.distributed.weight_transfer.base import layerwise_groups
 
-        named = dict(weights)
-        store = self.store if self.store is not None else WeightStore("rlhf-load")
-        store.fill(named, layerwise_groups(list(named)))
-        return store
+def packed_weights(weights: Iterable[tuple[str, Tensor]]) -> PackedWeights:
+    """Whole weights as one transfer's buckets, in shared memory, grouped by vLLM's layers."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
 
-    def _committed(self, store: WeightStore, version: int) -> None:
-        if store is self.store:
-            store.commit(version)
-        else:
-            store.close()
+    named = dict(weights)
+    return PackedWeights("rlhf-load", named, layerwise_groups(list(named)))

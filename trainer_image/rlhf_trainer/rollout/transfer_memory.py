@@ -2,7 +2,7 @@
 has their format): the actor's own parameters, moved into shared memory; named
 shared-memory segments; the rings of two slots that buckets take turns in; the gloo
 group and relay that reach an engine on another node (another pod: /dev/shm is per
-pod); and the copy of the last weights an engine keeps for a restart.
+pod); and whole weights packed for a local load (`PackedWeights`).
 
 An engine on the sender's node reads a tensor that the actor holds whole and in the
 engines' dtype straight from the actor's memory (`share_in_place`): each byte is copied
@@ -13,8 +13,7 @@ into a ring of its own, at the same offset, and its vLLM worker reads it there.
 
 Peak extra memory: on the sender, its ring (RING_SLOTS x the largest bucket; its
 parameters moved to shared memory are not a copy); on an engine on another node, the
-same; on every engine, whatever vLLM's loader keeps, and with restarts allowed one copy
-of the model (`WeightStore`).
+same; on every engine, whatever vLLM's loader keeps.
 """
 
 from __future__ import annotations
@@ -289,49 +288,26 @@ class Relay:
         self.ring.close()
 
 
-class WeightStore:
-    """The last weights an engine loaded, whole, in a segment of its own: what a
-    restarted engine reloads before it serves. Filled bucket by bucket as the engine
-    loads them (`keep`), valid once a transfer is complete (`commit`)."""
+class PackedWeights:
+    """Whole weights packed into a segment of their own, as the buckets of one transfer:
+    how a local caller (a test, a benchmark) hands weights to an engine through the
+    calls the actor makes. `close` removes the segment."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.segment: Segment | None = None
-        self.incoming: list[Bucket] = []
-        self.latest: tuple[list[Bucket], int] | None = None  # (buckets, version)
-
-    def keep(self, bucket: Bucket, tensors: Sequence[tuple[str, Tensor]]) -> None:
-        """Copy one bucket's tensors (as `Segments.read` gives them) into the store."""
-        stored = bucket_views(self._region(bucket), bucket)
-        for (_, place), (_, tensor) in zip(stored, tensors, strict=True):
-            place.copy_(tensor)
-
-    def fill(self, weights: Mapping[str, Tensor], layers: Sequence[Sequence[str]]) -> None:
-        """Put whole weights in the store as one transfer would (to load them)."""
-        for bucket in plan_buckets(weight_specs(weights), DEFAULT_BUCKET_BYTES, layers):
-            pack_bucket(self._region(bucket), bucket, weights)
-
-    def _region(self, bucket: Bucket) -> Tensor:
-        """Where the bucket goes in the store (made to the model's size on first use);
-        the bucket is counted in the incoming transfer."""
-        if self.segment is None or self.segment.tensor.numel() != bucket.model_bytes:
-            self.close()
-            self.segment = Segment.create(self.prefix, bucket.model_bytes)
-        place = bucket.packed().at(self.segment.name, bucket.stored_at)
-        self.incoming.append(place)
-        return self.segment.tensor[place.offset : place.offset + place.nbytes]
-
-    def commit(self, version: int) -> None:
-        self.latest, self.incoming = (self.incoming, version), []
-
-    def discard_incoming(self) -> None:
-        """Forget a transfer that will not complete (its buckets come again whole)."""
-        self.incoming = []
+    def __init__(
+        self, prefix: str, weights: Mapping[str, Tensor], layers: Sequence[Sequence[str]]
+    ) -> None:
+        planned = plan_buckets(weight_specs(weights), DEFAULT_BUCKET_BYTES, layers)
+        model_bytes = planned[0].model_bytes if planned else 0
+        self.segment = Segment.create(prefix, model_bytes)
+        self.buckets: list[Bucket] = []
+        for bucket in planned:
+            place = bucket.packed().at(self.segment.name, bucket.stored_at)
+            pack_bucket(self.segment.tensor[place.offset : place.offset + place.nbytes],
+                        bucket, weights)  # fmt: skip
+            self.buckets.append(place)
 
     def close(self) -> None:
-        if self.segment is not None:
-            self.segment.close()
-        self.segment, self.latest, self.incoming = None, None, []
+        self.segment.close()
 
 
 class SyncGroup:

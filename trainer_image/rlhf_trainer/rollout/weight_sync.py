@@ -183,7 +183,7 @@ class Bucket:
     at its `offsets` entry (bytes from `offset`), but for those with a home: tensor i
     is then read from segment `homes[i]` at byte `home_offsets[i]` (the sender's own
     memory). `stored_at` is the bucket's place in a copy of the whole model
-    (`WeightStore`), `model_bytes` that copy's size. Travels as a plain dict (vLLM's
+    (`PackedWeights`), `model_bytes` that copy's size. Travels as a plain dict (vLLM's
     `update_info`)."""
 
     segment: str

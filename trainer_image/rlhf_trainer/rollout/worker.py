@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import asdict
+import logging
+import os
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlhf_env.replicas import EnvironmentReplicas
@@ -16,12 +18,29 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import EvalGeneration, GenerationConfig
 from rlhf_trainer.models import chat_tokenizer, model_path
 from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
+from rlhf_trainer.rollout.engine_death import EngineDied
 from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
 from rlhf_trainer.rollout.trajectory import ChatRenderer
-from rlhf_trainer.rollout.transfer_memory import Relay, Segments
+from rlhf_trainer.rollout.transfer_memory import Relay
 from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, EngineTransfer
 from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
+
+log = logging.getLogger(__name__)
+
+# The exit status of a rollout rank whose vLLM engine died (EX_SOFTWARE).
+ENGINE_DIED_EXIT = 70
+
+
+def end_rank(died: EngineDied) -> None:
+    """End this rollout rank's process: its vLLM engine died. The driver then sees the
+    rank lost, as it sees one whose node is gone, and replaces it in its bundle with a
+    new engine that the next push gives the current weights (on every backend: nothing
+    of the dead engine is needed). Ending the process frees its GPUs for the new one."""
+    log.error("%s; this rank's process ends, for the driver to replace it", died)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(ENGINE_DIED_EXIT)
 
 
 class EngineWorker(Worker):
@@ -39,9 +58,9 @@ class EngineWorker(Worker):
             model_path(config.models.actor, config.trainer.seed),
             **asdict(self.engine_options),
             name=f"rollout rank {info.rank} (pool {info.pool})",
+            on_death=end_rank,
         )
         self.relay: Relay | None = None  # host transfer, on another node than the sender
-        self.segments = Segments()  # the rings this engine's buckets are in
         self.episodes = episode_runner(config)  # generation.multiTurn only
 
     @property
@@ -76,24 +95,18 @@ class EngineWorker(Worker):
     def start_weight_update(self) -> None:
         """Pause (a partial rollout: requests in flight keep their tokens) and open an
         update. A paused engine stays paused until the update is done."""
-        self.segments.prune()
         self.engine.open_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load one bucket (with the host transfer, from shared memory: the sender's
         parameters or ring on its node, else this engine's ring, filled over gloo)."""
-        if not self.host_transfer:
-            self.engine.load_bucket(update_info)
-            return
-        bucket = Bucket.from_dict(update_info)
-        if self.relay is not None:
-            bucket = self.relay.receive(bucket)
-        kept = self.segments.read(bucket) if self.engine.store is not None else []
-        self.engine.load_bucket(bucket.to_dict(), kept)
+        if self.host_transfer and self.relay is not None:
+            update_info = self.relay.receive(Bucket.from_dict(update_info)).to_dict()
+        self.engine.load_bucket(update_info)
 
     def finish_weight_update(self, weight_version: int) -> None:
         """Serve the new weights as `weight_version` (and resume, if the update paused
-        the engine). An engine that died meanwhile was restarted with them."""
+        the engine)."""
         self.engine.close_update(weight_version)
 
     def abandon_weight_update(self) -> None:
@@ -159,7 +172,7 @@ class EngineWorker(Worker):
         return list(await asyncio.gather(*(episode(i, row) for i, row in enumerate(rows))))
 
     def engine_stats(self) -> EngineStats | None:
-        """The engine's vLLM stats and restarts. Safe from any thread, at any time: it
+        """The engine's vLLM stats. Safe from any thread, at any time: it
         reads metric values in this process and never waits for the engine."""
         engine: RolloutEngine | None = getattr(self, "engine", None)  # None: being built
         return read_engine_stats() if engine is None else engine.stats()
@@ -168,43 +181,47 @@ class EngineWorker(Worker):
         if self.episodes is not None:
             self.engine.call(self.episodes.replicas.aclose())
         self.engine.shutdown()
-        self.segments.close()
         if self.relay is not None:
             self.relay.close()
+
+
+@dataclass(frozen=True)
+class BatchShard:
+    """A rollout rank's part of a step's batch. Its seeds follow `index`, which part it
+    is, not the rank that generates it: an engine that replaces a lost one makes the
+    samples the lost one would have (`loop.engine_replacement`)."""
+
+    index: int
+    inputs: list[Any]  # prompts' token ids, or environment rows (generation.multiTurn)
 
 
 class RolloutWorker(EngineWorker):
     """Synchronous PPO's rollout rank: generates the batch it is given."""
 
-    def generate(self, prompts: list[list[int]], step: int, attempt: int = 0) -> list[Rollout]:
+    def generate(self, shard: BatchShard, step: int, attempt: int = 0) -> list[Rollout]:
         """One response per prompt. `attempt` > 0: dynamic sampling's further rounds
-        of the step, seeded apart from the first. If the engine dies, it is restarted
-        and the batch generated again with the same seeds: the same samples (nothing
-        of the step was trained yet); past `generation.maxEngineRestarts` this raises
-        EngineRestartsExhausted, naming the rank and pool."""
+        of the step, seeded apart from the first."""
         generation = self.config.generation
         return self.engine.generate_batch(
-            prompts,
+            shard.inputs,
             max_tokens=self.config.data.max_response_length,
             temperature=generation.temperature,
             top_p=generation.top_p,
-            seed=self.step_seed(step, attempt),
+            seed=self.step_seed(step, attempt, shard),
         )
 
-    def run_episodes(
-        self, rows: list[dict[str, Any]], step: int, attempt: int = 0
-    ) -> list[Rollout]:
+    def run_episodes(self, shard: BatchShard, step: int, attempt: int = 0) -> list[Rollout]:
         """One multi-turn episode per environment row, all at once on the engine (its
         turns batch with the other episodes' turns). Turn t of episode i samples with
         the step's seed + t·len(rows) + i."""
-        return self.engine.call(
-            self.episodes_of(rows, f"{step}-{attempt}", self.step_seed(step, attempt))
-        )
+        seed = self.step_seed(step, attempt, shard)
+        return self.engine.call(self.episodes_of(shard.inputs, f"{step}-{attempt}", seed))
 
-    def step_seed(self, step: int, attempt: int) -> int:
-        """Per step, round and rank: a resumed run samples what the first one would have."""
+    def step_seed(self, step: int, attempt: int, shard: BatchShard) -> int:
+        """Per step, round and part of the batch: a resumed run samples what the first
+        one would have, and so does an engine that replaced a lost one."""
         purpose = "generate" if attempt == 0 else f"generate-round-{attempt}"
-        return derive_seed(self.config.trainer.seed, purpose, step, self.info.rank)
+        return derive_seed(self.config.trainer.seed, purpose, step, shard.index)
 
 
 def episode_runner(config: JobConfig) -> EpisodeRunner | None:

@@ -5,15 +5,14 @@ prometheus_client's process-global registry. `read_engine_stats` reads the few t
 trainer exports into an `EngineStats`: it reads metric values (thread-safe) and never
 calls the engine, so it answers at once even while the engine is generating. The
 driver polls every engine for them (`cluster.engine_stats`) and `EngineSeries` exports
-what each one last reported as rlhf_vllm_*{pool,engine}, at scrape time, and how
-many times each was restarted as rlhf_engine_restarts_total{pool,engine}.
+what each one last reported as rlhf_vllm_*{pool,engine}, at scrape time.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -40,9 +39,8 @@ class EngineStats:
     requests_running: int
     requests_waiting: int
     kv_cache_usage: float  # fraction of the KV cache in use, 0..1
-    generation_tokens: int  # since the rollout rank started (across engine restarts)
+    generation_tokens: int  # since the rollout rank started
     prompt_tokens: int
-    restarts: int = 0  # times the rank's vLLM engine died and was restarted in place
 
 
 def engine_stats_of(families: Iterable[Metric]) -> EngineStats | None:
@@ -70,24 +68,6 @@ def read_engine_stats(registry: CollectorRegistry = REGISTRY) -> EngineStats | N
     """The stats of the vLLM engine in this process, from vLLM's metrics (which need
     its Prometheus stat logger: see `engine.RolloutEngine`)."""
     return engine_stats_of(registry.restricted_registry(VLLM_SAMPLES).collect())
-
-
-def across_restarts(
-    live: EngineStats | None, retired: EngineStats | None, restarts: int
-) -> EngineStats | None:
-    """A rollout rank's stats across restarts of its engine: the live engine's, its
-    counts plus `retired`'s (those of the engines it replaced: vLLM's counters start
-    at zero with every engine), and `restarts`. Between a death and the new engine's
-    first stats, the retired counts alone."""
-    if retired is None:
-        return None if live is None else replace(live, restarts=restarts)
-    base = live or EngineStats(0, 0, 0.0, 0, 0)
-    return replace(
-        base,
-        generation_tokens=base.generation_tokens + retired.generation_tokens,
-        prompt_tokens=base.prompt_tokens + retired.prompt_tokens,
-        restarts=restarts,
-    )
 
 
 Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
@@ -122,18 +102,12 @@ SERIES: tuple[tuple[Family, str, str, Callable[[EngineStats], float]], ...] = (
         "Prompt tokens the rollout engine prefilled since it started (vLLM)",
         lambda s: s.prompt_tokens,
     ),
-    (
-        CounterMetricFamily,
-        "rlhf_engine_restarts",
-        "Times the rollout engine's vLLM engine died and was restarted in place",
-        lambda s: s.restarts,
-    ),
 )
 LABELS = ["pool", "engine"]
 
 
 class EngineSeries:
-    """rlhf_vllm_*{pool,engine} and rlhf_engine_restarts_total{pool,engine}: the stats
+    """rlhf_vllm_*{pool,engine}: the stats
     each rollout engine reported last, exported at scrape time, so a scrape never
     waits on an engine. An engine that stops answering keeps its last values; one that
     is gone (`observe(..., None)`) has no series until it reports again."""

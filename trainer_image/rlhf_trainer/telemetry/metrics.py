@@ -179,8 +179,8 @@ class TrainerMetrics:
         )
         self.rollout_engines = Gauge(
             "rlhf_rollout_engines",
-            "Rollout engines by state: serving, or lost (its pod or node gone; fully "
-            "async goes on without it)",
+            "Rollout engines by state: serving, lost (its vLLM engine died, or its pod "
+            "or node is gone: replaced in its bundle), or joining (fully async)",
             ["pool", "state"],
             registry=r,
         )

@@ -1,0 +1,111 @@
+"""Synchronous modes' rollout engines that are lost, replaced in their bundles.
+
+A rollout rank whose vLLM engine dies ends its process (`rollout.worker.end_rank`), so
+every way an engine goes (its vLLM engine, its process, its node) reaches the driver as
+a rank lost. The trainer then replaces it, between its calls to the engines: a new
+rank in the lost one's bundle (Ray places it again, on the node that replaces a lost
+one), built from the model directory, taken into the weight transfer, and given the
+current weights by a push before it generates. Nothing of the dead engine is needed, so
+an engine recovers the same way on every weight transfer, GPUs included. Fully async
+does the same through its elastic membership (`elastic_rollout`).
+
+A replacement takes its predecessor's place in the group, and so its part of the
+batch and its seeds: the step's samples are the ones the lost engine would have made.
+`generation.maxEngineRestarts` bounds how many times the engine in any one bundle is
+replaced in a run, in both modes: an engine that dies again and again (a node whose GPU
+fails, a prompt that crashes vLLM) fails the run, naming it, while a pool that loses
+many nodes once each (scaled down, spot nodes) goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.cluster.groups import started_up
+from rlhf_trainer.cluster.hangs import RankDied, RanksLost
+from rlhf_trainer.cluster.placement import WorkerSlot
+from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S, RoleGroups
+from rlhf_trainer.loop.weights import WeightSync
+from rlhf_trainer.rollout.worker import RolloutWorker
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineRestartsExhausted(RuntimeError):
+    """A rollout bundle lost its engine once more than `generation.maxEngineRestarts`."""
+
+
+def check_replacements(lost: RanksLost, times_replaced: Sequence[int], limit: int) -> None:
+    """Raise EngineRestartsExhausted, naming them, if any engine of `lost` is in a bundle
+    whose engine was replaced `limit` times already (`times_replaced`: for each of
+    lost.ranks, in order)."""
+    over = [(rank, times) for rank, times in zip(lost.ranks, times_replaced, strict=True)
+            if times >= limit]  # fmt: skip
+    if over:
+        bundles = ", ".join(f"rollout rank {rank}'s {times} time(s)" for rank, times in over)
+        raise EngineRestartsExhausted(
+            f"{lost}: generation.maxEngineRestarts is {limit}, and the engine in its bundle "
+            f"was replaced already ({bundles})"
+        )
+
+
+class EngineReplacement:
+    """Replaces the rollout engines that a synchronous run loses, and counts them in
+    both modes (fully async replaces its own: `elastic_rollout`)."""
+
+    def __init__(self, config: JobConfig, groups: RoleGroups, weight_sync: WeightSync) -> None:
+        self.config = config
+        self.groups = groups
+        self.weight_sync = weight_sync
+        self.replaced = 0  # engines, in this run
+        self.by_bundle: Counter[WorkerSlot] = Counter()  # the replacements in each bundle
+
+    def count(self, lost: RanksLost) -> None:
+        """Count the engines of `lost` (rollout ranks of the group that serves) as
+        replaced; past generation.maxEngineRestarts in any one bundle,
+        EngineRestartsExhausted naming them (and nothing counted)."""
+        slots = self.groups[Role.ROLLOUT].slots_of(lost.ranks)
+        times = [self.by_bundle[slot] for slot in slots]
+        check_replacements(lost, times, self.config.generation.max_engine_restarts)
+        self.by_bundle.update(slots)
+        self.replaced += len(slots)
+
+    def surviving(self, call: Callable[[], T], reload: Callable[[], int] | None = None) -> T:
+        """`call` (to the rollout engines), made again after replacing any that were
+        lost in it (or in the push before it); `reload`: the policy version to push to
+        the engines before `call` again (the actor's current weights), when `call`
+        does not bring them itself."""
+        replaced = False
+        while True:
+            try:
+                if replaced and reload is not None:
+                    self.weight_sync.push(reload())
+                return call()
+            except RankDied:
+                rollout = self.groups[Role.ROLLOUT]
+                dead = rollout.dead_ranks()
+                if not dead:
+                    raise  # another role's rank: a run cannot go on without it
+            self.replace(RanksLost(Role.ROLLOUT, rollout.pool, dead))
+            replaced = True
+
+    def replace(self, lost: RanksLost) -> None:
+        """New engines in the bundles of those of `lost`, up and in the weight transfer."""
+        self.count(lost)
+        before = self.groups[Role.ROLLOUT]
+        gone = before.without(before.without(lost.ranks).ranks)
+        gone.shutdown(grace_s=0)  # a stopped one must not come back
+        log.warning("%s: starting new engines in their bundles (%d replaced in this run)",
+                    lost, self.replaced)  # fmt: skip
+        started = self.groups.respawn(Role.ROLLOUT, gone.slots, RolloutWorker, self.config)
+        new = started_up(started, PLACEMENT_TIMEOUT_S)
+        serving = before.substituted(new)
+        self.groups.replace(serving)
+        self.weight_sync.reopen(serving)
+        log.info("rollout rank(s) %s serve in place of %s", list(new.ranks), list(lost.ranks))
