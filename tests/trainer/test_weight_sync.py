@@ -244,20 +244,13 @@ def test_an_engine_beside_the_sender_reads_its_ring_and_one_elsewhere_its_own(
     assert sender["ring"] not in leftovers, "the sender removes its ring"
 
 
-def test_an_engine_beside_the_sender_reads_its_parameters_in_place_when_it_can(
-    two_pushes: list[dict[str, Any]],
-) -> None:
-    """All engines on the sender's node and in the actor's dtype: each tensor is read
-    where the actor keeps it (one copy, the engine's), and the ring is never written;
-    the second push reads the parameters as the update left them. In bf16 (a cast) or
-    with an engine elsewhere (the relay broadcasts the ring), all is packed."""
+def test_an_fp32_policy_reaches_engines_on_the_senders_node_exactly() -> None:
+    """The actor's dtype (no cast), every engine on the sender's node: each tensor goes
+    through the sender's ring, and every engine loads each push exactly as sent."""
     sender, *engines = spawn(send_versions, [1.0, -2.0], BUCKET_BYTES, torch.float32, ())
-    assert not sender["ring_written"]
+    assert sender["ring_written"]
     for engine in engines:
         assert engine["versions"] == [1, 2]
-        assert {home.partition("/fd/")[0] for home in engine["homes"]} == {f"/proc/{sender['pid']}"}
+        assert engine["segments"] == {sender["ring"]}
         for sent, loaded in zip(sender["sent"], engine["loads"], strict=True):
             assert all(torch.equal(loaded[name], tensor) for name, tensor in sent.items())
-    packed, *packed_engines = two_pushes
-    assert packed["ring_written"]
-    assert all(engine["homes"] <= {""} for engine in packed_engines)

@@ -135,7 +135,6 @@ class RolloutEngine(WeightUpdates):
         self.name = name
         self.on_death = on_death
         self.transfer_backend = transfer_backend
-        self._transfer_init: dict[str, Any] = {}  # the buckets name their segments
         self._updating = False  # between open_update and close_update
         self._resume_after_update = False  # open_update paused a running engine
         self._batch_ids = itertools.count()  # request ids of generate_batch

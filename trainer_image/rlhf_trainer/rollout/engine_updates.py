@@ -41,7 +41,6 @@ class WeightUpdates:
 
     _llm: Any
     policy_version: int
-    _transfer_init: dict[str, Any]
     _updating: bool  # between open_update and close_update
     _resume_after_update: bool  # open_update paused a running engine
 
@@ -59,14 +58,10 @@ class WeightUpdates:
 
     def init_transfer(self, init_info: dict[str, Any]) -> None:
         """Set up vLLM's weight-transfer engine (vLLM's `init_weight_transfer_engine`)."""
-        self._transfer_init = init_info
-        self.call(self._alive(self._init_transfer))
-
-    async def _init_transfer(self, llm: Any) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        request = WeightTransferInitRequest(self._transfer_init)
-        await utility(llm, llm.init_weight_transfer_engine(request))
+        request = WeightTransferInitRequest(init_info)
+        self.call(self._alive(lambda llm: utility(llm, llm.init_weight_transfer_engine(request))))
 
     def shutdown_transfer(self) -> None:
         """Close vLLM's weight-transfer engine's connection to the trainer (an NCCL

@@ -9,9 +9,9 @@ changes:
     nccl       vLLM's: engines on GPUs of another pool, one NCCL broadcast
     ipc        vLLM's: engines on the actor's own GPUs (CUDA IPC, no copy through the host)
     rlhf_host  this module's, registered with both of vLLM's factories: CPU machines.
-               Engines on the sender's node read the weights from shared memory (the
-               actor's own where it can), those on other nodes take them over gloo
-               (the data plane is `weight_sync`).
+               Engines on the sender's node read the weights from its ring in shared
+               memory, those on other nodes take them over gloo (the data plane is
+               `weight_sync`).
 
 vLLM builds the worker side of the backend inside its worker process (the engine's
 `weight_transfer_config`), so the backend must be registered there first: vLLM mixes
@@ -22,9 +22,9 @@ module, which registers the backend.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Self
 
@@ -55,7 +55,6 @@ from rlhf_trainer.rollout.transfer_memory import (
     Ring,
     Segments,
     SyncGroup,
-    share_in_place,
 )
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
@@ -95,16 +94,12 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
     """The policy as the engines load it: checkpoint (Hugging Face) names, the engines'
     dtype, and without the LM head when it is tied to the embeddings (vLLM's loader has
     no parameter of its own for it). Iterating gathers each sharded tensor whole on
-    every rank (`DTensor.full_tensor`, a collective), one tensor at a time. `own`: the
-    names of the tensors given so far (this iteration) as the model's own memory (on one
-    rank, in the engines' dtype: neither gathered nor cast), which the engines can read
-    in place."""
+    every rank (`DTensor.full_tensor`, a collective), one tensor at a time."""
 
     def __init__(self, model: nn.Module, tied: bool, dtype: torch.dtype) -> None:
         self.model = model
         self.tied = tied
         self.dtype = dtype
-        self.own: set[str] = set()
 
     def _named(self) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in self.model.state_dict().items():
@@ -115,14 +110,9 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
         return [ParamMeta(name, self.dtype, tuple(t.shape)) for name, t in self._named()]
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        self.own = set()
         for name, tensor in self._named():
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            whole = full.detach().to(self.dtype)
-            if whole.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                self.own.add(name)
-            yield name, whole
+            yield name, full.detach().to(self.dtype)
 
 
 # --- the host backend: the worker side, in each vLLM worker ----------------------
@@ -301,37 +291,15 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
             while len(tensors) < len(bucket.names):
                 names, values = next(layers)
                 tensors.update(zip(names, values, strict=True))
-            placed = self._fill(self.ring.place(index, bucket), tensors)
+            placed = self.ring.place(index, bucket)
+            for name, place in bucket_views(self.ring.region(placed), placed):
+                place.copy_(tensors[name])
             loading.append(client.submit("update_weights", placed.to_dict()))
             if self.group is not None:
                 self.group.broadcast(self.ring.region(placed))
         while loading:
             client.wait(loading.popleft())
         client.finish_weight_update()
-
-    def _fill(self, bucket: Bucket, tensors: Mapping[str, Tensor]) -> Bucket:
-        """Pack into the ring slot what the engines cannot read where the actor keeps
-        it; returns the bucket with the homes of the rest. With engines on other nodes
-        all is packed: the relay broadcasts the slot whole."""
-        assert self.ring is not None
-        homes, offsets = [], []
-        for name, place in bucket_views(self.ring.region(bucket), bucket):
-            tensor = tensors[name]
-            if self.group is None and self._in_place(name, tensor, place):
-                home, offset = share_in_place(tensor)
-            else:
-                place.copy_(tensor)
-                home, offset = "", 0
-            homes.append(home)
-            offsets.append(offset)
-        return replace(bucket, homes=homes, home_offsets=offsets)
-
-    def _in_place(self, name: str, tensor: Tensor, place: Tensor) -> bool:
-        """Whether the engines can read `tensor` where the actor keeps it: its own
-        memory (it stays as it is until the send is over), laid out as they read it."""
-        own = isinstance(self.source, PolicySource) and name in self.source.own
-        laid_out = (tensor.device, tensor.dtype) == (place.device, place.dtype)
-        return own and laid_out and tensor.is_contiguous() and tensor.numel() > 0
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -1,19 +1,15 @@
 """The memory the `rlhf_host` weight transfer's buckets pass through (`weight_sync`
-has their format): the actor's own parameters, moved into shared memory; named
-shared-memory segments; the rings of two slots that buckets take turns in; the gloo
-group and relay that reach an engine on another node (another pod: /dev/shm is per
-pod); and whole weights packed for a local load (`PackedWeights`).
+has their format): named shared-memory segments; the rings of two slots that buckets
+take turns in; the gloo group and relay that reach an engine on another node (another
+pod: /dev/shm is per pod); and whole weights packed for a local load (`PackedWeights`).
 
-An engine on the sender's node reads a tensor that the actor holds whole and in the
-engines' dtype straight from the actor's memory (`share_in_place`): each byte is copied
-once, into the engine's parameters. The rest is packed into the sender's ring first:
-it has `RING_SLOTS` slots, each as large as the largest bucket; bucket k goes to slot
-k % RING_SLOTS. An engine on another node receives each bucket over the gloo group
-into a ring of its own, at the same offset, and its vLLM worker reads it there.
+The sender packs each bucket into its ring: it has `RING_SLOTS` slots, each as large as
+the largest bucket; bucket k goes to slot k % RING_SLOTS. An engine on the sender's
+node reads it there; one on another node receives it over the gloo group into a ring
+of its own, at the same offset, and its vLLM worker reads it there.
 
-Peak extra memory: on the sender, its ring (RING_SLOTS x the largest bucket; its
-parameters moved to shared memory are not a copy); on an engine on another node, the
-same; on every engine, whatever vLLM's loader keeps.
+Peak extra memory: on the sender, its ring (RING_SLOTS x the largest bucket); on an
+engine on another node, the same; on every engine, whatever vLLM's loader keeps.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ RING_SLOTS = 2  # the sender fills one slot while the engines read the other
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 PREFIX = "rlhf-"  # every segment's name: PREFIX...-<creator's pid>-<random>
 SENDER = 0  # the gloo group's rank 0 sends
-INODE_MARK = "@inode-"  # in the name of another process's memory (`share_in_place`)
 
 
 class Segment:
@@ -94,53 +89,22 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str) -> Segment:
-        """Map segment `name`: a file of SHM_DIR, or another process's shared memory
-        by its descriptor (`share_in_place`)."""
-        path, inode = _located(name)
+        """Map segment `name`, a file of SHM_DIR."""
+        path = SHM_DIR / name
         try:
-            stat = path.stat()
-            if inode is not None and stat.st_ino != inode:
-                raise FileNotFoundError(0, "the descriptor names other memory now")
+            nbytes = path.stat().st_size
         except OSError as error:
             raise TransferError(
                 f"no shared-memory segment {name}: {error.strerror} (is the sender on "
                 "another node or pod? Its engines take the weights over gloo)"
             ) from error
-        return cls(name, _map(path, stat.st_size), owner=False)
+        return cls(name, _map(path, nbytes), owner=False)
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if self.owner:
             (SHM_DIR / self.name).unlink(missing_ok=True)
             self.owner = False
-
-
-def share_in_place(tensor: Tensor) -> tuple[str, int]:
-    """Where a process on this node maps `tensor` from: the segment name and the byte
-    offset of its first element. Its storage is moved into shared memory the first
-    time, in place (every view of it follows: FSDP's and the optimizer's), as
-    torch.multiprocessing shares a tensor; the memory is then named by this process's
-    descriptor of it, which the reader opens through /proc (same node, same user)."""
-    storage = tensor.untyped_storage()
-    try:
-        fd, _ = storage._share_fd_cpu_()  # torch's own; a no-op once shared
-    except RuntimeError as error:
-        raise TransferError(
-            f"cannot move {storage.nbytes() / 2**20:.1f} MiB of the actor's weights into "
-            f"shared memory: {error} (a pod's /dev/shm is its memory-backed emptyDir: "
-            "raise its size)"
-        ) from error
-    name = f"/proc/{os.getpid()}/fd/{fd}{INODE_MARK}{os.fstat(fd).st_ino}"
-    return name, int(tensor.storage_offset()) * tensor.element_size()
-
-
-def _located(name: str) -> tuple[Path, int | None]:
-    """A segment's path, and the inode it must have when it is a descriptor (whose
-    number a later file may take)."""
-    if not name.startswith("/proc/"):
-        return SHM_DIR / name, None
-    path, _, inode = name.rpartition(INODE_MARK)
-    return Path(path), int(inode)
 
 
 def remove_orphans() -> list[str]:
@@ -187,14 +151,8 @@ class Segments:
         return segment.tensor[offset : offset + nbytes]
 
     def read(self, bucket: Bucket) -> list[tuple[str, Tensor]]:
-        """The bucket's tensors, as views of the shared memory (no copy): each from
-        its home if it has one, else from the bucket's segment."""
-        packed = bucket_views(self.region(bucket.segment, bucket.offset, bucket.nbytes), bucket)
-        for index, spec in enumerate(bucket.specs()):
-            if home := bucket.home(index):
-                raw = self.region(*home, spec.nbytes)
-                packed[index] = (spec.name, raw.view(spec.dtype).view(spec.shape))
-        return packed
+        """The bucket's tensors, as views of the shared memory (no copy)."""
+        return bucket_views(self.region(bucket.segment, bucket.offset, bucket.nbytes), bucket)
 
     def prune(self) -> None:
         for name in [n for n in self.mapped if not _exists(n)]:
@@ -207,11 +165,7 @@ class Segments:
 
 
 def _exists(name: str) -> bool:
-    path, inode = _located(name)
-    try:
-        return inode is None or path.stat().st_ino == inode
-    except OSError:
-        return False
+    return (SHM_DIR / name).exists()
 
 
 class Ring:
@@ -301,7 +255,7 @@ class PackedWeights:
         self.segment = Segment.create(prefix, model_bytes)
         self.buckets: list[Bucket] = []
         for bucket in planned:
-            place = bucket.packed().at(self.segment.name, bucket.stored_at)
+            place = bucket.at(self.segment.name, bucket.stored_at)
             pack_bucket(self.segment.tensor[place.offset : place.offset + place.nbytes],
                         bucket, weights)  # fmt: skip
             self.buckets.append(place)

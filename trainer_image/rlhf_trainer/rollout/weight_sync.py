@@ -4,15 +4,14 @@ the engines (`EngineFanOut`), which gives each engine its own ranks in vLLM's NC
 group. Which backend a job takes is `api.transfer`'s decision. The memory the buckets
 pass through is `transfer_memory`'s.
 
-    actor rank 0's parameters (shared memory) ─copy─▶ vLLM worker of an engine on its node
-          │
-          └─copy─▶ ring (shared memory) ─gloo─▶ ring of an engine on another node ─copy─▶
-                                                its vLLM worker
+    actor rank 0 ─copy─▶ ring (shared memory) ─copy─▶ vLLM worker of an engine on its node
+                              │
+                              └─gloo─▶ ring of an engine on another node ─copy─▶
+                                       its vLLM worker
 
-An engine on the sender's node reads each tensor where the actor keeps it (`homes`):
-the one copy is its own load. Only what the actor does not hold as the engines want it
-(a gathered shard, a cast to their dtype), or what goes on to another node, is packed
-into the sender's ring first, and read from there.
+Every tensor is packed into the sender's ring and read from there. (Reading the actor's
+own parameters in place, through its file descriptors, halved the data plane's time but
+not a sync's: vLLM's reload is ~90% of it; bench/README.md has the numbers.)
 
 The weights travel in buckets (`plan_buckets`): whole layers, packed in order into
 flat byte runs of at most `bucket_bytes` (a layer larger than that is a bucket of its
@@ -27,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -180,11 +179,9 @@ def weight_specs(weights: Mapping[str, Tensor]) -> list[WeightSpec]:
 @dataclass(frozen=True)
 class Bucket:
     """One bucket as an engine reads it: `segment` at `offset` holds the tensors, each
-    at its `offsets` entry (bytes from `offset`), but for those with a home: tensor i
-    is then read from segment `homes[i]` at byte `home_offsets[i]` (the sender's own
-    memory). `stored_at` is the bucket's place in a copy of the whole model
-    (`PackedWeights`), `model_bytes` that copy's size. Travels as a plain dict (vLLM's
-    `update_info`)."""
+    at its `offsets` entry (bytes from `offset`). `stored_at` is the bucket's place in
+    a copy of the whole model (`PackedWeights`), `model_bytes` that copy's size. Travels
+    as a plain dict (vLLM's `update_info`)."""
 
     segment: str
     offset: int
@@ -195,8 +192,6 @@ class Bucket:
     nbytes: int
     stored_at: int = 0
     model_bytes: int = 0
-    homes: list[str] = field(default_factory=list)  # per tensor, "" when packed
-    home_offsets: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -209,18 +204,8 @@ class Bucket:
             raise TransferError(f"not a weight bucket: {sorted(data)} ({error})") from error
 
     def at(self, segment: str, offset: int) -> Bucket:
-        """The same bucket, packed elsewhere (its tensors' homes kept)."""
+        """The same bucket, packed elsewhere."""
         return Bucket(**(self.to_dict() | {"segment": segment, "offset": offset}))
-
-    def packed(self) -> Bucket:
-        """The same bucket with every tensor packed (read from `segment`)."""
-        return Bucket(**(self.to_dict() | {"homes": [], "home_offsets": []}))
-
-    def home(self, index: int) -> tuple[str, int] | None:
-        """Where tensor `index` is read if not from the bucket: (segment, byte offset)."""
-        if not self.homes or not self.homes[index]:
-            return None
-        return self.homes[index], self.home_offsets[index]
 
     def specs(self) -> list[WeightSpec]:
         return [
