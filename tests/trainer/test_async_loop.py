@@ -296,9 +296,11 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
             serving = sync.rollout
             missed = serving.without(serving.ranks[1:])
             events.append(f"missed push: rank {missed.ranks[0]}")
-            sync.reopen(serving.without(missed.ranks))
+            sync.groups.replace(serving.without(missed.ranks))
+            sync.reopen()
             push(sync, version)
-            sync.reopen(serving)
+            sync.groups.replace(serving)
+            sync.reopen()
             join(missed.run("start_weight_update"))
             join(missed.run("finish_weight_update", version))
 

@@ -178,7 +178,7 @@ class ElasticRollout:
 
     def regroup(self) -> None:
         """The weight transfer set up again for the engines that serve."""
-        self.core.weight_sync.reopen(self.group)
+        self.core.weight_sync.reopen()
 
     @property
     def worker(self) -> tuple[Any, ...]:
@@ -238,7 +238,7 @@ class ElasticRollout:
         serving = self.group.joined(joining)
         with self.core.timeline.span(serving.pool, Role.ROLLOUT, ENGINES_JOINED):
             self.core.groups.replace(serving)
-            self.core.weight_sync.reopen(serving)
+            self.core.weight_sync.reopen()
         log.info("rollout rank(s) %s joined: %d engine(s) serve",
                  list(joining.ranks), serving.world_size)  # fmt: skip
         self.count()

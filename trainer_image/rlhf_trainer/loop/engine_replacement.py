@@ -107,5 +107,5 @@ class EngineReplacement:
         new = started_up(started, PLACEMENT_TIMEOUT_S)
         serving = before.substituted(new)
         self.groups.replace(serving)
-        self.weight_sync.reopen(serving)
+        self.weight_sync.reopen()
         log.info("rollout rank(s) %s serve in place of %s", list(new.ranks), list(lost.ranks))

@@ -41,7 +41,9 @@ def group_timeout_s(timeout_s: float) -> float:
 
 
 class WeightSync:
-    """The driver's side of the weight transfer between the actor and the rollout pool."""
+    """The driver's side of the weight transfer between the actor and the rollout pool:
+    the engines that serve are those `groups` holds (one place for who serves, which a
+    loss or a join changes before the transfer is set up again: `reopen`)."""
 
     def __init__(
         self,
@@ -49,14 +51,22 @@ class WeightSync:
         timeout_s: float,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        self.actor = groups[Role.ACTOR]
-        self.rollout = groups[Role.ROLLOUT]
+        self.groups = groups
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.opened = False
         # Engine calls the next push waits for (an evaluation): an engine busy in one
         # would take the push's calls only after it, and be taken for a hung rank.
         self.engines_busy: list[tuple[list[Any], float]] = []  # (calls, their timeout)
+
+    @property
+    def actor(self) -> WorkerGroup:
+        return self.groups[Role.ACTOR]
+
+    @property
+    def rollout(self) -> WorkerGroup:
+        """The engines that serve."""
+        return self.groups[Role.ROLLOUT]
 
     def open(self) -> None:
         """Set up the transfer: the actor's rank 0 and every engine, on the backend the
@@ -106,15 +116,15 @@ class WeightSync:
             log.info("the weight transfer waited %.1f s for the engines' evaluation",
                      time.monotonic() - started)  # fmt: skip
 
-    def reopen(self, rollout: WorkerGroup) -> None:
-        """Set the transfer up again for `rollout`: the engines that go on after some
-        were lost, or with some that joined (the NCCL group regrouped: each engine's
-        ranks follow the ones before it). An update a failed push left open on them is
-        closed unserved first (paused until the next push: never half loaded), and the
-        old transfer is shut down on both sides. The engines keep the weights they serve."""
+    def reopen(self) -> None:
+        """Set the transfer up again for the engines that serve now: those that go on
+        after some were lost, or with some that joined (the NCCL group regrouped: each
+        engine's ranks follow the ones before it). An update a failed push left open on
+        them is closed unserved first (paused until the next push: never half loaded),
+        and the old transfer is shut down on both sides. The engines keep the weights
+        they serve."""
         self.wait_for_engines()  # the calls below would queue behind theirs
-        join(rollout.run("abandon_weight_update"), self.timeout_s)
-        self.rollout = rollout
+        join(self.rollout.run("abandon_weight_update"), self.timeout_s)
         self.open()
 
     def wait_before_next_push(self, calls: list[Any], timeout_s: float) -> None:
