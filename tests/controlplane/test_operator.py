@@ -209,6 +209,34 @@ def test_the_same_event_again_is_counted_on_the_one_already_posted(
     assert posted() == [("Warning", stuck, 1)]
 
 
+def test_a_head_lost_inside_an_attempt_is_a_driver_restart_in_status_and_an_event(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    """The head pod deleted at once (a lost node): KubeRay makes a new one for the same
+    Ray cluster, where its submitter starts the driver again. The job says so: its
+    status counts the restart (not as a new attempt) and a Warning names both heads."""
+    cp = controlplane
+    apply_example(cp, namespace, "colocated.yaml")
+    name = load(REPO_ROOT / "examples" / "colocated.yaml")["metadata"]["name"]
+    first = eventually(lambda: job_status(cp, name, namespace).get("rayHead"), "status.rayHead")
+    cp.kubectl("delete", "pod", first, "-n", namespace, "--grace-period=0", "--force")
+    status = eventually(lambda: status_when(cp, name, namespace, driverRestarts=1),
+                        "status.driverRestarts == 1")  # fmt: skip
+    second = status["rayHead"]
+    assert second != first and status["restarts"] == 0
+    events = eventually(
+        lambda: get_json(cp, "events", "-n", namespace, "--field-selector",
+                         "reason=DriverRestarted,involvedObject.kind=RLHFJob")["items"],
+        "a DriverRestarted event",
+    )  # fmt: skip
+    assert [(e["type"], e["count"]) for e in events] == [("Warning", 1)]
+    assert (
+        f"the Ray head {first} of cluster {status['rayCluster']} was lost" in events[0]["message"]
+    )
+    assert f"KubeRay made {second}" in events[0]["message"]
+    cp.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=true")
+
+
 def test_children_deleted_out_of_band_are_recreated(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:

@@ -277,3 +277,32 @@ def test_a_container_that_ended_in_error_is_named_and_one_that_succeeded_is_not(
         c for c in status(Observed(rayjob(), pods)).conditions if c.type == "PoolsReady"
     ).message
     assert message.endswith("pod worker container ray: Error, exit code 1: Traceback ...")
+
+
+def head(name: str, cluster: str = "asymmetric-6-2-abcde", terminating: bool = False) -> Any:
+    """A Ray head pod as KubeRay labels it."""
+    made = pod("head", terminating=terminating)
+    made["metadata"] |= {"name": name}
+    made["metadata"]["labels"] |= {"ray.io/node-type": "head", "ray.io/cluster": cluster}
+    return made
+
+
+def test_a_head_lost_and_made_again_in_the_same_cluster_is_a_driver_restart() -> None:
+    """KubeRay makes a new head pod for the same Ray cluster: the driver starts again
+    there. A head going away is not yet one; a new attempt's cluster is not one."""
+    first = status(Observed(rayjob(), [head("h-1")]))
+    assert (first.ray_head, first.driver_restarts) == ("h-1", 0)
+    going = status(Observed(rayjob(), [head("h-1", terminating=True)]), first)
+    gone = status(Observed(rayjob(), []), going)
+    assert (gone.ray_head, gone.driver_restarts) == ("h-1", 0)
+    again = status(Observed(rayjob(), [head("h-2")]), gone)
+    assert (again.ray_head, again.driver_restarts) == ("h-2", 1)
+    assert status(Observed(rayjob(), [head("h-2")]), again) == again
+    next_attempt = rayjob()
+    next_attempt["status"]["rayClusterName"] = "asymmetric-6-2-fghij"
+    other = status(Observed(next_attempt, [head("h-3", "asymmetric-6-2-fghij")]), again)
+    assert (other.ray_cluster, other.ray_head, other.driver_restarts) == (
+        "asymmetric-6-2-fghij", "h-3", 1
+    )  # fmt: skip
+    another_clusters_head = status(Observed(rayjob(), [head("h-9", "someone-else")]), again)
+    assert another_clusters_head.ray_head == "h-2"

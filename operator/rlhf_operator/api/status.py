@@ -76,6 +76,18 @@ class RLHFJobStatus(StatusModel):
     start_time: datetime | None = Field(None, description="When the job started running.")
     completion_time: datetime | None = Field(None, description="When the job finished.")
     restarts: int = Field(0, ge=0, description="New attempts started after failures.")
+    ray_head: str | None = Field(
+        None, description="The Ray head pod of the running attempt (its driver runs there)."
+    )
+    driver_restarts: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Times the running attempt's Ray head was lost and KubeRay made a new one: the "
+            "trainer's driver starts again there and resumes from the newest checkpoint "
+            "(not a new attempt: restarts does not count it)."
+        ),
+    )
     last_failure: AttemptFailure | None = Field(None, description="The last failed attempt.")
     resizing: list[PoolResize] | None = Field(
         None,

@@ -31,6 +31,12 @@ RESTARTS = Gauge(
     "Attempts started after a failure (status.restarts)",
     ["namespace", "rlhfjob"],
 )
+DRIVER_RESTARTS = Gauge(
+    "rlhf_job_driver_restarts",
+    "Ray heads lost and replaced inside an attempt: the driver started again "
+    "(status.driverRestarts)",
+    ["namespace", "rlhfjob"],
+)
 
 
 class JobGauges:
@@ -48,9 +54,11 @@ class JobGauges:
         if status is None:
             if self._phase.pop(key, None) is not None:
                 RESTARTS.remove(namespace, name)
+                DRIVER_RESTARTS.remove(namespace, name)
         else:
             self._phase[key] = status.phase
             RESTARTS.labels(namespace, name).set(status.restarts)
+            DRIVER_RESTARTS.labels(namespace, name).set(status.driver_restarts)
             for pool_status in status.pools:
                 POOL_GPUS.labels(namespace, name, pool_status.name, "desired").set(
                     pool_status.desired_gpus

@@ -60,6 +60,7 @@ OWNED_FIELDS = {
     "Service": ("spec",),  # its selector and port; clusterIP (immutable) is never patched
 }
 WARNING_PHASES = (Phase.FAILED,)
+DRIVER_RESTARTED = "DriverRestarted"  # the Warning of a Ray head lost inside an attempt
 CHILD_REQUESTS = 8  # requests for jobs' children in flight at once, over all reconciles
 
 
@@ -302,6 +303,8 @@ class Reconciler:
             warning |= new.phase is Phase.SUCCEEDED and not reported_to_the_end(new.training)
             reason = "InvalidSpec" if invalid else new.phase.value
             self.events.post(job, reason, invalid or _phase_message(new), warning)
+        if new.driver_restarts > old.driver_restarts:
+            self.events.post(job, DRIVER_RESTARTED, _driver_restart_message(old, new), warning=True)
         said = warnings(old)
         for (kind, reason), message in warnings(new).items():
             if said.get((kind, reason)) != message:
@@ -309,6 +312,14 @@ class Reconciler:
         meta = job["metadata"]
         self.kube.patch("RLHFJob", meta["namespace"], meta["name"], {"status": mine},
                         subresource="status")  # fmt: skip
+
+
+def _driver_restart_message(old: RLHFJobStatus, new: RLHFJobStatus) -> str:
+    return (
+        f"the Ray head {old.ray_head} of cluster {new.ray_cluster} was lost and KubeRay made "
+        f"{new.ray_head}: the trainer's driver starts again there and resumes from the "
+        f"newest checkpoint ({new.driver_restarts} time(s) in this job)"
+    )
 
 
 def _replica_ops(live: list[Obj], wanted: list[Obj], at: str) -> list[dict[str, Any]]:

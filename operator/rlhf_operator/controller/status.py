@@ -34,6 +34,8 @@ from rlhf_trainer.api.names import POOL_LABEL
 from rlhf_trainer.api.progress import TrainingProgress
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
+# KubeRay's labels of a Ray cluster's pods: which cluster, and head or worker.
+RAY_CLUSTER_LABEL, RAY_NODE_TYPE_LABEL = "ray.io/cluster", "ray.io/node-type"
 # PoolsReady's reasons: pods.UNSCHEDULABLE while the scheduler cannot place a pool's pod,
 # pods.PODS_FAILING while a container cannot start or ends in error, and this while
 # Kueue has not admitted the job (its message: Kueue's reason).
@@ -151,6 +153,11 @@ def compute_status(
         conditions = _set_condition(conditions, kind, ok, reason, message, now, generation)
 
     rayjob_status = (observed.rayjob or {}).get("status") or {}
+    cluster = rayjob_status.get("rayClusterName") or old.ray_cluster
+    # A head being replaced: the one before is kept until the new one shows.
+    head = ray_head(observed.pods, cluster) or (
+        old.ray_head if cluster == old.ray_cluster else None
+    )
     return RLHFJobStatus(
         phase=phase,
         observed_generation=generation,
@@ -159,13 +166,34 @@ def compute_status(
         pools_ready=_ready_fraction(pools),
         training=old.training,
         ray_job=(observed.rayjob or {}).get("metadata", {}).get("name", old.ray_job),
-        ray_cluster=rayjob_status.get("rayClusterName") or old.ray_cluster,
+        ray_cluster=cluster,
         start_time=old.start_time or (now if phase is Phase.RUNNING else None),
         completion_time=old.completion_time or (now if phase in TERMINAL else None),
         restarts=old.restarts + recorded,
+        ray_head=head,
+        driver_restarts=old.driver_restarts + head_replaced(old, cluster, head),
         last_failure=failure,
         resizing=list(resize.resizes) if resize is not None and resizing else None,
     )
+
+
+def ray_head(pods: list[dict[str, Any]], cluster: str | None) -> str | None:
+    """The name of Ray cluster `cluster`'s head pod, unless it is going away."""
+    heads = [
+        pod["metadata"]["name"]
+        for pod in pods
+        if (labels := pod["metadata"].get("labels") or {}).get(RAY_NODE_TYPE_LABEL) == "head"
+        and labels.get(RAY_CLUSTER_LABEL) == cluster
+        and not terminating(pod)
+    ]
+    return heads[0] if cluster is not None and heads else None
+
+
+def head_replaced(old: RLHFJobStatus, cluster: str | None, head: str | None) -> bool:
+    """Whether the Ray cluster seen before has another head pod now: the head was lost
+    and KubeRay made a new one, where its submitter starts the driver again. A new
+    attempt is a new cluster, and not this."""
+    return None not in (head, old.ray_head) and cluster == old.ray_cluster and head != old.ray_head
 
 
 def _pools_ready(
