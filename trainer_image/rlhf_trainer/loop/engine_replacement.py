@@ -76,22 +76,29 @@ class EngineReplacement:
         self.by_bundle.update(slots)
         self.replaced += len(slots)
 
-    def surviving(self, call: Callable[[], T], reload: Callable[[], int] | None = None) -> T:
+    def surviving(
+        self,
+        call: Callable[[], T],
+        reload: Callable[[], int] | None = None,
+        lost_in: type[BaseException] = RankDied,
+    ) -> T:
         """`call` (to the rollout engines), made again after replacing any that were
         lost in it (or in the push before it); `reload`: the policy version to push to
         the engines before `call` again (the actor's current weights), when `call`
-        does not bring them itself."""
+        does not bring them itself. `lost_in`: the errors that may mean an engine was
+        lost (a push fails with the transfer's own error, or a peer's): the engines
+        are then asked, and with none dead the error is the call's own."""
         replaced = False
         while True:
             try:
                 if replaced and reload is not None:
                     self.weight_sync.push(reload())
                 return call()
-            except RankDied:
+            except lost_in:
                 rollout = self.groups[Role.ROLLOUT]
                 dead = rollout.dead_ranks()
                 if not dead:
-                    raise  # another role's rank: a run cannot go on without it
+                    raise  # not an engine lost: another role's rank, or the call's own
             self.replace(RanksLost(Role.ROLLOUT, rollout.pool, dead))
             replaced = True
 

@@ -301,7 +301,7 @@ class PPOTrainer:
     def sync_weights(self, version: int) -> None:
         """Hand the actor's weights to every rollout engine, and wait until they have
         them (those that replace engines lost in it too)."""
-        self.engines.surviving(lambda: self.weight_sync.push(version))
+        self.engines.surviving(lambda: self.weight_sync.push(version), lost_in=Exception)
         self.policy_version = version
 
     def record_spans(self, since: float) -> dict[str, float]:
