@@ -214,11 +214,14 @@ def test_a_head_lost_inside_an_attempt_is_a_driver_restart_in_status_and_an_even
 ) -> None:
     """The head pod deleted at once (a lost node): KubeRay makes a new one for the same
     Ray cluster, where its submitter starts the driver again. The job says so: its
-    status counts the restart (not as a new attempt) and a Warning names both heads."""
+    status counts the restart (not as a new attempt) and a Warning names both heads. The
+    workers of the lost head are replaced."""
     cp = controlplane
     apply_example(cp, namespace, "colocated.yaml")
     name = load(REPO_ROOT / "examples" / "colocated.yaml")["metadata"]["name"]
     first = eventually(lambda: job_status(cp, name, namespace).get("rayHead"), "status.rayHead")
+    workers = eventually(lambda: worker_pods(cp, name, namespace), "the worker pods to run")
+    joined_first = {p["metadata"]["uid"] for pods in workers.values() for p in pods}
     cp.kubectl("delete", "pod", first, "-n", namespace, "--grace-period=0", "--force")
     status = eventually(lambda: status_when(cp, name, namespace, driverRestarts=1),
                         "status.driverRestarts == 1")  # fmt: skip
@@ -234,6 +237,15 @@ def test_a_head_lost_inside_an_attempt_is_a_driver_restart_in_status_and_an_even
         f"the Ray head {first} of cluster {status['rayCluster']} was lost" in events[0]["message"]
     )
     assert f"KubeRay made {second}" in events[0]["message"]
+
+    # The workers that joined the lost head are replaced by new pods (which wait for the
+    # new head) rather than left to crash-loop until it is up.
+    def replaced() -> dict[str, list[dict[str, Any]]] | None:
+        now = worker_pods(cp, name, namespace)
+        uids = {p["metadata"]["uid"] for pods in now.values() for p in pods}
+        return now if len(uids) == len(joined_first) and not uids & joined_first else None
+
+    eventually(replaced, "new worker pods in place of those of the lost head")
     cp.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=true")
 
 

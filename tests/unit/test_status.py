@@ -9,7 +9,13 @@ import pytest
 
 from rlhf_operator.api.job import Phase, RLHFJobStatus
 from rlhf_operator.api.validation import parse_job
-from rlhf_operator.controller.status import Observed, compute_status, finished, invalid_status
+from rlhf_operator.controller.status import (
+    Observed,
+    compute_status,
+    finished,
+    invalid_status,
+    workers_of_a_lost_head,
+)
 from rlhf_trainer.api.progress import TrainingProgress
 from tests.unit.conftest import EXAMPLES, load
 
@@ -279,12 +285,18 @@ def test_a_container_that_ended_in_error_is_named_and_one_that_succeeded_is_not(
     assert message.endswith("pod worker container ray: Error, exit code 1: Traceback ...")
 
 
-def head(name: str, cluster: str = "asymmetric-6-2-abcde", terminating: bool = False) -> Any:
-    """A Ray head pod as KubeRay labels it."""
-    made = pod("head", terminating=terminating)
-    made["metadata"] |= {"name": name}
-    made["metadata"]["labels"] |= {"ray.io/node-type": "head", "ray.io/cluster": cluster}
-    return made
+def head(
+    name: str,
+    cluster: str = "asymmetric-6-2-abcde",
+    terminating: bool = False,
+    made: str = "2026-01-01T00:00:00Z",
+    node_type: str = "head",
+) -> Any:
+    """A Ray pod as KubeRay labels it: a head, or a worker."""
+    ray_pod = pod("head" if node_type == "head" else "policy", terminating=terminating)
+    ray_pod["metadata"] |= {"name": name, "creationTimestamp": made}
+    ray_pod["metadata"]["labels"] |= {"ray.io/node-type": node_type, "ray.io/cluster": cluster}
+    return ray_pod
 
 
 def test_a_head_lost_and_made_again_in_the_same_cluster_is_a_driver_restart() -> None:
@@ -306,3 +318,20 @@ def test_a_head_lost_and_made_again_in_the_same_cluster_is_a_driver_restart() ->
     )  # fmt: skip
     another_clusters_head = status(Observed(rayjob(), [head("h-9", "someone-else")]), again)
     assert another_clusters_head.ray_head == "h-2"
+
+
+def test_the_workers_of_a_lost_head_are_those_of_its_cluster_made_before_the_new_head() -> None:
+    def worker(name: str, made: str, **more: Any) -> Any:
+        return head(name, made=made, node_type="worker", **more)
+
+    pods = [
+        head("h-2", made="2026-01-01T00:10:00Z"),
+        worker("w-old", "2026-01-01T00:01:00Z"),
+        worker("w-going", "2026-01-01T00:01:00Z", terminating=True),
+        worker("w-new", "2026-01-01T00:10:05Z"),
+        worker("w-elsewhere", "2026-01-01T00:01:00Z", cluster="someone-else"),
+    ]
+    lost = workers_of_a_lost_head(pods, "asymmetric-6-2-abcde", "h-2")
+    assert [p["metadata"]["name"] for p in lost] == ["w-old"]
+    assert workers_of_a_lost_head(pods, "asymmetric-6-2-abcde", "h-gone") == []
+    assert workers_of_a_lost_head(pods, None, "h-2") == []

@@ -71,7 +71,7 @@ in the chart's README. No wildcards, no Secrets, and no delete but of a failed R
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch]
+  verbs: [list, watch, delete]  # delete: the workers of a Ray head that was lost
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]  # patch: a repeated Event is counted on the one posted

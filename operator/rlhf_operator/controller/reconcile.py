@@ -38,6 +38,7 @@ from rlhf_operator.controller.status import (
     invalid_status,
     reported_to_the_end,
     warnings,
+    workers_of_a_lost_head,
 )
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render.environments import render_stopped_environments
@@ -147,11 +148,28 @@ class Reconciler:
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
         observed = self._observe(ref, spec, rayjob, workload, live)
         new = compute_status(spec, generation, observed, old, now, restart, resize)
+        if new.driver_restarts > old.driver_restarts:
+            self._replace_workers_of_the_lost_head(ref, observed, new)
         self._write_status(job, old, new)
         wait = restart.wait_seconds if restart and restart.action in WAITING else None
         if new.phase is Phase.QUEUED:
             wait = QUEUED_RECHECK_SECONDS
         return Reconciled(new, requeue_after=wait)
+
+    def _replace_workers_of_the_lost_head(
+        self, ref: JobRef, observed: Observed, new: RLHFJobStatus
+    ) -> None:
+        """Delete the worker pods that joined the Ray head that was lost: KubeRay makes
+        new ones, which wait for the new head, rather than leave theirs to crash-loop
+        into minutes of backoff (`workers_of_a_lost_head`)."""
+        workers = workers_of_a_lost_head(observed.pods, new.ray_cluster, new.ray_head)
+        for pod in workers:
+            meta = pod["metadata"]
+            self.kube.delete("Pod", ref.namespace, meta["name"], uid=meta["uid"])
+        if workers:
+            log.info("%s/%s: the Ray head was lost; %d worker pod(s) of it deleted, for "
+                     "KubeRay to make new ones for %s", ref.namespace, ref.name, len(workers),
+                     new.ray_head)  # fmt: skip
 
     def _observe(
         self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None, workload: Obj | None,
@@ -318,7 +336,8 @@ def _driver_restart_message(old: RLHFJobStatus, new: RLHFJobStatus) -> str:
     return (
         f"the Ray head {old.ray_head} of cluster {new.ray_cluster} was lost and KubeRay made "
         f"{new.ray_head}: the trainer's driver starts again there and resumes from the "
-        f"newest checkpoint ({new.driver_restarts} time(s) in this job)"
+        f"newest checkpoint; the workers of the lost head are replaced "
+        f"({new.driver_restarts} time(s) in this job)"
     )
 
 

@@ -189,6 +189,26 @@ def ray_head(pods: list[dict[str, Any]], cluster: str | None) -> str | None:
     return heads[0] if cluster is not None and heads else None
 
 
+def workers_of_a_lost_head(
+    pods: list[dict[str, Any]], cluster: str | None, head: str | None
+) -> list[dict[str, Any]]:
+    """The worker pods of Ray cluster `cluster` made before its head pod `head`: they
+    joined the head that was lost. Without GCS fault tolerance the new head does not take
+    them back: their containers exit and restart until it is up, in a crash loop whose
+    backoff grows to minutes. New pods wait for the new head (KubeRay's init container)."""
+    made = {p["metadata"]["name"]: p["metadata"].get("creationTimestamp", "") for p in pods}
+    if cluster is None or head not in made:
+        return []
+    return [
+        pod
+        for pod in pods
+        if (labels := pod["metadata"].get("labels") or {}).get(RAY_NODE_TYPE_LABEL) == "worker"
+        and labels.get(RAY_CLUSTER_LABEL) == cluster
+        and not terminating(pod)
+        and pod["metadata"].get("creationTimestamp", "") < made[head]  # RFC 3339, UTC
+    ]
+
+
 def head_replaced(old: RLHFJobStatus, cluster: str | None, head: str | None) -> bool:
     """Whether the Ray cluster seen before has another head pod now: the head was lost
     and KubeRay made a new one, where its submitter starts the driver again. A new
