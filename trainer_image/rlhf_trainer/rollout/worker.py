@@ -98,8 +98,8 @@ class EngineWorker(Worker):
         self.engine.open_update()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Load one bucket (with the host transfer, from shared memory: the sender's
-        parameters or ring on its node, else this engine's ring, filled over gloo)."""
+        """Load one bucket (with the host transfer, from shared memory: the sender's ring
+        on its node, else this engine's ring, filled over gloo)."""
         if self.host_transfer and self.relay is not None:
             update_info = self.relay.receive(Bucket.from_dict(update_info)).to_dict()
         self.engine.load_bucket(update_info)
