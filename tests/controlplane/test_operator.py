@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 import yaml
 
+from rlhf_operator.controller.cache import CachedKube, ObjectCache
 from rlhf_operator.controller.events import EventRecorder
 from rlhf_operator.controller.kube import Kube
+from rlhf_operator.controller.reconcile import Reconciler
 from rlhf_operator.controller.resizes import STOP_ASKED
+from rlhf_operator.render.children import JOB_LABEL
 
 from .harness import DEFAULT_NODE_GROUPS, REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
@@ -207,6 +210,25 @@ def test_the_same_event_again_is_counted_on_the_one_already_posted(
     cp.kubectl("delete", "events", "-n", namespace, "--all")
     recorder.post(job, "Unschedulable", stuck, warning=True)
     assert posted() == [("Warning", stuck, 1)]
+
+
+def test_a_job_deleted_before_the_cache_heard_of_it_gets_no_children(
+    controlplane: ControlPlane, namespace: str
+) -> None:
+    """The garbage collector can take a deleted job's RayJob before the watch tells the
+    cache that the job went (a CI run saw its RayJob made again, then collected): the
+    reconcile reads a job without a RayJob from the API server before it creates."""
+    cp = controlplane
+    job = yaml.safe_load(CLUSTER_EXAMPLES[0].read_text())
+    job["metadata"] |= {"name": "gone", "namespace": namespace, "uid": "5e1d2c3b",
+                        "resourceVersion": "1"}  # fmt: skip
+    cache = ObjectCache(frozenset({"RLHFJob", "RayJob"}))
+    cache.observe("RLHFJob", "ADDED", job)  # its DELETED event is still on the way
+    reconciler = Reconciler(CachedKube(cp.api_client(), cache))
+    assert reconciler.reconcile(namespace, "gone").status is None
+    children = get_json(cp, "configmaps,serviceaccounts,rayjobs", "-n", namespace, "-l",
+                        f"{JOB_LABEL}=gone")["items"]  # fmt: skip
+    assert children == []
 
 
 def test_a_head_lost_inside_an_attempt_is_a_driver_restart_in_status_and_an_event(

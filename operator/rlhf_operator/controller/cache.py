@@ -120,6 +120,9 @@ class CachedKube(Kube):
                 self.cache.observe(kind, None, found)
         return found
 
+    def read(self, kind: str, namespace: str, name: str) -> Obj | None:
+        return super().get(kind, namespace, name)
+
     def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
         if kind not in self.cache.kinds:
             return super().list(kind, namespace, label_selector)

@@ -112,6 +112,10 @@ class Kube:
                 return None
             raise
 
+    def read(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """`get`, from the API server itself: a cached Kube's `get` answers from its cache."""
+        return self.get(kind, namespace, name)
+
     def create(self, obj: Obj) -> Obj | None:
         """Create; None if it already exists (409 means someone, maybe we, made it) or
         its namespace is being deleted (and the owner with it)."""

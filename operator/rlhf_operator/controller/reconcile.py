@@ -129,6 +129,10 @@ class Reconciler:
                      resize.resizes)  # fmt: skip
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=rayjob["metadata"]["uid"])
         elif restart is not None and restart.action is Action.NONE:
+            if rayjob is None and self.kube.read("RLHFJob", namespace, name) is None:
+                # Deleted, and the garbage collector took its RayJob before the watch told
+                # the cache the job went: create nothing for it.
+                return Reconciled(None)
             children = render_children(ref, spec, self.network)
             # Before anything is created: a KubeRay that would drop fields (or cannot
             # probe the pods) would leave the job waiting for ever.
