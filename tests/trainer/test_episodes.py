@@ -171,6 +171,14 @@ def test_every_episode_trains_on_exactly_the_tokens_the_engine_sampled(
             len(renderer.assistant_text(t.response_token_ids).split()) for t in turns
         )
         assert (rollout.policy_version, rollout.episode.version_span) == (0, 0)
+        # What the timeline draws: each environment call and turn, in order, none at once.
+        phases = rollout.episode.phases
+        assert [(p.kind, p.turn) for p in phases] == [
+            ("start", 0),
+            *[(kind, turn) for turn in range(1, TURNS + 1) for kind in ("turn", "step")],
+            ("score", TURNS),
+        ]
+        assert all(a.start <= a.end <= b.start for a, b in itertools.pairwise(phases))
 
     # The trainer's view: transformers on the same weights, over prompt + response, gives
     # the engine's log-prob at every sampled token, in the context of the earlier turns
@@ -186,6 +194,10 @@ def test_every_episode_trains_on_exactly_the_tokens_the_engine_sampled(
         engine_log_probs = torch.tensor(rollout.response_log_probs)
         diff = (log_probs[sampled] - engine_log_probs[sampled]).abs().max()
         assert float(diff) < LOG_PROB_TOLERANCE
+
+
+# The phase an episode was cut in, where the cut names one.
+PHASE_CUT = {"environment_error": "step", "turn_timeout": "turn"}
 
 
 @pytest.mark.parametrize(
@@ -219,6 +231,9 @@ def test_an_episode_that_meets_a_limit_or_a_fault_is_cut_masked_and_closed(
         assert rollout.episode.score == 0.0 and not rollout.finished
         assert set(rollout.loss_mask) <= {0}  # nothing of it is trained on
         assert len(rollout.prompt_token_ids) + len(rollout.response_token_ids) <= LIMITS.max_tokens
+        # The timeline shows the phase that was cut, for as long as it ran.
+        last = rollout.episode.phases[-1]
+        assert last.kind == PHASE_CUT.get(cut.split(":")[0], last.kind), rollout.episode.phases
     if environment == "fails":
         assert "HTTP 500" in (rollouts[0].episode.cut or "")
         assert "the tool broke" in (rollouts[0].episode.cut or "")

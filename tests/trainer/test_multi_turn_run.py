@@ -123,6 +123,18 @@ def test_every_step_trains_whole_episodes_with_the_engines_log_probs(trained: Tr
         assert 0 < step.response_tokens <= 8 * CHATTER_TURNS * 4
 
 
+def test_the_trace_shows_every_episodes_turns_and_tool_calls(trained: Trained) -> None:
+    events = trained.trace["traceEvents"]
+    lanes = {(e["pid"], e["tid"]) for e in events if e["ph"] == "M" and
+             e["name"] == "thread_name" and e["args"]["name"].startswith("episodes ")}  # fmt: skip
+    phases = [e["name"] for e in events if e["ph"] == "X" and (e["pid"], e["tid"]) in lanes]
+    episodes = [e for step in trained.steps if step.episodes for e in step.episodes.episodes]
+    assert lanes and phases.count("environment start") == len(episodes)
+    for turn in range(1, CHATTER_TURNS + 1):  # each turn, then the environment's answer
+        assert phases.count(f"turn {turn}") == len(episodes)
+        assert sum(p.startswith(f"tools {turn} (") for p in phases) == len(episodes)
+
+
 def test_the_reward_is_the_environments_score(trained: Trained) -> None:
     # Chatter scores the words the model said over its turns; a tiny random model
     # samples ~4 words a turn, never more.

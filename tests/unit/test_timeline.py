@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from rlhf_trainer.telemetry.timeline import Span, Timeline
+from rlhf_trainer.algo.experience import Episode, EpisodePhase
+from rlhf_trainer.telemetry.timeline import Lanes, Span, Timeline
 
 
 def ticking_clock(step: float = 1.0) -> Any:
@@ -102,3 +103,53 @@ def test_chrome_trace_is_valid_and_shows_two_pools_working_at_once(tmp_path: Pat
     assert overlap(actor, critic)  # the two pools ran at the same time
     assert not overlap(actor, ref)  # colocated roles took turns
     assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]  # no temporary left
+
+
+def episode(start: float, turns: int, tool_calls: int = 1) -> Episode:
+    """An episode that starts its session at `start`, then takes a second per turn and
+    per step, and ends with its score."""
+    at = itertools.count(start)
+    phases = [EpisodePhase("start", 0, next(at), start + 0.5)]
+    for turn in range(1, turns + 1):
+        phases.append(EpisodePhase("turn", turn, t := next(at), t + 1))
+        phases.append(EpisodePhase("step", turn, t := next(at), t + 1, tool_calls))
+    phases.append(EpisodePhase("score", turns, t := next(at), t + 0.5))
+    return Episode(1.0, turns, turns * tool_calls, 0, phases=tuple(phases))
+
+
+def test_episodes_go_on_the_trace_in_lanes_that_never_overlap_and_nowhere_else(
+    tmp_path: Path,
+) -> None:
+    seen: list[Span] = []
+    timeline = Timeline(listeners=[seen.append], clock=lambda: 1000.0)
+    # Three at once, then one that starts as the first ends: the first lane again.
+    first, second, third = episode(1000, 2), episode(1000.5, 1), episode(1001, 3, tool_calls=2)
+    timeline.add_episodes("rollout", [first, second, third])
+    timeline.add_episodes("rollout", [episode(first.phases[-1].end, 1)])
+    assert (seen, timeline.spans()) == ([], ())  # no listener, no busy time: trace only
+    timeline.write_chrome_trace(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    by_lane: dict[str, list[dict[str, Any]]] = {}
+    for event in (e for e in events if e["ph"] == "X"):
+        by_lane.setdefault(lanes[event["tid"]], []).append(event)
+    assert sorted(by_lane) == ["episodes 1", "episodes 2", "episodes 3"]
+    assert [e["name"] for e in by_lane["episodes 3"]] == [
+        "environment start", "turn 1", "tools 1 (2 calls)", "turn 2", "tools 2 (2 calls)",
+        "turn 3", "tools 3 (2 calls)", "environment score",
+    ]  # fmt: skip
+    assert [e["name"] for e in by_lane["episodes 2"]][2] == "tools 1 (1 call)"
+    assert len(by_lane["episodes 1"]) == len(first.phases) + 4  # the fourth joined it
+    for spans in by_lane.values():
+        ordered = sorted(spans, key=lambda e: e["ts"])
+        for before, after in itertools.pairwise(ordered):
+            assert before["ts"] + before["dur"] <= after["ts"]
+
+
+def test_lanes_reuse_the_first_free_lane_per_pool() -> None:
+    lanes = Lanes()
+    assert [lanes.take("a", 0, 10), lanes.take("a", 5, 6), lanes.take("a", 6, 7)] == [1, 2, 2]
+    assert lanes.take("a", 1, 2) == 3  # lane 1 runs to 10, lane 2 to 7: neither is free at 1
+    assert lanes.take("b", 0, 1) == 1  # another pool's lanes are its own
+    assert lanes.take("a", 10, 11) == 1

@@ -164,12 +164,15 @@ def test_a_critic_free_job_exports_no_critic_series() -> None:
 
 def test_episodes_are_counted_by_turns_calls_cuts_restarts_and_environment_seconds() -> None:
     from rlhf_trainer.algo.diagnostics import EpisodeStats
-    from rlhf_trainer.algo.experience import Episode
+    from rlhf_trainer.algo.experience import Episode, EpisodePhase
 
     metrics = TrainerMetrics(pools=["policy"])
     assert not any(m.name.startswith("rlhf_env_") for m in metrics.registry.collect())
+    turns = [("turn", 1, 0.6), ("step", 1, 0.02), ("turn", 2, 0.6), ("step", 2, 0.3),
+             ("turn", 3, 0.6), ("step", 3, 0.004), ("score", 3, 0.1)]  # fmt: skip
+    phases = tuple(EpisodePhase(kind, turn, 5.0, 5.0 + s) for kind, turn, s in turns)  # type: ignore[arg-type]
     episodes = (
-        Episode(1.0, turns=3, tool_calls=2, version_span=0, step_seconds=(0.02, 0.3, 0.004)),
+        Episode(1.0, turns=3, tool_calls=2, version_span=0, phases=phases),
         Episode(0.0, turns=1, tool_calls=0, version_span=1, cut="turn_timeout", restarts=2),
         Episode(0.0, turns=2, tool_calls=1, version_span=0, cut="environment_error: HTTP 500 ..."),
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Self
+from typing import Literal, Self
 
 import torch
 from torch import Tensor
@@ -184,6 +184,27 @@ def micro_batch_rows(batch: Sequences, size: int | None) -> list[Tensor]:
 CUT_REASONS = ("max_turns", "token_budget", "turn_timeout", "episode_timeout", "environment_error")
 
 
+PhaseKind = Literal["start", "turn", "step", "score"]
+
+
+@dataclass(frozen=True)
+class EpisodePhase:
+    """A part of an episode, timed in wall-clock seconds (time.time, so that phases timed
+    on a rollout node line up with the driver's timeline): the environment's `start`,
+    a `turn` the policy generated, the environment's `step` (the turn's tool calls,
+    answered) or its `score`."""
+
+    kind: PhaseKind
+    turn: int  # the assistant turn it belongs to, from 1 (0: the session's start)
+    start: float
+    end: float
+    tool_calls: int = 0  # a step's: the calls parsed from its turn
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
 @dataclass(frozen=True)
 class Episode:
     """How a multi-turn rollout went, against its environment."""
@@ -196,8 +217,12 @@ class Episode:
     # ..."), None if the environment ended it. A cut episode is not trained on (its loss
     # mask is all 0), and it counts as a score of 0 in its group's baseline.
     cut: str | None = None
-    step_seconds: tuple[float, ...] = ()  # each step call to the environment, in order
+    phases: tuple[EpisodePhase, ...] = ()  # in order; those of its last session only
     restarts: int = 0  # times its replica died and it started again on another
+
+    @property
+    def step_seconds(self) -> tuple[float, ...]:  # each step call to the environment
+        return tuple(p.seconds for p in self.phases if p.kind == "step")
 
 
 @dataclass(frozen=True)

@@ -186,10 +186,11 @@ class Run:
         m.kl.set(result.kl)
         m.kl_coef.set(result.kl_coef)
         m.observe_diagnostics(result.actor, result.critic, result.responses)
+        rollout = self.trainer.groups[Role.ROLLOUT]
         if result.episodes is not None:
             m.observe_episodes(result.episodes)
+            self.trainer.timeline.add_episodes(rollout.pool, result.episodes.episodes)
         if self.streaming is None:  # fully async counts its engines as they come and go
-            rollout = self.trainer.groups[Role.ROLLOUT]
             m.rollout_engines.labels(rollout.pool, "serving").set(rollout.world_size)
             m.rollout_engines.labels(rollout.pool, "lost").set(self.trainer.engines.replaced)
         for evaluation in result.evaluations:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
 from rlhf_env.replicas import EnvironmentReplicas
-from rlhf_trainer.algo.experience import Episode, Rollout
+from rlhf_trainer.algo.experience import Episode, EpisodePhase, PhaseKind, Rollout
 from rlhf_trainer.api.agentic import EnvironmentConfig
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.rollout.trajectory import (
@@ -186,7 +187,8 @@ class EpisodeRunner:
         episode: _Progress,
     ) -> None:
         limits, renderer = self.limits, self.renderer
-        started = await environment.start(row, timeout=limits.call_seconds)
+        with episode.timed("start"):
+            started = await environment.start(row, timeout=limits.call_seconds)
         episode.session = started.session
         trajectory = episode.trajectory = Trajectory(
             prompt_ids=renderer.prompt_ids(started.messages, started.tools)
@@ -197,8 +199,9 @@ class EpisodeRunner:
             if room <= 0:
                 return trajectory.cut_short("token_budget")
             try:
-                async with asyncio.timeout(limits.turn_seconds):
-                    turn = await generate(trajectory.token_ids, min(limits.turn_tokens, room))
+                with episode.timed("turn"):
+                    async with asyncio.timeout(limits.turn_seconds):
+                        turn = await generate(trajectory.token_ids, min(limits.turn_tokens, room))
             except TimeoutError:
                 return trajectory.cut_short("turn_timeout")
             message = parser.parse(
@@ -207,13 +210,15 @@ class EpisodeRunner:
             episode.add_turn(turn, len(message.tool_calls))
             if not turn.finished and room <= limits.turn_tokens:
                 return trajectory.cut_short("token_budget")  # the budget ended the turn
-            asked = time.monotonic()
-            stepped = await environment.step(started.session, message, timeout=limits.call_seconds)
-            episode.step_seconds.append(time.monotonic() - asked)
-            if stepped.done:
-                episode.score = await environment.score(
-                    started.session, timeout=limits.call_seconds
+            with episode.timed("step", tool_calls=len(message.tool_calls)):
+                stepped = await environment.step(
+                    started.session, message, timeout=limits.call_seconds
                 )
+            if stepped.done:
+                with episode.timed("score"):
+                    episode.score = await environment.score(
+                        started.session, timeout=limits.call_seconds
+                    )
                 return None
             reason = limit_before_next_turn(
                 trajectory, TrajectoryLimits(limits.max_turns, limits.max_tokens)
@@ -245,7 +250,18 @@ class _Progress:
         self.session: str | None = None
         self.spans: list[tuple[int, int]] = []  # (version, first response token index)
         self.score: float | None = None
-        self.step_seconds: list[float] = []  # each environment step call's
+        self.phases: list[EpisodePhase] = []
+
+    @contextmanager
+    def timed(self, kind: PhaseKind, tool_calls: int = 0) -> Iterator[None]:
+        """Record the block as a phase of the current turn (also when it raises: a turn
+        cut by its deadline shows for as long as it ran)."""
+        turn = self.trajectory.turns + (kind == "turn")
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.phases.append(EpisodePhase(kind, turn, start, time.time(), tool_calls))
 
     @classmethod
     def opening(cls, renderer: ChatRenderer, version: int, restarts: int = 0) -> _Progress:
@@ -279,7 +295,7 @@ class _Progress:
                 tool_calls=trajectory.tool_calls,
                 version_span=max(versions) - min(versions),
                 cut=trajectory.cut,
-                step_seconds=tuple(self.step_seconds),
+                phases=tuple(self.phases),
                 restarts=self.restarts,
             ),
         )

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from rlhf_trainer.algo.experience import Episode, Rollout
+from rlhf_trainer.algo.experience import Episode, EpisodePhase, Rollout
 
 DEFAULT_QUEUE_CONCURRENCY = 16
 # The last uids put are remembered, so that a sample generated twice is queued once
@@ -189,7 +189,8 @@ class Sample:
 def episode_from_json(data: Mapping[str, Any] | None) -> Episode | None:
     if data is None:
         return None
-    return Episode(**{**data, "step_seconds": tuple(data.get("step_seconds", ()))})
+    phases = tuple(EpisodePhase(**phase) for phase in data.get("phases", ()))
+    return Episode(**{**data, "phases": phases})
 
 
 def staleness(sample: Sample, trained_version: int) -> int:

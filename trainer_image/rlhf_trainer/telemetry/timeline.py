@@ -6,6 +6,11 @@ span goes to the listeners (the Prometheus metrics) and is kept for the trace, w
 `write_chrome_trace` saves in the Chrome trace-event format: open it in Perfetto
 (ui.perfetto.dev) or chrome://tracing to see the pools' lanes side by side.
 
+Multi-turn episodes are drawn there too (`add_episodes`): each turn, each environment
+call (its tool calls, answered), in lanes of episodes that ran at once on the rollout
+pool. They are detail for the trace only: the busy metrics and phase times count the
+rollout ranks' generation, which those turns are part of.
+
 Times are wall-clock seconds (`time.time`), not a monotonic clock: spans timed by
 workers in other processes, on other nodes, must line up with the driver's.
 """
@@ -23,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rlhf_trainer.algo.experience import Episode, EpisodePhase
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ class Timeline:
         self._listeners = tuple(listeners)
         self._lock = threading.Lock()
         self._spans: deque[Span] = deque(maxlen=keep)
+        self._episode_spans: deque[Span] = deque(maxlen=keep)
+        self._episode_lanes = Lanes()
         self.started = clock()  # the origin of the trace's time axis
 
     @contextmanager
@@ -87,9 +96,25 @@ class Timeline:
         with self._lock:
             return tuple(self._spans)
 
+    def add_episodes(self, pool: str, episodes: Sequence[Episode]) -> None:
+        """Put each episode's phases on the trace, in the first lane of `pool`'s episodes
+        free for its whole length (no listener hears of them)."""
+        for episode in episodes:
+            if not episode.phases:
+                continue
+            start, end = episode.phases[0].start, episode.phases[-1].end
+            with self._lock:
+                role = f"episodes {self._episode_lanes.take(pool, start, end)}"
+                self._episode_spans.extend(
+                    Span(pool, role, phase_name(phase), phase.start, phase.end)
+                    for phase in episode.phases
+                )
+
     def write_chrome_trace(self, path: Path) -> None:
         """Save the spans so far as a trace file, atomically (readers never see half)."""
-        text = json.dumps(chrome_trace(self.spans(), self.started))
+        with self._lock:
+            spans = (*self._spans, *self._episode_spans)
+        text = json.dumps(chrome_trace(spans, self.started))
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
             with os.fdopen(fd, "w") as out:
@@ -131,6 +156,30 @@ def chrome_trace(spans: Sequence[Span], origin: float) -> dict[str, Any]:
             }
         )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+class Lanes:
+    """Lanes per pool for intervals that overlap: each goes to the first lane whose
+    intervals all end by its start, so no lane holds two at once."""
+
+    def __init__(self) -> None:
+        self._ends: dict[str, list[float]] = {}  # pool -> each lane's latest end
+
+    def take(self, pool: str, start: float, end: float) -> int:
+        ends = self._ends.setdefault(pool, [])
+        lane = next((i for i, last in enumerate(ends) if last <= start), len(ends))
+        if lane == len(ends):
+            ends.append(end)
+        ends[lane] = max(ends[lane], end)
+        return lane + 1
+
+
+def phase_name(phase: EpisodePhase) -> str:
+    """What the trace calls an episode's phase: "turn 2", "tools 2 (3 calls)"."""
+    if phase.kind == "step":
+        calls = "call" if phase.tool_calls == 1 else "calls"
+        return f"tools {phase.turn} ({phase.tool_calls} {calls})"
+    return f"turn {phase.turn}" if phase.kind == "turn" else f"environment {phase.kind}"
 
 
 def _metadata(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
