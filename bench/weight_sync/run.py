@@ -111,7 +111,7 @@ class Client(EngineFanOut):
     def submit(self, method: str, *args: Any) -> list[Any]:
         return [getattr(engine, method).remote(*args) for engine in self.engines]
 
-    def wait(self, sent: list[Any]) -> None:
+    def answers(self, sent: list[Any]) -> None:
         self.answers = ray.get(sent)
 
 

@@ -80,7 +80,7 @@ class PipeClient(EngineFanOut):
         for engine in self.engines:
             engine.send((method, args))
 
-    def wait(self, sent: None) -> None:
+    def answers(self, sent: None) -> None:
         for engine in self.engines:
             answer = engine.recv()
             if answer != "ok":

@@ -58,7 +58,7 @@ class Recorder(EngineFanOut):
     def submit_each(self, method: str, firsts: Any) -> None:
         self.sent = list(firsts)
 
-    def wait(self, sent: Any) -> None:
+    def answers(self, sent: Any) -> None:
         pass
 
 

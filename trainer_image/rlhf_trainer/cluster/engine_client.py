@@ -34,7 +34,7 @@ class EngineGroupClient(EngineFanOut):
     def submit_each(self, method: str, firsts: Sequence[Any]) -> tuple[str, list[Any]]:
         return method, self.engines.run_each(method, firsts, phase=Phase.SYNC_WEIGHTS)
 
-    def wait(self, sent: tuple[str, list[Any]]) -> None:
+    def answers(self, sent: tuple[str, list[Any]]) -> None:
         method, calls = sent
         try:
             join(calls, self.timeout_s)

@@ -13,6 +13,7 @@ no files need to travel between nodes.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ from rlhf_trainer.roles.trainable import (
 )
 from rlhf_trainer.rollout.weight_sync import TransferSetup
 from rlhf_trainer.worker import RankInfo, Worker
+
+log = logging.getLogger(__name__)
 
 
 def policy_outputs(
@@ -152,6 +155,7 @@ class Actor(Trainable):
             self.transfer = WeightTransferTrainerFactory.trainer_init(
                 info, client=engines, source=source
             )
+            engines.on_failure = self.abort_weight_transfer
         except Exception as error:
             raise RuntimeError(
                 f"the {setup.backend} weight transfer from actor rank {self.info.rank} on "
@@ -164,6 +168,17 @@ class Actor(Trainable):
         assert self.transfer is not None, "open_weight_transfer first"
         self.engines.version = version
         self.transfer.send_weights()
+
+    def abort_weight_transfer(self) -> None:
+        """An engine failed a call of the transfer: end this rank's side at once, so
+        that a broadcast still waiting on that engine fails now (vLLM's NCCL sender
+        broadcasts while the calls run on another thread). Open it again to go on."""
+        from rlhf_trainer.rollout.transfer_engines import abort_sender
+
+        if self.transfer is not None:
+            log.warning("actor rank %d: an engine failed in the weight transfer; this "
+                        "rank's end of it is aborted", self.info.rank)  # fmt: skip
+            abort_sender(self.transfer)
 
     def export(self, directory: str, dtype: str, step: int) -> Export | None:
         """Write the policy as a Hugging Face directory at `directory` (roles.hf_export):

@@ -115,6 +115,19 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
             yield name, full.detach().to(self.dtype)
 
 
+def abort_sender(transfer: Any) -> None:
+    """End the sender's side of a weight transfer at once, from any thread: a broadcast
+    still waiting on an engine that failed ends. vLLM's NCCL sender is aborted through
+    its communicator (PyNcclCommunicator.destroy: ncclCommAbort; its broadcasts then do
+    nothing), not through `shutdown`, which drops the communicator that the sender's
+    broadcast loop still reads. Other transfers shut down."""
+    communicator = getattr(transfer, "model_update_group", None)  # vLLM's NCCL sender's
+    if communicator is not None:
+        communicator.destroy()
+    else:
+        transfer.shutdown()
+
+
 # --- the host backend: the worker side, in each vLLM worker ----------------------
 
 

@@ -25,7 +25,7 @@ that travels through vLLM's `update_weights`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -106,6 +106,11 @@ class EngineFanOut:
 
     version = 0
     workers_per_engine = 1  # vLLM workers of each engine: TP x PP
+    # Told, on the thread that waited, when a call fails on an engine. The sender
+    # aborts its end of the transfer there: vLLM's NCCL sender broadcasts while its
+    # calls run on another thread, and a broadcast to an engine that is gone would
+    # otherwise wait for ever (NCCL has no timeout of its own).
+    on_failure: Callable[[], None] | None = None
 
     @property
     def engine_count(self) -> int:
@@ -142,7 +147,17 @@ class EngineFanOut:
         raise NotImplementedError
 
     def wait(self, sent: Any) -> Any:
-        """Wait for every engine's answer to a call `submit` sent; raise its failure."""
+        """Wait for every engine's answer to a call `submit` sent; raise its failure,
+        after telling `on_failure`."""
+        try:
+            return self.answers(sent)
+        except BaseException:
+            if self.on_failure is not None:
+                self.on_failure()
+            raise
+
+    def answers(self, sent: Any) -> Any:
+        """Every engine's answer to a call `submit` sent; raises the first failure."""
         raise NotImplementedError
 
 
