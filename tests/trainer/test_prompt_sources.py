@@ -16,7 +16,7 @@ from rlhf_trainer.api.sections import DataConfig
 from rlhf_trainer.data.prompts import PromptStream, prompt_tokenizer
 from rlhf_trainer.data.sources import Source, load_prompt_rows
 from rlhf_trainer.data.tasks import check_reward_arguments, math_answer, toy_copy
-from rlhf_trainer.loop.sync import rule_rewards
+from rlhf_trainer.loop.rewards import rule_rewards
 from rlhf_trainer.models import build_tokenizer
 
 CHATS = [

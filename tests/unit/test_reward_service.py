@@ -204,7 +204,7 @@ def test_steps_in_a_row_with_unscored_samples_fail_the_run_at_the_limit_naming_i
     import torch
 
     from rlhf_trainer.api.reward import RewardSource
-    from rlhf_trainer.loop.sync import UnscoredSteps
+    from rlhf_trainer.loop.rewards import UnscoredSteps
 
     source = RewardSource(url="http://scorer:8000", requests={"maxUnscoredSteps": 2})
     steps = UnscoredSteps(source)

@@ -132,7 +132,7 @@ class ElasticRollout:
                 if not self.drop(dying):
                     unloaded += dying
                 try:
-                    self.regroup()
+                    self.core.weight_sync.reopen()
                     if unloaded:
                         self.core.weight_sync.push(self.core.policy_version)
                         self.tell(unloaded)
@@ -175,10 +175,6 @@ class ElasticRollout:
         serves without them."""
         for listener in self.on_lost:
             listener(ranks)
-
-    def regroup(self) -> None:
-        """The weight transfer set up again for the engines that serve."""
-        self.core.weight_sync.reopen()
 
     @property
     def worker(self) -> tuple[Any, ...]:
@@ -244,8 +240,8 @@ class ElasticRollout:
         self.count()
 
     def count(self) -> None:
-        pool, engines = self.group.pool, self.metrics.rollout_engines
-        engines.labels(pool, "serving").set(self.group.world_size)
-        engines.labels(pool, "lost").set(self.core.engines.replaced)
         starting = sum(group.world_size for group in self.joining)
-        engines.labels(pool, "joining").set(starting + sum(len(r.slots) for r in self.retries))
+        self.metrics.observe_engines(
+            self.group.pool, self.group.world_size, self.core.engines.replaced,
+            joining=starting + sum(len(r.slots) for r in self.retries),
+        )  # fmt: skip

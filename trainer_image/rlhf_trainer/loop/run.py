@@ -191,8 +191,7 @@ class Run:
             m.observe_episodes(result.episodes)
             self.trainer.timeline.add_episodes(rollout.pool, result.episodes.episodes)
         if self.streaming is None:  # fully async counts its engines as they come and go
-            m.rollout_engines.labels(rollout.pool, "serving").set(rollout.world_size)
-            m.rollout_engines.labels(rollout.pool, "lost").set(self.trainer.engines.replaced)
+            m.observe_engines(rollout.pool, rollout.world_size, self.trainer.engines.replaced)
         for evaluation in result.evaluations:
             m.observe_eval(evaluation)
         progress = self.progress(result)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlhf_env.rewards import RewardClient, RewardServiceFailed, ScoredSample
+from rlhf_env.rewards import ScoredSample
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, EpisodeStats, ResponseStats
 from rlhf_trainer.algo.estimators import compute_advantages, without_unscored
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
@@ -30,13 +30,13 @@ from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
 from rlhf_trainer.api.progress import EvalProgress
-from rlhf_trainer.api.reward import RewardRequests, RewardSource
 from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import RewardFunction
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.engine_replacement import EngineReplacement
+from rlhf_trainer.loop.rewards import UnscoredSteps, episode_score, reward_client, rule_rewards
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.rollout.worker import BatchShard
 from rlhf_trainer.telemetry.metrics import union_seconds
@@ -319,30 +319,6 @@ class PPOTrainer:
         return {phase: union_seconds(intervals) for phase, intervals in by_phase.items()}
 
 
-@dataclass
-class UnscoredSteps:
-    """Steps in a row with samples the reward left unscored (NaN: the reward service
-    failed them); the run fails, naming the reward, once there are
-    models.reward.requests.maxUnscoredSteps of them."""
-
-    source: RewardSource
-    in_a_row: int = 0
-
-    def count(self, step: int, scores: torch.Tensor) -> int:
-        """The step's unscored samples, (B,) scores in."""
-        unscored = int(torch.isnan(scores).sum())
-        self.in_a_row = self.in_a_row + 1 if unscored else 0
-        limit = (self.source.requests or RewardRequests()).max_unscored_steps
-        if self.in_a_row >= limit:
-            raise RewardServiceFailed(
-                self.source.url or "the driver",
-                f"step {step}: {self.in_a_row} steps in a row left samples unscored, "
-                f"{unscored} of {len(scores)} this one (models.reward.requests."
-                f"maxUnscoredSteps is {limit}); the log names each failure",
-            )
-        return unscored
-
-
 def critic_stats(updates: Calls, experience: Experience) -> CriticStats | None:
     """The critic's update, and how well the values it scored with explained the returns."""
     if experience.values is None or experience.returns is None:
@@ -355,30 +331,10 @@ def critic_stats(updates: Calls, experience: Experience) -> CriticStats | None:
     )
 
 
-def reward_client(source: RewardSource) -> RewardClient | None:
-    """The client of the reward service that models.reward.url names; None without."""
-    if source.url is None:
-        return None
-    requests = source.requests or RewardRequests()
-    return RewardClient(
-        source.url,
-        timeout=requests.timeout_seconds,
-        retries=requests.retries,
-        concurrency=requests.concurrency,
-        batch_size=requests.batch_size,
-    )
-
-
 def rollout_input(config: JobConfig, prompt: Prompt) -> list[int] | dict[str, Any]:
     """What a rollout engine is given for a prompt: its token ids, or with
     generation.multiTurn the row its environment starts an episode from."""
     return prompt.token_ids if config.multi_turn is None else prompt.fields
-
-
-def episode_score(rollout: Rollout) -> float:
-    if rollout.episode is None:
-        raise ValueError("the reward is the environment's, but a rollout came with no episode")
-    return rollout.episode.score
 
 
 def gather_if(calls: Calls, phase: Phase) -> torch.Tensor | None:
@@ -392,16 +348,6 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
 
 def mean_stats(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     return {name: sum(s[name] for s in per_rank) / len(per_rank) for name in per_rank[0]}
-
-
-def rule_rewards(
-    reward: RewardFunction, prompts: Sequence[Prompt], responses: Sequence[str]
-) -> list[float]:
-    """A rule-based reward per response, given its prompt's text and dataset columns."""
-    return [
-        float(reward(p.text, response, **p.fields))
-        for p, response in zip(prompts, responses, strict=True)
-    ]
 
 
 def split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:

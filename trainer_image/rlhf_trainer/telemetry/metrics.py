@@ -206,6 +206,11 @@ class TrainerMetrics:
             # Only time since the trainer started counts towards the ratio.
             busy.add(max(span.start, self.started), span.end)
 
+    def observe_engines(self, pool: str, serving: int, lost: int, joining: int = 0) -> None:
+        """rlhf_rollout_engines of `pool`: those serving, lost (in the run) and joining."""
+        for state, count in (("serving", serving), ("lost", lost), ("joining", joining)):
+            self.rollout_engines.labels(pool, state).set(count)
+
     def observe_progress(self, progress: TrainingProgress) -> None:
         self.policy_version.set(progress.policy_version)
         if progress.reward_mean is not None:
