@@ -81,7 +81,7 @@ def critic_free_job(
     checkpoint_dir: Path,
     samples_per_prompt: int = 4,
     algorithm: dict[str, Any] | None = None,
-    reward: str = "toy_copy",
+    reward: str | dict[str, Any] = "toy_copy",
 ) -> JobConfig:
     """The local example without a critic: 8 prompts a step, `samples_per_prompt`
     responses each. placement: "colocated" (one pool), "split" (the rollout on a pool
@@ -94,7 +94,7 @@ def critic_free_job(
         spec["pools"][1]["name"] = spec["roles"]["rollout"] = "rollout"
     if placement == "async":
         spec["async"] = {"stalenessThreshold": 0.5}
-    spec["models"]["reward"] = {"function": reward}
+    spec["models"]["reward"] = reward if isinstance(reward, dict) else {"function": reward}
     spec["algorithm"] = {"klCoef": 0.01, "advantageEstimator": estimator, **(algorithm or {})}
     spec["generation"]["samplesPerPrompt"] = samples_per_prompt
     spec["trainer"].update(totalSteps=total_steps, batchSize=8, miniBatchSize=16)

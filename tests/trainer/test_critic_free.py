@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_env.rewards import reward_app_for
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import Phase
+from tests.environments import served
 from tests.specs import critic_free_job
 from tests.trainer.learning import assert_reward_rises
 from tests.trainer.local_runs import Trained, train
+from tests.trainer.rewards import starts_with_a_letter
 
 pytestmark = pytest.mark.slow  # each trains a whole run (about a minute)
 
@@ -106,19 +109,36 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_differ(
     estimator: str, placement: str, tmp_path: Path
 ) -> None:
     """A binary reward and groups of 2: a young policy's groups are often all 0 or all 1.
-    Synchronous runs generate more prompts in their place; fully async ones admit more."""
-    config = critic_free_job(
-        estimator,
-        placement,
-        total_steps=3,
-        checkpoint_dir=tmp_path,
-        samples_per_prompt=2,
-        algorithm={"dynamicSampling": {"maxAttempts": 30}, "clipRatioHigh": 0.28},
-        reward="tests.trainer.rewards:starts_with_a_letter",
-    )
-    trained = train(config)
+    Synchronous runs generate more prompts in their place; fully async ones admit more.
+    The fully async run is scored by a reward service (models.reward.url): the same rule,
+    served over HTTP by rlhf_env's reward app."""
+    scored: list[str] = []
+
+    def served_rule(prompt: str, response: str, **row: object) -> float:
+        scored.append(response)
+        return starts_with_a_letter(prompt, response, **row)
+
+    with served({"reward": reward_app_for(served_rule)}) as url:
+        config = critic_free_job(
+            estimator,
+            placement,
+            total_steps=3,
+            checkpoint_dir=tmp_path,
+            samples_per_prompt=2,
+            algorithm={"dynamicSampling": {"maxAttempts": 30}, "clipRatioHigh": 0.28},
+            reward={"url": f"{url}/reward"} if placement == "async"
+            else {"function": "tests.trainer.rewards:starts_with_a_letter"},
+        )  # fmt: skip
+        trained = train(config)
     dropped = sum(s.dropped_groups for s in trained.steps)
     assert dropped > 0
+    # The service scored each sample once: those trained, those of the groups dropped,
+    # and the held-out answers.
+    held_out = sum(e.prompts for s in trained.steps for e in s.evaluations)
+    held_out *= config.generation.eval.samples_per_prompt
+    trained_samples = sum(len(s.sample_uids) for s in trained.steps)
+    expected = trained_samples + 2 * dropped + held_out if placement == "async" else 0
+    assert len(scored) == expected
     assert trained.metrics.registry.get_sample_value("rlhf_dropped_groups_total") == dropped
     # every kept group has one response rewarded 1 and one 0: the batch's mean is 0.5
     assert [s.reward_mean for s in trained.steps] == [0.5] * 3
