@@ -15,6 +15,7 @@ from pydantic.config import JsonDict
 
 from rlhf_trainer.api.agentic import EnvironmentConfig, MultiTurnConfig
 from rlhf_trainer.api.algorithm import GROUP_ESTIMATORS, AlgorithmConfig
+from rlhf_trainer.api.lora import lora_rules
 from rlhf_trainer.api.rules import Rule, SpecModel
 from rlhf_trainer.api.sections import (
     DataConfig,
@@ -391,6 +392,7 @@ class JobConfig(SpecModel):
         *_critic_rules(),
         *_group_rules(),
         *_multi_turn_rules(),
+        *lora_rules(),
         Rule(
             "trainer.miniBatchSize",
             "must divide trainer.batchSize x generation.samplesPerPrompt (the samples of a step)",

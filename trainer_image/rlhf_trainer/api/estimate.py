@@ -32,7 +32,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, PlacementPlan, plan_placement
+from rlhf_trainer.api.plan import DRIVER, Phase, PlacementPlan, plan_placement
 from rlhf_trainer.api.rules import SpecModel
 
 FORWARD_PHASES = (Phase.ACTOR_LOG_PROB, Phase.REF_LOG_PROB, Phase.VALUES, Phase.REWARD)
@@ -133,7 +133,7 @@ def alone_seconds(
     work = dict.fromkeys(rate, tokens) | {Phase.GENERATE: samples * profile.response_tokens}
     seconds: dict[Phase, float] = {}
     for phase in plan.phases():
-        role_name = PHASE_ROLE[phase]
+        role_name = plan.phase_role[phase]
         role = plan.roles[role_name]
         if phase is Phase.SYNC_WEIGHTS:
             every = config.async_.trigger_parameter_sync_step if config.async_ else 1

@@ -16,7 +16,7 @@ pool (the background lane) while the trainer pools run the other stages.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from rlhf_trainer.api.config import JobConfig, Role
@@ -106,6 +106,8 @@ class PlacementPlan:
     roles: Mapping[Role, RolePlan]
     stages: tuple[Stage, ...]  # one PPO step, in order
     background: tuple[Lane, ...]  # runs throughout (async generation)
+    # Whose workers run each phase: PHASE_ROLE's, but for `phase_roles`' exception.
+    phase_role: Mapping[Phase, Role] = field(default_factory=lambda: dict(PHASE_ROLE))
 
     @property
     def total_gpus(self) -> int:
@@ -161,6 +163,7 @@ def plan_placement(config: JobConfig) -> PlacementPlan:
         for p in config.pools
     )
     roles = {r: _role_plan(config, r, role_pool.get(r)) for r in _active_roles(config)}
+    phase_role = phase_roles(config)
     mode = (
         Mode.ASYNC if config.async_ is not None
         else Mode.COLOCATED if len(pools) == 1
@@ -171,19 +174,31 @@ def plan_placement(config: JobConfig) -> PlacementPlan:
     # With the rollout's log-probs as log π_old, the actor does not score the batch.
     skipped = {Phase.ACTOR_LOG_PROB} if config.algorithm.old_log_probs == "rollout" else set()
     for name, stage_phases in STEP_STAGES:
-        phases = [p for p in stage_phases if PHASE_ROLE[p] in roles and p not in skipped]
+        phases = [p for p in stage_phases if phase_role[p] in roles and p not in skipped]
         if mode is Mode.ASYNC and Phase.GENERATE in phases:
             background = (Lane(roles[Role.ROLLOUT].pool, (Phase.GENERATE,)),)
             continue
         if phases:
-            stages.append(Stage(name, _lanes(phases, roles)))
-    return PlacementPlan(mode, pools, roles, tuple(stages), background)
+            stages.append(Stage(name, _lanes(phases, roles, phase_role)))
+    return PlacementPlan(mode, pools, roles, tuple(stages), background, phase_role)
+
+
+def phase_roles(config: JobConfig) -> dict[Phase, Role]:
+    """Whose workers run each phase: PHASE_ROLE, except that a LoRA'd actor whose ref is
+    its own base answers the ref's log-probs itself, with its adapter off
+    (`ModelsConfig.ref_is_actor_base`): no ref workers, no second copy of the model."""
+    if config.models.ref_is_actor_base:
+        return PHASE_ROLE | {Phase.REF_LOG_PROB: Role.ACTOR}
+    return dict(PHASE_ROLE)
 
 
 def _active_roles(config: JobConfig) -> list[Role]:
-    """Every role but a ref without a pool (no KL) and a critic without one (critic-free
-    estimators); the reward always runs, on a pool or on the driver."""
+    """Every role but a ref without a pool (no KL) or answered by the actor (its LoRA
+    base), and a critic without a pool (critic-free estimators); the reward always
+    runs, on a pool or on the driver."""
     optional = {Role.REF: config.roles.ref, Role.CRITIC: config.roles.critic}
+    if config.models.ref_is_actor_base:
+        optional[Role.REF] = None
     return [r for r in Role if r not in optional or optional[r] is not None]
 
 
@@ -195,10 +210,12 @@ def _role_plan(config: JobConfig, role: Role, pool: str | None) -> RolePlan:
     return RolePlan(role, pool, gpus, data_parallel_size=gpus // tp, tensor_parallel_size=tp)
 
 
-def _lanes(phases: list[Phase], roles: Mapping[Role, RolePlan]) -> tuple[Lane, ...]:
+def _lanes(
+    phases: list[Phase], roles: Mapping[Role, RolePlan], phase_role: Mapping[Phase, Role]
+) -> tuple[Lane, ...]:
     by_pool: dict[str, list[Phase]] = {}
     for phase in phases:
-        by_pool.setdefault(roles[PHASE_ROLE[phase]].pool, []).append(phase)
+        by_pool.setdefault(roles[phase_role[phase]].pool, []).append(phase)
     return tuple(Lane(pool, tuple(ps)) for pool, ps in by_pool.items())
 
 
@@ -216,6 +233,8 @@ def describe(plan: PlacementPlan) -> str:
         )
         where = "driver CPU (no model)" if role.pool == DRIVER else f"{role.pool}, {dp}"
         lines.append(f"  {role.role}: {where}")
+    if plan.phase_role[Phase.REF_LOG_PROB] is Role.ACTOR:
+        lines.append("  ref: the actor's base, its LoRA adapter off (no second copy)")
     lines.append("one step (' || ' = at the same time, ' -> ' = one after another):")
     for lane in plan.background:
         lines.append(f"  background  {_lane_text(lane)}  (overlaps every stage)")

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from rlhf_trainer.api.agentic import MultiTurnConfig
+from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.reward import RewardSource
 from rlhf_trainer.api.rules import Rule, SpecModel
 
@@ -60,20 +61,38 @@ class ModelSource(SpecModel):
     )
 
 
+class TrainedModel(ModelSource):
+    """A model the job trains: all its weights, or a LoRA adapter on it."""
+
+    lora: LoraConfig | None = Field(
+        None,
+        description=(
+            "Train a LoRA adapter on this model, frozen, instead of all its weights; unset: "
+            "full fine-tuning. The actor only, synchronous and on one pool for now."
+        ),
+    )
+
+
 class ModelsConfig(SpecModel):
     """The models of the job. ref and critic start from the actor's model unless set."""
 
-    actor: ModelSource = Field(description="The initial policy.")
+    actor: TrainedModel = Field(description="The initial policy.")
     ref: ModelSource | None = Field(
         None, description="The reference policy; defaults to the actor's initial model."
     )
-    critic: ModelSource | None = Field(
+    critic: TrainedModel | None = Field(
         None,
         description=(
             "The value model's backbone (gae only); defaults to the actor's initial model."
         ),
     )
     reward: RewardSource = Field(description="The reward model or rule-based reward function.")
+
+    @property
+    def ref_is_actor_base(self) -> bool:
+        """The ref is the LoRA'd actor's own base: the actor answers its log-probs with the
+        adapter off, and no second copy of the model is loaded."""
+        return self.actor.lora is not None and self.ref is None
 
 
 class DataConfig(SpecModel):

@@ -28,7 +28,7 @@ from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl
 from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import DRIVER, PHASE_ROLE, Phase, plan_placement
+from rlhf_trainer.api.plan import DRIVER, Phase, plan_placement
 from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.cluster.groups import gather, join
 from rlhf_trainer.cluster.role_groups import RoleGroups
@@ -47,12 +47,12 @@ if TYPE_CHECKING:
 
 Decode = Callable[[Sequence[int]], str]
 
-# The worker method that runs each phase on the workers of its role (PHASE_ROLE). Which
-# phases run together, and in what order on a pool, is the placement plan's business.
+# The worker method that runs each phase on the workers of its role (plan.phase_role).
+# Which phases run together, and in what order on a pool, is the placement plan's business.
 PHASE_METHOD: dict[Phase, str] = {
     Phase.GENERATE: "generate",
     Phase.ACTOR_LOG_PROB: "log_probs",
-    Phase.REF_LOG_PROB: "log_probs",
+    Phase.REF_LOG_PROB: "ref_log_probs",
     Phase.VALUES: "values",
     Phase.REWARD: "score",
     Phase.UPDATE_ACTOR: "update",
@@ -256,7 +256,7 @@ class PPOTrainer:
                 continue
             after = None
             for phase in (p for p in lane.phases if p not in skip):
-                group = self.groups[PHASE_ROLE[phase]]
+                group = self.groups[self.plan.phase_role[phase]]
                 method = PHASE_METHOD[phase]
                 after = calls[phase] = group.run_sharded(
                     method, batch, *args, after=after, phase=phase

@@ -1,7 +1,8 @@
 """The role workers: plain classes, one data-parallel rank each (see workers.py).
 
     Actor    trains the policy (FSDP2), gives log π_old, hands its weights to rollout
-    Ref      the frozen reference policy: log π_ref
+    Ref      the frozen reference policy: log π_ref (a LoRA'd actor answers it itself
+             when the ref is its own base: its adapter off, no second copy loaded)
     Critic   trains the value model (FSDP2), gives V(s_t)
     Rollout  a vLLM engine: generates, and loads the actor's weights after each update
     Reward   a reward model, when the spec names one instead of a reward function
@@ -14,11 +15,13 @@ no files need to travel between nodes.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -39,6 +42,7 @@ from rlhf_trainer.algo.ppo import (
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import COMPUTE_DTYPE, position_ids
 from rlhf_trainer.roles.hf_export import Export, write_policy
+from rlhf_trainer.roles.lora import adapted, adapter_files
 from rlhf_trainer.roles.sharding import full_state_dict
 from rlhf_trainer.roles.trainable import (
     Stats,
@@ -84,14 +88,20 @@ def policy_outputs(
 class Actor(Trainable):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info, config)
+        self.lora = config.models.actor.lora  # None: all the weights train
+        load: Callable[[bool], nn.Module]
         load = partial(load_policy, config.models.actor, config.trainer.seed, torch.float32)
+        if self.lora is not None:
+            load = adapted(load, self.lora)  # wrapped before sharding: FSDP2 shards both
         self.model = prepare_trainable(load, config, info.device)
-        assert isinstance(self.model, PreTrainedModel)  # FSDP2 subclasses the model's class
+        # FSDP2 subclasses the model's class
+        assert isinstance(self.model, PreTrainedModel | PeftModel), type(self.model)
         self.tied = bool(self.model.config.tie_word_embeddings)
         # The engines run in the compute dtype: send them that, not the fp32 masters.
         self.engine_dtype = COMPUTE_DTYPE[config.trainer.precision]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.trainer.actor_learning_rate
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapter's
+            lr=config.trainer.actor_learning_rate,
         )
         self.transfer: Any = None  # vLLM's TrainerWeightTransferEngine, to the engines
         self.engines: Any = None  # its VLLMWeightSyncClient (cluster.engine_client)
@@ -100,6 +110,15 @@ class Actor(Trainable):
     def log_probs(self, batch: Sequences) -> Tensor:
         """(B, T) log π_old of the response tokens (0 elsewhere)."""
         return sequence_log_probs(self.model, batch, self.config, self.info.device)
+
+    @torch.no_grad()
+    def ref_log_probs(self, batch: Sequences) -> Tensor:
+        """(B, T) log π_ref of the response tokens (0 elsewhere) when the ref is this
+        actor's own base (`ModelsConfig.ref_is_actor_base`): its adapter turned off."""
+        if not isinstance(self.model, PeftModel):
+            raise RuntimeError("the actor is the ref only with models.actor.lora set")
+        with self.model.disable_adapter():
+            return sequence_log_probs(self.model, batch, self.config, self.info.device)
 
     def loss(self, micro: Experience, normalizer: Tensor) -> tuple[Tensor, Stats]:
         algorithm = self.config.algorithm
@@ -145,10 +164,12 @@ class Actor(Trainable):
 
         from rlhf_trainer.rollout.transfer_engines import PolicySource, trainer_init_info
 
-        info = trainer_init_info(self.info.rank, setup)
-        source = PolicySource(self.model, self.tied, self.engine_dtype)
         self.close()  # the transfer to the engines before (some since lost), if any
         self.engines = engines
+        if self.lora is not None:
+            return  # the adapter travels in Ray calls (send_weights): no transfer engine
+        info = trainer_init_info(self.info.rank, setup)
+        source = PolicySource(self.model, self.tied, self.engine_dtype)
         try:
             if info.is_sender:
                 engines.shutdown_weight_transfer_engine()
@@ -165,6 +186,9 @@ class Actor(Trainable):
     def send_weights(self, version: int) -> None:
         """Hand the policy to every engine as `version`, and return once they serve it.
         A collective of the actor's ranks (each tensor is gathered whole)."""
+        if self.lora is not None:
+            self.send_adapter(version)
+            return
         assert self.transfer is not None, "open_weight_transfer first"
         self.engines.version = version
         self.transfer.send_weights()
@@ -179,6 +203,15 @@ class Actor(Trainable):
             log.warning("actor rank %d: an engine failed in the weight transfer; this "
                         "rank's end of it is aborted", self.info.rank)  # fmt: skip
             abort_sender(self.transfer)
+
+    def send_adapter(self, version: int) -> None:
+        """Hand only the adapter to every engine (vLLM's LoRA support loads it over the
+        base it keeps): gathered whole, then sent by rank 0 as bytes, in one Ray call per
+        engine. A collective of the actor's ranks."""
+        assert self.engines is not None, "open_weight_transfer first"
+        files = adapter_files(self.model, self.engine_dtype, self.info.rank)
+        if files is not None:
+            self.engines.wait(self.engines.submit("load_adapter", files, version))
 
     def export(self, directory: str, dtype: str, step: int) -> Export | None:
         """Write the policy as a Hugging Face directory at `directory` (roles.hf_export):
@@ -217,6 +250,6 @@ class Ref(Worker):
         self.config = config
 
     @torch.no_grad()
-    def log_probs(self, batch: Sequences) -> Tensor:
+    def ref_log_probs(self, batch: Sequences) -> Tensor:
         """(B, T) log π_ref of the response tokens (0 elsewhere)."""
         return sequence_log_probs(self.model, batch, self.config, self.info.device)

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from peft import PeftModel
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
@@ -67,6 +68,8 @@ def prepare_trainable(
         model = load(False)
     if config.trainer.gradient_checkpointing:
         transformer = model.backbone if isinstance(model, ValueModel) else model
+        if isinstance(transformer, PeftModel):  # LoRA: the transformer under the adapter
+            transformer = transformer.get_base_model()
         assert isinstance(transformer, PreTrainedModel), type(transformer)
         # Non-reentrant: the variant that works under FSDP2 and with frozen inputs.
         transformer.gradient_checkpointing_enable({"use_reentrant": False})

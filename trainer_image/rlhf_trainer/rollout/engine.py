@@ -51,6 +51,7 @@ import torch
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.lora import engine_max_lora_rank
 from rlhf_trainer.api.transfer import choose_transfer
 from rlhf_trainer.rollout.engine_death import EngineDied, engine_died, utility
 from rlhf_trainer.rollout.engine_settings import build_llm, engine_settings, sampling_params
@@ -72,9 +73,11 @@ class EngineOptions:
     seed: int
     dtype: Literal["float32", "bfloat16"]  # follows trainer.precision
     transfer_backend: str
+    max_lora_rank: int | None  # LoRA RL: the engine serves the actor's adapter
 
     @classmethod
     def of(cls, config: JobConfig) -> EngineOptions:
+        lora = config.models.actor.lora
         return cls(
             max_model_len=max(
                 config.data.max_prompt_length + config.data.max_response_length,
@@ -86,6 +89,7 @@ class EngineOptions:
             dtype="bfloat16" if config.trainer.precision == "bf16" else "float32",
             # The job's one decision; the actor takes it from the engines (WeightSync).
             transfer_backend=choose_transfer(config, torch.cuda.is_available()).backend.value,
+            max_lora_rank=None if lora is None else engine_max_lora_rank(lora.rank),
         )
 
     @property
@@ -117,6 +121,7 @@ class RolloutEngine(WeightUpdates):
         enforce_eager: bool = True,
         initial_version: int = 0,
         transfer_backend: str = HOST_TRANSFER,
+        max_lora_rank: int | None = None,
         name: str = "rollout engine",
         on_death: Callable[[EngineDied], None] | None = None,
     ) -> None:
@@ -129,6 +134,7 @@ class RolloutEngine(WeightUpdates):
             dtype=dtype,
             enforce_eager=enforce_eager,
             transfer_backend=transfer_backend,
+            max_lora_rank=max_lora_rank,
         )
         self._llm: Any = build_llm(self._settings)
         self.policy_version = initial_version
@@ -137,6 +143,8 @@ class RolloutEngine(WeightUpdates):
         self.transfer_backend = transfer_backend
         self._updating = False  # between open_update and close_update
         self._resume_after_update = False  # open_update paused a running engine
+        self.lora_request: Any = None  # until the first adapter: the base (LoRA's B = 0)
+        self._adapter_dir: Path | None = None
         self._batch_ids = itertools.count()  # request ids of generate_batch
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm", daemon=True)
@@ -205,7 +213,10 @@ class RolloutEngine(WeightUpdates):
         try:
             streams = [
                 await llm.add_request(
-                    f"batch-{next(self._batch_ids)}", TokensPrompt(prompt_token_ids=list(p)), sp
+                    f"batch-{next(self._batch_ids)}",
+                    TokensPrompt(prompt_token_ids=list(p)),
+                    sp,
+                    lora_request=self.lora_request,
                 )
                 for p, sp in zip(prompts, params, strict=True)
             ]
@@ -255,7 +266,10 @@ class RolloutEngine(WeightUpdates):
         from vllm.inputs import TokensPrompt
 
         stream = await llm.add_request(
-            request_id, TokensPrompt(prompt_token_ids=prompt_token_ids), params
+            request_id,
+            TokensPrompt(prompt_token_ids=prompt_token_ids),
+            params,
+            lora_request=self.lora_request,
         )
         return await self._collect(llm, stream, prompt_token_ids, on_tokens)
 

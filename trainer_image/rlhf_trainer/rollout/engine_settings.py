@@ -62,27 +62,35 @@ def engine_settings(
     dtype: Literal["auto", "float32", "bfloat16", "float16"],
     enforce_eager: bool,
     transfer_backend: str,
+    max_lora_rank: int | None = None,
 ) -> dict[str, Any]:
-    """The vLLM engine arguments, and the environment the engine needs (set here)."""
+    """The vLLM engine arguments, and the environment the engine needs (set here).
+    `max_lora_rank`: serve one LoRA adapter of up to that rank (LoRA RL); None: none."""
     uni = tensor_parallel_size == 1
     environment = CPU_ENVIRONMENT | (UNI_EXECUTOR_ENVIRONMENT if uni else {})
     for key, value in environment.items():
         os.environ.setdefault(key, value)
     from vllm.platforms import current_platform  # after: vLLM may read the environment
 
-    return (cpu_scheduling(max_model_len) if current_platform.is_cpu() else {}) | {
-        "model": str(model_dir),
-        "dtype": dtype,
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "tensor_parallel_size": tensor_parallel_size,
-        "distributed_executor_backend": "uni" if uni else None,
-        "seed": seed,
-        "enforce_eager": enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
-        "logprobs_mode": "processed_logprobs",
-        "worker_extension_cls": EXTENSION,
-        "weight_transfer_config": {"backend": transfer_backend},
-    }
+    # One adapter at a time: the policy's, replaced in place at each sync.
+    lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
+    return (
+        (cpu_scheduling(max_model_len) if current_platform.is_cpu() else {})
+        | {
+            "model": str(model_dir),
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": "uni" if uni else None,
+            "seed": seed,
+            "enforce_eager": enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": EXTENSION,
+            "weight_transfer_config": {"backend": transfer_backend},
+        }
+        | (lora if max_lora_rank is not None else {})
+    )
 
 
 def sampling_params(

@@ -20,20 +20,31 @@ A weight update is `open_update()` -> `load_bucket()` per bucket -> `close_updat
 
 `load_weights` and `update_weights` take whole weights (tests, a local engine) through
 the same calls.
+
+LoRA RL (`models.actor.lora`): the engine keeps its base and takes each new adapter
+whole in one call, `load_adapter`: written to a fresh directory on this node and loaded
+in place by vLLM's LoRA support (`add_lora`); every request from then on uses it
+(`lora_request`). It pauses, labels and resumes as a weight update does.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from torch import Tensor
 
 from rlhf_trainer.rollout.engine_death import utility
 from rlhf_trainer.rollout.transfer_memory import PackedWeights
-from rlhf_trainer.rollout.weight_sync import Bucket
+from rlhf_trainer.rollout.weight_sync import AdapterFiles, Bucket
 
 T = TypeVar("T")
+
+ADAPTER_NAME, ADAPTER_ID = "policy", 1  # the one adapter an engine serves, replaced in place
+SHARED_MEMORY = Path("/dev/shm")  # where adapters are written when the node has it
 
 
 class WeightUpdates:
@@ -43,6 +54,8 @@ class WeightUpdates:
     policy_version: int
     _updating: bool  # between open_update and close_update
     _resume_after_update: bool  # open_update paused a running engine
+    lora_request: Any  # vLLM's LoRARequest of the adapter served (LoRA RL), else None
+    _adapter_dir: Path | None  # where that adapter's files are
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         raise NotImplementedError
@@ -118,10 +131,46 @@ class WeightUpdates:
         return int(self.call(self._alive(lambda llm: utility(llm, llm.get_weight_version()))))
 
     async def _finish(self, llm: Any, version: int) -> None:
-        await utility(llm, llm.finish_weight_update(weight_version=str(version)))
+        await utility(llm, llm.finish_weight_update())
+        await self._serve_as(llm, version)
+
+    async def _serve_as(self, llm: Any, version: int) -> None:
+        """Label what follows as `version`, and drop the KV computed with the old weights."""
+        await utility(llm, llm.update_weight_version(str(version)))
         if not await utility(llm, llm.reset_prefix_cache(reset_running_requests=True)):
             raise RuntimeError("vLLM could not drop the KV cache of the old weights")
         self.policy_version = version
+
+    def load_adapter(self, files: AdapterFiles, version: int) -> None:
+        """Serve a new LoRA adapter as `version`, over the base the engine keeps (from any
+        other thread). A running engine pauses (its requests keep their tokens) and
+        resumes on it; a paused one stays paused; one that fails to load stays paused."""
+        from vllm.lora.request import LoRARequest
+
+        where = SHARED_MEMORY if SHARED_MEMORY.is_dir() else None  # else the tmp dir
+        directory = files.write(Path(tempfile.mkdtemp(prefix="rlhf-adapter-", dir=where)) / "v")
+        request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory), load_inplace=True)
+
+        async def load(llm: Any) -> None:
+            paused_here = not await utility(llm, llm.is_paused())
+            if paused_here:
+                await self._pause(llm)
+            if not await utility(llm, llm.add_lora(request)):
+                raise RuntimeError(f"vLLM did not load the adapter of version {version}")
+            self.lora_request = request
+            await self._serve_as(llm, version)
+            if paused_here:
+                await self._resume(llm)
+
+        try:
+            self.call(self._alive(load))
+        except BaseException:
+            shutil.rmtree(directory.parent, ignore_errors=True)
+            raise
+        # vLLM keeps the adapter in memory; its files stay until the next one is served.
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        self._adapter_dir = directory.parent
 
     async def _load(self, llm: Any, buckets: Sequence[Bucket], version: int) -> None:
         """Load whole packed weights into `llm` (paused) as `version`."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,6 +164,30 @@ class EngineFanOut:
 
 class TransferError(RuntimeError):
     """A weight transfer could not start or go on; the message says which and why."""
+
+
+CONFIG_FILE = "adapter_config.json"  # the names peft writes and vLLM reads
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """A LoRA adapter in peft's format, as bytes: what a sync sends in LoRA RL in place
+    of the buckets (megabytes: it travels in one Ray call per engine)."""
+
+    config_json: bytes  # adapter_config.json
+    weights: bytes  # adapter_model.safetensors
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.config_json) + len(self.weights)
+
+    def write(self, directory: Path) -> Path:
+        """The two files in `directory` (made, and new: vLLM reads it whole)."""
+        directory.mkdir(parents=True)
+        (directory / CONFIG_FILE).write_bytes(self.config_json)
+        (directory / WEIGHTS_FILE).write_bytes(self.weights)
+        return directory
 
 
 @dataclass(frozen=True)

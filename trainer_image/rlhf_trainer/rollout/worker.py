@@ -22,7 +22,7 @@ from rlhf_trainer.rollout.engine_death import EngineDied
 from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
 from rlhf_trainer.rollout.trajectory import ChatRenderer
 from rlhf_trainer.rollout.transfer_memory import Relay
-from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, EngineTransfer
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, AdapterFiles, Bucket, EngineTransfer
 from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
@@ -108,6 +108,10 @@ class EngineWorker(Worker):
         """Serve the new weights as `weight_version` (and resume, if the update paused
         the engine)."""
         self.engine.close_update(weight_version)
+
+    def load_adapter(self, files: AdapterFiles, version: int) -> None:
+        """Serve the actor's new LoRA adapter as `version` (LoRA RL: the whole sync)."""
+        self.engine.load_adapter(files, version)
 
     def abandon_weight_update(self) -> None:
         """Close an update that a failed push left open (an engine lost mid-way), not

@@ -1,0 +1,133 @@
+"""LoRA RL in the spec: `models.actor.lora`, and what a job with it may ask for.
+
+The actor trains a low-rank adapter (peft) on its frozen base; the rollout engines load
+the base once and take each new adapter through vLLM's LoRA support. What this first
+step does not do yet is refused here, at admission, naming the field: never ignored.
+Importable without torch, peft or vLLM (the operator imports it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import Field, StringConstraints
+
+from rlhf_trainer.api.rules import Rule, SpecModel
+
+if TYPE_CHECKING:
+    from rlhf_trainer.api.config import JobConfig
+
+# The values vLLM's engine accepts as `max_lora_rank` (vllm/config/lora.py, MaxLoRARanks
+# in vLLM 0.32); an adapter of any rank up to the value the engine was built with loads.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+ModuleName = Annotated[
+    str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", min_length=1, max_length=100)
+]
+
+
+class LoraConfig(SpecModel):
+    """Train a LoRA adapter on the frozen model instead of all its weights (peft)."""
+
+    rank: int = Field(
+        16,
+        ge=1,
+        description=(
+            "The adapter's rank r; at most 512, the largest that vLLM's engines serve "
+            "(max_lora_rank)."
+        ),
+    )
+    alpha: float = Field(
+        32.0, gt=0, le=100_000, description="LoRA's alpha: the update is scaled by alpha / rank."
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[ModuleName] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        max_length=64,
+        description=(
+            "Names of the linear layers inside the decoder layers that get an adapter "
+            "(e.g. q_proj, v_proj, gate_proj); a job whose model has none of a name fails "
+            "at start, naming those it has."
+        ),
+    )
+
+    rules = (
+        Rule(
+            "rank",
+            "must be at most 512, the largest max_lora_rank vLLM serves (one of "
+            + ", ".join(map(str, VLLM_MAX_LORA_RANKS))
+            + ")",
+            f"self.rank <= {VLLM_MAX_LORA_RANKS[-1]}",
+            lambda m: m.rank <= VLLM_MAX_LORA_RANKS[-1],
+            lambda m: f"got {m.rank}",
+        ),
+    )
+
+
+def engine_max_lora_rank(rank: int) -> int:
+    """The `max_lora_rank` an engine is built with for an adapter of `rank`: the smallest
+    value vLLM accepts that holds it (a larger one only wastes the engine's memory)."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(
+        f"models.actor.lora.rank {rank} is above vLLM's largest max_lora_rank "
+        f"({', '.join(map(str, VLLM_MAX_LORA_RANKS))})"
+    )
+
+
+def _not_yet(field: str, message: str, cel: str, holds: Callable[[Any], bool]) -> Rule:
+    """A rule refusing, with a LoRA'd actor, what LoRA RL does not support yet."""
+    return Rule(
+        field,
+        f"{message} with models.actor.lora: not supported yet",
+        f"!has(self.models.actor.lora) || ({cel})",
+        lambda c: c.models.actor.lora is None or holds(c),
+    )
+
+
+def lora_rules() -> tuple[Rule, ...]:
+    """JobConfig's rules for a LoRA'd actor: for now, synchronous and colocated, with no
+    checkpoints and no export."""
+    return (
+        Rule(
+            "models.critic.lora",
+            "is not supported yet (the critic trains all its weights)",
+            "!has(self.models.critic) || !has(self.models.critic.lora)",
+            lambda c: c.models.critic is None or c.models.critic.lora is None,
+        ),
+        _not_yet(
+            "async", "fully async training (async)", "!has(self.async)", lambda c: c.async_ is None
+        ),
+        _not_yet(
+            "pools",
+            "more than one pool (split placement: every role on one pool)",
+            "size(self.pools) == 1",
+            lambda c: len(c.pools) == 1,
+        ),
+        _not_yet(
+            "output",
+            "writing the policy to output (export)",
+            "!has(self.output)",
+            lambda c: c.output is None,
+        ),
+        _not_yet(
+            "trainer.checkpoint.path",
+            "checkpoints (of the adapter)",
+            "!has(self.trainer.checkpoint) || !has(self.trainer.checkpoint.path)",
+            lambda c: c.trainer.checkpoint.path is None,
+        ),
+    )
+
+
+def check_lora_supported(config: JobConfig) -> None:
+    """At start: what admission cannot see. The operator fills trainer.checkpoint.path in
+    from checkpointClaim after admission, so a LoRA'd job with a claim fails here."""
+    if config.models.actor.lora is not None and config.trainer.checkpoint.path is not None:
+        raise ValueError(
+            "models.actor.lora: checkpoints of the adapter are not supported yet, and this "
+            f"job checkpoints to {config.trainer.checkpoint.path} (from checkpointClaim or "
+            "trainer.checkpoint.path); run it without them"
+        )

@@ -1,0 +1,86 @@
+"""The actor's LoRA adapter (peft): the base wrapped before sharding, and the adapter
+as the files vLLM loads, for a weight sync.
+
+The base is frozen (peft sets requires_grad=False on it), so the optimizer holds only
+the adapter, and the ref can be the same base with the adapter off (`Actor.ref_log_probs`).
+A sync gathers only the adapter's tensors whole: megabytes, not the model's gigabytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save as safetensors_bytes
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from rlhf_trainer.api.lora import LoraConfig
+from rlhf_trainer.roles.sharding import decoder_layers
+from rlhf_trainer.rollout.weight_sync import AdapterFiles
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The distinct names of the linear layers inside the decoder layers: what
+    targetModules may name (vLLM serves adapters on these, not on the embeddings)."""
+    names = {
+        name.rsplit(".", 1)[-1]
+        for layer in decoder_layers(model)
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear) and name
+    }
+    return sorted(names)
+
+
+def with_adapter(model: PreTrainedModel, lora: LoraConfig) -> PeftModel:
+    """`model` frozen, with a fresh LoRA adapter on its `lora.target_modules` (B = 0: the
+    policy starts as the base). A name the model has no linear layer of fails, naming
+    those it has."""
+    existing = linear_names(model)
+    missing = [name for name in lora.target_modules if name not in existing]
+    if missing:
+        raise ValueError(
+            f"models.actor.lora.targetModules: {type(model).__name__} has no linear layer "
+            f"named {', '.join(missing)} in its decoder layers; it has {', '.join(existing)}"
+        )
+    config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+    )
+    return get_peft_model(model, config)
+
+
+def adapted(
+    load: Callable[[bool], PreTrainedModel], lora: LoraConfig
+) -> Callable[[bool], nn.Module]:
+    """`load` (see `trainable.prepare_trainable`) with the adapter added to what it builds."""
+    return lambda weights: with_adapter(load(weights), lora)
+
+
+def adapter_files(model: nn.Module, dtype: torch.dtype, rank: int) -> AdapterFiles | None:
+    """The adapter of a (sharded) PeftModel in peft's format, its tensors gathered whole
+    and cast to `dtype` (the engines'): on rank 0; the others get None. A collective of
+    the model's ranks (each adapter tensor is gathered)."""
+    trained = {name: _whole(p).to(dtype) for name, p in model.named_parameters() if p.requires_grad}
+    if rank != 0:
+        return None
+    assert isinstance(model, PeftModel), type(model)
+    state = get_peft_model_state_dict(model, state_dict=trained, save_embedding_layers=False)
+    config = model.peft_config["default"].to_dict()
+    return AdapterFiles(
+        config_json=json.dumps(config, default=sorted, sort_keys=True).encode(),  # sets: lists
+        weights=safetensors_bytes({name: t.contiguous() for name, t in state.items()}),
+    )
+
+
+def _whole(parameter: Tensor) -> Tensor:
+    """A parameter's full value on the CPU, from its shard (a collective for a DTensor)."""
+    value = parameter.detach()
+    return (value.full_tensor() if isinstance(value, DTensor) else value).cpu().clone()
