@@ -21,6 +21,8 @@ from peft import PeftModel
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.lora import engine_max_lora_rank
+from rlhf_trainer.api.progress import TrainingProgress
+from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.models import token_log_probs, write_tiny_model
 from rlhf_trainer.roles.lora import adapter_files, linear_names, with_adapter
 from rlhf_trainer.roles.policy import Actor, sequence_log_probs
@@ -33,7 +35,7 @@ from tests.specs import local_job
 from tests.trainer.distributed import run_ranks
 from tests.trainer.test_roles import ROWS, experience
 
-RANK, ALPHA, TARGETS = 8, 16.0, ["q_proj", "v_proj"]
+RANK, ALPHA, TARGETS = 8, 16, ["q_proj", "v_proj"]
 LEARNING_RATE = 5e-2  # large: one update moves the adapter far enough to change answers
 LOG_PROB_TOLERANCE = 1e-4  # fp32 kernels of vLLM and torch (measured: see the test)
 
@@ -213,3 +215,36 @@ def test_an_engine_given_the_adapter_serves_the_policy_that_trained(
     print("max |log π_policy - log π_vllm|:", float((served - as_policy).abs().max()))
     assert (served - as_policy).abs().max() < LOG_PROB_TOLERANCE
     assert (served - as_base_model).abs().max() > 100 * LOG_PROB_TOLERANCE
+
+
+class LastProgress:
+    """A reporter that keeps the last progress it is told."""
+
+    progress: TrainingProgress | None = None
+
+    def report(self, progress: TrainingProgress, final: bool = False) -> bool:
+        self.progress = progress
+        return True
+
+
+@pytest.mark.slow
+def test_a_synchronous_lora_run_samples_with_the_adapter_it_trains(tmp_path: Path) -> None:
+    """The whole loop on Ray, colocated, 3 steps: no ref workers (the actor answers for
+    the ref); step 1's policy is the base (B = 0), so its KL to the ref is 0, and the
+    later ones' is not; after every sync vLLM's log-probs are the actor's own."""
+    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.loop.run import run_job
+
+    spec = lora_job(gpus=1).model_dump(by_alias=True, exclude_none=True)
+    spec["trainer"] |= {"totalSteps": 3, "batchSize": 16, "miniBatchSize": 16}
+    config = JobConfig.model_validate(spec)
+    steps: list[StepResult] = []
+    reporter = LastProgress()
+    with local_ray_cluster(config):
+        run_job(config, "lora", reporter, on_step=steps.append)
+    assert [s.step for s in steps] == [1, 2, 3]
+    assert reporter.progress is not None and reporter.progress.policy_version == 3
+    print("kl per step:", [s.kl for s in steps])
+    print("max |log π_actor - log π_vllm| per step:", [s.rollout_log_prob_diff for s in steps])
+    assert steps[0].kl == pytest.approx(0, abs=1e-6) and steps[-1].kl > 1e-3
+    assert max(s.rollout_log_prob_diff for s in steps) < LOG_PROB_TOLERANCE

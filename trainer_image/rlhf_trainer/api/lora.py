@@ -9,14 +9,11 @@ Importable without torch, peft or vLLM (the operator imports it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints
 
 from rlhf_trainer.api.rules import Rule, SpecModel
-
-if TYPE_CHECKING:
-    from rlhf_trainer.api.config import JobConfig
 
 # The values vLLM's engine accepts as `max_lora_rank` (vllm/config/lora.py, MaxLoRARanks
 # in vLLM 0.32); an adapter of any rank up to the value the engine was built with loads.
@@ -38,8 +35,8 @@ class LoraConfig(SpecModel):
             "(max_lora_rank)."
         ),
     )
-    alpha: float = Field(
-        32.0, gt=0, le=100_000, description="LoRA's alpha: the update is scaled by alpha / rank."
+    alpha: int = Field(
+        32, ge=1, le=100_000, description="LoRA's alpha: the update is scaled by alpha / rank."
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
     target_modules: list[ModuleName] = Field(
@@ -120,14 +117,3 @@ def lora_rules() -> tuple[Rule, ...]:
             lambda c: c.trainer.checkpoint.path is None,
         ),
     )
-
-
-def check_lora_supported(config: JobConfig) -> None:
-    """At start: what admission cannot see. The operator fills trainer.checkpoint.path in
-    from checkpointClaim after admission, so a LoRA'd job with a claim fails here."""
-    if config.models.actor.lora is not None and config.trainer.checkpoint.path is not None:
-        raise ValueError(
-            "models.actor.lora: checkpoints of the adapter are not supported yet, and this "
-            f"job checkpoints to {config.trainer.checkpoint.path} (from checkpointClaim or "
-            "trainer.checkpoint.path); run it without them"
-        )

@@ -14,7 +14,6 @@ from typing import Any
 
 from rlhf_trainer.algo.diagnostics import EpisodeStats
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.lora import check_lora_supported
 from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.api.progress import EvalProgress, OutputProgress, TrainingProgress
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
@@ -343,7 +342,6 @@ def open_run(
         if config.data.eval is not None
         else []
     )
-    check_lora_supported(config)  # what admission cannot see (a checkpointClaim's path)
     if config.output is not None:  # an unwritable target fails now, not at the end
         check_target(Path(config.output.path))
     if config.multi_turn is not None:  # an environment out of reach fails now too

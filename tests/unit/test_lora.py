@@ -1,0 +1,145 @@
+"""LoRA RL in the spec (`models.actor.lora`): what it accepts, what it refuses for now
+(each naming the field, in pydantic and in the CRD's CEL alike), the engines' rank, and
+the plan in which the actor answers for the ref."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, get_args
+
+import pytest
+
+from rlhf_operator.api.validation import InvalidJob, parse_job
+from rlhf_trainer.api.config import Role
+from rlhf_trainer.api.lora import VLLM_MAX_LORA_RANKS, engine_max_lora_rank
+from rlhf_trainer.api.plan import Phase, describe, plan_placement
+from tests.unit.celcheck import cel_errors
+
+Job = dict[str, Any]
+
+
+@pytest.fixture
+def lora_job(local_job: Job) -> Job:
+    """The local example on one pool, its actor LoRA'd: the supported case."""
+    spec = local_job["spec"]
+    spec["pools"] = [p for p in spec["pools"] if p["name"] == "policy"]
+    spec["roles"]["critic"] = "policy"
+    spec["models"]["actor"]["lora"] = {"rank": 8, "targetModules": ["q_proj", "v_proj"]}
+    return local_job
+
+
+def test_a_lora_job_on_one_pool_is_accepted_with_peft_s_defaults(lora_job: Job) -> None:
+    assert cel_errors(lora_job) == []
+    lora = parse_job(lora_job).spec.models.actor.lora
+    assert lora is not None
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (
+        8,
+        32,
+        0.0,
+        ["q_proj", "v_proj"],
+    )
+
+
+def _lora(**fields: Any) -> Callable[[Job], None]:
+    def apply(job: Job) -> None:
+        job["spec"]["models"]["actor"]["lora"] |= fields
+
+    return apply
+
+
+def _spec(**fields: Any) -> Callable[[Job], None]:
+    def apply(job: Job) -> None:
+        job["spec"] |= fields
+
+    return apply
+
+
+def _second_pool(job: Job) -> None:
+    job["spec"]["pools"].append({"name": "value", "gpusPerNode": 1})
+    job["spec"]["roles"]["critic"] = "value"
+
+
+def _critic_lora(job: Job) -> None:
+    job["spec"]["models"]["critic"] = {"tiny": {"hiddenSize": 128}, "lora": {"rank": 8}}
+
+
+def _checkpoint_path(job: Job) -> None:
+    job["spec"]["trainer"]["checkpoint"]["path"] = "/checkpoints/run"
+
+
+NOT_YET = "with models.actor.lora: not supported yet"
+ALLOWED = "one of 1, 8, 16, 32, 64, 128, 256, 320, 512"
+
+# (case, mutation, field named, words the message says, whether CEL refuses it too)
+CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
+    ("rank-above-vllm", _lora(rank=1024), "spec.models.actor.lora.rank",
+     f"at most 512, the largest max_lora_rank vLLM serves ({ALLOWED}) (got 1024)", True),
+    ("rank-zero", _lora(rank=0), "spec.models.actor.lora.rank", "greater than or equal to 1",
+     False),
+    ("alpha-zero", _lora(alpha=0), "spec.models.actor.lora.alpha", "greater than or equal to 1", False),
+    ("dropout-one", _lora(dropout=1.0), "spec.models.actor.lora.dropout", "less than 1", False),
+    ("no-targets", _lora(targetModules=[]), "spec.models.actor.lora.targetModules",
+     "at least 1 item", False),
+    ("target-not-a-name", _lora(targetModules=["layers.0.q_proj"]),
+     "spec.models.actor.lora.targetModules[0]", "should match pattern", False),
+    ("unknown-field", _lora(rnak=8), "spec.models.actor.lora.rnak", "unknown field", False),
+    ("fully-async", _spec(**{"async": {}}), "spec.async", f"fully async training (async) {NOT_YET}",
+     True),
+    ("split", _second_pool, "spec.pools", f"more than one pool (split placement: every role on "
+     f"one pool) {NOT_YET}", True),
+    ("export", _spec(output={"path": "/output/policy"}), "spec.output",
+     f"writing the policy to output (export) {NOT_YET}", True),
+    ("checkpoints", _checkpoint_path, "spec.trainer.checkpoint.path",
+     f"checkpoints (of the adapter) {NOT_YET}", True),
+    ("checkpoint-claim", _spec(checkpointClaim="team-checkpoints"), "spec.checkpointClaim",
+     f"checkpoints (of the adapter) {NOT_YET}", True),
+    ("critic-lora", _critic_lora, "spec.models.critic.lora",
+     "is not supported yet (the critic trains all its weights)", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mutate", "path", "words", "cel_too"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])  # fmt: skip
+def test_what_lora_does_not_support_is_refused_naming_the_field(
+    lora_job: Job, mutate: Callable[[Job], None], path: str, words: str, cel_too: bool
+) -> None:
+    mutate(lora_job)
+    with pytest.raises(InvalidJob) as caught:
+        parse_job(lora_job)
+    matching = [e for e in caught.value.errors if e.path == path and words in e.message]
+    assert matching, f"no error at {path} saying {words!r}: {caught.value.errors}"
+    if cel_too:
+        assert any(p == path for p, _ in cel_errors(lora_job)), cel_errors(lora_job)
+
+
+def test_the_ranks_are_vllm_s() -> None:
+    from vllm.config.lora import MaxLoRARanks
+
+    assert get_args(MaxLoRARanks) == VLLM_MAX_LORA_RANKS
+
+
+@pytest.mark.parametrize("rank", range(1, 513))
+def test_an_engine_takes_the_smallest_max_lora_rank_that_holds_the_adapter(rank: int) -> None:
+    naive = min(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
+    assert engine_max_lora_rank(rank) == naive
+
+
+def test_a_rank_above_vllm_s_largest_is_refused_by_the_engine_too() -> None:
+    with pytest.raises(ValueError, match=r"models\.actor\.lora\.rank 513 is above"):
+        engine_max_lora_rank(513)
+
+
+def test_the_actor_answers_for_the_ref_when_the_ref_is_its_base(lora_job: Job) -> None:
+    """No ref workers: the ref's log-probs run on the actor, after its own, on its pool.
+    A ref model of its own (models.ref) is loaded as without LoRA."""
+    config = parse_job(lora_job).spec.job_config()
+    plan = plan_placement(config)
+    assert Role.REF not in plan.roles
+    assert plan.phase_role[Phase.REF_LOG_PROB] is Role.ACTOR
+    (score,) = [s for s in plan.stages if s.name == "score"]
+    (lane,) = [lane for lane in score.lanes if lane.pool == "policy"]  # the reward: driver
+    assert lane.phases == (Phase.ACTOR_LOG_PROB, Phase.REF_LOG_PROB, Phase.VALUES)
+    assert "ref: the actor's base" in describe(plan)
+    lora_job["spec"]["models"]["ref"] = {"tiny": {"hiddenSize": 128}}
+    plan = plan_placement(parse_job(lora_job).spec.job_config())
+    assert Role.REF in plan.roles and plan.phase_role[Phase.REF_LOG_PROB] is Role.REF
