@@ -5,14 +5,18 @@ the plan in which the actor answers for the ref."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_args
 
 import pytest
 
 from rlhf_operator.api.validation import InvalidJob, parse_job
+from rlhf_trainer.__main__ import in_run_folder
 from rlhf_trainer.api.config import Role
-from rlhf_trainer.api.lora import VLLM_MAX_LORA_RANKS, engine_max_lora_rank
+from rlhf_trainer.api.lora import VLLM_MAX_LORA_RANKS, check_lora_run, engine_max_lora_rank
 from rlhf_trainer.api.plan import Phase, describe, plan_placement
+from rlhf_trainer.api.sections import OutputConfig
+from rlhf_trainer.telemetry.run_folder import RunFolder
 from tests.unit.celcheck import cel_errors
 
 Job = dict[str, Any]
@@ -143,3 +147,20 @@ def test_the_actor_answers_for_the_ref_when_the_ref_is_its_base(lora_job: Job) -
     lora_job["spec"]["models"]["ref"] = {"tiny": {"hiddenSize": 128}}
     plan = plan_placement(parse_job(lora_job).spec.job_config())
     assert Role.REF in plan.roles and plan.phase_role[Phase.REF_LOG_PROB] is Role.REF
+
+
+def test_a_local_lora_run_keeps_no_checkpoints_and_exports_nothing(
+    lora_job: Job, tmp_path: Path
+) -> None:
+    """`rlhfjob train` adds its run folder's checkpoints and model/ after admission, with
+    no validation (model_copy): not for a LoRA'd actor; and a run handed a config so
+    made is refused at start, naming the fields."""
+    config = parse_job(lora_job).spec.job_config()
+    assert in_run_folder(config, RunFolder(tmp_path / "run")) == config
+    check_lora_run(config)
+    trainer = config.trainer.model_copy(
+        update={"checkpoint": config.trainer.checkpoint.model_copy(update={"path": "/c"})}
+    )
+    made = config.model_copy(update={"trainer": trainer, "output": OutputConfig(path="/m")})
+    with pytest.raises(ValueError, match=r"trainer\.checkpoint\.path and output set, but"):
+        check_lora_run(made)

@@ -162,7 +162,10 @@ def port_problem(port: int, error: OSError) -> str:
 
 def in_run_folder(config: JobConfig, folder: RunFolder) -> JobConfig:
     """The checkpoints and the trained policy go into the run folder unless the spec
-    names their paths."""
+    names their paths. With a LoRA'd actor neither is written: not supported yet (its
+    admission refused both), and the run says so when it starts."""
+    if config.models.actor.lora is not None:
+        return config
     checkpoint = config.trainer.checkpoint
     if checkpoint.path is None:
         checkpoint = checkpoint.model_copy(update={"path": str(folder.checkpoints)})
@@ -193,6 +196,8 @@ def train_locally(
     started = time.time()
     console = Console()
     console.print(f"run folder: {folder.path.resolve()}", soft_wrap=True)
+    if config.models.actor.lora is not None:
+        console.print("models.actor.lora: no checkpoints and no export yet (not supported)")
     total = config.trainer.total_steps
     progress = LiveProgress(console, total)
     reporter = SilentReporter() if progress.live else reporter_from_env()

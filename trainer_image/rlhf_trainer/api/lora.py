@@ -9,11 +9,14 @@ Importable without torch, peft or vLLM (the operator imports it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, StringConstraints
 
 from rlhf_trainer.api.rules import Rule, SpecModel
+
+if TYPE_CHECKING:
+    from rlhf_trainer.api.config import JobConfig
 
 # The values vLLM's engine accepts as `max_lora_rank` (vllm/config/lora.py, MaxLoRARanks
 # in vLLM 0.32); an adapter of any rank up to the value the engine was built with loads.
@@ -117,3 +120,24 @@ def lora_rules() -> tuple[Rule, ...]:
             lambda c: c.trainer.checkpoint.path is None,
         ),
     )
+
+
+def check_lora_run(config: JobConfig) -> None:
+    """At start, on the config a run is given: the rules above again, for a config made
+    by code after validation (`model_copy` does not validate), so that a LoRA'd run never
+    checkpoints or exports what it cannot yet."""
+    if config.models.actor.lora is None:
+        return
+    asked = [
+        field
+        for field, value in (
+            ("trainer.checkpoint.path", config.trainer.checkpoint.path),
+            ("output", config.output),
+        )
+        if value is not None
+    ]
+    if asked:
+        raise ValueError(
+            f"models.actor.lora: {' and '.join(asked)} set, but checkpoints and export of "
+            "a LoRA adapter are not supported yet"
+        )

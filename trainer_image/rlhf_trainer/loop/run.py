@@ -14,6 +14,7 @@ from typing import Any
 
 from rlhf_trainer.algo.diagnostics import EpisodeStats
 from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.api.lora import check_lora_run
 from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.api.progress import EvalProgress, OutputProgress, TrainingProgress
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
@@ -342,6 +343,7 @@ def open_run(
         if config.data.eval is not None
         else []
     )
+    check_lora_run(config)  # what LoRA does not support yet, on the config actually run
     if config.output is not None:  # an unwritable target fails now, not at the end
         check_target(Path(config.output.path))
     if config.multi_turn is not None:  # an environment out of reach fails now too
