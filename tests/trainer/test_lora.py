@@ -218,6 +218,10 @@ def test_an_engine_given_the_adapter_serves_the_policy_that_trained(
     print("max |log π_policy - log π_vllm|:", float((served - as_policy).abs().max()))
     assert (served - as_policy).abs().max() < LOG_PROB_TOLERANCE
     assert (served - as_base_model).abs().max() > 100 * LOG_PROB_TOLERANCE
+    served_from = engine._adapter_dir
+    assert served_from is not None and served_from.is_dir()
+    engine.shutdown()  # the fixture's shutdown again does nothing
+    assert not served_from.exists()  # no adapter left behind in /dev/shm
 
 
 class LastProgress:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
@@ -343,6 +344,9 @@ class RolloutEngine(WeightUpdates):
             self.call(_cancel_tasks())  # vLLM's output handler, requests left behind
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
+        if self._adapter_dir is not None:  # LoRA: the last adapter's files (in /dev/shm)
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
 
 
 async def _cancel_tasks() -> None:
