@@ -164,3 +164,11 @@ def test_a_local_lora_run_keeps_no_checkpoints_and_exports_nothing(
     made = config.model_copy(update={"trainer": trainer, "output": OutputConfig(path="/m")})
     with pytest.raises(ValueError, match=r"trainer\.checkpoint\.path and output set, but"):
         check_lora_run(made)
+
+
+def test_without_a_ref_a_lora_job_has_no_ref_phase(lora_job: Job) -> None:
+    lora_job["spec"]["algorithm"] = {"klCoef": 0.0}
+    del lora_job["spec"]["roles"]["ref"]
+    plan = plan_placement(parse_job(lora_job).spec.job_config())
+    assert Role.REF not in plan.roles
+    assert Phase.REF_LOG_PROB not in plan.phases()

@@ -186,8 +186,9 @@ def plan_placement(config: JobConfig) -> PlacementPlan:
 def phase_roles(config: JobConfig) -> dict[Phase, Role]:
     """Whose workers run each phase: PHASE_ROLE, except that a LoRA'd actor whose ref is
     its own base answers the ref's log-probs itself, with its adapter off
-    (`ModelsConfig.ref_is_actor_base`): no ref workers, no second copy of the model."""
-    if config.models.ref_is_actor_base:
+    (`ModelsConfig.ref_is_actor_base`): no ref workers, no second copy of the model.
+    Without roles.ref (no KL) there is no ref phase to answer."""
+    if config.models.ref_is_actor_base and config.roles.ref is not None:
         return PHASE_ROLE | {Phase.REF_LOG_PROB: Role.ACTOR}
     return dict(PHASE_ROLE)
 
