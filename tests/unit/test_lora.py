@@ -122,10 +122,10 @@ def test_the_ranks_are_vllm_s() -> None:
     assert get_args(MaxLoRARanks) == VLLM_MAX_LORA_RANKS
 
 
-@pytest.mark.parametrize("rank", range(1, 513))
-def test_an_engine_takes_the_smallest_max_lora_rank_that_holds_the_adapter(rank: int) -> None:
-    naive = min(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
-    assert engine_max_lora_rank(rank) == naive
+def test_an_engine_takes_the_smallest_max_lora_rank_that_holds_the_adapter() -> None:
+    for rank in range(1, 513):  # every rank a spec may ask for
+        naive = min(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
+        assert engine_max_lora_rank(rank) == naive, rank
 
 
 def test_a_rank_above_vllm_s_largest_is_refused_by_the_engine_too() -> None:
