@@ -39,6 +39,23 @@ def cel_errors(
     return [(path.lstrip("."), message) for path, message in found]
 
 
+def assert_refused(job: dict[str, Any], path: str, words: str, cel_too: bool) -> None:
+    """Admission refuses `job` with an error at `path` saying `words`; and, with
+    `cel_too`, so do the CRD's CEL rules (what the API server checks before any webhook)."""
+    from rlhf_operator.api.validation import InvalidJob, parse_job
+
+    try:
+        parse_job(job)
+    except InvalidJob as refused:
+        errors = refused.errors
+    else:
+        raise AssertionError(f"accepted; expected an error at {path} saying {words!r}")
+    matching = [e for e in errors if e.path == path and words in e.message]
+    assert matching, f"no error at {path} saying {words!r}: {errors}"
+    if cel_too:
+        assert any(p == path for p, _ in cel_errors(job)), cel_errors(job)
+
+
 def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
     if isinstance(value, dict):
         for name, sub in schema.get("properties", {}).items():
