@@ -1,15 +1,19 @@
-"""LoRA RL, first step (`models.actor.lora`): the actor trains a peft adapter on its
-frozen base under FSDP2, its base with the adapter off is the ref, and a vLLM engine
-that takes only the adapter serves the policy the actor trained.
+"""LoRA RL (`models.actor.lora`): the actor trains a peft adapter on its frozen base
+under FSDP2, its base with the adapter off is the ref, a vLLM engine that takes only the
+adapter serves the policy the actor trained, checkpoints hold the adapter, and the
+exports (merged, or the adapter alone) are that policy.
 
 The actor runs on two real gloo ranks (its adapter sharded, gathered whole for the
-engine): ~30 s. A vLLM engine in this process takes the adapter: ~25 s. The whole loop
-on Ray, colocated, 3 steps: ~45 s. (Measured on 2 cores: 110 s for the module.)
+engine), saves and exports: ~30 s. A vLLM engine in this process takes the adapter, and
+one in a process of its own serves the merged export: ~25 s each. The whole loop on Ray,
+colocated, 3 steps, then resumed for its last: ~90 s. (261 s for the module on 2 cores
+beside a benchmark.)
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,21 +21,29 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from transformers import AutoModelForCausalLM
 
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.lora import engine_max_lora_rank
 from rlhf_trainer.api.progress import TrainingProgress
+from rlhf_trainer.export import export_checkpoint
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.models import token_log_probs, write_tiny_model
+from rlhf_trainer.roles import checkpoint
+from rlhf_trainer.roles.checkpoint import capture_rng
+from rlhf_trainer.roles.hf_export import Export
 from rlhf_trainer.roles.lora import adapter_files, linear_names, with_adapter
 from rlhf_trainer.roles.policy import Actor, sequence_log_probs
 from rlhf_trainer.roles.sharding import full_state_dict
 from rlhf_trainer.roles.trainable import load_policy
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
-from rlhf_trainer.rollout.weight_sync import AdapterFiles
+from rlhf_trainer.rollout.weight_sync import CONFIG_FILE, WEIGHTS_FILE, AdapterFiles
 from rlhf_trainer.worker import RankInfo, split_batch
+from tests.exports import vllm_greedy
 from tests.specs import local_job
 from tests.trainer.distributed import run_ranks
 from tests.trainer.test_roles import ROWS, experience
@@ -65,10 +77,12 @@ class Trained:
     ref_after: torch.Tensor  # and after
     policy_after: torch.Tensor  # (B, T) the actor's log-probs after its update
     files: AdapterFiles | None  # the adapter as a sync sends it (rank 0)
+    exports: list[Export | None]  # merged and adapter (rank 0), written by the ranks
 
 
-def train_lora(rank: int, job: JobConfig) -> Trained:
-    """One update of a fresh LoRA'd actor on this rank's shard of the batch."""
+def train_lora(rank: int, job: JobConfig, saved: Path, merged: Path, adapter: Path) -> Trained:
+    """One update of a fresh LoRA'd actor on this rank's shard of the batch; then its
+    state saved (each rank its shards) and its policy exported, merged and as the adapter."""
     world = torch.distributed.get_world_size()
     actor = Actor(RankInfo(Role.ACTOR, "policy", rank, world), job)
     batch = split_batch(experience(), world)[rank]
@@ -85,17 +99,37 @@ def train_lora(rank: int, job: JobConfig) -> Trained:
         ref_after=actor.ref_log_probs(batch),
         policy_after=actor.log_probs(batch),
         files=adapter_files(actor.model, torch.float32, rank),
+        exports=[
+            actor.save(str(saved)),
+            actor.export(str(merged), "fp32", step=1),
+            actor.export(str(adapter), "fp32", step=1, adapter=True),
+        ][1:],
     )
 
 
+@dataclass(frozen=True)
+class TrainedLora:
+    job: JobConfig
+    ranks: list[Trained]  # what each of the two ranks saw
+    checkpoint: Path  # the committed checkpoint of the update (step 1)
+    merged: Path  # the ranks' exports
+    adapter: Path
+
+
 @pytest.fixture(scope="module")
-def trained() -> tuple[JobConfig, list[Trained]]:
+def trained(tmp_path_factory: pytest.TempPathFactory) -> TrainedLora:
     job = lora_job(gpus=2)
-    return job, run_ranks(train_lora, 2, job)
+    scratch = tmp_path_factory.mktemp("lora")
+    root, merged, adapter = scratch / "checkpoints", scratch / "merged", scratch / "adapter"
+    staging = checkpoint.staging_dir(root, 1)
+    ranks = run_ranks(train_lora, 2, job, staging / Role.ACTOR, merged, adapter)
+    checkpoint.save_trainer_state(staging, checkpoint.TrainerState(1, 1, 0, 0, capture_rng()))
+    checkpoint.save_job_config(staging, job)
+    return TrainedLora(job, ranks, checkpoint.commit(root, 1), merged, adapter)
 
 
-def test_the_actor_trains_only_its_adapter(trained: tuple[JobConfig, list[Trained]]) -> None:
-    _, (first, _) = trained
+def test_the_actor_trains_only_its_adapter(trained: TrainedLora) -> None:
+    first = trained.ranks[0]
     changed = {n for n in first.before if not torch.equal(first.before[n], first.after[n])}
     adapter = {n for n in first.before if "lora_" in n}
     assert changed and changed <= adapter, changed - adapter
@@ -108,10 +142,10 @@ def test_the_actor_trains_only_its_adapter(trained: tuple[JobConfig, list[Traine
     )
 
 
-def test_the_ref_is_the_base_with_the_adapter_off(trained: tuple[JobConfig, list[Trained]]) -> None:
+def test_the_ref_is_the_base_with_the_adapter_off(trained: TrainedLora) -> None:
     """Before and after the update, the ref's log-probs are the base model's (built apart,
     no adapter), while the trained policy's have moved away from them."""
-    job, ranks = trained
+    job, ranks = trained.job, trained.ranks
     base = load_policy(job.models.actor, job.trainer.seed)
     expected = sequence_log_probs(base, experience(), job, torch.device("cpu"))
     for when in ("ref_before", "ref_after"):
@@ -122,10 +156,10 @@ def test_the_ref_is_the_base_with_the_adapter_off(trained: tuple[JobConfig, list
 
 
 def test_the_adapter_files_are_peft_s_and_hold_what_trained(
-    trained: tuple[JobConfig, list[Trained]], tmp_path: Path
+    trained: TrainedLora, tmp_path: Path
 ) -> None:
     """peft loads the files a sync sends on the base, and answers as the actor does."""
-    job, ranks = trained
+    job, ranks = trained.job, trained.ranks
     files = ranks[0].files
     assert files is not None and ranks[1].files is None
     config = json.loads(files.config_json)
@@ -138,6 +172,63 @@ def test_the_adapter_files_are_peft_s_and_hold_what_trained(
     want = torch.cat([r.policy_after for r in ranks])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     print(f"a sync sends the adapter: {files.nbytes} bytes; the whole model: {full} bytes")
+
+
+def read_adapter(directory: Path) -> AdapterFiles:
+    return AdapterFiles(
+        (directory / CONFIG_FILE).read_bytes(), (directory / WEIGHTS_FILE).read_bytes()
+    )
+
+
+def test_the_checkpoint_holds_the_adapter_and_its_optimizer_state_only(
+    trained: TrainedLora,
+) -> None:
+    """What trains, no more: the frozen base is built again from the spec on resume."""
+    metadata = FileSystemReader(trained.checkpoint / Role.ACTOR).read_metadata()
+    held = set(metadata.state_dict_metadata)
+    adapter = {f"model.{name}" for name in trained.ranks[0].before if "lora_" in name}
+    assert {name for name in held if name.startswith("model.")} == adapter
+    optimizer = {name for name in held if name.startswith("optimizer.state.")}
+    assert optimizer and all("lora_" in name for name in optimizer), sorted(optimizer)[:3]
+    written = sum(f.stat().st_size for f in (trained.checkpoint / Role.ACTOR).iterdir())
+    whole = sum(t.nbytes for t in trained.ranks[0].before.values())
+    print(f"the actor's checkpoint: {written} bytes; its model alone: {whole} bytes")
+
+
+def test_the_exports_are_the_policy_merged_or_its_adapter_as_rlhfjob_export_writes_them(
+    trained: TrainedLora, tmp_path: Path
+) -> None:
+    """The ranks' merged export, as transformers loads it, gives the actor's log-probs;
+    their adapter export is byte for byte the adapter a sync hands vLLM (which serves it:
+    the engine test below). `rlhfjob export` of their checkpoint writes the same two."""
+    job, ranks = trained.job, trained.ranks
+    assert ranks[0].exports == [
+        Export(trained.merged, 1, "fp32"),
+        Export(trained.adapter, 1, "fp32", adapter=True),
+    ]
+    assert ranks[1].exports == [None, None]
+    merged = AutoModelForCausalLM.from_pretrained(trained.merged, dtype=torch.float32).eval()
+    assert not any("lora" in name for name in merged.state_dict())
+    got = sequence_log_probs(merged, experience(), job, torch.device("cpu"))
+    torch.testing.assert_close(got, torch.cat([r.policy_after for r in ranks]), rtol=0, atol=1e-5)
+    assert read_adapter(trained.adapter) == ranks[0].files
+    again = export_checkpoint(trained.checkpoint, tmp_path / "merged", "fp32")
+    served = AutoModelForCausalLM.from_pretrained(again.directory, dtype=torch.float32)
+    for name, weight in merged.state_dict().items():
+        assert torch.equal(served.state_dict()[name], weight), name
+    alone = export_checkpoint(trained.checkpoint, tmp_path / "adapter", "fp32", adapter=True)
+    assert read_adapter(alone.directory) == ranks[0].files
+
+
+def test_vllm_serves_the_merged_export_as_the_actor_answers(
+    trained: TrainedLora, tmp_path: Path
+) -> None:
+    files = trained.ranks[0].files
+    assert files is not None
+    base = load_policy(trained.job.models.actor, trained.job.trainer.seed)
+    policy = PeftModel.from_pretrained(base, files.write(tmp_path / "adapter")).eval()
+    answers = vllm_greedy(trained.merged, PROMPTS, max_tokens=8)
+    assert answers == [greedy(policy, p, len(a)) for p, a in zip(PROMPTS, answers, strict=True)]
 
 
 def test_target_modules_the_model_lacks_fail_naming_those_it_has() -> None:
@@ -156,9 +247,9 @@ def test_target_modules_the_model_lacks_fail_naming_those_it_has() -> None:
 
 @pytest.fixture(scope="module")
 def engine(
-    trained: tuple[JobConfig, list[Trained]], tmp_path_factory: pytest.TempPathFactory
+    trained: TrainedLora, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RolloutEngine]:
-    job, _ = trained
+    job = trained.job
     assert job.models.actor.tiny is not None
     model_dir = write_tiny_model(job.models.actor.tiny, tmp_path_factory.mktemp("base"))
     engine = RolloutEngine(
@@ -189,12 +280,12 @@ def log_probs_of(model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
 
 
 def test_an_engine_given_the_adapter_serves_the_policy_that_trained(
-    trained: tuple[JobConfig, list[Trained]], engine: RolloutEngine, tmp_path: Path
+    trained: TrainedLora, engine: RolloutEngine, tmp_path: Path
 ) -> None:
     """Before the adapter the engine answers as the base; given it (as a sync gives it),
     greedy answers are the trained policy's, and the log-probs of what it samples are
     the policy's within fp32 rounding (and not the base's), labelled with its version."""
-    job, ranks = trained
+    job, ranks = trained.job, trained.ranks
     files = ranks[0].files
     assert files is not None
     base = load_policy(job.models.actor, job.trainer.seed).eval()
@@ -234,21 +325,40 @@ class LastProgress:
         return True
 
 
-def test_a_synchronous_lora_run_samples_with_the_adapter_it_trains(tmp_path: Path) -> None:
+def trained_values(step: StepResult) -> tuple[object, ...]:
+    return (step.step, step.reward_mean, step.kl, step.actor, step.responses)
+
+
+def test_a_synchronous_lora_run_samples_with_the_adapter_it_trains_and_resumes(
+    tmp_path: Path,
+) -> None:
     """The whole loop on Ray, colocated, 3 steps: no ref workers (the actor answers for
     the ref); step 1's policy is the base (B = 0), so its KL to the ref is 0, and the
-    later ones' is not; after every sync vLLM's log-probs are the actor's own."""
+    later ones' is not; after every sync vLLM's log-probs are the actor's own. Resumed
+    from its step-2 checkpoint (the adapter and its optimizer state, the base built
+    again), the run's step 3 trains the same values, and it exports the same policy."""
     from rlhf_trainer.cluster.local import local_ray_cluster
     from rlhf_trainer.loop.run import run_job
 
+    root, output = tmp_path / "checkpoints", tmp_path / "policy"
     spec = lora_job(gpus=1).model_dump(by_alias=True, exclude_none=True)
     spec["trainer"] |= {"totalSteps": 3, "batchSize": 16, "miniBatchSize": 16}
+    spec["trainer"]["checkpoint"] = {"path": str(root), "everySteps": 2}
+    spec["output"] = {"path": str(output), "dtype": "fp32"}
     config = JobConfig.model_validate(spec)
     steps: list[StepResult] = []
     reporter = LastProgress()
     with local_ray_cluster(config):
         run_job(config, "lora", reporter, on_step=steps.append)
     assert [s.step for s in steps] == [1, 2, 3]
+    first_export = output.rename(tmp_path / "first-policy")
+    shutil.rmtree(root / checkpoint.committed_name(3))
+    resumed: list[StepResult] = []
+    with local_ray_cluster(config):
+        run_job(config, "lora", LastProgress(), on_step=resumed.append)
+    assert [trained_values(s) for s in resumed] == [trained_values(steps[2])]
+    for name, weight in load_file(first_export / "model.safetensors").items():
+        assert torch.equal(load_file(output / "model.safetensors")[name], weight), name
     assert reporter.progress is not None and reporter.progress.policy_version == 3
     print("kl per step:", [s.kl for s in steps])
     print("max |log π_actor - log π_vllm| per step:", [s.rollout_log_prob_diff for s in steps])

@@ -22,6 +22,7 @@ EXPECTED = {
     "fully-async.yaml": (Mode.ASYNC, {"rollout": 8, "trainer": 8}),
     "grpo-split.yaml": (Mode.SPLIT, {"train": 8, "generate": 8}),
     "local-cpu.yaml": (Mode.SPLIT, {"policy": 1, "value": 1}),
+    "lora-grpo.yaml": (Mode.COLOCATED, {"all": 8}),
     "split-8gpu-4-4.yaml": (Mode.SPLIT, {"actor-rollout-ref": 4, "critic": 4}),
     "two-nodes-by-node-8-8.yaml": (Mode.SPLIT, {"policy": 8, "value": 8}),
     "two-nodes-per-node-4-4.yaml": (Mode.SPLIT, {"actor-rollout-ref": 8, "critic": 8}),

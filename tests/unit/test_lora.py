@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, get_args
 
 import pytest
+from pydantic import ValidationError
 
 from rlhf_operator.api.validation import parse_job
 from rlhf_trainer.__main__ import in_run_folder
-from rlhf_trainer.api.config import Role
-from rlhf_trainer.api.lora import VLLM_MAX_LORA_RANKS, check_lora_run, engine_max_lora_rank
+from rlhf_trainer.api.config import AsyncConfig, Role
+from rlhf_trainer.api.lora import VLLM_MAX_LORA_RANKS, engine_max_lora_rank
 from rlhf_trainer.api.plan import Phase, describe, plan_placement
-from rlhf_trainer.api.sections import OutputConfig
 from rlhf_trainer.telemetry.run_folder import RunFolder
 from tests.unit.celcheck import assert_refused, cel_errors
 
@@ -67,10 +67,6 @@ def _critic_lora(job: Job) -> None:
     job["spec"]["models"]["critic"] = {"tiny": {"hiddenSize": 128}, "lora": {"rank": 8}}
 
 
-def _checkpoint_path(job: Job) -> None:
-    job["spec"]["trainer"]["checkpoint"]["path"] = "/checkpoints/run"
-
-
 NOT_YET = "with models.actor.lora: not supported yet"
 ALLOWED = "one of 1, 8, 16, 32, 64, 128, 256, 320, 512"
 
@@ -91,12 +87,6 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      True),
     ("split", _second_pool, "spec.pools", f"more than one pool (split placement: every role on "
      f"one pool) {NOT_YET}", True),
-    ("export", _spec(output={"path": "/output/policy"}), "spec.output",
-     f"writing the policy to output (export) {NOT_YET}", True),
-    ("checkpoints", _checkpoint_path, "spec.trainer.checkpoint.path",
-     f"checkpoints (of the adapter) {NOT_YET}", True),
-    ("checkpoint-claim", _spec(checkpointClaim="team-checkpoints"), "spec.checkpointClaim",
-     f"checkpoints (of the adapter) {NOT_YET}", True),
     ("critic-lora", _critic_lora, "spec.models.critic.lora",
      "is not supported yet (the critic trains all its weights)", True),
 ]  # fmt: skip
@@ -144,21 +134,37 @@ def test_the_actor_answers_for_the_ref_when_the_ref_is_its_base(lora_job: Job) -
     assert Role.REF in plan.roles and plan.phase_role[Phase.REF_LOG_PROB] is Role.REF
 
 
-def test_a_local_lora_run_keeps_no_checkpoints_and_exports_nothing(
+def test_a_lora_job_keeps_checkpoints_and_writes_its_adapter_or_the_merged_model(
+    lora_job: Job,
+) -> None:
+    lora_job["spec"] |= {"checkpointClaim": "team-checkpoints",
+                         "output": {"path": "/checkpoints/policy", "lora": "adapter"}}  # fmt: skip
+    assert cel_errors(lora_job) == []
+    output = parse_job(lora_job).spec.output
+    assert output is not None and output.lora == "adapter"
+
+
+def test_an_adapter_export_without_lora_is_refused(lora_job: Job) -> None:
+    del lora_job["spec"]["models"]["actor"]["lora"]
+    lora_job["spec"] |= {"checkpointClaim": "team-checkpoints",
+                         "output": {"path": "/checkpoints/policy", "lora": "adapter"}}  # fmt: skip
+    assert_refused(lora_job, "spec.output.lora", "adapter needs models.actor.lora", True)
+
+
+def test_a_local_run_s_folder_is_added_to_a_config_that_is_validated_again(
     lora_job: Job, tmp_path: Path
 ) -> None:
-    """`rlhfjob train` adds its run folder's checkpoints and model/ after admission, with
-    no validation (model_copy): not for a LoRA'd actor; and a run handed a config so
-    made is refused at start, naming the fields."""
+    """`rlhfjob train` adds its run folder's checkpoints and model/ (a LoRA'd actor's
+    too) and validates the result, so a config changed by code cannot skip a rule."""
     config = parse_job(lora_job).spec.job_config()
-    assert in_run_folder(config, RunFolder(tmp_path / "run")) == config
-    check_lora_run(config)
-    trainer = config.trainer.model_copy(
-        update={"checkpoint": config.trainer.checkpoint.model_copy(update={"path": "/c"})}
-    )
-    made = config.model_copy(update={"trainer": trainer, "output": OutputConfig(path="/m")})
-    with pytest.raises(ValueError, match=r"trainer\.checkpoint\.path and output set, but"):
-        check_lora_run(made)
+    folder = RunFolder(tmp_path / "run")
+    run = in_run_folder(config, folder)
+    assert run.trainer.checkpoint.path == str(folder.checkpoints)
+    assert run.output is not None and run.output.path == str(folder.model.resolve())
+    assert run.models == config.models
+    fully_async = config.model_copy(update={"async_": AsyncConfig()})  # not validated
+    with pytest.raises(ValidationError, match="fully async training"):
+        in_run_folder(fully_async, folder)
 
 
 def test_without_a_ref_a_lora_job_has_no_ref_phase(lora_job: Job) -> None:

@@ -26,6 +26,7 @@ EXPECTED = {
     "fully-async.yaml": (NCCL, 9, (1, 2, 3, 4, 5, 6, 7, 8)),
     "grpo-split.yaml": (NCCL, 9, (1, 3, 5, 7)),  # 4 engines of TP 2
     "local-cpu.yaml": (IPC, 2, (1,)),  # on a GPU machine; HOST without CUDA
+    "lora-grpo.yaml": (IPC, 9, (1, 3, 5, 7)),  # planned; the adapter itself goes by Ray
     "split-8gpu-4-4.yaml": (IPC, 5, (1, 2, 3, 4)),
     "two-nodes-by-node-8-8.yaml": (IPC, 9, (1, 3, 5, 7)),
     "two-nodes-per-node-4-4.yaml": (IPC, 9, (1, 3, 5, 7)),

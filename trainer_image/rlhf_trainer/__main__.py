@@ -162,16 +162,14 @@ def port_problem(port: int, error: OSError) -> str:
 
 def in_run_folder(config: JobConfig, folder: RunFolder) -> JobConfig:
     """The checkpoints and the trained policy go into the run folder unless the spec
-    names their paths. With a LoRA'd actor neither is written: not supported yet (its
-    admission refused both), and the run says so when it starts."""
-    if config.models.actor.lora is not None:
-        return config
-    checkpoint = config.trainer.checkpoint
-    if checkpoint.path is None:
-        checkpoint = checkpoint.model_copy(update={"path": str(folder.checkpoints)})
-    trainer = config.trainer.model_copy(update={"checkpoint": checkpoint})
-    output = config.output or OutputConfig(path=str(folder.model.resolve()))
-    return config.model_copy(update={"trainer": trainer, "output": output})
+    names their paths. Validated again, as the spec was: every rule holds for the
+    config that runs."""
+    spec = config.model_dump(by_alias=True)
+    if spec["trainer"]["checkpoint"]["path"] is None:
+        spec["trainer"]["checkpoint"]["path"] = str(folder.checkpoints)
+    if spec["output"] is None:
+        spec["output"] = OutputConfig(path=str(folder.model.resolve())).model_dump(by_alias=True)
+    return JobConfig.model_validate(spec)
 
 
 def train_locally(
@@ -196,8 +194,6 @@ def train_locally(
     started = time.time()
     console = Console()
     console.print(f"run folder: {folder.path.resolve()}", soft_wrap=True)
-    if config.models.actor.lora is not None:
-        console.print("models.actor.lora: no checkpoints and no export yet (not supported)")
     total = config.trainer.total_steps
     progress = LiveProgress(console, total)
     reporter = SilentReporter() if progress.live else reporter_from_env()

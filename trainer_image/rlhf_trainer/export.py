@@ -14,7 +14,11 @@ job's config (`job.json`); one written before it was kept needs the job's spec g
 The directory is written as a job writes its output (roles.hf_export): beside the
 previous export, then renamed in place of it whole.
 
-    python -m rlhf_trainer.export CHECKPOINT DIR [--dtype bf16|fp32] [--spec JOBCONFIG.json]
+A LoRA'd actor's checkpoint holds its adapter: it is merged into the base model the
+spec names, or written alone in peft's format (--adapter).
+
+    python -m rlhf_trainer.export CHECKPOINT DIR [--dtype bf16|fp32] [--adapter]
+                                  [--spec JOBCONFIG.json]
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.sections import ModelSource
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.hf_export import (
     DEFAULT_DTYPE,
@@ -47,18 +50,25 @@ MODEL_KEY = "model."  # the role's state is {"model": …, "optimizer": …} (sa
 
 
 def export_checkpoint(
-    source: Path, target: Path, dtype: str = DEFAULT_DTYPE, config: JobConfig | None = None
+    source: Path,
+    target: Path,
+    dtype: str = DEFAULT_DTYPE,
+    config: JobConfig | None = None,
+    adapter: bool = False,
 ) -> Export:
     """Write the actor of the committed checkpoint `source` as a Hugging Face directory
     at `target`, replacing a previous export there whole. `config`: the job's config,
-    for a checkpoint that does not hold it."""
+    for a checkpoint that does not hold it. A LoRA'd actor's checkpoint holds its
+    adapter: merged into the base the spec names, or (`adapter`) written alone."""
     if dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     step = committed_step(source)
-    actor = actor_model(source, config)
+    job = job_config(source, config)
+    actor, seed = job.models.actor, job.trainer.seed
     check_target(target)  # an unwritable target fails before the long part
     weights = read_actor_weights(source / Role.ACTOR)
-    return write_policy(weights, actor, target, dtype, step, str(source / Role.ACTOR))
+    origin = str(source / Role.ACTOR)
+    return write_policy(weights, actor, target, dtype, step, origin, seed=seed, adapter=adapter)
 
 
 def committed_step(source: Path) -> int:
@@ -75,8 +85,8 @@ def committed_step(source: Path) -> int:
     return step
 
 
-def actor_model(source: Path, config: JobConfig | None) -> ModelSource:
-    """The job's actor model: from the given config, else the one the checkpoint holds."""
+def job_config(source: Path, config: JobConfig | None) -> JobConfig:
+    """The job's config: the given one, else the one the checkpoint holds."""
     if config is None:
         try:
             config = checkpoint.load_job_config(source)
@@ -89,7 +99,7 @@ def actor_model(source: Path, config: JobConfig | None) -> ModelSource:
             f"{source}: no {checkpoint.JOB_CONFIG_FILE} (written before checkpoints kept the "
             "job's config); give the job's spec (--spec) for its models.actor"
         )
-    return config.models.actor
+    return config
 
 
 def read_actor_weights(directory: Path) -> dict[str, Tensor]:
@@ -123,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path, metavar="DIR")
     parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
     parser.add_argument(
+        "--adapter", action="store_true", help="a LoRA'd actor's adapter alone, not merged"
+    )
+    parser.add_argument(
         "--spec", type=Path, help="the job's JobConfig JSON, for a checkpoint without job.json"
     )
     args = parser.parse_args(argv)
@@ -132,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.spec}: not a readable JobConfig: {error}", file=sys.stderr)
         return 2
     try:
-        done = export_checkpoint(args.checkpoint, args.directory, args.dtype, config)
+        done = export_checkpoint(args.checkpoint, args.directory, args.dtype, config, args.adapter)
     except ExportError as error:
         print(error, file=sys.stderr)
         return 1
-    print(f"{done.directory}: the policy of step {done.step} in {done.dtype}")
+    what = "the LoRA adapter" if done.adapter else "the policy"
+    print(f"{done.directory}: {what} of step {done.step} in {done.dtype}")
     return 0
 
 

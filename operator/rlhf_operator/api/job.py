@@ -337,12 +337,6 @@ class RLHFJobSpec(JobConfig):
             lambda s: f"got {s.trainer.checkpoint.path!r}",
         ),
         Rule(
-            "checkpointClaim",
-            "checkpoints (of the adapter) with models.actor.lora: not supported yet",
-            "!has(self.models.actor.lora) || !has(self.checkpointClaim)",
-            lambda s: s.models.actor.lora is None or s.checkpoint_claim is None,
-        ),
-        Rule(
             "restartPolicy.maxRestarts",
             "needs checkpointClaim when above 0: a new attempt resumes from the checkpoints "
             "on that volume, and without one it would start training over",

@@ -5,7 +5,7 @@ rlhfjob plan FILE...       print each job's placement plan
   --estimate [--profile P]   and its step time, pool busy shares and balanced split
 rlhfjob render FILE        print the objects the operator would create
 rlhfjob train FILE         run the job on this machine (a simulated Ray cluster)
-rlhfjob export CHECKPOINT DIR [--dtype bf16|fp32]
+rlhfjob export CHECKPOINT DIR [--dtype bf16|fp32] [--adapter]
                            write a checkpoint's policy as a Hugging Face directory
 rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
   --reference                the field reference page instead (docs/reference/rlhfjob.md)
@@ -130,12 +130,15 @@ def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
         return run_in_foreground(command)
 
 
-def export_checkpoint(checkpoint: Path, directory: Path, dtype: str, spec: Path | None) -> int:
+def export_checkpoint(
+    checkpoint: Path, directory: Path, dtype: str, spec: Path | None, adapter: bool = False
+) -> int:
     """Write a committed checkpoint's policy as a Hugging Face directory; needs the
     trainer stack, not Ray. Its own process, as `train`: the operator imports only the
-    trainer's API. `spec`: the job's manifest, for a checkpoint that does not keep it."""
+    trainer's API. `spec`: the job's manifest, for a checkpoint that does not keep it.
+    `adapter`: a LoRA'd actor's adapter alone, not merged into its base."""
     command = [sys.executable, "-m", "rlhf_trainer.export", str(checkpoint), str(directory)]
-    command += ["--dtype", dtype]
+    command += ["--dtype", dtype] + (["--adapter"] if adapter else [])
     if spec is None:
         return run_in_foreground(command)
     jobs, problems = read_jobs(spec)
@@ -215,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("directory", type=Path, metavar="DIR", help="replaced whole when done")
     export.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     export.add_argument(
+        "--adapter", action="store_true", help="a LoRA'd actor's adapter alone (peft), not merged"
+    )
+    export.add_argument(
         "--spec",
         type=Path,
         metavar="FILE",
@@ -238,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return train_locally(args.file, args.trace, args.run_dir)
     if args.command == "export":
-        return export_checkpoint(args.checkpoint, args.directory, args.dtype, args.spec)
+        return export_checkpoint(
+            args.checkpoint, args.directory, args.dtype, args.spec, args.adapter
+        )
     return validate_files(args.files)
 
 

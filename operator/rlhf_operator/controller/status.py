@@ -278,9 +278,10 @@ def _phase_message(
         )
     if phase is Phase.SUCCEEDED and training is not None and training.output is not None:
         output = training.output
+        what = "a LoRA adapter (peft)" if output.adapter else "a Hugging Face directory"
         return (
             f"the job is succeeded: the trained policy (step {output.step}) is at "
-            f"{output.path}, a Hugging Face directory in {output.dtype}"
+            f"{output.path}, {what} in {output.dtype}"
         )
     return f"the job is {phase.value.lower()}"
 

@@ -9,14 +9,11 @@ Importable without torch, peft or vLLM (the operator imports it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints
 
 from rlhf_trainer.api.rules import Rule, SpecModel
-
-if TYPE_CHECKING:
-    from rlhf_trainer.api.config import JobConfig
 
 # The values vLLM's engine accepts as `max_lora_rank` (vllm/config/lora.py, MaxLoRARanks
 # in vLLM 0.32); an adapter of any rank up to the value the engine was built with loads.
@@ -89,8 +86,8 @@ def _not_yet(field: str, message: str, cel: str, holds: Callable[[Any], bool]) -
 
 
 def lora_rules() -> tuple[Rule, ...]:
-    """JobConfig's rules for a LoRA'd actor: for now, synchronous and colocated, with no
-    checkpoints and no export."""
+    """JobConfig's rules for a LoRA'd actor: for now, synchronous and colocated, with a
+    critic that trains all its weights. And an adapter export needs an adapter."""
     return (
         Rule(
             "models.critic.lora",
@@ -107,37 +104,14 @@ def lora_rules() -> tuple[Rule, ...]:
             "size(self.pools) == 1",
             lambda c: len(c.pools) == 1,
         ),
-        _not_yet(
-            "output",
-            "writing the policy to output (export)",
-            "!has(self.output)",
-            lambda c: c.output is None,
-        ),
-        _not_yet(
-            "trainer.checkpoint.path",
-            "checkpoints (of the adapter)",
-            "!has(self.trainer.checkpoint) || !has(self.trainer.checkpoint.path)",
-            lambda c: c.trainer.checkpoint.path is None,
+        Rule(
+            "output.lora",
+            "adapter needs models.actor.lora (an actor that trains all its weights has no "
+            "adapter to write)",
+            "!has(self.output) || !has(self.output.lora) || self.output.lora != 'adapter' "
+            "|| has(self.models.actor.lora)",
+            lambda c: (
+                c.output is None or c.output.lora != "adapter" or c.models.actor.lora is not None
+            ),
         ),
     )
-
-
-def check_lora_run(config: JobConfig) -> None:
-    """At start, on the config a run is given: the rules above again, for a config made
-    by code after validation (`model_copy` does not validate), so that a LoRA'd run never
-    checkpoints or exports what it cannot yet."""
-    if config.models.actor.lora is None:
-        return
-    asked = [
-        field
-        for field, value in (
-            ("trainer.checkpoint.path", config.trainer.checkpoint.path),
-            ("output", config.output),
-        )
-        if value is not None
-    ]
-    if asked:
-        raise ValueError(
-            f"models.actor.lora: {' and '.join(asked)} set, but checkpoints and export of "
-            "a LoRA adapter are not supported yet"
-        )

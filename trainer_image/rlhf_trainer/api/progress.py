@@ -35,6 +35,9 @@ class OutputProgress(SpecModel):
     path: str = Field(description="The Hugging Face directory.")
     step: int = Field(ge=0, description="The step whose policy it holds.")
     dtype: str = Field(description="The weights' dtype.")
+    adapter: bool = Field(
+        False, description="Only the LoRA adapter (peft's format), served over the base model."
+    )
 
 
 class TrainingProgress(SpecModel):

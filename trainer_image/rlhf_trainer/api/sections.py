@@ -261,6 +261,15 @@ class OutputConfig(SpecModel):
         ),
     )
     dtype: Literal["bf16", "fp32"] = Field("bf16", description="The weights' dtype.")
+    lora: Literal["merged", "adapter"] = Field(
+        "merged",
+        description=(
+            "With models.actor.lora: merged writes the model with the adapter merged into "
+            "its weights (what any server loads); adapter writes the adapter alone in "
+            "peft's format (megabytes: `vllm serve BASE --enable-lora --lora-modules "
+            "NAME=DIR`). Needs models.actor.lora when adapter."
+        ),
+    )
 
 
 class TrainerConfig(SpecModel):

@@ -14,7 +14,6 @@ from typing import Any
 
 from rlhf_trainer.algo.diagnostics import EpisodeStats
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.lora import check_lora_run
 from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.api.progress import EvalProgress, OutputProgress, TrainingProgress
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
@@ -138,12 +137,12 @@ class Run:
         output = self.config.output
         assert output is not None
         started = time.time()
-        exports = join(
-            self.trainer.groups[Role.ACTOR].run("export", output.path, output.dtype, self.step)
-        )
+        adapter = output.lora == "adapter"
+        actor = self.trainer.groups[Role.ACTOR]
+        exports = join(actor.run("export", output.path, output.dtype, self.step, adapter))
         (done,) = [e for e in exports if e is not None]
         self.last_output = OutputProgress(
-            path=str(done.directory), step=done.step, dtype=done.dtype
+            path=str(done.directory), step=done.step, dtype=done.dtype, adapter=done.adapter
         )
         log.info("the policy of step %d is at %s (%s, written in %.1f s)", done.step,
                  done.directory, done.dtype, time.time() - started)  # fmt: skip
@@ -343,7 +342,6 @@ def open_run(
         if config.data.eval is not None
         else []
     )
-    check_lora_run(config)  # what LoRA does not support yet, on the config actually run
     if config.output is not None:  # an unwritable target fails now, not at the end
         check_target(Path(config.output.path))
     if config.multi_turn is not None:  # an environment out of reach fails now too

@@ -33,12 +33,17 @@ from typing import Any, TypedDict
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.progress import EvalProgress
+from rlhf_trainer.roles.sharding import without_frozen
 
 COMMITTED_PREFIX = "step-"
 STAGING_PREFIX = ".tmp-"  # + the committed name
@@ -151,14 +156,25 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-# Role state: a collective over the role's ranks.
+# Role state: a collective over the role's ranks. Only what trains is kept: a LoRA'd
+# model's frozen base is built again from the spec's model, so its checkpoint holds the
+# adapter and the optimizer's state (megabytes); a model that trains all its weights
+# has no frozen parameter, and keeps them all.
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+# On load the frozen parameters are missing from the state on purpose; DCP's load has
+# already failed on any trained one the checkpoint lacks.
+_INTO_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+    return {"model": without_frozen(model, model_state), "optimizer": optimizer_state}
 
 
 def save_role_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the model's and the optimizer's state, each rank its own shards, into
     `directory`. Every rank of the role calls it; it returns once all have written."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
+    dcp_save(_trained_state(model, optimizer), checkpoint_id=directory)
 
 
 def load_role_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -166,9 +182,15 @@ def load_role_state(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     place. The ranks' count may differ from the writers': DCP reshards on load."""
     # The current state gives DCP the shapes and the shards this rank wants; it loads
     # into those tensors in place, and set_state_dict puts them into model/optimizer.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp_load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    state = _trained_state(model, optimizer)
+    dcp_load(state, checkpoint_id=directory)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_INTO_TRAINED,
+    )
 
 
 # Driver state: small JSON files, written by the driver alone.

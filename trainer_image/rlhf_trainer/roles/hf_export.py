@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from torch import Tensor
 from transformers import (
     AutoConfig,
@@ -27,9 +28,11 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rlhf_trainer.api.sections import ModelSource
+from rlhf_trainer.api.sections import ModelSource, TrainedModel
 from rlhf_trainer.models import COMPUTE_DTYPE, load_tokenizer, model_config
 from rlhf_trainer.roles import checkpoint
+from rlhf_trainer.roles.lora import adapter_of, with_trained_adapter
+from rlhf_trainer.roles.trainable import load_policy
 
 DTYPES = tuple(COMPUTE_DTYPE)  # "fp32", "bf16"
 DEFAULT_DTYPE = "bf16"
@@ -48,30 +51,67 @@ class Export:
     directory: Path
     step: int
     dtype: str
+    adapter: bool = False  # the LoRA adapter alone (peft's format), not a whole model
 
 
 def write_policy(
     weights: dict[str, Tensor],
-    actor: ModelSource,
+    actor: TrainedModel,
     target: Path,
     dtype: str,
     step: int,
     origin: str,
+    *,
+    seed: int,
+    adapter: bool = False,
 ) -> Export:
     """Write `weights` (the whole actor, by their model names) as a Hugging Face
     directory at `target`, replacing a previous export there whole. `origin` names where
-    the weights came from, in errors."""
+    the weights came from, in errors.
+
+    With `actor.lora`, `weights` are the adapter's alone (what trains): the base is
+    built again from the spec's model (a tiny one from `seed`) and the adapter merged
+    into it, or, `adapter`, written alone in peft's format for `vllm serve BASE
+    --enable-lora` (no base, no tokenizer: the base's are those)."""
     if dtype not in COMPUTE_DTYPE:
         raise ExportError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if adapter and actor.lora is None:
+        raise ExportError(f"{origin}: only a LoRA'd actor (models.actor.lora) has an adapter")
     staging = start_export(target)
     try:
-        model = policy_with_weights(actor, weights, origin)
-        write_hf_directory(model, actor, COMPUTE_DTYPE[dtype], staging)
+        if actor.lora is None:
+            write_hf_directory(
+                policy_with_weights(actor, weights, origin), actor, COMPUTE_DTYPE[dtype], staging
+            )
+        else:
+            lora_policy = adapted_policy(actor, weights, origin, seed, base=not adapter)
+            if adapter:
+                adapter_of(lora_policy, weights, COMPUTE_DTYPE[dtype]).write(staging)
+            else:
+                merged = lora_policy.merge_and_unload()
+                write_hf_directory(merged, actor, COMPUTE_DTYPE[dtype], staging)
         finish_export(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Export(target, step, dtype)
+    return Export(target, step, dtype, adapter)
+
+
+def adapted_policy(
+    actor: TrainedModel, adapter: dict[str, Tensor], origin: str, seed: int, base: bool
+) -> PeftModel:
+    """The LoRA'd actor holding `adapter`, on the spec's base model (`base`), or on its
+    architecture alone (the meta device: enough to write the adapter itself)."""
+    assert actor.lora is not None
+    if base:
+        model = load_policy(actor, seed)
+    else:
+        with torch.device("meta"):
+            model = load_policy(actor, seed, weights=False)
+    try:
+        return with_trained_adapter(model, actor.lora, adapter, origin)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
 
 
 def check_target(target: Path) -> None:

@@ -16,11 +16,10 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from rlhf_trainer.api.lora import LoraConfig
-from rlhf_trainer.roles.sharding import decoder_layers
+from rlhf_trainer.roles.sharding import decoder_layers, trained_weights
 from rlhf_trainer.rollout.weight_sync import AdapterFiles
 
 
@@ -68,11 +67,18 @@ def adapter_files(model: nn.Module, dtype: torch.dtype, rank: int) -> AdapterFil
     """The adapter of a (sharded) PeftModel in peft's format, its tensors gathered whole
     and cast to `dtype` (the engines'): on rank 0; the others get None. A collective of
     the model's ranks (each adapter tensor is gathered)."""
-    trained = {name: _whole(p).to(dtype) for name, p in model.named_parameters() if p.requires_grad}
+    trained = trained_weights(model)
     if rank != 0:
         return None
     assert isinstance(model, PeftModel), type(model)
-    state = get_peft_model_state_dict(model, state_dict=trained, save_embedding_layers=False)
+    return adapter_of(model, trained, dtype)
+
+
+def adapter_of(model: PeftModel, trained: dict[str, Tensor], dtype: torch.dtype) -> AdapterFiles:
+    """The adapter `trained` (its tensors by their names in `model`) in peft's format,
+    in `dtype`: what vLLM's `add_lora` and peft's `PeftModel.from_pretrained` load."""
+    cast = {name: tensor.to(dtype) for name, tensor in trained.items()}
+    state = get_peft_model_state_dict(model, state_dict=cast, save_embedding_layers=False)
     config = model.peft_config["default"].to_dict()
     return AdapterFiles(
         config_json=json.dumps(config, default=sorted, sort_keys=True).encode(),  # sets: lists
@@ -80,7 +86,19 @@ def adapter_files(model: nn.Module, dtype: torch.dtype, rank: int) -> AdapterFil
     )
 
 
-def _whole(parameter: Tensor) -> Tensor:
-    """A parameter's full value on the CPU, from its shard (a collective for a DTensor)."""
-    value = parameter.detach()
-    return (value.full_tensor() if isinstance(value, DTensor) else value).cpu().clone()
+def with_trained_adapter(
+    base: PreTrainedModel, lora: LoraConfig, trained: dict[str, Tensor], origin: str
+) -> PeftModel:
+    """`base` with the adapter `trained` (its tensors by their names in the LoRA'd model,
+    as a checkpoint or the actor's gather holds them). `origin` names where they came
+    from, in the error when they are not that adapter's whole."""
+    model = with_adapter(base, lora)
+    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(expected - trained.keys()), sorted(trained.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{origin}: not the adapter of models.actor.lora (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]})"
+        )
+    model.load_state_dict(trained, strict=False, assign=base.device.type == "meta")
+    return model

@@ -43,7 +43,7 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import COMPUTE_DTYPE, position_ids
 from rlhf_trainer.roles.hf_export import Export, write_policy
 from rlhf_trainer.roles.lora import adapted, adapter_files
-from rlhf_trainer.roles.sharding import full_state_dict
+from rlhf_trainer.roles.sharding import full_state_dict, trained_weights
 from rlhf_trainer.roles.trainable import (
     Stats,
     Trainable,
@@ -213,15 +213,17 @@ class Actor(Trainable):
         if files is not None:
             self.engines.wait(self.engines.submit("load_adapter", files, version))
 
-    def export(self, directory: str, dtype: str, step: int) -> Export | None:
+    def export(self, directory: str, dtype: str, step: int, adapter: bool = False) -> Export | None:
         """Write the policy as a Hugging Face directory at `directory` (roles.hf_export):
-        every rank's shards are gathered to rank 0, which writes them. A collective of
-        the actor's ranks; rank 0 returns the export, the others None."""
-        weights = full_state_dict(self.model)
+        every rank's shards of what trains (LoRA: the adapter) are gathered to rank 0,
+        which writes them. A collective of the actor's ranks; rank 0 returns the export,
+        the others None. `adapter`: a LoRA'd actor's adapter alone."""
+        weights = full_state_dict(self.model) if self.lora is None else trained_weights(self.model)
         if self.info.rank != 0:
             return None
         origin = f"actor rank 0 on pool {self.info.pool}"
-        return write_policy(weights, self.config.models.actor, Path(directory), dtype, step, origin)
+        return write_policy(weights, self.config.models.actor, Path(directory), dtype, step,
+                            origin, seed=self.config.trainer.seed, adapter=adapter)  # fmt: skip
 
     def close(self) -> None:
         if self.transfer is not None:

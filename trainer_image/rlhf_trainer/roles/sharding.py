@@ -12,6 +12,8 @@ role calls them, in the same order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -105,6 +107,28 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
         tensor = _as_tensor(value)
         snapshot[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in live else tensor
     return snapshot
+
+
+def trained_weights(model: nn.Module) -> dict[str, Tensor]:
+    """The weights that train (a LoRA'd model's adapter; every weight of one trained
+    whole), unsharded, on the CPU, by their names, on every rank. A collective: each
+    sharded one is gathered."""
+    return {name: _whole(p) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def without_frozen(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A model state dict without its frozen parameters, under every name they have:
+    torch's `ignore_frozen_params` keeps a tied one's second name (a LoRA'd model's LM
+    head, tied to its frozen embedding)."""
+    named = model.named_parameters(remove_duplicate=False)
+    frozen = {name for name, parameter in named if not parameter.requires_grad}
+    return {name: value for name, value in state.items() if name not in frozen}
+
+
+def _whole(parameter: Tensor) -> Tensor:
+    """A parameter's full value on the CPU, from its shard (a collective for a DTensor)."""
+    value = parameter.detach()
+    return (value.full_tensor() if isinstance(value, DTensor) else value).cpu().clone()
 
 
 def clip_gradients(model: nn.Module, max_norm: float) -> float:

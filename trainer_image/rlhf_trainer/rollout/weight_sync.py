@@ -183,8 +183,8 @@ class AdapterFiles:
         return len(self.config_json) + len(self.weights)
 
     def write(self, directory: Path) -> Path:
-        """The two files in `directory` (made, and new: vLLM reads it whole)."""
-        directory.mkdir(parents=True)
+        """The two files in `directory` (made if need be); returns it."""
+        directory.mkdir(parents=True, exist_ok=True)
         (directory / CONFIG_FILE).write_bytes(self.config_json)
         (directory / WEIGHTS_FILE).write_bytes(self.weights)
         return directory
