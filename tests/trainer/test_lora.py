@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,7 +45,7 @@ from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.rollout.weight_sync import CONFIG_FILE, WEIGHTS_FILE, AdapterFiles
 from rlhf_trainer.worker import RankInfo, split_batch
 from tests.exports import vllm_greedy
-from tests.specs import local_job
+from tests.specs import local_async_job, local_job
 from tests.trainer.distributed import run_ranks
 from tests.trainer.test_roles import ROWS, experience
 
@@ -309,6 +310,31 @@ def test_an_engine_given_the_adapter_serves_the_policy_that_trained(
     print("max |log π_policy - log π_vllm|:", float((served - as_policy).abs().max()))
     assert (served - as_policy).abs().max() < LOG_PROB_TOLERANCE
     assert (served - as_base_model).abs().max() > 100 * LOG_PROB_TOLERANCE
+
+
+def test_a_request_paused_across_an_adapter_load_finishes_on_the_new_one(
+    trained: TrainedLora, engine: RolloutEngine
+) -> None:
+    """Partial rollout with LoRA: a request that began on one adapter, paused while the
+    next loads (which removes the first's files), finishes on the new one. vLLM must not
+    load the adapter its request named again: it used to, for every batch, and died on
+    the missing files. Then shut down, the engine leaves no adapter files in /dev/shm.
+    (After the engine test above, which starts from the base.)"""
+    files = trained.ranks[0].files
+    assert files is not None
+    engine.load_adapter(files, version=30)
+    started = threading.Event()
+    running = engine.spawn(
+        engine.generate(
+            "across", PROMPTS[0], max_tokens=48, seed=4, on_tokens=lambda _: started.set()
+        )
+    )
+    assert started.wait(timeout=120)
+    engine.call(engine.pause())
+    engine.load_adapter(files, version=31)  # paused: it stays paused
+    engine.call(engine.resume())
+    rollout = running.result(timeout=120)
+    assert [version for version, _ in rollout.version_spans] == [30, 31]
     served_from = engine._adapter_dir
     assert served_from is not None and served_from.is_dir()
     engine.shutdown()  # the fixture's shutdown again does nothing
@@ -329,12 +355,13 @@ def trained_values(step: StepResult) -> tuple[object, ...]:
     return (step.step, step.reward_mean, step.kl, step.actor, step.responses)
 
 
-def test_a_synchronous_lora_run_samples_with_the_adapter_it_trains_and_resumes(
+def test_a_split_lora_run_samples_with_the_adapter_it_trains_and_resumes(
     tmp_path: Path,
 ) -> None:
-    """The whole loop on Ray, colocated, 3 steps: no ref workers (the actor answers for
-    the ref); step 1's policy is the base (B = 0), so its KL to the ref is 0, and the
-    later ones' is not; after every sync vLLM's log-probs are the actor's own. Resumed
+    """The whole loop on Ray, 3 steps, the rollout on a pool of its own (split): no ref
+    workers (the actor answers for the ref); step 1's policy is the base (B = 0), so its
+    KL to the ref is 0, and the later ones' is not; after every sync vLLM's log-probs are
+    the actor's own. Resumed
     from its step-2 checkpoint (the adapter and its optimizer state, the base built
     again), the run's step 3 trains the same values, and it exports the same policy."""
     from rlhf_trainer.cluster.local import local_ray_cluster
@@ -342,6 +369,8 @@ def test_a_synchronous_lora_run_samples_with_the_adapter_it_trains_and_resumes(
 
     root, output = tmp_path / "checkpoints", tmp_path / "policy"
     spec = lora_job(gpus=1).model_dump(by_alias=True, exclude_none=True)
+    spec["pools"].append({"name": "generate", "replicas": 1, "gpusPerNode": 1})
+    spec["roles"]["rollout"] = "generate"
     spec["trainer"] |= {"totalSteps": 3, "batchSize": 16, "miniBatchSize": 16}
     spec["trainer"]["checkpoint"] = {"path": str(root), "everySteps": 2}
     spec["output"] = {"path": str(output), "dtype": "fp32"}
@@ -365,3 +394,24 @@ def test_a_synchronous_lora_run_samples_with_the_adapter_it_trains_and_resumes(
     print("sync seconds per step:", [s.phase_seconds.get("sync_weights") for s in steps])
     assert steps[0].kl == pytest.approx(0, abs=1e-6) and steps[-1].kl > 1e-3
     assert max(s.rollout_log_prob_diff for s in steps) < LOG_PROB_TOLERANCE
+
+
+def test_a_fully_async_lora_run_keeps_generating_across_adapter_loads(tmp_path: Path) -> None:
+    """Fully async, the rollout on a pool of its own, staleness 1, partial rollout:
+    every step trains, step 1 on the base (its KL 0, vLLM's log-probs the actor's), and
+    samples that began before an adapter loaded train after it."""
+    from rlhf_trainer.cluster.local import local_ray_cluster
+    from rlhf_trainer.loop.run import run_job
+
+    job = local_async_job(staleness=1, total_steps=4, checkpoint_dir=tmp_path, every_steps=100)
+    spec = job.model_dump(by_alias=True, exclude_none=True)
+    spec["models"]["actor"]["lora"] = {"rank": RANK, "alpha": ALPHA, "targetModules": TARGETS}
+    spec["trainer"]["actorLearningRate"] = LEARNING_RATE
+    config = JobConfig.model_validate(spec)
+    steps: list[StepResult] = []
+    with local_ray_cluster(config):
+        run_job(config, "lora-async", LastProgress(), on_step=steps.append)
+    assert [s.step for s in steps] == [1, 2, 3, 4]
+    assert steps[0].kl == pytest.approx(0, abs=1e-6) and steps[0].rollout_log_prob_diff < 1e-4
+    lags = [lag for s in steps for lag in s.staleness]
+    assert max(lags) == 1, lags  # samples that began before a load trained after it

@@ -1,15 +1,14 @@
 """LoRA RL in the spec: `models.actor.lora`, and what a job with it may ask for.
 
 The actor trains a low-rank adapter (peft) on its frozen base; the rollout engines load
-the base once and take each new adapter through vLLM's LoRA support. What this first
-step does not do yet is refused here, at admission, naming the field: never ignored.
+the base once and take each new adapter through vLLM's LoRA support. What it does not
+do yet is refused here, at admission, naming the field: never ignored.
 Importable without torch, peft or vLLM (the operator imports it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
@@ -75,34 +74,15 @@ def engine_max_lora_rank(rank: int) -> int:
     )
 
 
-def _not_yet(field: str, message: str, cel: str, holds: Callable[[Any], bool]) -> Rule:
-    """A rule refusing, with a LoRA'd actor, what LoRA RL does not support yet."""
-    return Rule(
-        field,
-        f"{message} with models.actor.lora: not supported yet",
-        f"!has(self.models.actor.lora) || ({cel})",
-        lambda c: c.models.actor.lora is None or holds(c),
-    )
-
-
 def lora_rules() -> tuple[Rule, ...]:
-    """JobConfig's rules for a LoRA'd actor: for now, synchronous and colocated, with a
-    critic that trains all its weights. And an adapter export needs an adapter."""
+    """JobConfig's rules for a LoRA'd actor: for now, a critic trains all its weights.
+    And an adapter export needs an adapter."""
     return (
         Rule(
             "models.critic.lora",
             "is not supported yet (the critic trains all its weights)",
             "!has(self.models.critic) || !has(self.models.critic.lora)",
             lambda c: c.models.critic is None or c.models.critic.lora is None,
-        ),
-        _not_yet(
-            "async", "fully async training (async)", "!has(self.async)", lambda c: c.async_ is None
-        ),
-        _not_yet(
-            "pools",
-            "more than one pool (split placement: every role on one pool)",
-            "size(self.pools) == 1",
-            lambda c: len(c.pools) == 1,
         ),
         Rule(
             "output.lora",

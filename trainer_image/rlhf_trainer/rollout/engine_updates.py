@@ -149,13 +149,18 @@ class WeightUpdates:
 
         where = SHARED_MEMORY if SHARED_MEMORY.is_dir() else None  # else the tmp dir
         directory = files.write(Path(tempfile.mkdtemp(prefix="rlhf-adapter-", dir=where)) / "v")
-        request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory), load_inplace=True)
+        # load_inplace replaces the adapter served under the one id. The requests must
+        # not carry it: vLLM's worker reloads a load_inplace adapter from its files for
+        # every batch that holds such a request (LRUCacheWorkerLoRAManager.add_adapter),
+        # and a request still running from before (partial rollout) names files gone.
+        replace = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory), load_inplace=True)
+        request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(directory))
 
         async def load(llm: Any) -> None:
             paused_here = not await utility(llm, llm.is_paused())
             if paused_here:
                 await self._pause(llm)
-            if not await utility(llm, llm.add_lora(request)):
+            if not await utility(llm, llm.add_lora(replace)):
                 raise RuntimeError(f"vLLM did not load the adapter of version {version}")
             self.lora_request = request
             await self._serve_as(llm, version)
