@@ -35,6 +35,7 @@ from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.models import token_log_probs, write_tiny_model
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import capture_rng
+from rlhf_trainer.roles.critic import Critic
 from rlhf_trainer.roles.hf_export import Export
 from rlhf_trainer.roles.lora import adapter_files, linear_names, with_adapter
 from rlhf_trainer.roles.policy import Actor, sequence_log_probs
@@ -230,6 +231,62 @@ def test_vllm_serves_the_merged_export_as_the_actor_answers(
     policy = PeftModel.from_pretrained(base, files.write(tmp_path / "adapter")).eval()
     answers = vllm_greedy(trained.merged, PROMPTS, max_tokens=8)
     assert answers == [greedy(policy, p, len(a)) for p, a in zip(PROMPTS, answers, strict=True)]
+
+
+@dataclass
+class TrainedCritic:
+    before: dict[str, torch.Tensor]  # every weight, before its update
+    after: dict[str, torch.Tensor]  # and after
+    optimized: int  # elements the optimizer holds
+    values: torch.Tensor  # (B, T) its values after the update
+    reloaded: torch.Tensor  # those of a fresh critic that loaded its checkpoint
+
+
+def train_lora_critic(rank: int, job: JobConfig, saved: Path) -> TrainedCritic:
+    """Two updates of a fresh critic with an adapter (the first reaches only the head,
+    which starts at zero), its checkpoint, and a fresh critic loading that checkpoint,
+    on this rank's shard."""
+    world = torch.distributed.get_world_size()
+    info = RankInfo(Role.CRITIC, "policy", rank, world)
+    critic = Critic(info, job)
+    batch = split_batch(experience(), world)[rank]
+    before = full_state_dict(critic.model)
+    for step in (1, 2):
+        critic.update(replace(batch, values=critic.values(batch)), step=step)
+    critic.save(str(saved))
+    fresh = Critic(info, job)
+    fresh.load(str(saved))
+    return TrainedCritic(
+        before=before,
+        after=full_state_dict(critic.model),
+        optimized=sum(p.numel() for g in critic.optimizer.param_groups for p in g["params"]),
+        values=critic.values(batch),
+        reloaded=fresh.values(batch),
+    )
+
+
+def test_a_lora_critic_trains_its_adapter_and_value_head_and_keeps_only_them(
+    tmp_path: Path,
+) -> None:
+    """`models.critic.lora`: the backbone frozen under an adapter, the value head whole.
+    Only those train, the optimizer and the checkpoint hold only those, and a critic
+    that loads the checkpoint gives the same values."""
+    spec = lora_job(gpus=2).model_dump(by_alias=True, exclude_none=True)
+    spec["models"]["critic"] = {"tiny": spec["models"]["actor"]["tiny"],
+                                "lora": {"rank": RANK, "alpha": ALPHA, "targetModules": TARGETS}}  # fmt: skip
+    job = JobConfig.model_validate(spec)
+    first, _ = run_ranks(train_lora_critic, 2, job, tmp_path / "critic")
+    trained = {n for n in first.before if "lora_" in n or n.startswith("value_head.")}
+    changed = {n for n in first.before if not torch.equal(first.before[n], first.after[n])}
+    assert "value_head.bias" in changed and any("lora_B" in n for n in changed)
+    assert changed <= trained, changed - trained
+    assert first.optimized == sum(first.before[n].numel() for n in trained)
+    metadata = FileSystemReader(tmp_path / "critic").read_metadata()
+    held = {
+        n.removeprefix("model.") for n in metadata.state_dict_metadata if n.startswith("model.")
+    }
+    assert held == trained
+    assert torch.equal(first.reloaded, first.values)
 
 
 def test_target_modules_the_model_lacks_fail_naming_those_it_has() -> None:

@@ -51,10 +51,6 @@ def _lora(**fields: Any) -> Callable[[Job], None]:
     return apply
 
 
-def _critic_lora(job: Job) -> None:
-    job["spec"]["models"]["critic"] = {"tiny": {"hiddenSize": 128}, "lora": {"rank": 8}}
-
-
 ALLOWED = "one of 1, 8, 16, 32, 64, 128, 256, 320, 512"
 
 # (case, mutation, field named, words the message says, whether CEL refuses it too)
@@ -70,8 +66,6 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
     ("target-not-a-name", _lora(targetModules=["layers.0.q_proj"]),
      "spec.models.actor.lora.targetModules[0]", "should match pattern", False),
     ("unknown-field", _lora(rnak=8), "spec.models.actor.lora.rnak", "unknown field", False),
-    ("critic-lora", _critic_lora, "spec.models.critic.lora",
-     "is not supported yet (the critic trains all its weights)", True),
 ]  # fmt: skip
 
 
@@ -125,6 +119,13 @@ def test_a_lora_job_keeps_checkpoints_and_writes_its_adapter_or_the_merged_model
     assert cel_errors(lora_job) == []
     output = parse_job(lora_job).spec.output
     assert output is not None and output.lora == "adapter"
+
+
+def test_the_critic_may_train_an_adapter_of_its_own(lora_job: Job) -> None:
+    lora_job["spec"]["models"]["critic"] = {"tiny": {"hiddenSize": 128}, "lora": {"rank": 8}}
+    assert cel_errors(lora_job) == []
+    critic = parse_job(lora_job).spec.models.critic
+    assert critic is not None and critic.lora is not None and critic.lora.rank == 8
 
 
 def test_an_adapter_export_without_lora_is_refused(lora_job: Job) -> None:

@@ -1,8 +1,8 @@
 """LoRA RL in the spec: `models.actor.lora`, and what a job with it may ask for.
 
 The actor trains a low-rank adapter (peft) on its frozen base; the rollout engines load
-the base once and take each new adapter through vLLM's LoRA support. What it does not
-do yet is refused here, at admission, naming the field: never ignored.
+the base once and take each new adapter through vLLM's LoRA support. A critic may train
+an adapter too (`models.critic.lora`), its value head whole.
 Importable without torch, peft or vLLM (the operator imports it).
 """
 
@@ -75,15 +75,8 @@ def engine_max_lora_rank(rank: int) -> int:
 
 
 def lora_rules() -> tuple[Rule, ...]:
-    """JobConfig's rules for a LoRA'd actor: for now, a critic trains all its weights.
-    And an adapter export needs an adapter."""
+    """JobConfig's rules for LoRA: an adapter export needs an adapter."""
     return (
-        Rule(
-            "models.critic.lora",
-            "is not supported yet (the critic trains all its weights)",
-            "!has(self.models.critic) || !has(self.models.critic.lora)",
-            lambda c: c.models.critic is None or c.models.critic.lora is None,
-        ),
         Rule(
             "output.lora",
             "adapter needs models.actor.lora (an actor that trains all its weights has no "

@@ -68,7 +68,8 @@ class TrainedModel(ModelSource):
         None,
         description=(
             "Train a LoRA adapter on this model, frozen, instead of all its weights; unset: "
-            "full fine-tuning. The actor only, synchronous and on one pool for now."
+            "full fine-tuning. On the critic (models.critic, set to give it its own), the "
+            "value head trains whole."
         ),
     )
 

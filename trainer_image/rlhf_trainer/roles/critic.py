@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -10,6 +11,8 @@ from torch import Tensor
 from rlhf_trainer.algo.experience import Experience, Sequences, state_values
 from rlhf_trainer.algo.ppo import aggregate, clipped_value_loss, masked_mean
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.models import ValueModel
+from rlhf_trainer.roles.lora import adapted_backbone
 from rlhf_trainer.roles.trainable import (
     Stats,
     Trainable,
@@ -25,11 +28,15 @@ class Critic(Trainable):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info, config)
         source = config.models.critic or config.models.actor
-        self.model = prepare_trainable(
-            partial(load_value_model, source, config.trainer.seed), config, info.device
-        )
+        load: Callable[[bool], ValueModel]
+        load = partial(load_value_model, source, config.trainer.seed)
+        lora = config.models.critic.lora if config.models.critic else None
+        if lora is not None:  # the backbone frozen under an adapter; the value head whole
+            load = adapted_backbone(load, lora)
+        self.model = prepare_trainable(load, config, info.device)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.trainer.critic_learning_rate
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=config.trainer.critic_learning_rate,
         )
 
     def predict(self, batch: Sequences) -> Tensor:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from rlhf_trainer.api.lora import LoraConfig
+from rlhf_trainer.models import ValueModel
 from rlhf_trainer.roles.sharding import decoder_layers, trained_weights
 from rlhf_trainer.rollout.weight_sync import AdapterFiles
 
@@ -35,15 +36,15 @@ def linear_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def with_adapter(model: PreTrainedModel, lora: LoraConfig) -> PeftModel:
+def with_adapter(model: PreTrainedModel, lora: LoraConfig, role: str = "actor") -> PeftModel:
     """`model` frozen, with a fresh LoRA adapter on its `lora.target_modules` (B = 0: the
-    policy starts as the base). A name the model has no linear layer of fails, naming
-    those it has."""
+    model starts as the base). A name the model has no linear layer of fails, naming
+    those it has (and `models.<role>.lora`)."""
     existing = linear_names(model)
     missing = [name for name in lora.target_modules if name not in existing]
     if missing:
         raise ValueError(
-            f"models.actor.lora.targetModules: {type(model).__name__} has no linear layer "
+            f"models.{role}.lora.targetModules: {type(model).__name__} has no linear layer "
             f"named {', '.join(missing)} in its decoder layers; it has {', '.join(existing)}"
         )
     config = PeftLoraConfig(
@@ -61,6 +62,20 @@ def adapted(
 ) -> Callable[[bool], nn.Module]:
     """`load` (see `trainable.prepare_trainable`) with the adapter added to what it builds."""
     return lambda weights: with_adapter(load(weights), lora)
+
+
+def adapted_backbone(
+    load: Callable[[bool], ValueModel], lora: LoraConfig
+) -> Callable[[bool], ValueModel]:
+    """`load` (a critic's) with the adapter on its backbone; the value head, new, trains
+    whole."""
+
+    def build(weights: bool) -> ValueModel:
+        model = load(weights)
+        model.backbone = with_adapter(model.backbone, lora, role="critic")
+        return model
+
+    return build
 
 
 def adapter_files(model: nn.Module, dtype: torch.dtype, rank: int) -> AdapterFiles | None:
