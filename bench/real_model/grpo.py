@@ -8,9 +8,14 @@ addends). The held-out questions are answered greedily before training, every
 EVAL_EVERY steps and at the end: the report is their accuracy (pass@1) then, with
 the steps and the seconds it took.
 
+With a LoRA rank as the third argument, the actor trains a LoRA adapter of that rank
+on all seven linear layers of each decoder layer (alpha = 2 x rank) instead of all its
+weights; the ref is then its base, with the adapter off.
+
 Not a bench of the harness's kind (one run, no variants to interleave): a learning
 check as far as 2 cores allow. Run: `.venv/bin/python -m bench.real_model.grpo`
-(after `make real-model`). Arguments, optional: steps (30), actor learning rate (1e-5).
+(after `make real-model`). Arguments, optional: steps (30), actor learning rate (1e-5),
+LoRA rank (none: full fine-tuning).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from tests.real_model import real_model_job, sums_dataset
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 LEARNING_RATE = float(sys.argv[2]) if len(sys.argv) > 2 else 1e-5
+LORA_RANK = int(sys.argv[3]) if len(sys.argv) > 3 else None
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRAIN_QUESTIONS, HELD_OUT = 64, 24
 PROMPTS, ANSWERS = 8, 4  # a step: 8 questions, 4 answers each
 EVAL_EVERY = 10
@@ -52,6 +59,9 @@ def job(tmp: Path) -> JobConfig:
         microBatchSize=8,
         actorLearningRate=LEARNING_RATE,
     )
+    if LORA_RANK is not None:
+        lora = {"rank": LORA_RANK, "alpha": 2 * LORA_RANK, "targetModules": LINEAR}
+        spec["models"]["actor"]["lora"] = lora
     return JobConfig.model_validate(spec)
 
 
@@ -67,6 +77,7 @@ def main() -> None:
         "bench": "real_model_grpo",
         "steps": STEPS,
         "actor_learning_rate": LEARNING_RATE,
+        "lora_rank": LORA_RANK,
         "held_out_questions": HELD_OUT,
         "wall_s": round(time.time() - started, 1),
         "step_s": round(sum(s.seconds for s in steps[1:]) / max(1, len(steps) - 1), 2),
