@@ -119,6 +119,11 @@ def test_example_runs_each_pool_on_its_own_node_group(
     cp, manifest = controlplane, load(example)
     name, spec = manifest["metadata"]["name"], manifest["spec"]
     pools = {p["name"]: p for p in spec["pools"]}
+    if "checkpointClaim" in spec:  # bound first: the test cluster provisions no volumes
+        claim = bound_claim(
+            namespace, spec["checkpointClaim"], f"/tmp/{namespace}-ckpt", "ReadWriteMany"
+        )
+        cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(claim))
     cp.kubectl("apply", "-n", namespace, "-f", str(example))
 
     rayjob = eventually(lambda: get(cp, "rayjob", name, namespace), f"RayJob {name}")

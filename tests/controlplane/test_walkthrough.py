@@ -216,7 +216,7 @@ def test_the_trained_policy_is_on_the_claim_where_the_status_and_the_event_say(
     """The job wrote its policy at its end, from the actor's rank in its worker pod, to
     spec.output on the claim: the last checkpoint's actor weights, in bf16."""
     total = EXAMPLE["spec"]["trainer"]["totalSteps"]
-    output = {"path": "/checkpoints/model", "step": total, "dtype": "bf16"}
+    output = {"path": "/checkpoints/model", "step": total, "dtype": "bf16", "adapter": False}
     assert run.status["training"].get("output") == output, run.status["training"]
     succeeded = [e["message"] for e in run.events if e["reason"] == "Succeeded"]
     assert succeeded == [
