@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -16,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlhf_env.__main__ import main
-from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
+from rlhf_env.client import KEEPALIVE_SECONDS, EnvironmentCallFailed, EnvironmentClient
 from rlhf_env.process import EnvironmentDidNotStart, served_locally
 from rlhf_env.protocol import FunctionCall, Message, Start, Step, Tool, ToolCall, describe
 from rlhf_env.server import app_for
@@ -426,6 +427,46 @@ def test_a_call_past_its_deadline_and_a_server_that_is_not_there(server: str) ->
     assert str(refused).startswith(
         "environment start at http://127.0.0.1:9/nowhere/sessions failed: ConnectError"
     )
+
+
+@asynccontextmanager
+async def closing_idle_connections() -> AsyncIterator[tuple[str, list[int]]]:
+    """A server that answers a connection's first health check and closes the connection
+    at its next request unanswered, as a server does when its keep-alive ends just as a
+    request arrives. Yields its URL and the number of requests of each connection."""
+    served: list[int] = []
+    health = b'{"status": "ok", "environment": "idle", "sessions": 0}'
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+    answer += str(len(health)).encode() + b"\r\n\r\n" + health
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(0)
+        while await reader.readuntil(b"\r\n\r\n"):
+            served[-1] += 1
+            if served[-1] > 1:
+                break
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(connection, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", served
+
+
+def test_a_connection_left_idle_is_not_reused_after_the_server_may_have_closed_it() -> None:
+    """A call after an idle gap (the episodes of the next step, after a training step) is
+    sent on a new connection: one racing the server's keep-alive would be lost."""
+
+    async def scenario() -> list[int]:
+        async with closing_idle_connections() as (url, served):
+            async with EnvironmentClient(url, timeout=5) as env:
+                await env.health()
+                await asyncio.sleep(KEEPALIVE_SECONDS * 1.5)
+                await env.health()
+            return served
+
+    assert run(scenario) == [1, 1]
 
 
 # --- the command line ---

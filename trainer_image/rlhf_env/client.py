@@ -34,6 +34,12 @@ from rlhf_env.protocol import (
 
 Answer = TypeVar("Answer", bound=BaseModel)
 
+# An idle connection is reused only this long: well inside a server's own keep-alive
+# (uvicorn 5 s, gunicorn 2 s). A request sent as the server closes an idle connection is
+# lost (httpx.ReadError; measured against uvicorn after 4.997-4.999 s idle), and the
+# server's loop closes it later the busier it is.
+KEEPALIVE_SECONDS = 1.0
+
 
 class EnvironmentCallFailed(Exception):
     """A call to an environment server that got no valid answer. `unreachable`: the
@@ -65,7 +71,12 @@ class EnvironmentClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         # httpx's own timeouts are per read or write; the deadline is ours (asyncio.timeout).
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=None, headers=headers)
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=None,
+            headers=headers,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS),
+        )
 
     async def start(self, row: dict[str, Any], *, timeout: float | None = None) -> Started:
         body = StartRequest(row=row).model_dump(mode="json")

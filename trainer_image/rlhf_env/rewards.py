@@ -27,6 +27,7 @@ import httpx
 from fastapi import FastAPI, HTTPException
 from pydantic import Field, ValidationError
 
+from rlhf_env.client import KEEPALIVE_SECONDS
 from rlhf_env.protocol import ProtocolModel, describe
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class RewardClient:
             for start in range(0, len(samples), self.batch_size)
         ]
         slots = asyncio.Semaphore(self.concurrency)  # of this call's loop
-        async with httpx.AsyncClient(timeout=None) as http:
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS)  # retries come after idle
+        async with httpx.AsyncClient(timeout=None, limits=limits) as http:
             scored = await asyncio.gather(
                 *(self._score_batch(http, slots, b) for b in batches), return_exceptions=partial
             )
