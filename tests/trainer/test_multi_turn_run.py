@@ -116,7 +116,8 @@ def test_every_step_trains_whole_episodes_with_the_engines_log_probs(trained: Tr
     assert [s.step for s in trained.steps] == list(range(1, STEPS + 1))
     for step in trained.steps:
         assert step.episodes is not None
-        assert (step.episodes.turns_mean, step.episodes.cut_ratio) == (CHATTER_TURNS, 0.0)
+        cuts = [e.cut for e in step.episodes.episodes if e.cut]  # named, should one be cut
+        assert (step.episodes.turns_mean, step.episodes.cut_ratio, cuts) == (CHATTER_TURNS, 0.0, [])
         assert step.rollout_log_prob_diff < LOG_PROB_TOLERANCE, step
         assert step.critic is not None  # PPO with its critic, over the masked tokens
         # Only the sampled tokens count: at most maxResponseLength per turn.
