@@ -82,11 +82,16 @@ class OperatorProcess:
     def metric(self, name: str, **labels: str) -> float:
         """The value of the sample `name` with exactly these labels, e.g. a histogram's
         _count (0 if it has none yet)."""
-        for family in text_string_to_metric_families(self._get("/metrics")[1]):
-            for sample in family.samples:
-                if sample.name == name and sample.labels == labels:
-                    return float(sample.value)
-        return 0.0
+        return next((value for found, value in self.metrics(name) if found == labels), 0.0)
+
+    def metrics(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """Every sample `name`, with its labels."""
+        return [
+            (sample.labels, float(sample.value))
+            for family in text_string_to_metric_families(self._get("/metrics")[1])
+            for sample in family.samples
+            if sample.name == name
+        ]
 
     def kill(self) -> None:
         """SIGKILL: no chance to finish what it was doing."""

@@ -83,6 +83,10 @@ class ObjectCache:
             else:
                 names[meta["name"]] = stored
 
+    def forget(self, kind: str, namespace: str, name: str) -> None:
+        with self._lock:
+            self._objects[kind].get(namespace, {}).pop(name, None)
+
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         with self._lock:
             found = self._objects[kind].get(namespace, {}).get(name)
@@ -121,7 +125,15 @@ class CachedKube(Kube):
         return found
 
     def read(self, kind: str, namespace: str, name: str) -> Obj | None:
-        return super().get(kind, namespace, name)
+        """From the API server; what it says is stored, a deletion too (the watch may
+        tell later: the reconciles between would each ask again)."""
+        found = super().get(kind, namespace, name)
+        if kind in self.cache.kinds:
+            if found is None:
+                self.cache.forget(kind, namespace, name)
+            else:
+                self.cache.observe(kind, None, found)
+        return found
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
         if kind not in self.cache.kinds:

@@ -78,6 +78,10 @@ class Reconciled:
     requeue_after: float | None = None  # seconds: nothing else will bring the job back
 
 
+class JobGone(Exception):
+    """The job was deleted while its reconcile ran (its children are being collected)."""
+
+
 class ChildConflict(RuntimeError):
     """A child's name is taken by an object this job does not own."""
 
@@ -129,9 +133,7 @@ class Reconciler:
                      resize.resizes)  # fmt: skip
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=rayjob["metadata"]["uid"])
         elif restart is not None and restart.action is Action.NONE:
-            if rayjob is None and self.kube.read("RLHFJob", namespace, name) is None:
-                # Deleted, and the garbage collector took its RayJob before the watch told
-                # the cache the job went: create nothing for it.
+            if rayjob is None and self._gone(ref):
                 return Reconciled(None)
             children = render_children(ref, spec, self.network)
             # Before anything is created: a KubeRay that would drop fields (or cannot
@@ -141,7 +143,10 @@ class Reconciler:
                 new = blocked_status(old, generation, KUBERAY_INCOMPATIBLE, blocked, now)
                 self._write_status(job, old, new)
                 return Reconciled(new, requeue_after=RECHECK_SECONDS)
-            rayjob, live = self._ensure_children(ref, spec, children, rayjob)
+            try:
+                rayjob, live = self._ensure_children(ref, spec, children, rayjob)
+            except JobGone:
+                return Reconciled(None)
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
             workload = self._sync_workload(spec, rayjob)
@@ -226,6 +231,8 @@ class Reconciler:
             return created
         existing = self.kube.get(kind, ref.namespace, name)
         if existing is None:
+            if self._gone(ref):
+                raise JobGone(ref.name)
             return self.kube.create(desired)
         self._check_owner(ref, existing)
         owned = OWNED_FIELDS.get(kind, ())
@@ -233,6 +240,15 @@ class Reconciler:
         if drift:
             return self.kube.patch(kind, ref.namespace, name, drift)
         return existing
+
+    def _gone(self, ref: JobRef) -> bool:
+        """Whether the job was deleted, asked of the API server before a child is made:
+        the garbage collector takes a deleted job's children before the watch may have
+        told the cache that the job went, and a child made for it again would only be
+        collected again (a RayJob: a whole Ray cluster started)."""
+        live = self.kube.read("RLHFJob", ref.namespace, ref.name)
+        meta = (live or {}).get("metadata", {})
+        return meta.get("uid") != ref.uid or "deletionTimestamp" in meta
 
     def _check_owner(self, ref: JobRef, obj: Obj) -> None:
         owners = obj["metadata"].get("ownerReferences") or []
