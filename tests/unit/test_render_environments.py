@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from rlhf_operator.api.validation import parse_job
-from rlhf_operator.controller.reconcile import OWNED_FIELDS, drifted
+from rlhf_operator.controller.drift import OWNED_FIELDS, drifted
 from rlhf_operator.render.children import JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess
 from rlhf_operator.render.pod import container_security, pod_security

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rlhf_operator.controller.reconcile import _replica_ops
+from rlhf_operator.controller.drift import replica_ops
 from rlhf_operator.controller.workqueue import WorkQueue
 
 
@@ -62,9 +62,9 @@ def test_replica_ops_set_each_changed_group_by_name() -> None:
     live = [{"groupName": "a", "replicas": 1, "minReplicas": 1, "maxReplicas": 1},
             {"groupName": "b", "replicas": 2, "minReplicas": 2}]  # fmt: skip
     wanted = [{"groupName": "b", "replicas": 3}, {"groupName": "a", "replicas": 1}]
-    assert _replica_ops(live, wanted, at="/spec") == [
+    assert replica_ops(live, wanted, at="/spec") == [
         {"op": "add", "path": "/spec/workerGroupSpecs/1/replicas", "value": 3},
         {"op": "add", "path": "/spec/workerGroupSpecs/1/minReplicas", "value": 3},
         {"op": "add", "path": "/spec/workerGroupSpecs/1/maxReplicas", "value": 3},
     ]
-    assert _replica_ops(live[:1], wanted, at="/spec") == []
+    assert replica_ops(live[:1], wanted, at="/spec") == []

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
 from rlhf_operator.api.job import Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.api.validation import InvalidJob, parse_spec
+from rlhf_operator.controller.drift import OWNED_FIELDS, drifted, replica_ops
 from rlhf_operator.controller.events import EventRecorder
 from rlhf_operator.controller.kube import JSON_PATCH, Kube, Obj
 from rlhf_operator.controller.kuberay import RECHECK_SECONDS, KubeRayCheck
@@ -47,19 +47,6 @@ from rlhf_trainer.api.progress import PoolResize
 
 log = logging.getLogger(__name__)
 
-# The fields of each child that follow the spec after creation (the rest is fixed at
-# creation, like the job's own immutable fields). A field drifts only where the rendered
-# value is not already in the live one (`drifted`): the API server fills in defaults
-# (a Deployment's strategy and probe timings, a Service's clusterIP and ipFamilies), and
-# a merge patch of the rendered value leaves those as they are, so they are no drift.
-OWNED_FIELDS = {
-    "ConfigMap": ("data",),
-    "Role": ("rules",),
-    "RoleBinding": ("subjects",),
-    "NetworkPolicy": ("spec",),
-    "Deployment": ("spec",),  # an environment's: its pods as rendered, and replicas
-    "Service": ("spec",),  # its selector and port; clusterIP (immutable) is never patched
-}
 WARNING_PHASES = (Phase.FAILED,)
 DRIVER_RESTARTED = "DriverRestarted"  # the Warning of a Ray head lost inside an attempt
 CHILD_REQUESTS = 8  # requests for jobs' children in flight at once, over all reconciles
@@ -271,7 +258,7 @@ class Reconciler:
             for group in desired["spec"]["rayClusterSpec"]["workerGroupSpecs"]
             if group["groupName"] in spec.elastic_pools  # the others: a new attempt
         ]
-        ops += _replica_ops(live_groups, wanted_groups, at="/spec/rayClusterSpec")
+        ops += replica_ops(live_groups, wanted_groups, at="/spec/rayClusterSpec")
         if ops:
             log.info("updating RayJob %s/%s: %s", ref.namespace, ref.rayjob, ops)
             rayjob = self.kube.patch("RayJob", ref.namespace, ref.rayjob, ops, JSON_PATCH)
@@ -321,7 +308,7 @@ class Reconciler:
         cluster = self.kube.get("RayCluster", ref.namespace, name)
         if cluster is None:
             return
-        ops = _replica_ops(cluster["spec"]["workerGroupSpecs"], wanted_groups, at="/spec")
+        ops = replica_ops(cluster["spec"]["workerGroupSpecs"], wanted_groups, at="/spec")
         if ops:
             self.kube.patch(
                 "RayCluster", ref.namespace, cluster["metadata"]["name"], ops, JSON_PATCH
@@ -361,22 +348,6 @@ def _driver_restart_message(old: RLHFJobStatus, new: RLHFJobStatus) -> str:
     )
 
 
-def _replica_ops(live: list[Obj], wanted: list[Obj], at: str) -> list[dict[str, Any]]:
-    """JSON-patch ops that give each live worker group its wanted replica count; `at` is
-    the path of the object holding workerGroupSpecs."""
-    wanted_replicas = {g["groupName"]: g["replicas"] for g in wanted}
-    ops = []
-    for index, group in enumerate(live):
-        replicas = wanted_replicas.get(group["groupName"])
-        if replicas is None:
-            continue
-        for field in ("replicas", "minReplicas", "maxReplicas"):
-            if group.get(field) != replicas:
-                path = f"{at}/workerGroupSpecs/{index}/{field}"
-                ops.append({"op": "add", "path": path, "value": replicas})  # add = set
-    return ops
-
-
 def _without_training(status: RLHFJobStatus) -> Obj:
     data = status.to_dict()
     data.pop("training", None)
@@ -402,26 +373,3 @@ def _phase_message(status: RLHFJobStatus) -> str:
 def _invalid_message(status: RLHFJobStatus) -> str | None:
     invalid = next((c for c in status.conditions if c.type == "Invalid"), None)
     return invalid.message if invalid and invalid.status == "True" else None
-
-
-def drifted(live: Any, rendered: Any) -> bool:
-    """Whether a JSON merge patch of `rendered` would change `live`: a key of a map that
-    is missing or differs, a list of another length or with a differing item (a merge
-    patch replaces lists whole, so the items are compared the same way). Keys only the
-    live object has are the API server's defaults. An empty list or map is what the
-    server stores as absent (egress: [] of a policy that allows none)."""
-    if isinstance(rendered, dict):
-        if live is None and not rendered:
-            return False
-        return not isinstance(live, dict) or any(
-            drifted(live.get(key), value) for key, value in rendered.items()
-        )
-    if isinstance(rendered, list):
-        if live is None and not rendered:
-            return False
-        return (
-            not isinstance(live, list)
-            or len(live) != len(rendered)
-            or any(drifted(a, b) for a, b in zip(live, rendered, strict=True))
-        )
-    return bool(live != rendered)
