@@ -90,6 +90,12 @@ class Reconciler:
     def reconcile(self, namespace: str, name: str) -> Reconciled:
         """Bring one job to its desired state; returns its new status, and when to look
         again if no event will say (a failed attempt's backoff)."""
+        try:
+            return self._reconcile(namespace, name)
+        except JobGone:
+            return Reconciled(None)
+
+    def _reconcile(self, namespace: str, name: str) -> Reconciled:
         job = self.kube.get("RLHFJob", namespace, name)
         if job is None or job["metadata"].get("deletionTimestamp"):
             return Reconciled(None)  # the garbage collector removes the children
@@ -121,7 +127,7 @@ class Reconciler:
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=rayjob["metadata"]["uid"])
         elif restart is not None and restart.action is Action.NONE:
             if rayjob is None and self._gone(ref):
-                return Reconciled(None)
+                raise JobGone(name)
             children = render_children(ref, spec, self.network)
             # Before anything is created: a KubeRay that would drop fields (or cannot
             # probe the pods) would leave the job waiting for ever.
@@ -130,10 +136,7 @@ class Reconciler:
                 new = blocked_status(old, generation, KUBERAY_INCOMPATIBLE, blocked, now)
                 self._write_status(job, old, new)
                 return Reconciled(new, requeue_after=RECHECK_SECONDS)
-            try:
-                rayjob, live = self._ensure_children(ref, spec, children, rayjob)
-            except JobGone:
-                return Reconciled(None)
+            rayjob, live = self._ensure_children(ref, spec, children, rayjob)
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
             workload = self._sync_workload(spec, rayjob)
