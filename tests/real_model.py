@@ -40,10 +40,14 @@ def real_model_dir() -> Path:
     return Path(os.environ.get("RLHF_REAL_MODEL", default))
 
 
+def addends(count: int, first: int = 0) -> list[tuple[int, int]]:
+    """The two addends of sums first … first + count - 1 (each number its own pair)."""
+    return [(i % 7 + 1, i // 7 + 2) for i in range(first, first + count)]
+
+
 def sums(count: int, first: int = 0) -> list[tuple[str, int]]:
     """(question, answer) of sums first … first + count - 1."""
-    addends = ((i % 7 + 1, i // 7 + 2) for i in range(first, first + count))
-    return [(f"What is {a} + {b}? Answer with a number.", a + b) for a, b in addends]
+    return [(f"What is {a} + {b}? Answer with a number.", a + b) for a, b in addends(count, first)]
 
 
 def sums_dataset(path: Path, count: int, first: int = 0) -> Path:

@@ -1,0 +1,241 @@
+"""The real instruct model with a calculator tool, judged on sums it never trains on.
+
+SmolLM2-135M-Instruct (tests/real_model.py) plays rlhf_env.toys:Calculator episodes:
+the question asks for the sum of two numbers and offers the `calculate` tool; the
+episode ends at the first turn without a tool call, scored 1 when that turn is the sum
+alone. At most 3 turns (maxTurns 3), each of up to 48 tokens. The Calculator is served
+by its class (environments[].serve): the local run starts it in a process of its own.
+GRPO (4 episodes of each of 4 questions a step, no critic), klCoef 0.01, every role on
+one simulated GPU, fp32. The training and held-out questions are disjoint (the addends
+of tests.real_model.sums_dataset's sums).
+
+The chat template is ours, not the model's: SmolLM2's own (chat_template.jinja beside
+its weights) ignores `tools` and renders neither tool calls nor tool messages, so the
+model would never see the tool. The run uses a copy of the model directory (weights
+symlinked, the cached model untouched) whose template is ChatML in the Hermes/Qwen2.5
+style: the tools listed in the system message inside <tools></tools>, a call written
+as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (what vLLM's "hermes" tool
+parser reads), tool results as a user turn of <tool_response></tool_response> blocks.
+The model was never trained on this format: whether it calls the tool at all is the
+first thing measured.
+
+Reported, before and after training, on the held-out questions answered greedily (the
+job's evaluation, which plays them as episodes): accuracy (the environment's score,
+pass@1) and the tool-call rate (episodes with at least one tool call / episodes); the
+evaluation reports scores only, so the bench counts the calls from the evaluated
+episodes (see `counting_tool_calls`). And the training reward and tool-call rate over
+the first and last steps.
+
+Run: `.venv/bin/python -m bench.real_model.calculator [steps] [lr]` (after `make
+real-model`). Arguments, optional: steps (10), actor learning rate (1e-5).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from rlhf_trainer.algo.experience import Episode, Rollout
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.cluster.local import local_environments, local_ray_cluster
+from rlhf_trainer.loop import evaluation
+from rlhf_trainer.loop.run import run_job
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.report import ConsoleReporter
+from tests.real_model import addends, real_model_dir, real_model_job
+
+TRAIN_QUESTIONS, HELD_OUT = 32, 16
+PROMPTS, ANSWERS = 4, 4  # a step: 4 questions, 4 episodes each
+FIRST_LAST = 2  # steps averaged at each end of the run
+SHOWN = 4  # held-out episodes shown as text, each evaluation
+
+# ChatML as SmolLM2's own template writes it (its default system message included),
+# with tools, tool calls and tool results as Qwen2.5's template writes them. A message
+# renders the same whatever follows it (ChatRenderer appends tool results as tokens);
+# a run of tool messages shares one user turn, as in Qwen2.5.
+TOOL_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}
+{%- else %}{% set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' %}
+{%- endif %}
+{{- '<|im_start|>system\\n' + system }}
+{%- if tools %}
+{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.'
+    '\\n\\nYou are provided with function signatures within <tools></tools> XML tags:'
+    '\\n<tools>' }}
+{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and'
+    ' arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name":'
+    ' <function-name>, "arguments": <args-json-object>}\\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{ '\\n' + message.content }}{% endif %}
+{%- for call in message.tool_calls %}
+{%- if call.function is defined %}{% set call = call.function %}{% endif %}
+{{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+{%- if call.arguments is string %}{{ call.arguments }}
+{%- else %}{{ call.arguments | tojson }}{% endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}
+"""
+
+
+def tool_model(directory: Path) -> Path:
+    """A copy of the real model's directory under `directory`, weights and tokenizer
+    symlinked, with TOOL_TEMPLATE as its chat template."""
+    model = directory / "SmolLM2-135M-Instruct-tools"
+    model.mkdir()
+    for file in real_model_dir().iterdir():
+        if file.name != "chat_template.jinja":
+            (model / file.name).symlink_to(file)
+    (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    return model
+
+
+def calculator_rows(path: Path, count: int, first: int = 0) -> Path:
+    """Rows of the Calculator environment, `{"numbers": [a, b]}`, with the addends of
+    tests.real_model.sums (so two ranges share no question). The `prompt` column is
+    only what the data loader requires; the environment writes the question."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"{a} + {b}", "numbers": [a, b]} for a, b in addends(count, first)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def job(tmp: Path, steps: int, learning_rate: float) -> JobConfig:
+    train = calculator_rows(tmp / "train.parquet", TRAIN_QUESTIONS)
+    held_out = calculator_rows(tmp / "held-out.parquet", HELD_OUT, first=TRAIN_QUESTIONS)
+    base = real_model_job(
+        train, tmp / "checkpoints", total_steps=steps, batch=PROMPTS, max_response_length=48
+    )
+    spec = base.to_dict()
+    spec["roles"].pop("critic")
+    spec["models"] = {"actor": {"path": str(tool_model(tmp))}, "reward": {"environment": True}}
+    spec["environments"] = [{"name": "calculator", "serve": "rlhf_env.toys:Calculator"}]
+    spec["algorithm"] = {"advantageEstimator": "grpo", "klCoef": 0.01}
+    spec["generation"].update(
+        samplesPerPrompt=ANSWERS,
+        # The prompt (tools listed in the system message) is ~250 tokens; room for 3 turns.
+        multiTurn={
+            "environment": "calculator",
+            "toolParser": "hermes",
+            "maxTurns": 3,
+            "maxTokens": 512,
+        },
+    )
+    spec["data"]["eval"] = str(held_out)
+    spec["trainer"].update(
+        evalEverySteps=None,  # before training and after the last step only
+        miniBatchSize=PROMPTS * ANSWERS,
+        microBatchSize=8,
+        actorLearningRate=learning_rate,
+    )
+    return JobConfig.model_validate(spec)
+
+
+def tool_call_rate(episodes: Sequence[Episode | None]) -> float:
+    """The share of episodes with at least one tool call."""
+    played = [e for e in episodes if e is not None]
+    return sum(e.tool_calls > 0 for e in played) / max(1, len(played))
+
+
+@contextmanager
+def counting_tool_calls(rates: dict[int, float]) -> Iterator[None]:
+    """Records each held-out evaluation's tool-call rate by step, and shows its first
+    SHOWN episodes' text on stderr: the evaluation's report (EvalProgress) has scores
+    only, so its episodes are read on their way in."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir())
+    report: Callable[..., Any] = evaluation.evaluation_of
+
+    def counted(step: int, rollouts: list[Rollout], *args: Any) -> Any:
+        rates[step] = tool_call_rate([r.episode for r in rollouts])
+        for rollout in rollouts[:SHOWN]:
+            text = tokenizer.decode(rollout.response_token_ids)
+            print(f"  held-out, step {step}: {text!r}", file=sys.stderr, flush=True)
+        return report(step, rollouts, *args)
+
+    with mock.patch.object(evaluation, "evaluation_of", counted):
+        yield
+
+
+def train_tool_call_rate(step: StepResult) -> float:
+    return tool_call_rate(step.episodes.episodes if step.episodes else ())
+
+
+def show(step: StepResult) -> None:
+    """A line per step on stderr, to watch the run."""
+    rate = train_tool_call_rate(step)
+    line = f"  step {step.step}: reward {step.reward_mean:.3f}, tool-call rate {rate:.3f}"
+    print(f"{line}, {step.seconds:.1f} s", file=sys.stderr, flush=True)
+
+
+def ends(steps: list[StepResult], value: Callable[[StepResult], float]) -> tuple[float, float]:
+    """The mean of `value` over the first and the last FIRST_LAST steps."""
+    first, last = steps[:FIRST_LAST], steps[-FIRST_LAST:]
+    return (
+        round(sum(map(value, first)) / len(first), 3),
+        round(sum(map(value, last)) / len(last), 3),
+    )
+
+
+def main() -> None:
+    total = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    learning_rate = float(sys.argv[2]) if len(sys.argv) > 2 else 1e-5
+    steps: list[StepResult] = []
+    held_out_calls: dict[int, float] = {}
+    started = time.time()
+
+    def on_step(step: StepResult) -> None:
+        steps.append(step)
+        show(step)
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        counting_tool_calls(held_out_calls),
+        local_environments(job(Path(tmp), total, learning_rate)) as config,
+        local_ray_cluster(config),
+    ):
+        run_job(config, "calculator", ConsoleReporter(every=1e9), on_step=on_step)
+    evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
+    record = {
+        "bench": "real_model_calculator",
+        "steps": total,
+        "actor_learning_rate": learning_rate,
+        "held_out_questions": HELD_OUT,
+        "wall_s": round(time.time() - started, 1),
+        "step_s": round(sum(s.seconds for s in steps) / max(1, len(steps)), 1),
+        "held_out_accuracy": {e.step: round(e.pass_at_1, 3) for e in evaluations},
+        "held_out_tool_call_rate": {k: round(v, 3) for k, v in sorted(held_out_calls.items())},
+        "held_out_length": {e.step: round(e.response_length_mean, 1) for e in evaluations},
+        f"train_reward_first_last_{FIRST_LAST}": ends(steps, lambda s: s.reward_mean),
+        f"train_tool_call_rate_first_last_{FIRST_LAST}": ends(steps, train_tool_call_rate),
+    }
+    print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
