@@ -8,7 +8,8 @@ Hugging Face directory. Two modes then continue from that directory (`models.act
 the ref and the critic's backbone start from it too), for the same steps:
     full-pretrained   all weights, as sync-colocated (learning rate 1e-3)
     lora-pretrained   a LoRA adapter as run.py's lora mode (rank 16, alpha 32, all seven
-                      linear layers, learning rate 1e-2); the ref is the frozen base
+                      linear layers, learning rate 1e-2); the ref is the frozen base.
+                      From this base 1e-2 first unlearns; 1e-3 learns a little (README)
 
 Every mode runs once per seed (0, 1, 2 by default), the modes interleaved within a seed,
 measured and reported as run.py's modes: the held-out reward at the start, at the end
