@@ -13,6 +13,7 @@ reward is their mean reward, and pass@4 the share of prompts copied exactly at l
 
 Every mode runs once per seed (trainer.seed 0, 1, 2 by default), the modes interleaved
 within a seed. Reported per mode, as median (min-max) over the seeds:
+    start_held_out   the held-out reward before the first step
     final_held_out   the held-out reward after the last step
     best_held_out    the highest held-out reward of the run
     samples_per_s    training throughput over the steps after the first
@@ -113,8 +114,8 @@ class Curve:
 CURVES: dict[str, list[Curve]] = {mode: [] for mode in MODES}
 
 
-def job(build: Build, seed: int, checkpoints: Path) -> JobConfig:
-    base = build(total_steps=STEPS, checkpoint_dir=checkpoints, every_steps=1_000_000)
+def job(build: Build, seed: int, checkpoints: Path, steps: int = STEPS) -> JobConfig:
+    base = build(total_steps=steps, checkpoint_dir=checkpoints, every_steps=1_000_000)
     spec = base.to_dict()
     spec["trainer"].update(seed=seed, evalEverySteps=EVAL_EVERY)
     spec["data"]["eval"] = "toy:copy:heldout"
@@ -122,14 +123,21 @@ def job(build: Build, seed: int, checkpoints: Path) -> JobConfig:
     return JobConfig.model_validate(spec)
 
 
-def train(mode: str) -> Measurement:
-    """The mode's next seed: its held-out curve (kept for the chart) and figures."""
-    seed = len(CURVES[mode])
-    steps: list[StepResult] = []
+def train(build: Build, curves: list[Curve], mode: str) -> Measurement:
+    """The mode's next seed (`curves` holds its runs so far): its held-out curve (kept
+    for the chart) and figures."""
+    seed = len(curves)
     with tempfile.TemporaryDirectory() as tmp:
-        config = job(MODES[mode], seed, Path(tmp))
-        with local_ray_cluster(config):
-            run_job(config, "bench", ConsoleReporter(every=1e9), on_step=steps.append)
+        curve, measured = measure(job(build, seed, Path(tmp)), f"{mode} seed {seed}")
+    curves.append(curve)
+    return measured
+
+
+def measure(config: JobConfig, label: str) -> tuple[Curve, Measurement]:
+    """Run the job: its held-out curve and figures, printed on stderr as `label`."""
+    steps: list[StepResult] = []
+    with local_ray_cluster(config):
+        run_job(config, "bench", ConsoleReporter(every=1e9), on_step=steps.append)
     elapsed = [0.0]
     for step in steps:
         elapsed.append(elapsed[-1] + step.seconds)
@@ -139,9 +147,9 @@ def train(mode: str) -> Measurement:
         seconds=[elapsed[e.step] for e in evaluations],
         reward=[e.reward_mean for e in evaluations],
     )
-    CURVES[mode].append(curve)
     timed = steps[1:]  # after the engine's warm-up
     measured = {
+        "start_held_out": curve.reward[0],
         "final_held_out": curve.reward[-1],
         "best_held_out": max(curve.reward),
         "final_pass_at_4": evaluations[-1].pass_at_k or 0.0,
@@ -151,11 +159,11 @@ def train(mode: str) -> Measurement:
     figures = ", ".join(f"{k} {v:.4g}" for k, v in measured.items())
     reached = curve.reached(TARGET)
     print(
-        f"[{mode} seed {seed}] {figures}, held-out {curve.reward}, to {TARGET}: {reached:.1f} s",
+        f"[{label}] {figures}, held-out {curve.reward}, to {TARGET}: {reached:.1f} s",
         file=sys.stderr,
         flush=True,
     )
-    return measured
+    return curve, measured
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:
@@ -184,7 +192,7 @@ def to_target_table() -> list[str]:
 
 
 def main() -> None:
-    variants = {mode: partial(train, mode) for mode in MODES}
+    variants = {mode: partial(train, MODES[mode], CURVES[mode], mode) for mode in MODES}
     run_bench(
         "learning", variants, SEEDS, compare, steps=STEPS, eval_every=EVAL_EVERY, target=TARGET
     )

@@ -16,9 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from rlhf_operator.app import cli
 from rlhf_trainer import export
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.sections import ModelSource
 from rlhf_trainer.export import ExportError, export_checkpoint
-from rlhf_trainer.models import build_tiny_model, build_tokenizer
+from rlhf_trainer.models import build_tiny_model, build_tokenizer, load_tokenizer
 from rlhf_trainer.roles import checkpoint, hf_export
+from rlhf_trainer.roles.trainable import load_policy
 from tests.specs import local_job
 
 WEIGHTS = "model.safetensors"
@@ -79,6 +81,24 @@ def test_the_export_holds_the_checkpoints_weights_tied_as_from_pretrained_expect
     tokenizer = AutoTokenizer.from_pretrained(done.directory)
     assert tokenizer("c a f e =").input_ids == build_tokenizer(64)("c a f e =").input_ids
     assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob(".old-*"))
+
+
+def test_an_exported_tiny_policy_loads_back_as_a_models_path_with_its_tokenizer(
+    saved: tuple[Path, PreTrainedModel], tmp_path: Path
+) -> None:
+    """A job continuing from it (models.actor.path) decodes as the tiny model did: the
+    toy rewards read space-separated letters."""
+    source, policy = saved
+    done = export_checkpoint(source, tmp_path / "hf", dtype="fp32")
+    base = ModelSource(path=str(done.directory))
+    tokenizer, tiny = load_tokenizer(base), build_tokenizer(64)
+    ids = [*tiny("c a f e =").input_ids, tiny.eos_token_id]
+    assert tokenizer("c a f e =").input_ids == ids[:-1]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "c a f e ="
+    assert tokenizer.decode(ids) == tiny.decode(ids)
+    assert (tokenizer.padding_side, tokenizer.pad_token_id) == ("left", tiny.pad_token_id)
+    loaded = load_policy(base, seed=0).state_dict()
+    assert all(torch.equal(t, loaded[name]) for name, t in policy.state_dict().items())
 
 
 def test_bf16_is_the_default_and_every_tensor_is_bf16(

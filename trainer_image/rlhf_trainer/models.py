@@ -11,6 +11,7 @@ filler tokens), so every id the model can sample decodes to something.
 
 from __future__ import annotations
 
+import json
 import string
 import tempfile
 from pathlib import Path
@@ -75,8 +76,22 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """A model's tokenizer: built in code for a tiny model, else from its path."""
     if source.tiny is not None:
         return build_tokenizer(source.tiny.vocab_size)
+    assert source.path is not None  # the spec's rules: exactly one of path or tiny
+    if is_word_level(source.path):
+        # A tiny model's directory (an export of one): for a qwen2 model, AutoTokenizer
+        # ignores the tokenizer's class and rebuilds it as Qwen2Tokenizer, byte-level,
+        # whose decoder drops the spaces ("a b c" decodes as "abc": the toy rewards
+        # score 0). Loaded as written, it is the tiny tokenizer.
+        return PreTrainedTokenizerFast.from_pretrained(source.path)
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(source.path)
     return tokenizer
+
+
+def is_word_level(path: str) -> bool:
+    """Whether `path` is a local directory whose tokenizer.json is word-level (the tiny
+    tokenizer's kind; a hub id or a real model's tokenizer is not)."""
+    file = Path(path) / "tokenizer.json"
+    return file.is_file() and json.loads(file.read_text())["model"]["type"] == "WordLevel"
 
 
 # The tiny model's conversations, word by word, with no system prompt:
