@@ -9,7 +9,8 @@ the ref and the critic's backbone start from it too), for the same steps:
     full-pretrained   all weights, as sync-colocated (learning rate 1e-3)
     lora-pretrained   a LoRA adapter as run.py's lora mode (rank 16, alpha 32, all seven
                       linear layers, learning rate 1e-2); the ref is the frozen base.
-                      From this base 1e-2 first unlearns; 1e-3 learns a little (README)
+                      From this base 1e-2 first unlearns (README)
+    lora-pretrained-lr1e-3   the same at 1e-3, which learns a little (README)
 
 Every mode runs once per seed (0, 1, 2 by default), the modes interleaved within a seed,
 measured and reported as run.py's modes: the held-out reward at the start, at the end
@@ -31,7 +32,17 @@ from typing import Any
 
 from bench.harness import Measurement, run_bench
 from bench.learning.chart import save_learning_chart
-from bench.learning.run import SEEDS, STEPS, Build, Curve, job, measure, train, with_lora
+from bench.learning.run import (
+    LORA_LEARNING_RATE,
+    SEEDS,
+    STEPS,
+    Build,
+    Curve,
+    job,
+    measure,
+    train,
+    with_lora,
+)
 from rlhf_trainer.api.config import JobConfig
 from tests.specs import local_job
 
@@ -56,30 +67,36 @@ def pretrain(directory: Path) -> Path:
     return directory
 
 
-def from_base(base: Path, lora: bool) -> Build:
-    """The local example (synchronous colocated) starting from the pretrained base."""
+def from_base(base: Path, lora_learning_rate: float | None = None) -> Build:
+    """The local example (synchronous colocated) starting from the pretrained base; with
+    a learning rate, training a LoRA adapter at it."""
 
     def build(**schedule: Any) -> JobConfig:
         spec = local_job(colocated=True, **schedule).to_dict()
         spec["models"]["actor"] = {"path": str(base)}
         config = JobConfig.model_validate(spec)
-        return with_lora(config) if lora else config
+        return config if lora_learning_rate is None else with_lora(config, lora_learning_rate)
 
     return build
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:
-    """Within one seed, LoRA's final held-out reward less full fine-tuning's."""
-    lora, full = run["lora-pretrained"], run["full-pretrained"]
-    return {"lora.held_out_vs_full": lora["final_held_out"] - full["final_held_out"]}
+    """Within one seed, each LoRA mode's final held-out reward less full fine-tuning's."""
+    full = run["full-pretrained"]["final_held_out"]
+    return {
+        f"{mode}.held_out_vs_full": measured["final_held_out"] - full
+        for mode, measured in run.items()
+        if mode.startswith("lora")
+    }
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = pretrain(Path(tmp) / "base")
         modes = {
-            "full-pretrained": from_base(base, lora=False),
-            "lora-pretrained": from_base(base, lora=True),
+            "full-pretrained": from_base(base),
+            "lora-pretrained": from_base(base, LORA_LEARNING_RATE),
+            "lora-pretrained-lr1e-3": from_base(base, 1e-3),
         }
         curves: dict[str, list[Curve]] = {mode: [] for mode in modes}
         variants = {mode: partial(train, modes[mode], curves[mode], mode) for mode in modes}

@@ -88,11 +88,11 @@ LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_LEARNING_RATE = 1e-2
 
 
-def with_lora(config: JobConfig) -> JobConfig:
+def with_lora(config: JobConfig, learning_rate: float = LORA_LEARNING_RATE) -> JobConfig:
     """The actor trains a LoRA adapter (models.actor.lora), at LoRA's learning rate."""
     spec = config.to_dict()
     spec["models"]["actor"]["lora"] = {"rank": 16, "alpha": 32, "targetModules": LORA_MODULES}
-    spec["trainer"]["actorLearningRate"] = LORA_LEARNING_RATE
+    spec["trainer"]["actorLearningRate"] = learning_rate
     return JobConfig.model_validate(spec)
 
 
