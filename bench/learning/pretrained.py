@@ -24,14 +24,12 @@ bench.learning.run's (read by it).
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench.harness import Measurement, run_bench
-from bench.learning.chart import save_learning_chart
 from bench.learning.run import (
     LORA_LEARNING_RATE,
     SEEDS,
@@ -40,6 +38,7 @@ from bench.learning.run import (
     Curve,
     job,
     measure,
+    save_curves,
     train,
     with_lora,
 )
@@ -108,11 +107,7 @@ def main() -> None:
             steps=STEPS,
             pretrain_steps=PRETRAIN_STEPS,
         )
-    save_learning_chart(
-        {m: [(c.samples, c.seconds, c.reward) for c in runs] for m, runs in curves.items()},
-        CHART,
-    )
-    print(f"chart: {CHART}", file=sys.stderr)
+    save_curves(curves, CHART)
 
 
 if __name__ == "__main__":

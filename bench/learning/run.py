@@ -123,6 +123,13 @@ def job(build: Build, seed: int, checkpoints: Path, steps: int = STEPS) -> JobCo
     return JobConfig.model_validate(spec)
 
 
+def save_curves(curves: dict[str, list[Curve]], chart: Path) -> None:
+    """Each mode's curves drawn to `chart` (its path on stderr)."""
+    runs = {m: [(c.samples, c.seconds, c.reward) for c in mode] for m, mode in curves.items()}
+    save_learning_chart(runs, chart)
+    print(f"chart: {chart}", file=sys.stderr)
+
+
 def train(build: Build, curves: list[Curve], mode: str) -> Measurement:
     """The mode's next seed (`curves` holds its runs so far): its held-out curve (kept
     for the chart) and figures."""
@@ -198,11 +205,7 @@ def main() -> None:
     )
     # On stderr: the record stays the last line of stdout (`python -m bench` reads it).
     print("\n".join(to_target_table()), file=sys.stderr)
-    save_learning_chart(
-        {m: [(c.samples, c.seconds, c.reward) for c in curves] for m, curves in CURVES.items()},
-        CHART,
-    )
-    print(f"chart: {CHART}", file=sys.stderr)
+    save_curves(CURVES, CHART)
 
 
 if __name__ == "__main__":
