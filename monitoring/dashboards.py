@@ -297,6 +297,15 @@ TRAINING = Dashboard(
                     (quantile(0.5, "rlhf_env_tool_calls"), "{{rlhfjob}} tool calls p50"),
                 ),
                 chart(
+                    "Held-out episodes",
+                    "The held-out rows' episodes at the last evaluation: the share with "
+                    "at least one tool call, and the share cut by a limit or an error.",
+                    *step_gauges(
+                        ("rlhf_eval_tool_call_rate", "tool-call rate"),
+                        ("rlhf_eval_cut_ratio", "cut"),
+                    ),
+                ),
+                chart(
                     "Environment calls",
                     "Seconds of each step call to the environment (its tools, answered): "
                     "median and p95. Slow tools hold every episode's next turn.",

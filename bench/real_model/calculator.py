@@ -21,10 +21,9 @@ first thing measured.
 
 Reported, before and after training, on the held-out questions answered greedily (the
 job's evaluation, which plays them as episodes): accuracy (the environment's score,
-pass@1) and the tool-call rate (episodes with at least one tool call / episodes); the
-evaluation reports scores only, so the bench counts the calls from the evaluated
-episodes (see `counting_tool_calls`). And the training reward and tool-call rate over
-the first and last steps.
+pass@1) and the tool-call rate (episodes with at least one tool call / episodes), both
+from the evaluation's own report; and the training reward and tool-call rate over the
+first and last steps.
 
 Run: `.venv/bin/python -m bench.real_model.calculator [steps] [lr]` (after `make
 real-model`). Arguments, optional: steps (10), actor learning rate (1e-5).
@@ -36,16 +35,11 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-from unittest import mock
 
-from rlhf_trainer.algo.experience import Episode, Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.cluster.local import local_environments, local_ray_cluster
-from rlhf_trainer.loop import evaluation
 from rlhf_trainer.loop.run import run_job
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.report import ConsoleReporter
@@ -54,7 +48,6 @@ from tests.real_model import addends, real_model_dir, real_model_job
 TRAIN_QUESTIONS, HELD_OUT = 32, 16
 PROMPTS, ANSWERS = 4, 4  # a step: 4 questions, 4 episodes each
 FIRST_LAST = 2  # steps averaged at each end of the run
-SHOWN = 4  # held-out episodes shown as text, each evaluation
 
 # ChatML as SmolLM2's own template writes it (its default system message included),
 # with tools, tool calls and tool results as Qwen2.5's template writes them. A message
@@ -155,35 +148,8 @@ def job(tmp: Path, steps: int, learning_rate: float) -> JobConfig:
     return JobConfig.model_validate(spec)
 
 
-def tool_call_rate(episodes: Sequence[Episode | None]) -> float:
-    """The share of episodes with at least one tool call."""
-    played = [e for e in episodes if e is not None]
-    return sum(e.tool_calls > 0 for e in played) / max(1, len(played))
-
-
-@contextmanager
-def counting_tool_calls(rates: dict[int, float]) -> Iterator[None]:
-    """Records each held-out evaluation's tool-call rate by step, and shows its first
-    SHOWN episodes' text on stderr: the evaluation's report (EvalProgress) has scores
-    only, so its episodes are read on their way in."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(real_model_dir())
-    report: Callable[..., Any] = evaluation.evaluation_of
-
-    def counted(step: int, rollouts: list[Rollout], *args: Any) -> Any:
-        rates[step] = tool_call_rate([r.episode for r in rollouts])
-        for rollout in rollouts[:SHOWN]:
-            text = tokenizer.decode(rollout.response_token_ids)
-            print(f"  held-out, step {step}: {text!r}", file=sys.stderr, flush=True)
-        return report(step, rollouts, *args)
-
-    with mock.patch.object(evaluation, "evaluation_of", counted):
-        yield
-
-
 def train_tool_call_rate(step: StepResult) -> float:
-    return tool_call_rate(step.episodes.episodes if step.episodes else ())
+    return step.episodes.tool_call_rate if step.episodes else 0.0
 
 
 def show(step: StepResult) -> None:
@@ -206,7 +172,6 @@ def main() -> None:
     total = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     learning_rate = float(sys.argv[2]) if len(sys.argv) > 2 else 1e-5
     steps: list[StepResult] = []
-    held_out_calls: dict[int, float] = {}
     started = time.time()
 
     def on_step(step: StepResult) -> None:
@@ -215,7 +180,6 @@ def main() -> None:
 
     with (
         tempfile.TemporaryDirectory() as tmp,
-        counting_tool_calls(held_out_calls),
         local_environments(job(Path(tmp), total, learning_rate)) as config,
         local_ray_cluster(config),
     ):
@@ -229,7 +193,7 @@ def main() -> None:
         "wall_s": round(time.time() - started, 1),
         "step_s": round(sum(s.seconds for s in steps) / max(1, len(steps)), 1),
         "held_out_accuracy": {e.step: round(e.pass_at_1, 3) for e in evaluations},
-        "held_out_tool_call_rate": {k: round(v, 3) for k, v in sorted(held_out_calls.items())},
+        "held_out_tool_call_rate": {e.step: round(e.tool_call_rate or 0, 3) for e in evaluations},
         "held_out_length": {e.step: round(e.response_length_mean, 1) for e in evaluations},
         f"train_reward_first_last_{FIRST_LAST}": ends(steps, lambda s: s.reward_mean),
         f"train_tool_call_rate_first_last_{FIRST_LAST}": ends(steps, train_tool_call_rate),

@@ -149,6 +149,8 @@ def test_the_held_out_rows_are_played_as_episodes(trained: Trained) -> None:
     for evaluation in evaluations:
         assert evaluation.prompts == 8  # toy:lookup:heldout
         assert 0 < evaluation.reward_mean <= CHATTER_TURNS * 4
+        # how the episodes went, reported as the training steps' are
+        assert evaluation.tool_call_rate is not None and evaluation.cut_ratio == 0, evaluation
 
 
 def test_the_step_log_counts_turns_and_cuts(

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 import yaml
 
 from rlhf_trainer.algo.eval_scores import eval_scores, pass_at_k
-from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.algo.experience import Episode, Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import DataConfig, EvalGeneration
 from rlhf_trainer.loop.evaluation import eval_due, evaluation_of
@@ -89,3 +90,21 @@ def test_an_evaluation_reports_its_policy_version_and_refuses_a_mixed_one() -> N
     assert (report.pass_at_1, report.pass_at_k, report.response_length_mean) == (0.25, 0.5, 4.0)
     with pytest.raises(RuntimeError, match=r"after step 8 spans versions \[4, 5\]"):
         evaluation_of(8, [answer(((4, 0), (5, 2))), *answers[1:]], torch.zeros(4), sampling)
+
+
+def test_a_multi_turn_evaluation_reports_how_its_episodes_went() -> None:
+    sampling = EvalGeneration(samples_per_prompt=1, temperature=0.0, pass_reward=1.0)
+    calls_and_cuts = [(0, None), (2, None), (1, "max_turns"), (0, "environment_error: 503")]
+    played = [
+        replace(answer(((3, 0),)), episode=Episode(0.0, turns=1 + calls, tool_calls=calls,
+                                                   version_span=0, cut=cut))
+        for calls, cut in calls_and_cuts
+    ]  # fmt: skip
+    report = evaluation_of(5, played, torch.zeros(4), sampling)
+    assert (report.tool_call_rate, report.tool_calls_mean, report.cut_ratio) == (0.5, 0.75, 0.5)
+    single_turn = evaluation_of(5, [answer(((3, 0),))] * 4, torch.zeros(4), sampling)
+    assert (single_turn.tool_call_rate, single_turn.tool_calls_mean, single_turn.cut_ratio) == (
+        None,
+        None,
+        None,
+    )

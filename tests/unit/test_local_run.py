@@ -24,7 +24,7 @@ from rlhf_trainer.telemetry.charts import (
     reward_kl_figure,
     write_charts,
 )
-from rlhf_trainer.telemetry.progress import LiveProgress, Summary, step_text
+from rlhf_trainer.telemetry.progress import LiveProgress, Summary, eval_text, step_text
 from rlhf_trainer.telemetry.run_folder import RunFolder, RunFolderError, StepRecord
 from tests.unit.test_trainer_metrics import ACTOR  # the same actor stats in both
 
@@ -212,6 +212,14 @@ def test_the_summary_compares_the_first_and_last_evaluations(tmp_path: Path) -> 
     ]
     rows = dict(Summary([record(1)], 20, 1.0, tmp_path, None, sampled).rows())
     assert rows["held-out pass@4"] == "0.50 → 0.50"
+    assert "held-out tool-call rate" not in rows  # single-turn: no episodes
+    rates = (0.0, 0.75)
+    played = [
+        e.model_copy(update={"tool_call_rate": r}) for e, r in zip(evaluations, rates, strict=True)
+    ]
+    rows = dict(Summary([record(1)], 20, 1.0, tmp_path, None, played).rows())
+    assert rows["held-out tool-call rate"] == "0.00 → 0.75"
+    assert eval_text(played[1]).endswith("(pass@1 0.25, tool calls in 75% of episodes)")
 
 
 def test_ctrl_c_asks_to_stop_and_a_second_one_quits(default_sigint: None) -> None:

@@ -72,6 +72,10 @@ class EpisodeStats:
         return sum(e.tool_calls for e in self.episodes) / len(self.episodes)
 
     @property
+    def tool_call_rate(self) -> float:  # share of episodes with at least one tool call
+        return sum(e.tool_calls > 0 for e in self.episodes) / len(self.episodes)
+
+    @property
     def cuts(self) -> dict[str, int]:
         """Cut episodes by reason ("max_turns", "environment_error", ...): the kind of
         reason only, so that an environment's error messages are no metric labels."""

@@ -27,6 +27,14 @@ class EvalProgress(SpecModel):
         description="Share of prompts with at least one passing response (k > 1 only).",
     )
     response_length_mean: float = Field(ge=0, description="Mean response length in tokens.")
+    # Multi-turn jobs only (generation.multiTurn): how the held-out episodes went.
+    tool_call_rate: float | None = Field(
+        None, ge=0, le=1, description="Share of episodes with at least one tool call."
+    )
+    tool_calls_mean: float | None = Field(None, ge=0, description="Tool calls per episode.")
+    cut_ratio: float | None = Field(
+        None, ge=0, le=1, description="Share of episodes cut by a limit or an environment error."
+    )
 
 
 class OutputProgress(SpecModel):

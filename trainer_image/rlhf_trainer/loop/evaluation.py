@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rlhf_trainer.algo.diagnostics import EpisodeStats
 from rlhf_trainer.algo.eval_scores import eval_scores
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig, Role
@@ -138,6 +139,7 @@ def evaluation_of(
     k = sampling.samples_per_prompt
     lengths = torch.tensor([len(r.response_token_ids) for r in rollouts])
     scores = eval_scores(rewards.reshape(-1, k), lengths.reshape(-1, k), sampling.pass_reward)
+    episodes = EpisodeStats.of(rollouts)
     return EvalProgress(
         step=step,
         policy_version=versions.pop(),
@@ -147,4 +149,7 @@ def evaluation_of(
         pass_at_1=scores.pass_at_1,
         pass_at_k=scores.pass_at_k,
         response_length_mean=scores.response_length_mean,
+        tool_call_rate=episodes.tool_call_rate if episodes else None,
+        tool_calls_mean=episodes.tool_calls_mean if episodes else None,
+        cut_ratio=episodes.cut_ratio if episodes else None,
     )

@@ -121,6 +121,8 @@ def eval_text(evaluation: EvalProgress) -> str:
     passed = f"pass@1 {evaluation.pass_at_1:.2f}"
     if evaluation.pass_at_k is not None:
         passed += f", pass@{k} {evaluation.pass_at_k:.2f}"
+    if evaluation.tool_call_rate is not None:
+        passed += f", tool calls in {100 * evaluation.tool_call_rate:.0f}% of episodes"
     return f"{evaluation.reward_mean:.3f} at step {evaluation.step} ({passed})"
 
 
@@ -175,6 +177,9 @@ class Summary:
                 rows.append(
                     (f"held-out pass@{k}", f"{first.pass_at_k:.2f} → {final.pass_at_k:.2f}")
                 )
+            if first.tool_call_rate is not None and final.tool_call_rate is not None:
+                rates = f"{first.tool_call_rate:.2f} → {final.tool_call_rate:.2f}"
+                rows.append(("held-out tool-call rate", rates))
         rows += [
             ("run folder", str(self.run_folder)),
             ("last checkpoint", self.last_checkpoint or "none"),
