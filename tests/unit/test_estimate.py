@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from rlhf_operator.app.cli import main
+from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.estimate import (
     CostProfile,
+    ModelShape,
     bundled_profiles,
     calibrate,
     estimate,
@@ -17,7 +19,9 @@ from rlhf_trainer.api.estimate import (
     rollout_pool_sizes,
     suggest_split,
 )
+from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.plan import Phase
+from rlhf_trainer.api.sections import TinyModel
 from tests.specs import job_config
 
 # 240 samples a step (test defaults) of 10 prompt + 30 response tokens: generating them
@@ -200,3 +204,64 @@ def test_plan_estimate_prints_the_step_the_pools_and_a_split(
     assert "  balanced split: rollout 8 x 8 GPUs, train 8 x 8 GPUs" in out
     assert main(["plan", str(jobs), "--estimate", "--profile", "nope"]) == 1
     assert "profile 'nope': no such file" in capsys.readouterr().err
+
+
+QWEN_7B = ModelShape(layers=28, hidden_size=3584, intermediate_size=18944, kv_size=512)
+
+
+def lora_job(target_modules: list[str], **models: object) -> JobConfig:
+    lora = {"rank": 16, "targetModules": target_modules}
+    return job_config(
+        [two_gpus("a")],
+        ALL_ON_A,
+        models={"actor": {"path": "m", "lora": lora}, "reward": {"path": "rm"}, **models},
+        trainer={"batchSize": 240, "miniBatchSize": 120, "precision": "bf16"},
+    )
+
+
+def test_a_lora_adapter_is_sized_as_peft_builds_it() -> None:
+    """The count from the linear shapes against peft's own adapter on the tiny model."""
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model
+
+    from rlhf_trainer.models import build_tiny_model
+
+    tiny = TinyModel(hidden_size=64, num_layers=3, num_heads=2, vocab_size=64)
+    shape = ModelShape(layers=3, hidden_size=64, intermediate_size=4 * 64, kv_size=64)
+    for targets in (["q_proj", "v_proj"], list(shape.linear_shapes())):
+        lora = LoraConfig(rank=8, target_modules=targets)
+        peft = get_peft_model(build_tiny_model(tiny), PeftLora(r=8, target_modules=targets))
+        trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+        assert shape.adapter_parameters(lora) == trainable, targets
+    with pytest.raises(ValueError, match=r"lora.targetModules \['c_attn'\]: the estimate sizes"):
+        shape.adapter_parameters(LoraConfig(target_modules=["q_proj", "c_attn"]))
+
+
+def test_a_lora_job_syncs_its_adapter_and_updates_for_less() -> None:
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    profile = PROFILE.model_copy(update={"model_shape": QWEN_7B, "lora_train_cost": 0.5})
+    full = estimate(job_config([two_gpus("a")], ALL_ON_A), profile)
+    guess = estimate(lora_job(attention), profile)
+    # 28 layers x rank 16 x (q 3584+3584, k and v 3584+512 each, o 3584+3584), in bf16
+    adapter_gigabytes = 28 * 16 * (2 * 7168 + 2 * 4096) * 2 / 1e9
+    assert guess.phase_seconds[Phase.SYNC_WEIGHTS] == pytest.approx(adapter_gigabytes / 4)
+    assert guess.phase_seconds[Phase.UPDATE_ACTOR] == pytest.approx(96 * 0.5)
+    assert guess.phase_seconds[Phase.UPDATE_CRITIC] == pytest.approx(96)  # not LoRA'd
+    assert full.phase_seconds[Phase.UPDATE_ACTOR] == pytest.approx(96)
+    critic = {"path": "m", "lora": {"rank": 8, "targetModules": attention}}
+    both = estimate(lora_job(attention, critic=critic), profile)
+    assert both.phase_seconds[Phase.UPDATE_CRITIC] == pytest.approx(96 * 0.5)
+    with pytest.raises(ValueError, match="set modelShape"):
+        estimate(lora_job(attention), PROFILE)  # no shape to size the adapter
+
+
+def test_plan_estimate_prices_the_lora_example(capsys: pytest.CaptureFixture[str]) -> None:
+    example = Path(__file__).parents[2] / "examples" / "lora-grpo.yaml"
+    assert main(["plan", str(example), "--estimate", "--profile", "h20-qwen2.5-math-7b"]) == 0
+    # rank 32 on all seven linear layers of Qwen2.5-7B: 80.7M parameters, in bf16
+    assert (
+        "  LoRA rank 32: a sync moves the adapter, 161 MB (the model: 1.52e+04 MB); updates at 0.67"
+        in (capsys.readouterr().out)
+    )
+    assert main(["plan", str(example), "--estimate", "--profile", "cpu-2core"]) == 1
+    assert "set modelShape" in capsys.readouterr().err

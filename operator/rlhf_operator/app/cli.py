@@ -81,7 +81,11 @@ def print_plans(paths: list[Path], profile_name: str | None = None) -> int:
             print(describe(plan_placement(config)))
             if profile is not None:
                 share_nodes = job.spec.separation is Separation.GPU
-                print(describe_estimate(config, profile, share_nodes))
+                try:
+                    print(describe_estimate(config, profile, share_nodes))
+                except ValueError as error:  # the profile cannot price this job
+                    print(f"{path}: {error}", file=sys.stderr)
+                    return 1
     return 0
 
 

@@ -14,6 +14,10 @@ of GPU (bench/README.md says how; `rlhf_trainer/api/profiles/` holds the measure
     weight sync                     modelGigabytes / weightSyncGigabytesPerSecond
                                     (fully async: once every triggerParameterSyncStep steps)
 
+LoRA (models.actor.lora, models.critic.lora): a sync moves only the adapter, sized from
+the decoder's linear layers (the tiny model's own, or the profile's modelShape), at the
+engines' dtype; an update of a LoRA'd model costs loraTrainCost of a full one.
+
 The plan then overlaps the phases as the job's placement allows (PlacementPlan.step_seconds),
 each slowed by `concurrentSlowdown` when it runs beside another pool's work (pools that
 share a host; 1 on real GPUs), and the driver's own seconds are added to the trainer's
@@ -32,12 +36,45 @@ import yaml
 from pydantic import Field, ValidationError
 
 from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.plan import DRIVER, Phase, PlacementPlan, plan_placement
 from rlhf_trainer.api.rules import SpecModel
 
 FORWARD_PHASES = (Phase.ACTOR_LOG_PROB, Phase.REF_LOG_PROB, Phase.VALUES, Phase.REWARD)
 TRAIN_PHASES = (Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)
 MAX_CANDIDATE_SPLITS = 20_000  # pool splits tried by suggest_split, at most
+# Bytes of a synced parameter: the engines serve the trainer's compute dtype
+# (trainer.precision; rlhf_trainer.models.COMPUTE_DTYPE).
+SYNC_BYTES = {"fp32": 4, "bf16": 2}
+
+
+class ModelShape(SpecModel):
+    """The decoder's linear layers, which size a LoRA adapter (a config.json's fields)."""
+
+    layers: int = Field(ge=1, description="Decoder layers (num_hidden_layers).")
+    hidden_size: int = Field(ge=1, description="hidden_size.")
+    intermediate_size: int = Field(ge=1, description="The MLP's width (intermediate_size).")
+    kv_size: int = Field(
+        ge=1, description="num_key_value_heads x head_dim: k_proj's and v_proj's outputs."
+    )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each linear layer of a decoder layer by its name: (inputs, outputs)."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_size
+        return {
+            "q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+
+    def adapter_parameters(self, lora: LoraConfig) -> int:
+        """A LoRA adapter's parameters: A (r x in) and B (out x r) on each target."""
+        shapes = self.linear_shapes()
+        if unknown := sorted(set(lora.target_modules) - set(shapes)):
+            raise ValueError(
+                f"lora.targetModules {unknown}: the estimate sizes only {', '.join(shapes)}"
+            )
+        per_layer = sum(lora.rank * sum(shapes[name]) for name in set(lora.target_modules))
+        return self.layers * per_layer
 
 
 class CostProfile(SpecModel):
@@ -80,6 +117,17 @@ class CostProfile(SpecModel):
     )
     concurrent_slowdown: float = Field(
         1.0, ge=1, description="How much slower a phase runs beside another pool's work."
+    )
+    model_shape: ModelShape | None = Field(
+        None, description="The model's linear layers, to size a LoRA adapter (not a tiny one)."
+    )
+    lora_train_cost: float = Field(
+        0.67,
+        gt=0,
+        description=(
+            "A LoRA'd model's update seconds against a full update's: no weight gradients "
+            "for the frozen base, about 2/3 of the work (a small model on a CPU measured more)."
+        ),
     )
 
 
@@ -137,17 +185,44 @@ def alone_seconds(
         role = plan.roles[role_name]
         if phase is Phase.SYNC_WEIGHTS:
             every = config.async_.trigger_parameter_sync_step if config.async_ else 1
-            seconds[phase] = (
-                profile.model_gigabytes / profile.weight_sync_gigabytes_per_second / every
-            )
+            gigabytes = sync_gigabytes(config, profile)
+            seconds[phase] = gigabytes / profile.weight_sync_gigabytes_per_second / every
         elif role.pool != DRIVER:  # a rule-based reward is the driver's own time
             cost = profile.role_cost.get(role_name, 1.0)
+            if phase in TRAIN_PHASES and trained_lora(config, role_name) is not None:
+                cost *= profile.lora_train_cost
             seconds[phase] = cost * work[phase] / (rate[phase] * role.gpus)
     longest = config.data.max_response_length
     if profile.decode_tokens_per_second_per_sequence and not plan.background:
         floor = longest / profile.decode_tokens_per_second_per_sequence
         seconds[Phase.GENERATE] = max(seconds[Phase.GENERATE], floor)
     return seconds
+
+
+def trained_lora(config: JobConfig, role: Role) -> LoraConfig | None:
+    """The adapter `role` trains, if it is the actor or the critic and its model is LoRA'd."""
+    model = {Role.ACTOR: config.models.actor, Role.CRITIC: config.models.critic}.get(role)
+    return model.lora if model is not None else None
+
+
+def sync_gigabytes(config: JobConfig, profile: CostProfile) -> float:
+    """What a weight sync moves: the policy's weights, or its LoRA adapter."""
+    lora = config.models.actor.lora
+    if lora is None:
+        return profile.model_gigabytes
+    tiny = config.models.actor.tiny
+    shape = profile.model_shape
+    if tiny is not None:  # the tiny model's own shape (rlhf_trainer.models.model_config)
+        h = tiny.hidden_size
+        shape = ModelShape(
+            layers=tiny.num_layers, hidden_size=h, intermediate_size=4 * h, kv_size=h
+        )
+    if shape is None:
+        raise ValueError(
+            f"profile {profile.source!r}: a LoRA job's sync moves only the adapter, sized "
+            "from the model: set modelShape (layers, hiddenSize, intermediateSize, kvSize)"
+        )
+    return shape.adapter_parameters(lora) * SYNC_BYTES[config.trainer.precision] / 1e9
 
 
 def estimate(config: JobConfig, profile: CostProfile) -> Estimate:
@@ -302,6 +377,13 @@ def describe_estimate(config: JobConfig, profile: CostProfile, share_nodes: bool
             for p in lane.phases
         ]
         lines.append(f"  pool {pool}: busy {share:.0%} ({', '.join(phases)})")
+    if (lora := config.models.actor.lora) is not None:
+        lines.append(
+            f"  LoRA rank {lora.rank}: a sync moves the adapter, "
+            f"{1e3 * sync_gigabytes(config, profile):.3g} MB (the model: "
+            f"{1e3 * profile.model_gigabytes:.3g} MB); updates at {profile.lora_train_cost:.2f} "
+            "of a full one's"
+        )
     suggestion = suggest_split(config, profile, share_nodes)
     if suggestion is not None:
         better, best = suggestion
