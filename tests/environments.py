@@ -5,6 +5,7 @@ Replica, a Chatter that says which process played it and can die mid-session."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -90,3 +91,28 @@ def _created(path: str) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+class Unreliable(Chatter):
+    """A Chatter whose server fails two of its sessions, each at the session's first
+    step, on an event: the UNRELIABLE_HANGS-th session of the process hangs past the
+    caller's limit, the UNRELIABLE_FAILS-th raises (an HTTP 500). The rest play as
+    Chatter does."""
+
+    started = 0  # sessions reset in this process
+
+    async def reset(self, row: dict[str, Any]) -> Start:
+        Unreliable.started += 1
+        self.number = Unreliable.started
+        return await super().reset(row)
+
+    async def step(self, message: Message) -> Step:
+        if self.turns == 0 and self.number == UNRELIABLE_HANGS:
+            await asyncio.sleep(UNRELIABLE_HANG_SECONDS)
+        if self.turns == 0 and self.number == UNRELIABLE_FAILS:
+            raise RuntimeError("the tool broke")
+        return await super().step(message)
+
+
+UNRELIABLE_HANGS, UNRELIABLE_FAILS = 2, 4
+UNRELIABLE_HANG_SECONDS = 5.0  # past the tests' toolCallTimeoutSeconds

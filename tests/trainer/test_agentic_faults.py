@@ -1,0 +1,121 @@
+"""Whole runs that meet faults and go on.
+
+- A multi-turn run whose environment hangs in one session and fails another with an
+  HTTP 500 (tests.environments.Unreliable, on an event: its 2nd and 4th sessions).
+- A fully-async run whose reward service fails every attempt at some samples (those of
+  the prompts that start with "a"), scored as they finish (loop/scores_ahead.py).
+
+Each fault is masked, counted and named, and the run trains to its end. The faults of
+single episodes against real vLLM are in test_episodes.py, a replica killed
+mid-session in tests/unit/test_env_replicas.py, and the reward service's own in
+tests/unit/test_reward_service.py; these runs show the loop carries on past them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_env.rewards import reward_app_for
+from rlhf_env.server import app_for
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.data.tasks import toy_copy
+from tests.environments import CHATTER_TURNS, Unreliable, served
+from tests.specs import LOCAL_EXAMPLE, local_async_job
+from tests.trainer.local_runs import train
+
+pytestmark = pytest.mark.slow  # two whole runs (about a minute each)
+
+STEPS = 3
+RETRIES = 1  # the reward service's attempts at a sample: 1 + RETRIES
+
+
+class FailsOnPrompts:
+    """The toy copy reward, failing (an HTTP 500) every attempt at a sample whose prompt
+    starts with "a"; counts the attempts it failed."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, prompt: str, response: str) -> float:
+        if prompt.split()[0] == "a":
+            with self.lock:
+                self.failed += 1
+            raise ValueError("the judge is down")
+        return toy_copy(prompt, response)
+
+
+def unreliable_job(environment_url: str, checkpoint_dir: Path) -> JobConfig:
+    """The local example, colocated and synchronous, on toy:lookup's rows in
+    Unreliable's episodes."""
+    spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    spec["pools"] = [p for p in spec["pools"] if p["name"] == spec["roles"]["actor"]]
+    spec["roles"]["critic"] = spec["roles"]["actor"]
+    spec["algorithm"].pop("klController", None)
+    spec["models"]["reward"] = {"environment": True}
+    spec["environments"] = [{"name": "unreliable", "url": environment_url}]
+    spec["generation"]["multiTurn"] = {
+        "environment": "unreliable",
+        "toolParser": "rlhf_toy",
+        "maxTurns": CHATTER_TURNS,
+        "maxTokens": 48,
+        "toolCallTimeoutSeconds": 1.0,
+    }
+    spec["data"] = {"train": "toy:lookup", "maxPromptLength": 8, "maxResponseLength": 4}
+    spec["trainer"].update(totalSteps=STEPS, batchSize=8, miniBatchSize=8, evalEverySteps=None)
+    spec["trainer"]["checkpoint"] = {"path": str(checkpoint_dir), "everySteps": STEPS}
+    return JobConfig.model_validate(spec)
+
+
+def test_a_run_whose_environment_hangs_and_fails_masks_counts_names_and_goes_on(
+    tmp_path: Path,
+) -> None:
+    with served({"unreliable": app_for(Unreliable)}) as url:
+        environment = f"{url}/unreliable"
+        trained = train(unreliable_job(environment, tmp_path))
+    assert [s.step for s in trained.steps] == list(range(1, STEPS + 1))  # it went on
+    # Two episodes cut, masked (not trained on), counted by reason, and named with the
+    # call and its error.
+    episodes = [e for s in trained.steps if s.episodes for e in s.episodes.episodes]
+    assert len(episodes) == STEPS * 8
+    cuts = sorted(e.cut or "" for e in episodes if e.cut is not None)
+    assert len(cuts) == 2, cuts
+    assert all(c.startswith(f"environment_error: environment step at {environment}") for c in cuts)
+    assert any("HTTP 500" in c and "the tool broke" in c for c in cuts), cuts
+    assert any("no answer within 1 s" in c for c in cuts), cuts
+    cut_metric = trained.metrics.registry.get_sample_value(
+        "rlhf_env_cut_episodes_total", {"reason": "environment_error"}
+    )
+    assert cut_metric == 2
+
+
+def test_a_run_whose_reward_service_fails_some_samples_masks_counts_names_and_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reward = FailsOnPrompts()
+    with served({"reward": reward_app_for(reward)}) as url, caplog.at_level(logging.WARNING):
+        config = local_async_job(
+            staleness=1, total_steps=STEPS, checkpoint_dir=tmp_path, every_steps=STEPS
+        )
+        spec = config.model_dump(by_alias=True, exclude_none=True)
+        spec["models"]["reward"] = {
+            "url": f"{url}/reward",
+            # one sample a request, so a failed request is one sample
+            "requests": {"batchSize": 1, "retries": RETRIES, "maxUnscoredSteps": STEPS + 1},
+        }
+        trained = train(JobConfig.model_validate(spec))
+    assert [s.step for s in trained.steps] == list(range(1, STEPS + 1))  # it went on
+    # Each failed sample's every attempt failed; those trained on are masked, counted
+    # and named (the held-out ones count as reward 0, and the log says so too).
+    unscored = sum(s.unscored for s in trained.steps)
+    assert unscored > 0
+    assert reward.failed % (1 + RETRIES) == 0 and reward.failed // (1 + RETRIES) >= unscored
+    metric = trained.metrics.registry.get_sample_value("rlhf_reward_unscored_samples_total")
+    assert metric == unscored
+    assert f"reward service at {url}/reward/score failed" in caplog.text
+    assert "the judge is down" in caplog.text
