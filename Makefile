@@ -17,7 +17,7 @@ include tests/images/images.mk
 # The control plane's launcher needs the venv's kubernetes client; it loads the images
 # into its real node.
 cluster: install images
-.PHONY: help images install tmux real-model test test-shuffled unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-gpu-train-step bench-contention bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-gpu-train-step bench-contention bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -135,6 +135,9 @@ bench-split: install  ## benchmark: one PPO job colocated vs split placement (a 
 
 bench-async: install  ## benchmark: synchronous vs fully-async PPO on the same pools (a few minutes)
 	$(PY) -m bench.async.run
+
+bench-slow-reward: install  ## benchmark: fully async with a slow reward service, scored as samples finish vs at the step (~10 min)
+	$(PY) -m bench.async.slow_reward
 
 bench-elastic: install  ## benchmark: a fully-async rollout pool grown from 1 engine to 2 mid-run, vs fixed sizes (~15 min)
 	$(PY) -m bench.async.elastic

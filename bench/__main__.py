@@ -16,6 +16,7 @@ from typing import Any
 BENCHES = {  # name -> module
     "split": "bench.split_placement.run",
     "async": "bench.async.run",
+    "slow_reward": "bench.async.slow_reward",
     "elastic": "bench.async.elastic",
     "algorithms": "bench.algorithms.run",
     "learning": "bench.learning.run",
@@ -42,6 +43,7 @@ HEADLINES = {  # name -> the figures its summary shows
         "pipeline_efficiency",
         "estimate_error",
     ],
+    "slow_reward": ["speedup", "ahead.samples_per_s", "at_the_step.samples_per_s"],
     "elastic": [
         "grow_after_over_before",
         "grow_after_over_fixed_2",

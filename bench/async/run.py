@@ -43,12 +43,15 @@ from rlhf_trainer.api.config import JobConfig
 from .alone import measure_alone  # (`bench.async` is no importable name)
 
 WARMUP_STEPS = 3
-MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
+# The command line's, when run (`python -m bench.async.run`); the defaults when another
+# bench imports the job from here.
+ARGS = sys.argv if __name__ == "__main__" else sys.argv[:1]
+MEASURED_STEPS = int(ARGS[1]) if len(ARGS) > 1 else 15
 BATCH = 32
-RESPONSE_CAP = int(sys.argv[2]) if len(sys.argv) > 2 else 192
-STALENESS = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
-SYNC_EVERY = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-REPEATS = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+RESPONSE_CAP = int(ARGS[2]) if len(ARGS) > 2 else 192
+STALENESS = float(ARGS[3]) if len(ARGS) > 3 else 1.0
+SYNC_EVERY = int(ARGS[4]) if len(ARGS) > 4 else 2
+REPEATS = int(ARGS[5]) if len(ARGS) > 5 else 3
 
 
 def job(fully_async: bool, checkpoints: Path) -> JobConfig:

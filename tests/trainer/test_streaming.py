@@ -6,7 +6,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -14,10 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rlhf_env.rewards import RewardClient, ScoredSample, reward_app_for
 from rlhf_trainer.algo.experience import Episode, Rollout
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.loop.elastic_rollout import EngineLedger, start_retry_delay
 from rlhf_trainer.loop.fully_async import AsyncState
+from rlhf_trainer.loop.scores_ahead import ScoresAhead
 from rlhf_trainer.rollout.queue import (
     MIN_REMEMBERED_UIDS,
     AdmissionControl,
@@ -30,6 +32,7 @@ from rlhf_trainer.rollout.queue import (
     remembered_uids,
     staleness,
 )
+from tests.environments import served
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WAIT_S = 60.0  # upper bound for things that should happen at once (shared, busy machine)
@@ -449,6 +452,36 @@ def test_restore_only_into_an_empty_queue_and_without_repeats() -> None:
         queue.restore([sample(1)])
 
 
+def test_arrivals_are_read_once_in_order_and_a_restore_counts_as_arriving() -> None:
+    queue = SampleQueue(group_size=2, keep_arrivals=True)
+    queue.restore([sample(0)])  # a partial group, from a checkpoint
+    for uid in (5, 1, 4):
+        queue.put(sample(uid))
+    queue.put(sample(5))  # generated twice: queued once, arrives once
+    arrived, read = queue.arrivals(0, timeout_s=0)
+    assert ([s.uid for s in arrived], read) == ([0, 5, 1, 4], 4)
+    assert queue.arrivals(read, timeout_s=0) == ([], 4)
+    with pytest.raises(ValueError, match="arrivals after 2: those are handed out already"):
+        queue.arrivals(2, timeout_s=0)
+    with pytest.raises(ValueError, match="keeps no arrivals"):
+        SampleQueue().arrivals(0, timeout_s=0)
+
+
+def test_a_blocked_reader_of_arrivals_wakes_at_a_put_and_at_close() -> None:
+    queue = SampleQueue(keep_arrivals=True)
+    read: list[tuple[list[Sample], int]] = []
+    reader = threading.Thread(target=lambda: read.append(queue.arrivals(0, WAIT_S)))
+    reader.start()
+    queue.put(sample(3))
+    reader.join(WAIT_S)
+    assert [([s.uid for s in arrived], n) for arrived, n in read] == [([3], 1)]
+    reader = threading.Thread(target=lambda: read.append(queue.arrivals(1, WAIT_S)))
+    reader.start()
+    queue.close()
+    reader.join(WAIT_S)
+    assert not reader.is_alive() and read[-1] == ([], 1)
+
+
 # ---- the queue as a Ray actor --------------------------------------------------------
 
 RAY_SAMPLES, RAY_GETTERS = 12, 2
@@ -531,3 +564,59 @@ def test_samples_outstanding_at_a_sync_count_against_the_next_allowance() -> Non
     assert sum(admission.try_admit() for _ in range(10)) == 4  # the backlog stays at 6
     with pytest.raises(ValueError, match="outstanding"):
         admission.on_weight_sync(outstanding=-1)
+
+
+def as_scored(samples: Sequence[Sample]) -> list[ScoredSample]:
+    return [ScoredSample(prompt="q", response=str(s.uid), row={}) for s in samples]
+
+
+def test_samples_are_scored_as_they_arrive_each_once_and_taken_by_uid(ray_module: Any) -> None:
+    """ScoresAhead (fully async with a reward service): the driver's thread has the
+    service (rlhf_env's reward app, served here) score each sample as it reaches the
+    queue, before any step takes it; a service that fails it leaves it NaN (unscored)."""
+    ray = ray_module
+    queue = spawn_queue(keep_arrivals=True)
+    scored: list[str] = []
+    requests: list[tuple[float, float]] = []
+
+    def by_uid(prompt: str, response: str) -> float:
+        scored.append(response)
+        if response == "5":
+            raise ValueError("no answer")
+        return float(response)
+
+    with served({"reward": reward_app_for(by_uid)}) as url:
+        client = RewardClient(f"{url}/reward", retries=0, batch_size=2, concurrency=2)
+        ahead = ScoresAhead(queue, client, as_scored, lambda *span: requests.append(span))
+        ahead.start()
+        for uid in range(4):
+            ray.get(queue.put.remote(sample(uid)))
+        wait_until(lambda: len(scored) == 4, "the samples scored before a step takes them")
+        taken = ray.get(queue.get_batch.remote(4, WAIT_S))
+        assert ahead.take(taken[::-1]).tolist() == [3.0, 2.0, 1.0, 0.0]
+        ray.get(queue.put.remote(sample(4)))
+        wait_until(lambda: "4" in scored, "sample 4 scored")  # a request of its own
+        ray.get(queue.put.remote(sample(5)))
+        rewards = ahead.take([sample(4), sample(5)])  # waits for 5's answer
+        ahead.stop()
+    assert rewards[0] == 4.0 and math.isnan(rewards[1])
+    assert sorted(scored) == ["0", "1", "2", "3", "4", "5"]  # each once
+    assert requests and all(start <= end for start, end in requests)
+    ray.kill(queue)
+
+
+def test_a_failure_to_score_ahead_is_the_steps(ray_module: Any) -> None:
+    ray = ray_module
+    queue = spawn_queue(keep_arrivals=True)
+
+    def broken(samples: Sequence[Sample]) -> list[ScoredSample]:
+        raise KeyError("prompt 7 is not in the data set")
+
+    client = RewardClient("http://127.0.0.1:9", retries=0)
+    ahead = ScoresAhead(queue, client, broken, lambda *span: None).start()
+    ray.get(queue.put.remote(sample(0)))
+    with pytest.raises(RuntimeError, match="scoring the samples as they finish failed") as failed:
+        ahead.take([sample(0)])
+    assert isinstance(failed.value.__cause__, KeyError)
+    ahead.stop()
+    ray.kill(queue)

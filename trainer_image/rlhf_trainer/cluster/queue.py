@@ -14,11 +14,12 @@ from rlhf_trainer.rollout.queue import (
 def spawn_queue(
     group_size: int = 1,
     remembered: int = MIN_REMEMBERED_UIDS,
+    keep_arrivals: bool = False,
     *,
     max_concurrency: int = DEFAULT_QUEUE_CONCURRENCY,
     name: str | None = None,
 ) -> Any:
-    """Start a `SampleQueue(group_size, remembered)` as a Ray actor on this (the
+    """Start a `SampleQueue(group_size, remembered, keep_arrivals)` as a Ray actor on this (the
     driver's) node; returns its handle.
 
     A threaded actor: each call runs on one of `max_concurrency` threads, so a
@@ -48,4 +49,4 @@ def spawn_queue(
         max_concurrency=max_concurrency,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         name=name,
-    ).remote(group_size, remembered)
+    ).remote(group_size, remembered, keep_arrivals)

@@ -26,11 +26,13 @@ from typing import Any, TypeVar
 import torch
 
 from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.api.plan import DRIVER, Phase
 from rlhf_trainer.cluster.groups import WorkerGroup, join, join_watching
 from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.elastic_rollout import ElasticRollout
+from rlhf_trainer.loop.scores_ahead import ScoresAhead, scores_ahead
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -94,6 +96,18 @@ class AsyncPPOTrainer:
         # on without waiting for them, and waits before its next sync.
         self.rollout_pending: list[tuple[int, Any]] = []
         self.elastic = ElasticRollout(core, queue, metrics)
+        self.scores_ahead: ScoresAhead | None = None
+        if scores_ahead(self.config) and core.reward_service is not None:
+            self.scores_ahead = ScoresAhead(
+                queue,
+                core.reward_service,
+                lambda samples: core.scored_samples(
+                    self.prompts_of(samples), [s.rollout for s in samples]
+                ),
+                lambda start, end: core.timeline.record(
+                    DRIVER, Role.REWARD, Phase.REWARD, start, end
+                ),
+            )
 
     @property
     def rollout(self) -> WorkerGroup:
@@ -114,7 +128,14 @@ class AsyncPPOTrainer:
             outstanding = (len(resumed.queued) + len(resumed.in_flight)) // self.group_size
             self.groups_taken = self.admission.admitted_total - outstanding
             self.admission.on_weight_sync(outstanding)
+        if self.scores_ahead is not None:
+            self.scores_ahead.start()
         self.admit()
+
+    def stop(self) -> None:
+        """Stop what runs beside the steps (the run is over)."""
+        if self.scores_ahead is not None:
+            self.scores_ahead.stop()
 
     def step(self, step: int) -> StepResult:
         started = time.time()
@@ -146,7 +167,9 @@ class AsyncPPOTrainer:
         are dropped and as many new prompts admitted in their place (they leave the
         admission's count as trained ones do, so the staleness bound holds)."""
         if self.config.algorithm.dynamic_sampling is None:
-            return self.take_groups(self.config.trainer.batch_size), None, 0
+            samples = self.take_groups(self.config.trainer.batch_size)
+            ahead = self.scores_ahead
+            return samples, None if ahead is None else ahead.take(samples), 0
 
         def draw(groups: int, attempt: int) -> list[Sample]:
             if attempt > 0:
@@ -154,15 +177,14 @@ class AsyncPPOTrainer:
                 self.admit()
             return self.take_groups(groups)
 
-        kept = keep_informative_groups(
-            step,
-            self.config,
-            draw,
-            lambda samples: self.core.score_alone(
-                self.prompts_of(samples), [s.rollout for s in samples]
-            ),
-        )
+        ahead = self.scores_ahead
+        score = self.score_samples if ahead is None else ahead.take
+        kept = keep_informative_groups(step, self.config, draw, score)
         return kept.items, kept.scores, kept.dropped
+
+    def score_samples(self, samples: Sequence[Sample]) -> torch.Tensor:
+        """(B,) the samples' rewards, scored now."""
+        return self.core.score_alone(self.prompts_of(samples), [s.rollout for s in samples])
 
     def take_groups(self, groups: int) -> list[Sample]:
         """The next `groups` whole groups from the queue, waiting for them, in uid order

@@ -4,6 +4,7 @@ steps in a row a reward service may leave samples unscored."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,11 @@ def reward_client(source: RewardSource) -> RewardClient | None:
         concurrency=requests.concurrency,
         batch_size=requests.batch_size,
     )
+
+
+def service_rewards(rewards: Sequence[float | None]) -> torch.Tensor:
+    """(B,) a reward service's answers, NaN for each sample it failed (unscored)."""
+    return torch.tensor([math.nan if r is None else r for r in rewards])
 
 
 def episode_score(rollout: Rollout) -> float:

@@ -24,6 +24,7 @@ from rlhf_trainer.data.prompts import PromptStream, load_prompts, prompt_tokeniz
 from rlhf_trainer.data.tasks import check_reward_arguments, reward_function
 from rlhf_trainer.loop.evaluation import Evaluator, eval_due
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer, AsyncState
+from rlhf_trainer.loop.scores_ahead import scores_ahead
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult
 from rlhf_trainer.models import load_tokenizer
 from rlhf_trainer.roles import checkpoint
@@ -358,6 +359,7 @@ def open_run(
     groups = RoleGroups.start(plan, config, job, workers)
     log.info("roles started in %.1f s", time.time() - started)
     engines = EngineStatsPoller(lambda: groups[Role.ROLLOUT], metrics.engines.observe).start()
+    streaming: AsyncPPOTrainer | None = None
     try:
         trainer = PPOTrainer(
             config,
@@ -374,6 +376,8 @@ def open_run(
             streaming.elastic.on_lost.append(evaluator.ask_again)
         yield Run(config, trainer, metrics, reporter, streaming, evaluator)
     finally:
+        if streaming is not None:
+            streaming.stop()
         if trace is not None:
             timeline.write_chrome_trace(trace)
         engines.stop()
@@ -388,4 +392,4 @@ def sample_queue(config: JobConfig) -> Any:
     group = config.generation.samples_per_prompt
     limit = admission_limit(config.trainer.batch_size, config.async_.trigger_parameter_sync_step,
                             config.async_.staleness_threshold)  # fmt: skip
-    return spawn_queue(group, remembered_uids(limit, group))
+    return spawn_queue(group, remembered_uids(limit, group), keep_arrivals=scores_ahead(config))

@@ -13,7 +13,6 @@ only the placement differs. Every call carries its phase's name to the timeline.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,7 +35,13 @@ from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import RewardFunction
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.engine_replacement import EngineReplacement
-from rlhf_trainer.loop.rewards import UnscoredSteps, episode_score, reward_client, rule_rewards
+from rlhf_trainer.loop.rewards import (
+    UnscoredSteps,
+    episode_score,
+    reward_client,
+    rule_rewards,
+    service_rewards,
+)
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.rollout.worker import BatchShard
 from rlhf_trainer.telemetry.metrics import union_seconds
@@ -273,20 +278,23 @@ class PPOTrainer:
             return torch.tensor([episode_score(r) for r in rollouts])
         if self.reward_service is not None:
             with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
-                samples = [
-                    ScoredSample(
-                        prompt=p.text, response=self.decode(r.response_token_ids), row=p.fields
-                    )
-                    for p, r in zip(prompts, rollouts, strict=True)
-                ]
-                rewards = asyncio.run(self.reward_service.score_each(samples))
-                return torch.tensor([math.nan if r is None else r for r in rewards])
+                samples = self.scored_samples(prompts, rollouts)
+                return service_rewards(asyncio.run(self.reward_service.score_each(samples)))
         if self.reward is None:
             scores: torch.Tensor = gather(scoring[Phase.REWARD])
             return scores
         with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
             responses = [self.decode(r.response_token_ids) for r in rollouts]
             return torch.tensor(rule_rewards(self.reward, prompts, responses))
+
+    def scored_samples(
+        self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout]
+    ) -> list[ScoredSample]:
+        """What a reward service is sent for each response."""
+        return [
+            ScoredSample(prompt=p.text, response=self.decode(r.response_token_ids), row=p.fields)
+            for p, r in zip(prompts, rollouts, strict=True)
+        ]
 
     def score_alone(self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout]) -> torch.Tensor:
         """(B,) rewards ahead of the scoring stage (dynamic sampling filters on them)."""

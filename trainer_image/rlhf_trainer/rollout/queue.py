@@ -252,11 +252,20 @@ class SampleQueue:
     (every sample held, partial groups too) feeds `rlhf_queue_depth`.
     """
 
-    def __init__(self, group_size: int = 1, remembered: int = MIN_REMEMBERED_UIDS) -> None:
+    def __init__(
+        self,
+        group_size: int = 1,
+        remembered: int = MIN_REMEMBERED_UIDS,
+        keep_arrivals: bool = False,
+    ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self.group_size = group_size
         self.remembered = remembered  # uids: see remembered_uids
+        # With keep_arrivals, every sample put or restored, in order, until `arrivals`
+        # has handed it out (to its one reader: the driver's scorer).
+        self._arrivals: deque[Sample] | None = deque() if keep_arrivals else None
+        self._arrived = 0  # samples put or restored over the queue's life
         self._samples: deque[Sample] = deque()  # whole groups, a group's samples together
         self._partial: dict[int, list[Sample]] = {}  # group -> the samples that arrived
         self._ready = threading.Condition()
@@ -291,6 +300,9 @@ class SampleQueue:
 
     def _add(self, sample: Sample) -> None:
         """Queue the sample, or hold it until its group is whole (under the lock)."""
+        self._arrived += 1
+        if self._arrivals is not None:
+            self._arrivals.append(sample)
         number = sample.uid // self.group_size
         group = self._partial.setdefault(number, [])
         group.append(sample)
@@ -326,6 +338,22 @@ class SampleQueue:
             if not ready or self._closed:
                 return None
             return [self._samples.popleft() for _ in range(size)]
+
+    def arrivals(self, after: int, timeout_s: float) -> tuple[list[Sample], int]:
+        """The samples put or restored after the first `after`, in order, and how many
+        have arrived in all (the next call's `after`); waits up to `timeout_s` for one
+        (not after `close`). For one reader: those up to `after` are forgotten."""
+        log = self._arrivals
+        if log is None:
+            raise ValueError("this queue keeps no arrivals (keep_arrivals=False)")
+        with self._ready:
+            if after < self._arrived - len(log):
+                raise ValueError(f"arrivals after {after}: those are handed out already")
+            for _ in range(min(len(log), after - (self._arrived - len(log)))):
+                log.popleft()  # the reader has them
+            self._ready.wait_for(lambda: self._closed or self._arrived > after, timeout_s)
+            first = self._arrived - len(log)  # arrivals before log[0]
+            return list(log)[after - first :], self._arrived
 
     def depth(self) -> int:
         with self._ready:

@@ -1,0 +1,82 @@
+"""Benchmark: fully async PPO scored by a slow reward service, its samples scored as they
+finish (ScoresAhead) against scored when the step takes them, in one run.
+
+The job is bench-async's fully-async one (rollout and train pools of one simulated GPU
+each, stalenessThreshold 1, a weight sync every 2 steps) with models.reward.url: the
+toy copy rule served over HTTP by rlhf_env's reward app in this process, taking
+SECONDS_PER_SAMPLE for each sample it scores, as a judge model would. A batch of 32
+then costs about as much scoring as generating. Scored at the step, the driver waits
+for the service inside each step; scored ahead, the service works while the engines
+generate, and the step waits only for what it is behind.
+
+"at the step" is the loop as it was before ScoresAhead: the same run with
+`scores_ahead` answering False. Interleaved, 3 repeats by default (median and min-max).
+Run: .venv/bin/python -m bench.async.slow_reward [measured steps] [seconds per sample]
+[repeats] (about 10 minutes).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from unittest import mock
+
+from bench.harness import Measurement, run_bench
+from bench.runs import measure_run
+from rlhf_env.rewards import reward_app_for
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.data.tasks import toy_copy
+from tests.environments import served
+
+from .run import BATCH, WARMUP_STEPS
+from .run import job as async_job
+
+MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+SECONDS_PER_SAMPLE = float(sys.argv[2]) if len(sys.argv) > 2 else 0.02
+REPEATS = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+
+
+def slow_copy_reward(prompt: str, response: str, **row: object) -> float:
+    time.sleep(SECONDS_PER_SAMPLE)
+    return toy_copy(prompt, response)
+
+
+def job(url: str, checkpoints: Path) -> JobConfig:
+    config = async_job(True, checkpoints)
+    spec = config.model_dump(by_alias=True, exclude_none=True)
+    spec["models"]["reward"] = {"url": url}
+    spec["trainer"]["totalSteps"] = WARMUP_STEPS + MEASURED_STEPS
+    return JobConfig.model_validate(spec)
+
+
+def measure(url: str, ahead: bool) -> Measurement:
+    """samples/s over the measured steps, and the step's mean seconds."""
+    with mock.patch("rlhf_trainer.loop.fully_async.scores_ahead", return_value=ahead):
+        measured, figures = measure_run(partial(job, url), WARMUP_STEPS)
+    return {
+        "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),
+        "step_s": figures["step_s"],
+    }
+
+
+def compare(run: dict[str, Measurement]) -> Measurement:
+    return {"speedup": run["ahead"]["samples_per_s"] / run["at_the_step"]["samples_per_s"]}
+
+
+def main() -> None:
+    with served({"reward": reward_app_for(slow_copy_reward)}) as base:
+        url = f"{base}/reward"
+        run_bench(
+            "async_slow_reward",
+            {"at_the_step": partial(measure, url, False), "ahead": partial(measure, url, True)},
+            REPEATS,
+            compare,
+            measured_steps=MEASURED_STEPS,
+            seconds_per_sample=SECONDS_PER_SAMPLE,
+        )
+
+
+if __name__ == "__main__":
+    main()
