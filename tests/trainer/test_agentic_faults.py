@@ -18,19 +18,18 @@ import threading
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rlhf_env.rewards import reward_app_for
 from rlhf_env.server import app_for
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.data.tasks import toy_copy
-from tests.environments import CHATTER_TURNS, Unreliable, served
-from tests.specs import LOCAL_EXAMPLE, local_async_job
+from tests.environments import Unreliable, served
+from tests.specs import local_async_job
 from tests.trainer.local_runs import train
+from tests.trainer.test_multi_turn_run import STEPS, multi_turn_job
 
 pytestmark = pytest.mark.slow  # two whole runs (about a minute each)
 
-STEPS = 3
 RETRIES = 1  # the reward service's attempts at a sample: 1 + RETRIES
 
 
@@ -51,24 +50,15 @@ class FailsOnPrompts:
 
 
 def unreliable_job(environment_url: str, checkpoint_dir: Path) -> JobConfig:
-    """The local example, colocated and synchronous, on toy:lookup's rows in
-    Unreliable's episodes."""
-    spec = yaml.safe_load(LOCAL_EXAMPLE.read_text())["spec"]
+    """test_multi_turn_run's job against Unreliable, colocated and synchronous, with no
+    held-out rows (so the faulty sessions are training episodes) and a 1 s limit on
+    each environment call."""
+    job = multi_turn_job("split", environment_url, checkpoint_dir)
+    spec = job.model_dump(by_alias=True, exclude_none=True)
     spec["pools"] = [p for p in spec["pools"] if p["name"] == spec["roles"]["actor"]]
     spec["roles"]["critic"] = spec["roles"]["actor"]
-    spec["algorithm"].pop("klController", None)
-    spec["models"]["reward"] = {"environment": True}
-    spec["environments"] = [{"name": "unreliable", "url": environment_url}]
-    spec["generation"]["multiTurn"] = {
-        "environment": "unreliable",
-        "toolParser": "rlhf_toy",
-        "maxTurns": CHATTER_TURNS,
-        "maxTokens": 48,
-        "toolCallTimeoutSeconds": 1.0,
-    }
-    spec["data"] = {"train": "toy:lookup", "maxPromptLength": 8, "maxResponseLength": 4}
-    spec["trainer"].update(totalSteps=STEPS, batchSize=8, miniBatchSize=8, evalEverySteps=None)
-    spec["trainer"]["checkpoint"] = {"path": str(checkpoint_dir), "everySteps": STEPS}
+    spec["data"].pop("eval")
+    spec["generation"]["multiTurn"]["toolCallTimeoutSeconds"] = 1.0
     return JobConfig.model_validate(spec)
 
 
