@@ -4,15 +4,18 @@ finish (ScoresAhead) against scored when the step takes them, in one run.
 The job is bench-async's fully-async one (rollout and train pools of one simulated GPU
 each, stalenessThreshold 1, a weight sync every 2 steps) with models.reward.url: the
 toy copy rule served over HTTP by rlhf_env's reward app in this process, taking
-SECONDS_PER_SAMPLE for each sample it scores, as a judge model would. A batch of 32
-then costs about as much scoring as generating. Scored at the step, the driver waits
-for the service inside each step; scored ahead, the service works while the engines
-generate, and the step waits only for what it is behind.
+SECONDS_PER_SAMPLE (0.06) for each sample it scores, as a judge model would: a batch of
+32, one sample after another, takes it 1.9 s, more than generating it. Scored at the
+step, the driver waits for the service inside each step; scored ahead, the service
+works while the engines generate, and the step waits only for what it is behind.
 
 "at the step" is the loop as it was before ScoresAhead: the same run with
-`scores_ahead` answering False. Interleaved, 3 repeats by default (median and min-max).
+`scores_ahead` answering False; "at the step, spread" sends its step's samples 4 a
+request (models.reward.requests.batchSize), so that the service answers them in
+parallel as it does the arrivals scored ahead: the gain left is the overlap alone.
+Interleaved, 3 repeats by default (median and min-max).
 Run: .venv/bin/python -m bench.async.slow_reward [measured steps] [seconds per sample]
-[repeats] (about 10 minutes).
+[repeats] (about 15 minutes).
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ from .run import BATCH, WARMUP_STEPS
 from .run import job as async_job
 
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-SECONDS_PER_SAMPLE = float(sys.argv[2]) if len(sys.argv) > 2 else 0.02
+SECONDS_PER_SAMPLE = float(sys.argv[2]) if len(sys.argv) > 2 else 0.06
 REPEATS = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+# at_the_step_spread: a step's 32 samples as 8 requests of 4, at once (concurrency 8):
+# what is left of the gain once the step uses the service's parallelism too.
+SPREAD_BATCH = 4
 
 
 def slow_copy_reward(prompt: str, response: str, **row: object) -> float:
@@ -43,18 +49,18 @@ def slow_copy_reward(prompt: str, response: str, **row: object) -> float:
     return toy_copy(prompt, response)
 
 
-def job(url: str, checkpoints: Path) -> JobConfig:
+def job(url: str, batch_size: int, checkpoints: Path) -> JobConfig:
     config = async_job(True, checkpoints)
     spec = config.model_dump(by_alias=True, exclude_none=True)
-    spec["models"]["reward"] = {"url": url}
+    spec["models"]["reward"] = {"url": url, "requests": {"batchSize": batch_size}}
     spec["trainer"]["totalSteps"] = WARMUP_STEPS + MEASURED_STEPS
     return JobConfig.model_validate(spec)
 
 
-def measure(url: str, ahead: bool) -> Measurement:
+def measure(url: str, ahead: bool, batch_size: int = 64) -> Measurement:
     """samples/s over the measured steps, and the step's mean seconds."""
     with mock.patch("rlhf_trainer.loop.fully_async.scores_ahead", return_value=ahead):
-        measured, figures = measure_run(partial(job, url), WARMUP_STEPS)
+        measured, figures = measure_run(partial(job, url, batch_size), WARMUP_STEPS)
     return {
         "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),
         "step_s": figures["step_s"],
@@ -62,7 +68,11 @@ def measure(url: str, ahead: bool) -> Measurement:
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:
-    return {"speedup": run["ahead"]["samples_per_s"] / run["at_the_step"]["samples_per_s"]}
+    ahead = run["ahead"]["samples_per_s"]
+    return {
+        "speedup": ahead / run["at_the_step"]["samples_per_s"],
+        "speedup_over_spread": ahead / run["at_the_step_spread"]["samples_per_s"],
+    }
 
 
 def main() -> None:
@@ -70,7 +80,11 @@ def main() -> None:
         url = f"{base}/reward"
         run_bench(
             "async_slow_reward",
-            {"at_the_step": partial(measure, url, False), "ahead": partial(measure, url, True)},
+            {
+                "at_the_step": partial(measure, url, False),
+                "at_the_step_spread": partial(measure, url, False, SPREAD_BATCH),
+                "ahead": partial(measure, url, True),
+            },
             REPEATS,
             compare,
             measured_steps=MEASURED_STEPS,

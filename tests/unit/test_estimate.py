@@ -18,6 +18,7 @@ from rlhf_trainer.api.estimate import (
     load_profile,
     rollout_pool_sizes,
     suggest_split,
+    sync_gigabytes,
 )
 from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.plan import Phase
@@ -233,6 +234,20 @@ def test_a_lora_adapter_is_sized_as_peft_builds_it() -> None:
         peft = get_peft_model(build_tiny_model(tiny), PeftLora(r=8, target_modules=targets))
         trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
         assert shape.adapter_parameters(lora) == trainable, targets
+    # A tiny job's adapter is sized from the tiny model's own layers, as it is built.
+    tiny_job = job_config(
+        [two_gpus("a")],
+        ALL_ON_A,
+        models={
+            "actor": {"tiny": tiny.model_dump(by_alias=True), "lora": {"rank": 8}},
+            "reward": {"path": "rm"},
+        },
+    )
+    peft = get_peft_model(
+        build_tiny_model(tiny), PeftLora(r=8, target_modules=LoraConfig().target_modules)
+    )
+    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    assert sync_gigabytes(tiny_job, PROFILE) == pytest.approx(trainable * 4 / 1e9)  # fp32
     with pytest.raises(ValueError, match=r"lora.targetModules \['c_attn'\]: the estimate sizes"):
         shape.adapter_parameters(LoraConfig(target_modules=["q_proj", "c_attn"]))
 
