@@ -3,7 +3,7 @@ finish (ScoresAhead) against scored when the step takes them, in one run.
 
 The job is bench-async's fully-async one (rollout and train pools of one simulated GPU
 each, stalenessThreshold 1, a weight sync every 2 steps) with models.reward.url: the
-toy copy rule served over HTTP by rlhf_env's reward app in this process, taking
+toy copy rule served over HTTP by rlhf_env's reward app in a process of its own, taking
 SECONDS_PER_SAMPLE (0.06) for each sample it scores, as a judge model would: a batch of
 32, one sample after another, takes it 1.9 s, more than generating it. Scored at the
 step, the driver waits for the service inside each step; scored ahead, the service
@@ -20,25 +20,33 @@ Run: .venv/bin/python -m bench.async.slow_reward [measured steps] [seconds per s
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from unittest import mock
 
+import httpx
+
 from bench.harness import Measurement, run_bench
 from bench.runs import measure_run
-from rlhf_env.rewards import reward_app_for
+from rlhf_env.process import free_port
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.data.tasks import toy_copy
-from tests.environments import served
 
 from .run import BATCH, WARMUP_STEPS
 from .run import job as async_job
 
-MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-SECONDS_PER_SAMPLE = float(sys.argv[2]) if len(sys.argv) > 2 else 0.06
-REPEATS = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+ARGS = sys.argv if __name__ == "__main__" else sys.argv[:1]  # (the service imports this)
+MEASURED_STEPS = int(ARGS[1]) if len(ARGS) > 1 else 10
+SECONDS_PER_SAMPLE = float(
+    ARGS[2] if len(ARGS) > 2 else os.environ.get("SECONDS_PER_SAMPLE", "0.06")
+)
+REPEATS = int(ARGS[3]) if len(ARGS) > 3 else 3
 # at_the_step_spread: a step's 32 samples as 8 requests of 4, at once (concurrency 8):
 # what is left of the gain once the step uses the service's parallelism too.
 SPREAD_BATCH = 4
@@ -75,9 +83,37 @@ def compare(run: dict[str, Measurement]) -> Measurement:
     }
 
 
+@contextmanager
+def reward_service() -> Iterator[str]:
+    """`python -m rlhf_env serve-reward` of slow_copy_reward, a process of its own as a
+    remote service is (in this one it would take the driver's CPU); yields its URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "rlhf_env", "serve-reward",
+               "bench.async.slow_reward:slow_copy_reward", "--port", str(port),
+               "--log-level", "warning"]  # fmt: skip
+    env = os.environ | {"SECONDS_PER_SAMPLE": str(SECONDS_PER_SAMPLE)}
+    server = subprocess.Popen(command, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not healthy(url):
+            if server.poll() is not None:
+                raise RuntimeError(f"the reward service exited with {server.returncode}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1.0).is_success
+    except httpx.TransportError:
+        return False
+
+
 def main() -> None:
-    with served({"reward": reward_app_for(slow_copy_reward)}) as base:
-        url = f"{base}/reward"
+    with reward_service() as url:
         run_bench(
             "async_slow_reward",
             {
