@@ -1,6 +1,6 @@
 """The watches' cache the reconcile reads from (controller/cache.py): newest version wins,
 deletions, label selectors, and copies. That the operator then makes no per-event read
-is proven on a real API server (tests/controlplane/test_operator.py)."""
+is proven on a real API server (tests/controlplane/test_examples.py)."""
 
 from __future__ import annotations
 
@@ -46,11 +46,13 @@ def test_a_late_event_does_not_undo_a_newer_write() -> None:
 def test_a_deletion_removes_the_object_unless_a_newer_one_is_known() -> None:
     cache = ObjectCache(frozenset({"Pod"}))
     cache.observe("Pod", None, pod("p", 3))
+    assert cache.holds("Pod", "ns", "p") and not cache.holds("Pod", "other", "p")
     cache.observe("Pod", "DELETED", pod("p", 4))
     assert cache.get("Pod", "ns", "p") is None and len(cache) == 0
+    assert not cache.holds("Pod", "ns", "p")
     cache.observe("Pod", "ADDED", pod("q", 10))  # made again under the same name: newer
     cache.observe("Pod", "DELETED", pod("q", 8))  # the old one's deletion, late
-    assert cache.get("Pod", "ns", "q") is not None
+    assert cache.get("Pod", "ns", "q") is not None and cache.holds("Pod", "ns", "q")
 
 
 def test_a_list_selects_by_namespace_and_labels_and_returns_copies() -> None:

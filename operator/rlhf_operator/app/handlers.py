@@ -1,10 +1,11 @@
 """kopf registration. kopf watches, peers and runs the event loop; it writes nothing.
 
 Every event about a job or one of its children (found by the job label) is kept in a
-cache (the reconcile reads from it) and puts the job's key on a work queue; workers take
-keys and run one level-based reconcile each. No finalizers (deleting a job never waits
-for the operator) and no timers: a deleted child, a pod becoming ready or KubeRay
-updating its RayJob is itself an event.
+cache (the reconcile reads from it) and puts the job's key on a work queue (a child's,
+only while the cache holds its job); workers take keys and run one level-based
+reconcile each. No finalizers (deleting a job never waits for the operator) and no
+timers: a deleted child, a pod becoming ready or KubeRay updating its RayJob is itself
+an event.
 """
 
 from __future__ import annotations
@@ -114,7 +115,11 @@ def child_changed(kind: str) -> Any:
     async def changed(event: kopf.RawEvent, labels: kopf.Labels, namespace: str,
                       memo: kopf.Memo, **_: Any) -> None:  # fmt: skip
         memo.cache.observe(kind, event["type"], event["object"])
-        memo.queue.add((namespace, labels[JOB_LABEL]))
+        # Only a job the cache holds: its own events bring the rest (its listing at
+        # start-up, its creation), and once it is deleted its children's going needs
+        # no reconcile (each would ask the API server for the job again).
+        if memo.cache.holds("RLHFJob", namespace, labels[JOB_LABEL]):
+            memo.queue.add((namespace, labels[JOB_LABEL]))
 
     return changed
 

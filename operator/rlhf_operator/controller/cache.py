@@ -92,6 +92,10 @@ class ObjectCache:
             found = self._objects[kind].get(namespace, {}).get(name)
         return None if found is None else found.object()
 
+    def holds(self, kind: str, namespace: str, name: str) -> bool:
+        with self._lock:
+            return name in self._objects[kind].get(namespace, {})
+
     def list(self, kind: str, namespace: str, selector: str) -> list[Obj]:
         with self._lock:
             found = [
