@@ -43,7 +43,12 @@ HEADLINES = {  # name -> the figures its summary shows
         "pipeline_efficiency",
         "estimate_error",
     ],
-    "slow_reward": ["speedup", "ahead.samples_per_s", "at_the_step.samples_per_s"],
+    "slow_reward": [
+        "speedup",
+        "spread_speedup",
+        "ahead.samples_per_s",
+        "at_the_step.samples_per_s",
+    ],
     "elastic": [
         "grow_after_over_before",
         "grow_after_over_fixed_2",

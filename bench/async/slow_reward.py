@@ -9,11 +9,11 @@ SECONDS_PER_SAMPLE (0.06) for each sample it scores, as a judge model would: a b
 step, the driver waits for the service inside each step; scored ahead, the service
 works while the engines generate, and the step waits only for what it is behind.
 
-"at the step" is the loop as it was before ScoresAhead: the same run with
-`scores_ahead` answering False; "at the step, spread" sends its step's samples 4 a
-request (models.reward.requests.batchSize), so that the service answers them in
-parallel as it does the arrivals scored ahead: the gain left is the overlap alone.
-Interleaved, 3 repeats by default (median and min-max).
+"at the step" is the same run with `scores_ahead` answering False: the step's samples
+spread over 8 requests at once (models.reward.requests.concurrency), as the client
+sends them; "one request" is the loop before that spread, a step's 32 samples in one
+request (concurrency 1). Against "at the step", the gain of "ahead" is the overlap
+alone. Interleaved, 3 repeats by default (median and min-max).
 Run: .venv/bin/python -m bench.async.slow_reward [measured steps] [seconds per sample]
 [repeats] (about 15 minutes).
 """
@@ -47,9 +47,6 @@ SECONDS_PER_SAMPLE = float(
     ARGS[2] if len(ARGS) > 2 else os.environ.get("SECONDS_PER_SAMPLE", "0.06")
 )
 REPEATS = int(ARGS[3]) if len(ARGS) > 3 else 3
-# at_the_step_spread: a step's 32 samples as 8 requests of 4, at once (concurrency 8):
-# what is left of the gain once the step uses the service's parallelism too.
-SPREAD_BATCH = 4
 
 
 def slow_copy_reward(prompt: str, response: str, **row: object) -> float:
@@ -57,18 +54,18 @@ def slow_copy_reward(prompt: str, response: str, **row: object) -> float:
     return toy_copy(prompt, response)
 
 
-def job(url: str, batch_size: int, checkpoints: Path) -> JobConfig:
+def job(url: str, concurrency: int, checkpoints: Path) -> JobConfig:
     config = async_job(True, checkpoints)
     spec = config.model_dump(by_alias=True, exclude_none=True)
-    spec["models"]["reward"] = {"url": url, "requests": {"batchSize": batch_size}}
+    spec["models"]["reward"] = {"url": url, "requests": {"concurrency": concurrency}}
     spec["trainer"]["totalSteps"] = WARMUP_STEPS + MEASURED_STEPS
     return JobConfig.model_validate(spec)
 
 
-def measure(url: str, ahead: bool, batch_size: int = 64) -> Measurement:
+def measure(url: str, ahead: bool, concurrency: int = 8) -> Measurement:
     """samples/s over the measured steps, and the step's mean seconds."""
     with mock.patch("rlhf_trainer.loop.fully_async.scores_ahead", return_value=ahead):
-        measured, figures = measure_run(partial(job, url, batch_size), WARMUP_STEPS)
+        measured, figures = measure_run(partial(job, url, concurrency), WARMUP_STEPS)
     return {
         "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),
         "step_s": figures["step_s"],
@@ -76,10 +73,12 @@ def measure(url: str, ahead: bool, batch_size: int = 64) -> Measurement:
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:
-    ahead = run["ahead"]["samples_per_s"]
+    ahead, at_the_step = run["ahead"]["samples_per_s"], run["at_the_step"]["samples_per_s"]
+    one_request = run["one_request"]["samples_per_s"]
     return {
-        "speedup": ahead / run["at_the_step"]["samples_per_s"],
-        "speedup_over_spread": ahead / run["at_the_step_spread"]["samples_per_s"],
+        "speedup": ahead / at_the_step,  # the overlap alone
+        "spread_speedup": at_the_step / one_request,
+        "speedup_over_one_request": ahead / one_request,
     }
 
 
@@ -117,8 +116,8 @@ def main() -> None:
         run_bench(
             "async_slow_reward",
             {
+                "one_request": partial(measure, url, False, 1),
                 "at_the_step": partial(measure, url, False),
-                "at_the_step_spread": partial(measure, url, False, SPREAD_BATCH),
                 "ahead": partial(measure, url, True),
             },
             REPEATS,

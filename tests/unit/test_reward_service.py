@@ -52,6 +52,7 @@ class Scorer:
     def __init__(self, fail_first: int = 0, status: int = 503, gather: int = 0) -> None:
         self.fail_first, self.status, self.gather = fail_first, status, gather
         self.requests, self.running, self.most_running = 0, 0, 0
+        self.sizes: list[int] = []  # samples of each request, as they came
         self.lock = threading.Lock()
 
     def app(self, rewards: Any = None) -> FastAPI:
@@ -61,6 +62,7 @@ class Scorer:
         async def score(request: ScoreRequest) -> dict[str, Any]:
             with self.lock:
                 self.requests += 1
+                self.sizes.append(len(request.samples))
                 self.running += 1
                 self.most_running = max(self.most_running, self.running)
                 failing = self.requests <= self.fail_first
@@ -83,6 +85,7 @@ SCORERS = {
     "flaky": Scorer(fail_first=2),
     "refusing": Scorer(fail_first=100, status=403),
     "slow": Scorer(gather=3),
+    "spread": Scorer(gather=4),
     "short": Scorer(),
     "nan": Scorer(),
 }
@@ -96,7 +99,7 @@ def server() -> Iterator[str]:
         "picky": reward_app_for(picky_reward),
         "short": SCORERS["short"].app(rewards=[1.0]),
         "nan": SCORERS["nan"].app(rewards=[float("nan")]),
-        **{name: SCORERS[name].app() for name in ("flaky", "refusing", "slow")},
+        **{name: SCORERS[name].app() for name in ("flaky", "refusing", "slow", "spread")},
     }
     with served(apps) as url:
         yield url
@@ -123,8 +126,22 @@ def test_requests_in_flight_are_bounded(server: str) -> None:
     assert (scorer.requests, scorer.most_running) == (12, 3)
 
 
+def test_a_call_is_spread_over_the_requests_it_may_have_in_flight(server: str) -> None:
+    """A step's samples go side by side, not queued in one request: 10 samples with room
+    for 4 requests are 4 requests of 3 at most, all in flight at once; batchSize still
+    caps a request."""
+    scorer = SCORERS["spread"]
+    assert score(f"{server}/spread", samples(10), batch_size=64, concurrency=4) == [
+        2.0 * i for i in range(10)
+    ]
+    assert (sorted(scorer.sizes), scorer.most_running) == ([1, 3, 3, 3], 4)
+    scorer.sizes.clear()
+    assert len(score(f"{server}/spread", samples(40), batch_size=5, concurrency=4)) == 40
+    assert scorer.sizes == [5] * 8
+
+
 def test_a_request_that_fails_for_now_is_retried(server: str) -> None:
-    assert score(f"{server}/flaky", samples(3), retries=3) == [0.0, 2.0, 4.0]
+    assert score(f"{server}/flaky", samples(3), retries=3, concurrency=1) == [0.0, 2.0, 4.0]
     assert SCORERS["flaky"].requests == 3  # two 503s, then the answer
 
 
@@ -148,7 +165,7 @@ def test_a_batch_that_fails_leaves_its_samples_unscored_and_the_rest_are_scored(
     are None, named in the log with the URL and the reason; the other batches count."""
     batch = [ScoredSample(prompt="q", response="a a", row={"fail": "yes"}) for _ in range(2)]
     batch += samples(3)
-    client = RewardClient(f"{server}/picky", backoff=0.01, retries=1, batch_size=2)
+    client = RewardClient(f"{server}/picky", backoff=0.01, retries=1, batch_size=2, concurrency=2)
     assert asyncio.run(client.score_each(batch)) == [None, None, 0.0, 1.0, 2.0]
     [logged] = [r.getMessage() for r in caplog.records if "unscored" in r.getMessage()]
     assert logged.startswith(f"reward service at {server}/picky/score failed: HTTP 500")
@@ -162,7 +179,7 @@ def test_answers_that_no_retry_changes_fail_at_once(server: str) -> None:
         score(f"{server}/refusing", samples(1), retries=5)
     assert SCORERS["refusing"].requests == 1
     with pytest.raises(RewardServiceFailed, match="1 rewards for 3 samples"):
-        score(f"{server}/short", samples(3))
+        score(f"{server}/short", samples(3), concurrency=1)
     with pytest.raises(RewardServiceFailed, match=r"the answer breaks the protocol: rewards\.0"):
         score(f"{server}/nan", samples(1))
 

@@ -8,18 +8,21 @@
 float`, the same signature as a rule-based reward in the trainer image, so a reward that
 outgrew the image moves out unchanged: `python -m rlhf_env serve-reward module:function`.
 
-`RewardClient` is the trainer's side. It sends at most `batch_size` samples a request
-and `concurrency` requests at once. A request that times out, cannot connect, or gets a
-5xx or a 429 is retried `retries` times with exponential backoff; anything else (a 4xx,
-an answer that breaks the protocol, a count that does not match) fails at once. Every
-failure is one `RewardServiceFailed` that names the URL and the reason; `score_each`
-leaves a failed batch's samples unscored (None) instead, and scores the rest.
+`RewardClient` is the trainer's side. It spreads a call's samples over `concurrency`
+requests at once, `batch_size` samples a request at most, so that a step's samples are
+scored side by side rather than queued in one request. A request that times out, cannot
+connect, or gets a 5xx or a 429 is retried `retries` times with exponential backoff;
+anything else (a 4xx, an answer that breaks the protocol, a count that does not match)
+fails at once. Every failure is one `RewardServiceFailed` that names the URL and the
+reason; `score_each` leaves a failed batch's samples unscored (None) instead, and
+scores the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any
@@ -85,16 +88,19 @@ class RewardClient:
         return [reward for reward in rewards if reward is not None]
 
     async def score_each(
-        self, samples: Sequence[ScoredSample], *, partial: bool = True
+        self,
+        samples: Sequence[ScoredSample],
+        *,
+        partial: bool = True,
+        slots: asyncio.Semaphore | None = None,
     ) -> list[float | None]:
         """One reward per sample, in order. `partial`: a batch that fails (after its
         retries) is None for each of its samples, logged naming the URL and the reason,
-        and the others are still scored; else its failure is raised."""
-        batches = [
-            samples[start : start + self.batch_size]
-            for start in range(0, len(samples), self.batch_size)
-        ]
-        slots = asyncio.Semaphore(self.concurrency)  # of this call's loop
+        and the others are still scored; else its failure is raised. `slots`: the
+        requests in flight, shared by calls that overlap (one for this call if None)."""
+        size = self.request_size(len(samples))
+        batches = [samples[start : start + size] for start in range(0, len(samples), size)]
+        slots = slots or asyncio.Semaphore(self.concurrency)  # of this call's loop
         limits = httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS)  # retries come after idle
         async with httpx.AsyncClient(timeout=None, limits=limits, verify=self.tls) as http:
             scored = await asyncio.gather(
@@ -110,6 +116,10 @@ class RewardClient:
             else:
                 rewards += result
         return rewards
+
+    def request_size(self, samples: int) -> int:
+        """Samples a request: spread over `concurrency` requests, `batch_size` at most."""
+        return max(1, min(self.batch_size, math.ceil(samples / self.concurrency)))
 
     async def _score_batch(
         self, http: httpx.AsyncClient, slots: asyncio.Semaphore, batch: Sequence[ScoredSample]

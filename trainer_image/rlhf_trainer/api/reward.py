@@ -42,7 +42,13 @@ class RewardRequests(SpecModel):
         ),
     )
     concurrency: int = Field(8, ge=1, le=1024, description="Requests in flight at once, at most.")
-    batch_size: int = Field(64, ge=1, le=65536, description="Samples a request, at most.")
+    batch_size: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="Samples a request, at most; a step's samples are spread over "
+        "`concurrency` requests.",
+    )
     max_unscored_steps: int = Field(
         3,
         ge=1,

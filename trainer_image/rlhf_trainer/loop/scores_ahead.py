@@ -3,11 +3,11 @@
 A thread of the driver reads each sample as it reaches the queue (`SampleQueue.arrivals`)
 and has the reward service score it, so that by the time the trainer takes a batch its
 rewards are in, and a slow service costs the loop only what it is behind, not a whole
-round trip per step. The thread runs one event loop: each arrival's request (batchSize
-samples at most) is a task of it, with at most `concurrency` in flight, as the job's
-models.reward.requests allows. The scores are kept by sample uid until the step takes
-them. Nothing is checkpointed: a resumed queue's samples arrive again, and are scored
-again.
+round trip per step. The thread runs one event loop: what each read of the queue brings
+is scored by a task of it, in requests the client sizes, with at most `concurrency` in
+flight across the tasks, as the job's models.reward.requests allows. The scores are kept
+by sample uid until the step takes them. Nothing is checkpointed: a resumed queue's
+samples arrive again, and are scored again.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 ARRIVALS_WAIT_S = 1.0  # how long one read of the queue waits for a sample (and a stop)
 ToScored = Callable[[Sequence[Sample]], list[ScoredSample]]  # what the service is sent
-Scored = Callable[[float, float], object]  # (start, end) of a request, for the timeline
+Scored = Callable[[float, float], object]  # (start, end) of a read's scoring, for the timeline
 
 
 def scores_ahead(config: JobConfig) -> bool:
@@ -68,20 +68,19 @@ class ScoresAhead:
 
     async def _serve(self) -> None:
         slots = asyncio.Semaphore(self.client.concurrency)
-        requests: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
+        scoring: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
         read = 0  # samples read from the queue so far
         try:
             while not self._stopping.is_set():
                 arrived, read = await asyncio.to_thread(self._arrivals, read)
-                for start in range(0, len(arrived), self.client.batch_size):
-                    chunk = arrived[start : start + self.client.batch_size]
-                    request = asyncio.create_task(self._score(slots, chunk))
-                    requests.add(request)
-                    request.add_done_callback(requests.discard)
+                if arrived:
+                    task = asyncio.create_task(self._score(slots, arrived))
+                    scoring.add(task)
+                    task.add_done_callback(scoring.discard)
         except BaseException as error:
             self._fail(error)
-        for request in requests:
-            request.cancel()
+        for task in scoring:
+            task.cancel()
 
     def _arrivals(self, read: int) -> tuple[list[Sample], int]:
         arrived: tuple[list[Sample], int] = join(
@@ -90,14 +89,14 @@ class ScoresAhead:
         return arrived
 
     async def _score(self, slots: asyncio.Semaphore, samples: Sequence[Sample]) -> None:
-        async with slots:
-            started = time.time()
-            try:
-                rewards = service_rewards(await self.client.score_each(self.to_scored(samples)))
-            except Exception as error:
-                self._fail(error)
-                return
-            self.on_scored(started, time.time())
+        started = time.time()
+        try:
+            scored = self.to_scored(samples)
+            rewards = service_rewards(await self.client.score_each(scored, slots=slots))
+        except Exception as error:
+            self._fail(error)
+            return
+        self.on_scored(started, time.time())
         with self._ready:
             self._scores.update(zip((s.uid for s in samples), rewards.tolist(), strict=True))
             self._ready.notify_all()
