@@ -100,7 +100,8 @@ class RewardClient:
         requests in flight, shared by calls that overlap (one for this call if None)."""
         size = self.request_size(len(samples))
         batches = [samples[start : start + size] for start in range(0, len(samples), size)]
-        slots = slots or asyncio.Semaphore(self.concurrency)  # of this call's loop
+        if slots is None:
+            slots = asyncio.Semaphore(self.concurrency)  # of this call's loop
         limits = httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS)  # retries come after idle
         async with httpx.AsyncClient(timeout=None, limits=limits, verify=self.tls) as http:
             scored = await asyncio.gather(
