@@ -15,7 +15,7 @@ sends them; "one request" is the loop before that spread, a step's 32 samples in
 request (concurrency 1). Against "at the step", the gain of "ahead" is the overlap
 alone. Interleaved, 3 repeats by default (median and min-max).
 Run: .venv/bin/python -m bench.async.slow_reward [measured steps] [seconds per sample]
-[repeats] (about 15 minutes).
+[repeats] (about 12 minutes).
 """
 
 from __future__ import annotations

@@ -220,20 +220,24 @@ def lora_job(target_modules: list[str], **models: object) -> JobConfig:
     )
 
 
-def test_a_lora_adapter_is_sized_as_peft_builds_it() -> None:
-    """The count from the linear shapes against peft's own adapter on the tiny model."""
+def peft_adapter_parameters(tiny: TinyModel, targets: list[str]) -> int:
+    """The trainable parameters of peft's own rank-8 adapter on the tiny model."""
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
 
     from rlhf_trainer.models import build_tiny_model
 
+    peft = get_peft_model(build_tiny_model(tiny), PeftLora(r=8, target_modules=targets))
+    return sum(p.numel() for p in peft.parameters() if p.requires_grad)
+
+
+def test_a_lora_adapter_is_sized_as_peft_builds_it() -> None:
+    """The count from the linear shapes against peft's own adapter on the tiny model."""
     tiny = TinyModel(hidden_size=64, num_layers=3, num_heads=2, vocab_size=64)
     shape = ModelShape(layers=3, hidden_size=64, intermediate_size=4 * 64, kv_size=64)
     for targets in (["q_proj", "v_proj"], list(shape.linear_shapes())):
         lora = LoraConfig(rank=8, target_modules=targets)
-        peft = get_peft_model(build_tiny_model(tiny), PeftLora(r=8, target_modules=targets))
-        trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
-        assert shape.adapter_parameters(lora) == trainable, targets
+        assert shape.adapter_parameters(lora) == peft_adapter_parameters(tiny, targets), targets
     # A tiny job's adapter is sized from the tiny model's own layers, as it is built.
     tiny_job = job_config(
         [two_gpus("a")],
@@ -243,10 +247,7 @@ def test_a_lora_adapter_is_sized_as_peft_builds_it() -> None:
             "reward": {"path": "rm"},
         },
     )
-    peft = get_peft_model(
-        build_tiny_model(tiny), PeftLora(r=8, target_modules=LoraConfig().target_modules)
-    )
-    trainable = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    trainable = peft_adapter_parameters(tiny, LoraConfig().target_modules)
     assert sync_gigabytes(tiny_job, PROFILE) == pytest.approx(trainable * 4 / 1e9)  # fp32
     with pytest.raises(ValueError, match=r"lora.targetModules \['c_attn'\]: the estimate sizes"):
         shape.adapter_parameters(LoraConfig(target_modules=["q_proj", "c_attn"]))
