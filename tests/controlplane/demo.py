@@ -36,13 +36,21 @@ ON_REAL_NODE = {
 }
 
 
-def load_images(node: RealNode) -> None:
-    """The operator and CPU trainer images, built if stale (cached by their inputs) and
-    put into the node's containerd under the names the chart and the example use."""
-    built = ensure(("operator", "trainer-cpu"))
+# The names the chart and the examples use for the images of tests/images/build.py.
+IMAGE_NAMES = {
+    "operator": OPERATOR_IMAGE,
+    "trainer-cpu": TRAINER_IMAGE,
+    "environment": f"rlhf-environment:{VERSION}",
+}
+
+
+def load_images(node: RealNode, images: tuple[str, ...] = ("operator", "trainer-cpu")) -> None:
+    """`images` (tests/images/build.py's names), built if stale (cached by their inputs)
+    and put into the node's containerd under the names the chart and the examples use."""
+    built = ensure(images)
     socket = str(node.layout.containerd_socket)
-    load(built["operator"], socket, name=OPERATOR_IMAGE)
-    load(built["trainer-cpu"], socket, name=TRAINER_IMAGE)
+    for image in images:
+        load(built[image], socket, name=IMAGE_NAMES[image])
 
 
 def real_node_namespace(cp: ControlPlane, name: str) -> None:
