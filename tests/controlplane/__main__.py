@@ -7,6 +7,7 @@ long the start took (per phase, as JSON) and stops again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -14,6 +15,8 @@ import time
 
 from . import demo
 from .harness import BIN_DIR, ControlPlane, build_binaries, missing_binaries
+from .kuberay_in_cluster import NAMESPACE as KUBERAY_NAMESPACE
+from .kuberay_in_cluster import kuberay_in_cluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,19 +59,22 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(timings))
             return 0
         print(f"control plane up in {cp.startup_seconds:.1f}s; logs in {cp.logs_dir}")
-        if cp.real_node:
-            print("loading the images into the real node (first time: a few minutes) ...")
-            demo.prepare(cp)
-            print(f"real node {cp.real_node.name} at {cp.real_node.node_ip}: the pods of "
-                  f"namespaces {demo.OPERATOR_NAMESPACE} and {demo.JOBS_NAMESPACE} run there "
-                  "(tests/controlplane/demo.py)")  # fmt: skip
-        else:
-            print(f"no real node: {cp.real_node_absent}")
-        print(f"\n    export KUBECONFIG={cp.kubeconfig}")
-        print(f"    export PATH={BIN_DIR}:$PATH   # kubectl, helm\n")
-        print("Ctrl-C stops it.", flush=True)
-        while True:
-            time.sleep(3600)
+        with contextlib.ExitStack() as stack:
+            if cp.real_node:
+                print("loading the images into the real node (first time: a few minutes) ...")
+                demo.prepare(cp)
+                stack.enter_context(kuberay_in_cluster(cp))
+                print(f"real node {cp.real_node.name} at {cp.real_node.node_ip}: the pods of "
+                      f"namespaces {demo.OPERATOR_NAMESPACE} and {demo.JOBS_NAMESPACE} run "
+                      f"there, and KubeRay's in {KUBERAY_NAMESPACE} (tests/controlplane/demo.py, "
+                      "kuberay_in_cluster.py)")  # fmt: skip
+            else:
+                print(f"no real node: {cp.real_node_absent}")
+            print(f"\n    export KUBECONFIG={cp.kubeconfig}")
+            print(f"    export PATH={BIN_DIR}:$PATH   # kubectl, helm\n")
+            print("Ctrl-C stops it.", flush=True)
+            while True:
+                time.sleep(3600)
     except KeyboardInterrupt:
         return 0
     finally:

@@ -127,9 +127,11 @@ $(CP_BIN)/.node-packages: $(CP_MK)
 		touch $@; \
 	fi
 
+# Static (no cgo), as KubeRay's own image builds it: the same binary runs here and, as an
+# image of itself alone, inside the cluster (the walk-through's KubeRay).
 $(CP_BIN)/kuberay-operator: $(CP_GO)/kuberay/go.mod $(CP_GO)/kuberay/go.sum $(CP_MK)
 	@mkdir -p $(CP_BIN)
-	cd $(CP_GO)/kuberay && $(CP_GO_BUILD) -ldflags '$(CP_STRIP)' -o $(abspath $@) github.com/ray-project/kuberay/ray-operator
+	cd $(CP_GO)/kuberay && CGO_ENABLED=0 $(CP_GO_BUILD) -ldflags '$(CP_STRIP)' -o $(abspath $@) github.com/ray-project/kuberay/ray-operator
 	@touch $@
 
 $(CP_BIN)/kueue-manager: $(CP_GO)/kueue/go.mod $(CP_GO)/kueue/go.sum $(CP_MK)

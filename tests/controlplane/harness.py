@@ -756,6 +756,22 @@ class ControlPlane:
             self._wait("every node's lease renewed", lambda: self._leases_renewed(nodes, restarted),
                        None, timeout=90)  # fmt: skip
 
+    @contextlib.contextmanager
+    def host_kuberay_stopped(self) -> Iterator[None]:
+        """KubeRay's process on this machine stopped for the body (a KubeRay inside the
+        cluster takes the RayJobs meanwhile: two would reconcile the same ones), then
+        started again with the same arguments; returns once it is ready."""
+        proc = next(p for p in self.processes if p.name == "kuberay-operator")
+        proc.stop()
+        try:
+            yield
+        finally:
+            proc.start()
+            self._wait("kuberay-operator", self._kuberay_ready, proc, timeout=60)
+
+    def _kuberay_ready(self) -> bool:
+        return _http_get(f"http://127.0.0.1:{self._ports['kuberay-probe']}/readyz") == 200
+
     def _leases_renewed(self, nodes: list[str], since: datetime) -> bool:
         """Whether each node's Lease was renewed after `since`."""
         out = self.kubectl("get", "leases", "-n", "kube-node-lease", "-o", "json", check=False)
@@ -912,9 +928,7 @@ class ControlPlane:
                 _https_get(f"https://127.0.0.1:{self._ports['scheduler']}/healthz", insecure) == 200
             ),
             "kwok": lambda: _http_get(f"http://127.0.0.1:{self._ports['kwok']}/healthz") == 200,
-            "kuberay-operator": lambda: (
-                _http_get(f"http://127.0.0.1:{self._ports['kuberay-probe']}/readyz") == 200
-            ),
+            "kuberay-operator": self._kuberay_ready,
         }
         for name, check in checks.items():
             self._wait(name, check, by_name[name], timeout=60)

