@@ -5,10 +5,10 @@ finds the replicas through the cluster's DNS (no stand-in here), spreads its ses
 over them, and trains a few steps to Succeeded.
 
 While it trains (on an event: the first step reported), one replica is deleted at once,
-as with a lost node. Its Deployment replaces it and the job goes on to the end. Whether
-a session was live on it at that moment is up to the kill's timing, so a session started
-again elsewhere is proven on its own event in tests/unit/test_env_replicas.py; here the
-claim is that the run survives it.
+as with a lost node, and the job goes on to the end. Whether a session was live on it at
+that moment is up to the kill's timing, so a session started again elsewhere is proven
+on its own event in tests/unit/test_env_replicas.py; here the claim is that the run
+survives it.
 
 Kept small for CI: one pool (the example's critic moves onto it) and four steps. One
 job (module fixture); the tests read what it left."""
