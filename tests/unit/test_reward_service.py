@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 
 from rlhf_env.__main__ import main
 from rlhf_env.rewards import (
@@ -53,16 +53,18 @@ class Scorer:
         self.fail_first, self.status, self.gather = fail_first, status, gather
         self.requests, self.running, self.most_running = 0, 0, 0
         self.sizes: list[int] = []  # samples of each request, as they came
+        self.ports: list[int] = []  # the client's port of each request: its connection
         self.lock = threading.Lock()
 
     def app(self, rewards: Any = None) -> FastAPI:
         app = FastAPI()
 
         @app.post("/score")
-        async def score(request: ScoreRequest) -> dict[str, Any]:
+        async def score(request: ScoreRequest, http: Request) -> dict[str, Any]:
             with self.lock:
                 self.requests += 1
                 self.sizes.append(len(request.samples))
+                self.ports.append(http.client.port if http.client else 0)
                 self.running += 1
                 self.most_running = max(self.most_running, self.running)
                 failing = self.requests <= self.fail_first
@@ -87,6 +89,7 @@ SCORERS = {
     "slow": Scorer(gather=3),
     "spread": Scorer(gather=4),
     "short": Scorer(),
+    "kept": Scorer(),
     "nan": Scorer(),
 }
 
@@ -99,7 +102,7 @@ def server() -> Iterator[str]:
         "picky": reward_app_for(picky_reward),
         "short": SCORERS["short"].app(rewards=[1.0]),
         "nan": SCORERS["nan"].app(rewards=[float("nan")]),
-        **{name: SCORERS[name].app() for name in ("flaky", "refusing", "slow", "spread")},
+        **{name: SCORERS[name].app() for name in ("flaky", "refusing", "slow", "spread", "kept")},
     }
     with served(apps) as url:
         yield url
@@ -234,3 +237,23 @@ def test_steps_in_a_row_with_unscored_samples_fail_the_run_at_the_limit_naming_i
         "unscored, 1 of 2 this one (models.reward.requests.maxUnscoredSteps is 2); the log "
         "names each failure"
     )
+
+
+def test_calls_given_one_connection_reuse_it_and_calls_without_open_their_own(
+    server: str,
+) -> None:
+    """What the fully-async scorer does (loop/scores_ahead.py): every read of the queue
+    is scored over the one client it holds, so the service sees one TCP connection."""
+    client = RewardClient(f"{server}/kept", concurrency=1)
+
+    async def over_one_connection() -> None:
+        async with client.connection() as http:
+            for _ in range(3):
+                await client.score_each(samples(2), http=http)
+
+    asyncio.run(over_one_connection())
+    for _ in range(2):
+        asyncio.run(client.score_each(samples(2)))
+    shared, own = SCORERS["kept"].ports[:3], SCORERS["kept"].ports[3:]
+    assert len(set(shared)) == 1 and len(own) == 2, SCORERS["kept"].ports
+    assert len(set(own)) == 2 and not set(own) & set(shared), SCORERS["kept"].ports

@@ -21,6 +21,7 @@ scores the rest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import ssl
@@ -79,7 +80,7 @@ class RewardClient:
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.batch_size, self.concurrency = batch_size, concurrency
         # Made once: httpx builds one per client by default, 50 ms of CPU each here,
-        # and a client is opened per call.
+        # and a call not given a connection opens a client of its own.
         self.tls = ssl.create_default_context(cafile=certifi.where())
 
     async def score(self, samples: Sequence[ScoredSample]) -> list[float]:
@@ -87,23 +88,32 @@ class RewardClient:
         rewards = await self.score_each(samples, partial=False)
         return [reward for reward in rewards if reward is not None]
 
+    def connection(self) -> httpx.AsyncClient:
+        """An HTTP client for the service, to open with `async with`: the calls given it
+        (`score_each(..., http=)`) reuse its connections rather than each open its own."""
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS)  # retries come after idle
+        return httpx.AsyncClient(timeout=None, limits=limits, verify=self.tls)
+
     async def score_each(
         self,
         samples: Sequence[ScoredSample],
         *,
         partial: bool = True,
         slots: asyncio.Semaphore | None = None,
+        http: httpx.AsyncClient | None = None,
     ) -> list[float | None]:
         """One reward per sample, in order. `partial`: a batch that fails (after its
         retries) is None for each of its samples, logged naming the URL and the reason,
         and the others are still scored; else its failure is raised. `slots`: the
-        requests in flight, shared by calls that overlap (one for this call if None)."""
+        requests in flight, shared by calls that overlap (one for this call if None).
+        `http`: an open `connection()` (one for this call if None)."""
         size = self.request_size(len(samples))
         batches = [samples[start : start + size] for start in range(0, len(samples), size)]
         if slots is None:
             slots = asyncio.Semaphore(self.concurrency)  # of this call's loop
-        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS)  # retries come after idle
-        async with httpx.AsyncClient(timeout=None, limits=limits, verify=self.tls) as http:
+        async with contextlib.AsyncExitStack() as stack:
+            if http is None:
+                http = await stack.enter_async_context(self.connection())
             scored = await asyncio.gather(
                 *(self._score_batch(http, slots, b) for b in batches), return_exceptions=partial
             )

@@ -5,9 +5,10 @@ and has the reward service score it, so that by the time the trainer takes a bat
 rewards are in, and a slow service costs the loop only what it is behind, not a whole
 round trip per step. The thread runs one event loop: what each read of the queue brings
 is scored by a task of it, in requests the client sizes, with at most `concurrency` in
-flight across the tasks, as the job's models.reward.requests allows. The scores are kept
-by sample uid until the step takes them. Nothing is checkpointed: a resumed queue's
-samples arrive again, and are scored again.
+flight across the tasks, as the job's models.reward.requests allows, over one HTTP
+client whose connections are kept from read to read (no new handshake each time). The
+scores are kept by sample uid until the step takes them. Nothing is checkpointed: a
+resumed queue's samples arrive again, and are scored again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx
 import torch
 
 from rlhf_env.rewards import RewardClient, ScoredSample
@@ -70,17 +72,20 @@ class ScoresAhead:
         slots = asyncio.Semaphore(self.client.concurrency)
         scoring: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
         read = 0  # samples read from the queue so far
-        try:
-            while not self._stopping.is_set():
-                arrived, read = await asyncio.to_thread(self._arrivals, read)
-                if arrived:
-                    task = asyncio.create_task(self._score(slots, arrived))
-                    scoring.add(task)
-                    task.add_done_callback(scoring.discard)
-        except BaseException as error:
-            self._fail(error)
-        for task in scoring:
-            task.cancel()
+        # One HTTP client for the whole run: its connections are kept from read to read.
+        async with self.client.connection() as http:
+            try:
+                while not self._stopping.is_set():
+                    arrived, read = await asyncio.to_thread(self._arrivals, read)
+                    if arrived:
+                        task = asyncio.create_task(self._score(http, slots, arrived))
+                        scoring.add(task)
+                        task.add_done_callback(scoring.discard)
+            except BaseException as error:
+                self._fail(error)
+            for task in scoring:
+                task.cancel()
+            await asyncio.gather(*scoring, return_exceptions=True)  # before the client closes
 
     def _arrivals(self, read: int) -> tuple[list[Sample], int]:
         arrived: tuple[list[Sample], int] = join(
@@ -88,11 +93,13 @@ class ScoresAhead:
         )[0]
         return arrived
 
-    async def _score(self, slots: asyncio.Semaphore, samples: Sequence[Sample]) -> None:
+    async def _score(
+        self, http: httpx.AsyncClient, slots: asyncio.Semaphore, samples: Sequence[Sample]
+    ) -> None:
         started = time.time()
         try:
             scored = self.to_scored(samples)
-            rewards = service_rewards(await self.client.score_each(scored, slots=slots))
+            rewards = service_rewards(await self.client.score_each(scored, slots=slots, http=http))
         except Exception as error:
             self._fail(error)
             return
