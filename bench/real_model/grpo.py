@@ -15,7 +15,7 @@ weights; the ref is then its base, with the adapter off.
 Not a bench of the harness's kind (one run, no variants to interleave): a learning
 check as far as 2 cores allow. Run: `.venv/bin/python -m bench.real_model.grpo`
 (after `make real-model`). Arguments, optional: steps (30), actor learning rate (1e-5),
-LoRA rank (none: full fine-tuning).
+LoRA rank (0: none, full fine-tuning), seed (0: the data order and the sampling).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from tests.real_model import real_model_job, sums_dataset
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 30
 LEARNING_RATE = float(sys.argv[2]) if len(sys.argv) > 2 else 1e-5
-LORA_RANK = int(sys.argv[3]) if len(sys.argv) > 3 else None
+LORA_RANK = (int(sys.argv[3]) or None) if len(sys.argv) > 3 else None
+SEED = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRAIN_QUESTIONS, HELD_OUT = 64, 24
 PROMPTS, ANSWERS = 8, 4  # a step: 8 questions, 4 answers each
@@ -58,6 +59,7 @@ def job(tmp: Path) -> JobConfig:
         miniBatchSize=PROMPTS * ANSWERS,
         microBatchSize=8,
         actorLearningRate=LEARNING_RATE,
+        seed=SEED,
     )
     if LORA_RANK is not None:
         lora = {"rank": LORA_RANK, "alpha": 2 * LORA_RANK, "targetModules": LINEAR}
@@ -78,6 +80,7 @@ def main() -> None:
         "steps": STEPS,
         "actor_learning_rate": LEARNING_RATE,
         "lora_rank": LORA_RANK,
+        "seed": SEED,
         "held_out_questions": HELD_OUT,
         "wall_s": round(time.time() - started, 1),
         "step_s": round(sum(s.seconds for s in steps[1:]) / max(1, len(steps) - 1), 2),

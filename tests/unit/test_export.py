@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from rlhf_operator.app import cli
 from rlhf_trainer import export
@@ -21,6 +21,7 @@ from rlhf_trainer.export import ExportError, export_checkpoint
 from rlhf_trainer.models import build_tiny_model, build_tokenizer, load_tokenizer
 from rlhf_trainer.roles import checkpoint, hf_export
 from rlhf_trainer.roles.trainable import load_policy
+from tests.conftest import skip_or_fail
 from tests.specs import local_job
 
 WEIGHTS = "model.safetensors"
@@ -220,3 +221,65 @@ def test_the_policy_is_written_at_the_end_and_every_export_every_steps_when_ther
     wire["trainer"]["export"] = {"everySteps": 20}
     every_20 = JobConfig.model_validate(wire)
     assert [s for s in range(51) if export_due(every_20, s)] == [20, 40, 50]
+
+
+def test_a_job_whose_output_cannot_be_written_fails_at_its_start_naming_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked before any role starts (Ray is asked nothing), not at the job's end."""
+    from rlhf_trainer.loop import run
+    from rlhf_trainer.telemetry.report import ConsoleReporter
+
+    (tmp_path / "a-file").write_text("")
+    target = tmp_path / "a-file" / "model"
+    wire = local_job(colocated=True, total_steps=4, checkpoint_dir=tmp_path, every_steps=2)
+    config = JobConfig.model_validate(wire.to_dict() | {"output": {"path": str(target)}})
+
+    def not_reached(*_: Any) -> None:
+        raise AssertionError("a role was started before the output was checked")
+
+    monkeypatch.setattr(run, "sample_queue", not_reached)
+    monkeypatch.setattr(run.RoleGroups, "start", not_reached)
+    unwritable = rf"{target}: cannot write the export here: .*Not a dir"
+    with (
+        pytest.raises(ExportError, match=unwritable),
+        run.open_run(config, "job", ConsoleReporter()),
+    ):
+        pass
+
+
+def test_a_real_models_export_keeps_its_chat_template_generation_config_and_tokenizer(
+    tmp_path: Path,
+) -> None:
+    """SmolLM2 (a model given by path, as users give theirs): what a server needs beside
+    the weights comes from the actor's own directory. The tiny models have no template."""
+    from tests.real_model import real_model_dir
+
+    made = real_model_dir()
+    if not (made / WEIGHTS).exists():
+        skip_or_fail(f"no SmolLM2 at {made} (make real-model)")
+    # Ours is converted from a GGUF, so its generation config only repeats its config's
+    # token ids; the hub's holds sampling defaults, which an export must keep.
+    source, exported = tmp_path / "SmolLM2", tmp_path / "export"
+    source.mkdir()
+    for file in made.iterdir():
+        (source / file.name).symlink_to(file)
+    (source / "generation_config.json").unlink()
+    GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=True, temperature=0.2,
+                     top_p=0.9).save_pretrained(source)  # fmt: skip
+    actor = ModelSource(path=str(source))
+    # Built as an export builds it: from the config, holding the checkpoint's weights.
+    weights = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict()
+    model = hf_export.policy_with_weights(actor, weights, "SmolLM2's weights")
+    hf_export.write_hf_directory(model, actor, torch.bfloat16, exported)
+    written = AutoTokenizer.from_pretrained(exported)
+    original = AutoTokenizer.from_pretrained(source)
+    assert written.chat_template and written.chat_template == original.chat_template
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert written.apply_chat_template(chat, add_generation_prompt=True) == (
+        original.apply_chat_template(chat, add_generation_prompt=True)
+    )
+    generation = GenerationConfig.from_pretrained(exported)
+    assert (generation.do_sample, generation.temperature, generation.top_p) == (True, 0.2, 0.9)
+    with safe_open(str(exported / WEIGHTS), "pt") as stored:
+        assert {stored.get_slice(k).get_dtype() for k in stored.keys()} == {"BF16"}  # noqa: SIM118
