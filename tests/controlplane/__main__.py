@@ -62,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             if cp.real_node:
                 print("loading the images into the real node (first time: a few minutes) ...")
-                demo.prepare(cp)
+                claim = demo.prepare(cp)
                 stack.enter_context(kuberay_in_cluster(cp))
                 print(f"real node {cp.real_node.name} at {cp.real_node.node_ip}: the pods of "
                       f"namespaces {demo.OPERATOR_NAMESPACE} and {demo.JOBS_NAMESPACE} run "
                       f"there, and KubeRay's in {KUBERAY_NAMESPACE} (tests/controlplane/demo.py, "
                       "kuberay_in_cluster.py)")  # fmt: skip
+                print(f"the claim {demo.JOBS_NAMESPACE}/checkpoints is {claim} on this machine")
             else:
                 print(f"no real node: {cp.real_node_absent}")
             print(f"\n    export KUBECONFIG={cp.kubeconfig}")

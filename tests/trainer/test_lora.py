@@ -5,9 +5,11 @@ exports (merged, or the adapter alone) are that policy.
 
 The actor runs on two real gloo ranks (its adapter sharded, gathered whole for the
 engine), saves and exports: ~30 s. A vLLM engine in this process takes the adapter, and
-one in a process of its own serves the merged export: ~25 s each. The whole loop on Ray,
-colocated, 3 steps, then resumed for its last: ~90 s. (261 s for the module on 2 cores
-beside a benchmark.)
+one in a process of its own serves the merged export: ~25 s each. The whole loop on Ray:
+split (the rollout on a pool of its own), 3 steps, then resumed for its last, ~140 s;
+fully async, ~70 s. Colocated LoRA runs only in the benches (bench/learning's LoRA
+modes, bench/real_model/grpo.py with a rank): the split run takes the same synchronous
+loop, the engine on a GPU of its own.
 """
 
 from __future__ import annotations
