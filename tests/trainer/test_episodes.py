@@ -8,8 +8,9 @@ and fault tests break an episode in each way the issue names (a limit, an enviro
 that hangs, one that fails), and check that it is cut, masked, scored 0, named, and
 that its session is closed.
 
-The tiny model's word-level tokenizer cannot drift when re-tokenised; the drift case
-("gr" + "een") is tests/unit/test_trajectory.py's, on SmolLM2's tokenizer.
+The tiny model's word-level tokenizer cannot drift when re-tokenised; the drift cases
+("look" + "up", "gr" + "een") are tests/unit/test_trajectory.py's, on SmolLM2's
+tokenizer, through the same EpisodeRunner.
 """
 
 from __future__ import annotations

@@ -1,20 +1,25 @@
 """A multi-turn trajectory's tokens, with a real chat template and tokenizer
 (SmolLM2-135M-Instruct, ChatML) and vLLM's own Hermes tool parser.
 
-The token-exactness test samples "gr" + "een" where the tokenizer writes "green": a
+The token-exactness tests sample "gr" + "een" where the tokenizer writes "green": a
 trainer that decoded the conversation and encoded it again would train on ids the
-engine never sampled, and these tests would fail it.
+engine never sampled, and these tests would fail it. The last runs the whole
+EpisodeRunner against a real environment server, with a scripted engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
-from rlhf_env.protocol import Message, Tool, ToolFunction
+from rlhf_env.protocol import Message, Start, Step, Tool, ToolFunction
+from rlhf_env.replicas import EnvironmentReplicas
+from rlhf_env.server import app_for
 from rlhf_trainer.algo.diagnostics import EpisodeStats
-from rlhf_trainer.algo.experience import Episode
+from rlhf_trainer.algo.experience import Episode, Rollout
+from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
 from rlhf_trainer.rollout.trajectory import (
     ChatRenderer,
     TemplateNotIncremental,
@@ -26,6 +31,7 @@ from rlhf_trainer.rollout.trajectory import (
     template_message,
 )
 from tests.conftest import needs
+from tests.environments import served
 from tests.real_model import real_model_dir
 
 pytestmark = needs(
@@ -275,3 +281,74 @@ def test_a_template_that_drops_the_tools_is_named_once(
         f"{MODEL}: its chat template does not render tools, so the model sees the "
         "environment's tools (lookup) only where its messages describe them"
     ]
+
+
+class LimeLookup:
+    """The environment of the trajectories above: `lookup` answers "green"; the score
+    is 1 for an answer of "green"."""
+
+    def reset(self, row: dict[str, Any]) -> Start:
+        self.answer: str | None = None
+        return Start(messages=QUESTION, tools=[LOOKUP])
+
+    def step(self, message: Message) -> Step:
+        if not message.tool_calls:
+            self.answer = (message.content or "").strip()
+            return Step(messages=[], done=True)
+        answers = [
+            Message(role="tool", tool_call_id=c.id, content="green") for c in message.tool_calls
+        ]
+        return Step(messages=answers)
+
+    def score(self) -> float:
+        return 1.0 if self.answer == "green" else 0.0
+
+
+def test_an_episode_run_against_its_environment_trains_exactly_the_sampled_ids(
+    tokenizer: Any, renderer: ChatRenderer
+) -> None:
+    """The whole EpisodeRunner, on a real environment server, vLLM's Hermes parser and
+    SmolLM2's template: the engine (a script here, the one stand-in) samples the call
+    with "look" + "up" in it, then "gr" + "een", both where the tokenizer writes one
+    token. Each turn continues from exactly the ids before it, and the rollout holds
+    them as sampled: a runner that decoded the conversation and encoded it again would
+    hand the engine, and train, ids it never sampled."""
+    eot = [renderer.end_of_turn_id]
+    split = CALL_TEXT.index("lookup") + len("look")
+    call_ids = encode(tokenizer, CALL_TEXT[:split]) + encode(tokenizer, CALL_TEXT[split:]) + eot
+    green_ids = encode(tokenizer, "gr") + encode(tokenizer, "een") + eot
+    assert call_ids != encode(tokenizer, CALL_TEXT) + eot, "the call must split a merge"
+    turns = [call_ids, green_ids]
+    prompts: list[list[int]] = []
+
+    async def engine(prompt: list[int], max_tokens: int) -> Rollout:
+        ids = turns[len(prompts)]
+        prompts.append(prompt)
+        return Rollout(prompt, ids, fake_log_probs(ids, len(prompts) - 1), True, 3)
+
+    limits = EpisodeLimits(max_turns=3, max_tokens=512, turn_tokens=64, call_seconds=10,
+                           turn_seconds=10, episode_seconds=30)  # fmt: skip
+
+    async def episode() -> Rollout:
+        with served({"lime": app_for(LimeLookup)}) as url:
+            replicas = EnvironmentReplicas(f"{url}/lime")
+            try:
+                return await EpisodeRunner(replicas, renderer, "hermes", limits).run({}, engine, 3)
+            finally:
+                await replicas.aclose()
+
+    rollout = asyncio.run(episode())
+    tool_ids = renderer.observation_ids([Message(role="tool", tool_call_id="x", content="green")])
+    assert prompts[1] == prompts[0] + call_ids + tool_ids  # the engine's own ids, then the tool's
+    assert rollout.response_token_ids == call_ids + tool_ids + green_ids
+    assert list(rollout.loss_mask) == [1] * len(call_ids) + [0] * len(tool_ids) + [1] * len(
+        green_ids
+    )
+    assert rollout.response_log_probs == (
+        fake_log_probs(call_ids, 0) + [0.0] * len(tool_ids) + fake_log_probs(green_ids, 1)
+    )
+    assert rollout.episode is not None
+    assert (rollout.episode.score, rollout.episode.turns, rollout.episode.tool_calls) == (1.0, 2, 1)
+    assert rollout.episode.cut is None
+    whole = rollout.prompt_token_ids + rollout.response_token_ids
+    assert encode(tokenizer, tokenizer.decode(whole, skip_special_tokens=False)) != whole
