@@ -1,5 +1,6 @@
 """A whole job trained on a simulated local Ray cluster, with what it reported: the
-steps, the metrics and the Chrome trace (written beside its checkpoints); the rollout
+steps, the progress (what a job's status is told), the metrics and the Chrome trace
+(written beside its checkpoints); a reporter that keeps what it is told; the rollout
 engines' vLLM series among those metrics; and a hook that kills a run's vLLM engine."""
 
 from __future__ import annotations
@@ -19,9 +20,25 @@ from prometheus_client import CollectorRegistry
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import plan_placement
+from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
-from rlhf_trainer.telemetry.report import ConsoleReporter
+
+
+class KeptReports:
+    """A reporter that keeps what it is told: (progress, final), in order. A job's
+    status is told the same, at most every few seconds."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[TrainingProgress, bool]] = []
+
+    def report(self, progress: TrainingProgress, final: bool = False) -> bool:
+        self.reports.append((progress, final))
+        return True
+
+    @property
+    def last(self) -> TrainingProgress:
+        return self.reports[-1][0]
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,7 @@ class Trained:
     steps: list[StepResult]
     metrics: TrainerMetrics
     trace: dict[str, Any]
+    reports: list[tuple[TrainingProgress, bool]]  # (progress, final), as KeptReports
 
 
 def train(
@@ -51,9 +69,10 @@ def train(
 
     metrics = metrics or TrainerMetrics(pools=[p.name for p in config.pools])
     trace = Path(config.trainer.checkpoint.path) / "trace.json"
+    reporter = KeptReports()
     with local_ray_cluster(config):
-        run_job(config, "local", ConsoleReporter(every=1e9), metrics, trace, record)
-    return Trained(config, steps, metrics, json.loads(trace.read_text()))
+        run_job(config, "local", reporter, metrics, trace, record)
+    return Trained(config, steps, metrics, json.loads(trace.read_text()), reporter.reports)
 
 
 @contextmanager

@@ -82,6 +82,11 @@ def test_a_run_whose_environment_hangs_and_fails_masks_counts_names_and_goes_on(
         "rlhf_env_cut_episodes_total", {"reason": "environment_error"}
     )
     assert cut_metric == 2
+    # The job's status is told each step's share of cut episodes (status.training.cutRatio).
+    told = {progress.step: progress.cut_ratio for progress, _ in trained.reports}
+    cut_per_step = {s.step: sum(e.cut is not None for e in s.episodes.episodes) / 8
+                    for s in trained.steps if s.episodes}  # fmt: skip
+    assert told == cut_per_step and sum(told.values()) == 2 / 8, told
 
 
 def test_a_run_whose_reward_service_fails_some_samples_masks_counts_names_and_goes_on(

@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.lora import engine_max_lora_rank
-from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.export import export_checkpoint
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.models import token_log_probs, write_tiny_model
@@ -50,6 +49,7 @@ from rlhf_trainer.worker import RankInfo, split_batch
 from tests.exports import vllm_greedy
 from tests.specs import local_async_job, local_job
 from tests.trainer.distributed import run_ranks
+from tests.trainer.local_runs import KeptReports
 from tests.trainer.test_roles import ROWS, experience
 
 pytestmark = pytest.mark.slow  # two ranks train, and vLLM starts twice (see above)
@@ -400,16 +400,6 @@ def test_a_request_paused_across_an_adapter_load_finishes_on_the_new_one(
     assert not served_from.exists()  # no adapter left behind in /dev/shm
 
 
-class LastProgress:
-    """A reporter that keeps the last progress it is told."""
-
-    progress: TrainingProgress | None = None
-
-    def report(self, progress: TrainingProgress, final: bool = False) -> bool:
-        self.progress = progress
-        return True
-
-
 def trained_values(step: StepResult) -> tuple[object, ...]:
     return (step.step, step.reward_mean, step.kl, step.actor, step.responses)
 
@@ -435,7 +425,7 @@ def test_a_split_lora_run_samples_with_the_adapter_it_trains_and_resumes(
     spec["output"] = {"path": str(output), "dtype": "fp32"}
     config = JobConfig.model_validate(spec)
     steps: list[StepResult] = []
-    reporter = LastProgress()
+    reporter = KeptReports()
     with local_ray_cluster(config):
         run_job(config, "lora", reporter, on_step=steps.append)
     assert [s.step for s in steps] == [1, 2, 3]
@@ -443,11 +433,11 @@ def test_a_split_lora_run_samples_with_the_adapter_it_trains_and_resumes(
     shutil.rmtree(root / checkpoint.committed_name(3))
     resumed: list[StepResult] = []
     with local_ray_cluster(config):
-        run_job(config, "lora", LastProgress(), on_step=resumed.append)
+        run_job(config, "lora", KeptReports(), on_step=resumed.append)
     assert [trained_values(s) for s in resumed] == [trained_values(steps[2])]
     for name, weight in load_file(first_export / "model.safetensors").items():
         assert torch.equal(load_file(output / "model.safetensors")[name], weight), name
-    assert reporter.progress is not None and reporter.progress.policy_version == 3
+    assert reporter.last.policy_version == 3
     print("kl per step:", [s.kl for s in steps])
     print("max |log π_actor - log π_vllm| per step:", [s.rollout_log_prob_diff for s in steps])
     print("sync seconds per step:", [s.phase_seconds.get("sync_weights") for s in steps])
@@ -469,7 +459,7 @@ def test_a_fully_async_lora_run_keeps_generating_across_adapter_loads(tmp_path: 
     config = JobConfig.model_validate(spec)
     steps: list[StepResult] = []
     with local_ray_cluster(config):
-        run_job(config, "lora-async", LastProgress(), on_step=steps.append)
+        run_job(config, "lora-async", KeptReports(), on_step=steps.append)
     assert [s.step for s in steps] == [1, 2, 3, 4]
     assert steps[0].kl == pytest.approx(0, abs=1e-6) and steps[0].rollout_log_prob_diff < 1e-4
     lags = [lag for s in steps for lag in s.staleness]

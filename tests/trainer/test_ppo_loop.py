@@ -30,7 +30,7 @@ from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.specs import local_job
 from tests.trainer.learning import assert_reward_rises
-from tests.trainer.local_runs import EngineKiller, vllm_series
+from tests.trainer.local_runs import EngineKiller, KeptReports, vllm_series
 
 pytestmark = pytest.mark.slow  # each trains whole runs (minutes)
 
@@ -50,17 +50,6 @@ class Trained:
     engine_killed_after: int | None  # the step after which its engine was killed (None: never)
 
 
-class Progress:
-    """A reporter that keeps what it is told."""
-
-    def __init__(self) -> None:
-        self.reports: list[tuple[TrainingProgress, bool]] = []
-
-    def report(self, progress: TrainingProgress, final: bool = False) -> bool:
-        self.reports.append((progress, final))
-        return True
-
-
 def train(config: JobConfig, tmp: Path, killer: EngineKiller | None = None) -> Trained:
     """Train the job; with `killer`, its vLLM engine is killed after a step."""
     from rlhf_trainer.cluster.local import local_ray_cluster
@@ -68,7 +57,7 @@ def train(config: JobConfig, tmp: Path, killer: EngineKiller | None = None) -> T
 
     steps: list[StepResult] = []
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
-    reporter = Progress()
+    reporter = KeptReports()
 
     def record(step: StepResult) -> None:
         steps.append(step)
@@ -80,7 +69,7 @@ def train(config: JobConfig, tmp: Path, killer: EngineKiller | None = None) -> T
     assert reporter.reports[-1][1], "the last report is final"
     trace = json.loads((tmp / "trace.json").read_text())
     killed = killer.after_step if killer is not None else None
-    return Trained(config, steps, reporter.reports[-1][0], metrics, trace, killed)
+    return Trained(config, steps, reporter.last, metrics, trace, killed)
 
 
 def train_mode(

@@ -8,23 +8,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from rlhf_trainer.api.progress import TrainingProgress
 from rlhf_trainer.loop.run import Run
 from tests.specs import local_job
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.reports: list[tuple[TrainingProgress, bool]] = []
-
-    def report(self, progress: TrainingProgress, final: bool = False) -> bool:
-        self.reports.append((progress, final))
-        return True
+from tests.trainer.local_runs import KeptReports
 
 
 def test_a_run_resumed_at_its_last_step_reports_it_as_final() -> None:
     config = local_job(colocated=True, total_steps=3, checkpoint_dir=Path("/unused"), every_steps=3)
-    reporter = Recorder()
+    reporter = KeptReports()
     trainer: Any = SimpleNamespace(policy_version=3)  # no step runs: nothing else is used
     run = Run(config, trainer, metrics=None, reporter=reporter, step=3)  # type: ignore[arg-type]
     run.last_checkpoint = "/checkpoints/step-00000003"
