@@ -198,7 +198,7 @@ def test_every_episode_trains_on_exactly_the_tokens_the_engine_sampled(
 
 
 # The phase an episode was cut in, where the cut names one.
-PHASE_CUT = {"environment_error": "step", "turn_timeout": "turn"}
+PHASE_CUT = {"environment_timeout": "step", "environment_error": "step", "turn_timeout": "turn"}
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,7 @@ PHASE_CUT = {"environment_error": "step", "turn_timeout": "turn"}
     [
         ("chatter", {"max_turns": 2}, "max_turns"),
         ("chatter", {"max_tokens": 12}, "token_budget"),
-        ("hangs", {"call_seconds": 0.5}, "environment_error: environment step at "),
+        ("hangs", {"call_seconds": 0.5}, "environment_timeout: environment step at "),
         ("fails", {}, "environment_error: environment step at "),
         ("hangs", {"episode_seconds": 1.0}, "episode_timeout"),
         ("chatter", {"turn_seconds": 1e-4}, "turn_timeout"),

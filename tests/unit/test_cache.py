@@ -9,13 +9,17 @@ from typing import Any
 import pytest
 
 from rlhf_operator.controller.cache import CachedKube, ObjectCache, matches
+from rlhf_operator.controller.kube import Kube
 
 
-def pod(name: str, version: int, job: str = "a", namespace: str = "ns") -> dict[str, Any]:
+def pod(
+    name: str, version: int, job: str = "a", namespace: str = "ns", uid: str = "uid"
+) -> dict[str, Any]:
     return {
         "metadata": {
             "name": name,
             "namespace": namespace,
+            "uid": uid,
             "resourceVersion": str(version),
             "labels": {"rlhf.dev/job": job},
         },
@@ -96,3 +100,44 @@ def test_reads_of_cached_kinds_make_no_request() -> None:
         kube.get("RayCluster", "ns", "c")  # not cached: asked
     with pytest.raises(AssertionError, match="the API server was asked"):
         kube.get("RayJob", "ns", "missing")  # a miss: asked
+
+
+def deleted_by(answer: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Stands Kube.delete's answer in for the API server's; returns the uids asked."""
+    asked: list[str] = []
+
+    def delete(self: Any, kind: str, namespace: str, name: str, uid: str) -> Any:
+        asked.append(uid)
+        return answer
+
+    monkeypatch.setattr(Kube, "delete", delete)
+    return asked
+
+
+def test_a_deletion_held_by_a_finalizer_is_seen_by_the_next_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """KubeRay's finalizer keeps a deleted RayJob a while: the next reconcile must see
+    it going (and not delete it again), before the watch says so."""
+    cache = ObjectCache(frozenset({"RayJob"}))
+    cache.observe("RayJob", "ADDED", pod("j", 1, uid="u1"))
+    going = pod("j", 2, uid="u1")
+    going["metadata"]["deletionTimestamp"] = "2026-11-29T07:00:00Z"
+    deleted_by(going, monkeypatch)
+    kube = CachedKube(NoApiServer(), cache)
+    assert kube.delete("RayJob", "ns", "j", uid="u1") == going
+    assert (kube.get("RayJob", "ns", "j") or {})["metadata"]["deletionTimestamp"]
+
+
+def test_an_object_deleted_at_once_leaves_the_cache_but_a_newer_one_by_its_name_stays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = ObjectCache(frozenset({"Pod"}))
+    for name, uid in (("old", "u1"), ("new", "u2")):
+        cache.observe("Pod", "ADDED", pod(name, 1, uid=uid))
+    deleted_by(None, monkeypatch)  # gone (a Status), or 409: another uid holds the name
+    kube = CachedKube(NoApiServer(), cache)
+    kube.delete("Pod", "ns", "old", uid="u1")
+    kube.delete("Pod", "ns", "new", uid="u1")  # the newer pod "new" is not the one asked
+    assert not cache.holds("Pod", "ns", "old")
+    assert cache.holds("Pod", "ns", "new")

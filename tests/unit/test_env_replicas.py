@@ -107,7 +107,7 @@ def test_with_every_replica_gone_the_episode_is_cut_naming_the_last(
     [rollout] = play(runner(gone, renderer), [{"key": "a"}], renderer)
     assert rollout.episode is not None and rollout.episode.restarts == 1
     cut = rollout.episode.cut or ""
-    assert cut.startswith("environment_error: environment start at http://127.0.0.1:10/")
+    assert cut.startswith("environment_unreachable: environment start at http://127.0.0.1:10/")
     assert "ConnectError" in cut and sum(rollout.loss_mask) == 0
 
 

@@ -175,15 +175,18 @@ def test_episodes_are_counted_by_turns_calls_cuts_restarts_and_environment_secon
         Episode(1.0, turns=3, tool_calls=2, version_span=0, phases=phases),
         Episode(0.0, turns=1, tool_calls=0, version_span=1, cut="turn_timeout", restarts=2),
         Episode(0.0, turns=2, tool_calls=1, version_span=0, cut="environment_error: HTTP 500 ..."),
+        Episode(0.0, turns=1, tool_calls=1, version_span=0, cut="environment_timeout: no answer"),
     )
     metrics.observe_episodes(EpisodeStats(episodes))
-    assert value(metrics, "rlhf_env_episodes_total") == 3
+    assert value(metrics, "rlhf_env_episodes_total") == 4
     assert value(metrics, "rlhf_env_session_restarts_total") == 2
     assert value(metrics, "rlhf_env_cut_episodes_total", reason="turn_timeout") == 1
     assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_error") == 1
-    assert value(metrics, "rlhf_env_turns_sum") == 6
-    assert value(metrics, "rlhf_env_turns_bucket", le="2.0") == 2
-    assert value(metrics, "rlhf_env_tool_calls_sum") == 3
-    assert value(metrics, "rlhf_env_version_span_bucket", le="0.0") == 2
+    assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_timeout") == 1
+    assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_unreachable") == 0
+    assert value(metrics, "rlhf_env_turns_sum") == 7
+    assert value(metrics, "rlhf_env_turns_bucket", le="2.0") == 3
+    assert value(metrics, "rlhf_env_tool_calls_sum") == 4
+    assert value(metrics, "rlhf_env_version_span_bucket", le="0.0") == 3
     assert value(metrics, "rlhf_env_step_seconds_count") == 3
     assert value(metrics, "rlhf_env_step_seconds_bucket", le="0.01") == 1

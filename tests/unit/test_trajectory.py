@@ -243,10 +243,10 @@ def test_a_cut_trajectory_is_not_trained_on(reason: str) -> None:
 
 
 def test_cuts_are_counted_by_kind() -> None:
-    reasons = ["max_turns", "environment_error: timeout", "environment_error: HTTP 500", None]
+    reasons = ["max_turns", "environment_timeout: no answer", "environment_error: HTTP 500", None]
     episodes = [Episode(score=0.0, turns=1, tool_calls=0, version_span=0, cut=r) for r in reasons]
     stats = EpisodeStats(tuple(episodes))
-    assert stats.cuts == {"environment_error": 2, "max_turns": 1}
+    assert stats.cuts == {"environment_error": 1, "environment_timeout": 1, "max_turns": 1}
     assert stats.cut_ratio == 0.75
 
 

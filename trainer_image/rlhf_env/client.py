@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -41,10 +41,14 @@ Answer = TypeVar("Answer", bound=BaseModel)
 KEEPALIVE_SECONDS = 1.0
 
 
+# How a call failed: the connection failed or broke (the server is gone), no answer in
+# time, an error the server sent (an HTTP error status), or an answer that breaks the
+# protocol.
+FailureKind = Literal["unreachable", "timeout", "error", "protocol"]
+
+
 class EnvironmentCallFailed(Exception):
-    """A call to an environment server that got no valid answer. `unreachable`: the
-    connection failed or broke (the server is gone), as opposed to an error it sent,
-    an answer that breaks the protocol, or no answer in time."""
+    """A call to an environment server that got no valid answer, and how (`kind`)."""
 
     def __init__(
         self,
@@ -53,12 +57,16 @@ class EnvironmentCallFailed(Exception):
         reason: str,
         status: int | None = None,
         *,
-        unreachable: bool = False,
+        kind: FailureKind = "error",
     ) -> None:
         self.call, self.url, self.reason, self.status = call, url, reason, status
-        self.unreachable = unreachable
+        self.kind = kind
         status_text = f"HTTP {status}: " if status is not None else ""
         super().__init__(f"environment {call} at {url} failed: {status_text}{reason}")
+
+    @property
+    def unreachable(self) -> bool:
+        return self.kind == "unreachable"
 
 
 class EnvironmentClient:
@@ -137,7 +145,7 @@ class EnvironmentClient:
         except ValidationError as error:
             reason = f"the answer breaks the protocol: {describe(error)}"
             raise EnvironmentCallFailed(
-                call, str(response.url), reason, response.status_code
+                call, str(response.url), reason, response.status_code, kind="protocol"
             ) from error
 
     async def _request(
@@ -150,11 +158,14 @@ class EnvironmentClient:
             async with asyncio.timeout(deadline):
                 response = await self._http.request(method, path, json=body)
         except TimeoutError as error:
-            raise EnvironmentCallFailed(call, url, f"no answer within {deadline:g} s") from error
+            reason = f"no answer within {deadline:g} s"
+            raise EnvironmentCallFailed(call, url, reason, kind="timeout") from error
         except httpx.HTTPError as error:
             reason = f"{type(error).__name__}: {error or 'no detail'}"
-            unreachable = isinstance(error, httpx.TransportError)
-            raise EnvironmentCallFailed(call, url, reason, unreachable=unreachable) from error
+            gone = isinstance(error, httpx.TransportError)
+            raise EnvironmentCallFailed(
+                call, url, reason, kind="unreachable" if gone else "error"
+            ) from error
         if not response.is_success:
             raise EnvironmentCallFailed(call, url, server_reason(response), response.status_code)
         return response

@@ -77,7 +77,7 @@ class EpisodeStats:
 
     @property
     def cuts(self) -> dict[str, int]:
-        """Cut episodes by reason ("max_turns", "environment_error", ...): the kind of
+        """Cut episodes by reason ("max_turns", "environment_timeout", ...): the kind of
         reason only, so that an environment's error messages are no metric labels."""
         reasons = Counter(e.cut.split(":")[0] for e in self.episodes if e.cut is not None)
         return dict(sorted(reasons.items()))

@@ -180,8 +180,19 @@ def micro_batch_rows(batch: Sequences, size: int | None) -> list[Tensor]:
     return list(torch.split(order, size or max(len(order), 1)))
 
 
-# Why an episode was cut, by kind (an environment_error's reason follows a colon).
-CUT_REASONS = ("max_turns", "token_budget", "turn_timeout", "episode_timeout", "environment_error")
+# Why an episode was cut, by kind (after a colon, what happened). An environment's call
+# fails as it could not be reached, sent no answer in time, answered with an error, or
+# answered what breaks the protocol (rlhf_env.client.FailureKind).
+CUT_REASONS = (
+    "max_turns",
+    "token_budget",
+    "turn_timeout",
+    "episode_timeout",
+    "environment_unreachable",
+    "environment_timeout",
+    "environment_error",
+    "environment_protocol",
+)
 
 
 PhaseKind = Literal["start", "turn", "step", "score"]
@@ -213,9 +224,9 @@ class Episode:
     turns: int  # sampled assistant turns
     tool_calls: int  # parsed from those turns
     version_span: int  # policy versions between its oldest and newest turn
-    # Why it ended early ("max_turns", "token_budget", "turn_timeout", "environment_error:
-    # ..."), None if the environment ended it. A cut episode is not trained on (its loss
-    # mask is all 0), and it counts as a score of 0 in its group's baseline.
+    # Why it ended early ("max_turns", "environment_timeout: ...": CUT_REASONS), None if
+    # the environment ended it. A cut episode is not trained on (its loss mask is all 0),
+    # and it counts as a score of 0 in its group's baseline.
     cut: str | None = None
     phases: tuple[EpisodePhase, ...] = ()  # in order; those of its last session only
     restarts: int = 0  # times its replica died and it started again on another

@@ -152,7 +152,7 @@ class EpisodeRunner:
         except TimeoutError:
             episode.trajectory.cut_short("episode_timeout")
         except EnvironmentCallFailed as failed:
-            episode.trajectory.cut_short(f"environment_error: {failed}")
+            episode.trajectory.cut_short(f"environment_{failed.kind}: {failed}")
         return episode.rollout()
 
     async def _play_on_a_replica(

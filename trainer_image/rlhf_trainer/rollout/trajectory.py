@@ -64,7 +64,7 @@ Segment = SampledTurn | Observed
 @dataclass
 class Trajectory:
     """A prompt and what followed it, token for token. `cut` says why the trajectory
-    ended early (`max_turns`, `token_budget`, `environment_error: ...`); a cut trajectory
+    ended early (`max_turns`, `token_budget`, `environment_timeout: ...`); a cut trajectory
     is not trained on: its mask is all zeros, and callers count it by its reason."""
 
     prompt_ids: list[int]  # (P,) the rendered prompt, generation prompt included

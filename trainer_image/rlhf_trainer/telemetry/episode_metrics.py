@@ -1,7 +1,7 @@
 """rlhf_env_*: what multi-turn episodes did, per trained step (generation.multiTurn).
 
 Registered by the first step that has episodes, so a single-turn job exports none of
-them. Cut reasons are labels by their kind only (`environment_error`, not its message).
+them. Cut reasons are labels by their kind only (`environment_timeout`, not its message).
 """
 
 from __future__ import annotations
