@@ -330,6 +330,9 @@ def test_with_only_the_charts_permissions_a_job_runs_in_a_restricted_namespace(
     # A refusal reads "Forbidden" (the client's "Reason: Forbidden", kopf's
     # APIForbiddenError); a bare "403" once matched a timestamp's milliseconds.
     assert "forbidden" not in log.lower(), log[-3000:]
+    # Each child made at the first try: a RoleBinding sent before its Role exists is
+    # refused (404, the operator may not `bind`), failing the reconcile once.
+    assert "failed (attempt" not in log, log[-3000:]
 
 
 def can_i(cp: ControlPlane, release: Release, verb: str, resource: str, namespace: str) -> bool:

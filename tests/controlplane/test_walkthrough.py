@@ -87,6 +87,7 @@ class Run:
     claim: Path | None = None  # the directory behind the checkpoint claim, on this machine
     kuberay_pod: dict[str, Any] = field(default_factory=dict)  # KubeRay's, in the cluster
     kuberay_log: str = ""
+    operator_log: str = ""  # the chart's operator pod's, at the end
     rayjobs: list[dict[str, Any]] = field(default_factory=list)  # at the end: the last attempt's
 
 
@@ -151,6 +152,9 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
             result.rayjobs = get_json(cp, "rayjobs", "-n", NAMESPACE)["items"]
             result.kuberay_log = cp.kubectl("logs", "-n", KUBERAY_NAMESPACE,
                                             result.kuberay_pod["metadata"]["name"]).stdout  # fmt: skip
+            (operator,) = result.operator_pods
+            result.operator_log = cp.kubectl("logs", "-n", demo.OPERATOR_NAMESPACE,
+                                             operator["metadata"]["name"]).stdout  # fmt: skip
         finally:
             watch.stopped.set()
             result.events = get_json(cp, "events", "-n", NAMESPACE)["items"]
@@ -221,6 +225,9 @@ def test_the_job_trains_to_succeeded_reporting_from_its_head_pod(run: Run) -> No
     assert training["lastCheckpoint"] == f"/checkpoints/step-{total:08d}"
     reasons = {e["reason"] for e in run.events if e["involvedObject"].get("name") == JOB}
     assert {"Running", "Restarting", "Succeeded"} <= reasons, reasons
+    # Every child made at the first try, with only the chart's permissions: a
+    # RoleBinding sent before its Role exists is refused (404), failing a reconcile.
+    assert "failed (attempt" not in run.operator_log, run.operator_log[-3000:]
 
 
 def test_the_trained_policy_is_on_the_claim_where_the_status_and_the_event_say(
@@ -282,6 +289,10 @@ def test_a_resized_pool_stops_the_driver_at_a_checkpoint_and_the_job_goes_on_fro
     assert (stopped["lastCheckpoint"], stopped["step"]) in run.resumed_at_the_end, (
         run.resumed_at_the_end
     )
+    # Each attempt replaced once (1 to 2 nodes, then back), however many events came
+    # while KubeRay's finalizer held the old RayJob.
+    replaced = re.findall(rf"replacing RayJob {NAMESPACE}/{JOB} for a resize", run.operator_log)
+    assert len(replaced) == 2, run.operator_log[-3000:]
     resizes = [e for e in run.events if e["reason"] == "Resizing"]
     assert len(resizes) >= 2, resizes  # the driver's stop, then the unplaced attempt's
     assert all(e["type"] == "Normal" for e in resizes)

@@ -155,6 +155,19 @@ class CachedKube(Kube):
         self._store(kind, patched)
         return patched
 
+    def delete(self, kind: str, namespace: str, name: str, uid: str) -> Obj | None:
+        """As Kube's; the cache then holds what is left (going), or no longer that object
+        (a newer one by its name stays): the next reconcile does not delete it again."""
+        left = super().delete(kind, namespace, name, uid)
+        if kind not in self.cache.kinds:
+            return left
+        known = self.cache.get(kind, namespace, name)
+        if left is not None:
+            self.cache.observe(kind, None, left)
+        elif known is not None and known["metadata"].get("uid") == uid:
+            self.cache.forget(kind, namespace, name)
+        return left
+
     def _store(self, kind: str, obj: Obj | None) -> None:
         if obj is not None and kind in self.cache.kinds:
             self.cache.observe(kind, None, obj)

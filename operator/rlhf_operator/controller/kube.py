@@ -135,16 +135,20 @@ class Kube:
             "PATCH", KINDS[kind].path(namespace, name, subresource), patch, content_type
         )
 
-    def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
+    def delete(self, kind: str, namespace: str, name: str, uid: str) -> Obj | None:
         """Delete that object (by uid: never a newer one of the same name); its
-        dependents follow in the background. Gone already is fine."""
+        dependents follow in the background. Gone already is fine. Returns the object
+        while its finalizers hold it (with its deletionTimestamp); None once it is gone."""
         REQUESTS.labels("delete", kind).inc()
         options = {"preconditions": {"uid": uid}, "propagationPolicy": "Background"}
         try:
-            self._call("DELETE", KINDS[kind].path(namespace, name), body=options)
+            left = self._call("DELETE", KINDS[kind].path(namespace, name), body=options)
         except ApiException as error:
             if error.status not in (404, 409):  # 409: the uid differs, a newer one is there
                 raise
+            return None
+        # The answer is a Status, or the object as deleted: still there only if going.
+        return left if "deletionTimestamp" in left.get("metadata", {}) else None
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
         REQUESTS.labels("list", kind).inc()

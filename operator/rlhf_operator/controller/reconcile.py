@@ -121,10 +121,12 @@ class Reconciler:
         workload, live = None, None
         if resize is not None and resize.action is ResizeAction.REPLACE and rayjob is not None:
             # As for a restart, the deletion's event brings the reconcile that creates
-            # the next attempt, with the spec's sizes.
-            log.info("replacing RayJob %s/%s for a resize: %s", namespace, ref.rayjob,
-                     resize.resizes)  # fmt: skip
-            self.kube.delete("RayJob", namespace, ref.rayjob, uid=rayjob["metadata"]["uid"])
+            # the next attempt, with the spec's sizes. Asked once: KubeRay's finalizer
+            # keeps the RayJob a while, through more events.
+            if "deletionTimestamp" not in rayjob["metadata"]:
+                log.info("replacing RayJob %s/%s for a resize: %s", namespace, ref.rayjob,
+                         resize.resizes)  # fmt: skip
+                self.kube.delete("RayJob", namespace, ref.rayjob, uid=rayjob["metadata"]["uid"])
         elif restart is not None and restart.action is Action.NONE:
             if rayjob is None and self._gone(ref):
                 raise JobGone(name)
@@ -194,10 +196,14 @@ class Reconciler:
         *dependencies, desired_rayjob = children
         # No RayJob means a new job (or one whose children were wiped): try creating
         # first, which saves a read per child on the path users wait on. The RayJob's
-        # pods need the others (their ServiceAccount, the ConfigMap), which need nothing
-        # from each other: they are made at once, one round trip instead of four.
+        # pods need the others (their ServiceAccount, the ConfigMap), which are made at
+        # once, one round trip instead of several; but a RoleBinding only after its Role:
+        # the operator has no `bind` verb, so the API server checks that it holds the
+        # Role's rules, and answers 404 while the Role is not there.
         missing = rayjob is None
-        live = self._ensure_all(ref, dependencies, missing)
+        bindings = [obj for obj in dependencies if obj["kind"] == "RoleBinding"]
+        others = [obj for obj in dependencies if obj["kind"] != "RoleBinding"]
+        live = self._ensure_all(ref, others, missing) + self._ensure_all(ref, bindings, missing)
         if rayjob is None:
             created = self.kube.create(desired_rayjob)
             return created or self.kube.get("RayJob", ref.namespace, ref.rayjob), live
