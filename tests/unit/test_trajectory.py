@@ -312,19 +312,23 @@ def test_an_episode_run_against_its_environment_trains_exactly_the_sampled_ids(
     with "look" + "up" in it, then "gr" + "een", both where the tokenizer writes one
     token. Each turn continues from exactly the ids before it, and the rollout holds
     them as sampled: a runner that decoded the conversation and encoded it again would
-    hand the engine, and train, ids it never sampled."""
+    hand the engine, and train, ids it never sampled. The policy versions follow the
+    tokens: the answer, paused after its first token across a weight sync (partial
+    rollout, fully async), spans two versions, and the episode three."""
     eot = [renderer.end_of_turn_id]
     split = CALL_TEXT.index("lookup") + len("look")
     call_ids = encode(tokenizer, CALL_TEXT[:split]) + encode(tokenizer, CALL_TEXT[split:]) + eot
     green_ids = encode(tokenizer, "gr") + encode(tokenizer, "een") + eot
     assert call_ids != encode(tokenizer, CALL_TEXT) + eot, "the call must split a merge"
     turns = [call_ids, green_ids]
+    versions = [((3, 0),), ((4, 0), (5, 1))]  # (version, its first token), each turn
     prompts: list[list[int]] = []
 
     async def engine(prompt: list[int], max_tokens: int) -> Rollout:
-        ids = turns[len(prompts)]
+        turn = len(prompts)
         prompts.append(prompt)
-        return Rollout(prompt, ids, fake_log_probs(ids, len(prompts) - 1), True, 3)
+        ids, spans = turns[turn], versions[turn]
+        return Rollout(prompt, ids, fake_log_probs(ids, turn), True, spans[0][0], spans)
 
     limits = EpisodeLimits(max_turns=3, max_tokens=512, turn_tokens=64, call_seconds=10,
                            turn_seconds=10, episode_seconds=30)  # fmt: skip
@@ -350,5 +354,8 @@ def test_an_episode_run_against_its_environment_trains_exactly_the_sampled_ids(
     assert rollout.episode is not None
     assert (rollout.episode.score, rollout.episode.turns, rollout.episode.tool_calls) == (1.0, 2, 1)
     assert rollout.episode.cut is None
+    answer_at = len(call_ids) + len(tool_ids)
+    assert rollout.version_spans == ((3, 0), (4, answer_at), (5, answer_at + 1))
+    assert (rollout.policy_version, rollout.episode.version_span) == (3, 2)
     whole = rollout.prompt_token_ids + rollout.response_token_ids
     assert encode(tokenizer, tokenizer.decode(whole, skip_special_tokens=False)) != whole
