@@ -68,6 +68,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    summarise_by_module(terminalreporter)
     over = sorted(
         ((seconds, test) for test, seconds in _seconds.items()
          if test in _slow and seconds > SLOW_BUDGET_S),
@@ -80,3 +81,24 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"{seconds:6.0f} s  {test} (marked slow: each stays under {SLOW_BUDGET_S:.0f} s)"
         )
+
+
+MODULES_SHOWN = 15
+
+
+def summarise_by_module(terminalreporter: pytest.TerminalReporter) -> None:
+    """Where a run's time went: seconds by tier and the costliest modules (set-up, calls
+    and tear-down added up; on two workers they overlap, so they add to twice the wall
+    time at most). What to cut first when CI nears its budget."""
+    if len(_seconds) < 2:
+        return
+    modules: defaultdict[str, float] = defaultdict(float)
+    for test, seconds in _seconds.items():
+        modules[test.split("::")[0]] += seconds
+    tiers: defaultdict[str, float] = defaultdict(float)
+    for module, seconds in modules.items():
+        tiers[Path(module).parts[1] if module.startswith("tests/") else "other"] += seconds
+    terminalreporter.section("seconds by tier and module")
+    terminalreporter.write_line("  ".join(f"{t} {s:.0f} s" for t, s in sorted(tiers.items())))
+    for module, seconds in sorted(modules.items(), key=lambda m: -m[1])[:MODULES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:6.0f} s  {module}")
