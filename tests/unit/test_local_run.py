@@ -14,7 +14,7 @@ from PIL import Image
 from rich.console import Console
 
 from rlhf_trainer.algo.diagnostics import CriticStats, ResponseStats
-from rlhf_trainer.api.progress import EvalProgress
+from rlhf_trainer.api.progress import EvalProgress, OutputProgress
 from rlhf_trainer.loop.interrupt import stop_on_interrupt
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.charts import (
@@ -24,7 +24,13 @@ from rlhf_trainer.telemetry.charts import (
     reward_kl_figure,
     write_charts,
 )
-from rlhf_trainer.telemetry.progress import LiveProgress, Summary, eval_text, step_text
+from rlhf_trainer.telemetry.progress import (
+    LiveProgress,
+    Summary,
+    eval_text,
+    model_row,
+    step_text,
+)
 from rlhf_trainer.telemetry.run_folder import RunFolder, RunFolderError, StepRecord
 from tests.unit.test_trainer_metrics import ACTOR  # the same actor stats in both
 
@@ -191,6 +197,14 @@ def test_the_summary_compares_the_first_and_last_steps(tmp_path: Path) -> None:
     assert rows["last checkpoint"] == "ckpt/step-2"
     assert "held-out reward" not in rows  # no data.eval
     assert "rollout engines" not in rows  # synchronous: none counted
+
+
+def test_the_summary_says_what_the_model_written_is() -> None:
+    merged = OutputProgress(path="runs/a/model", step=4, dtype="bf16")
+    assert model_row(merged) == "runs/a/model (Hugging Face, bf16, step 4)"
+    adapter = merged.model_copy(update={"adapter": True})
+    assert model_row(adapter) == "runs/a/model (LoRA adapter, peft's format, bf16, step 4)"
+    assert model_row(None).startswith("not written: the run stopped before its end")
 
 
 def test_the_summary_marks_where_the_rollout_engines_changed(tmp_path: Path) -> None:

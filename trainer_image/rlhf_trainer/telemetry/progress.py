@@ -191,7 +191,8 @@ class Summary:
 def model_row(output: OutputProgress | None) -> str:
     if output is None:
         return "not written: the run stopped before its end (rlhfjob export writes a checkpoint's)"
-    return f"{output.path} (Hugging Face, {output.dtype}, step {output.step})"
+    kind = "LoRA adapter, peft's format" if output.adapter else "Hugging Face"
+    return f"{output.path} ({kind}, {output.dtype}, step {output.step})"
 
 
 def engine_changes(records: Sequence[StepRecord]) -> str:
