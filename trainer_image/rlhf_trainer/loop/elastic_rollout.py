@@ -15,8 +15,10 @@ nodes that join the pool (a bigger `replicas`, a replacement pod).
   They start in the background; the trainer takes them in at a weight sync once they
   are up, before its push, so they serve the current policy from their first prompt.
 
-The trainer asks at its own moments (between its calls to the engines), and keeps its
-admissions; this module keeps the group, the transfer and the counts.
+The trainer asks at its own moments (between its calls to the engines). This module
+keeps the membership in one place: who serves (the group, which RoleGroups holds and
+the weight transfer reads), who is starting or waits to start again, what each engine
+was given (the ledger, and the admissions not yet acknowledged), and the counts.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from rlhf_trainer.cluster.groups import WorkerGroup, finished, join, started_up
 from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.placement import PlacementTimeout, WorkerSlot
 from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S
-from rlhf_trainer.loop.sync import PPOTrainer
+from rlhf_trainer.loop.sync import PPOTrainer, split_list
 from rlhf_trainer.rollout.queue import Admitted
 from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -99,6 +101,9 @@ class ElasticRollout:
         self.queue = queue  # the SampleQueue actor
         self.metrics = metrics
         self.ledger = EngineLedger()
+        # The admissions given since the last wait, by engine rank: the trainer goes on
+        # without waiting for them, and waits before its next sync.
+        self.admissions: list[tuple[int, Any]] = []
         self.joining: list[WorkerGroup] = []  # engines starting in the background
         self.retries: list[StartRetry] = []  # engines that could not start, to start again
         self.start_failures: dict[tuple[WorkerSlot, ...], int] = {}  # in a row, by slots
@@ -117,11 +122,11 @@ class ElasticRollout:
         dead = self.group.dead_ranks()
         return RanksLost(Role.ROLLOUT, self.group.pool, dead) if dead else None
 
-    def lose(self, lost: RanksLost) -> tuple[list[int], list[Admitted]]:
+    def lose(self, lost: RanksLost) -> list[Admitted]:
         """Go on without the engines of `lost`, and without any more that die while
         that is done: in rounds, until a round ends with every engine that serves alive.
         Past generation.maxEngineRestarts, EngineRestartsExhausted naming them. Returns
-        the ranks lost, and what they owed (to admit again)."""
+        what they owed (to admit again); their admissions are no longer waited for."""
         gone: list[int] = []
         dying = list(lost.ranks)
         unloaded: list[int] = []  # lost with none serving: their replacements need weights
@@ -143,12 +148,30 @@ class ElasticRollout:
                     continue
                 dying = self.group.dead_ranks()
             owed = join([self.queue.not_received.remote(self.ledger.held_by(gone))])[0]
+        self.admissions = [(rank, call) for rank, call in self.admissions if rank not in gone]
         log.warning("%s: going on with %d engine(s); %d sample(s) they owed are generated "
                     "again on them", RanksLost(Role.ROLLOUT, self.group.pool, gone),
                     self.group.world_size, len(owed))  # fmt: skip
         self.count()
         self.metrics.samples_readmitted.inc(len(owed))
-        return gone, self.ledger.admitted(owed)
+        return self.ledger.admitted(owed)
+
+    def give(self, admitted: list[Admitted]) -> None:
+        """Give `admitted` to the engines that serve, in even shards, noting which
+        engine holds which. An engine runs its calls in order, so no admission waits
+        for another."""
+        if not admitted:
+            return
+        group = self.group
+        shards = split_list(admitted, group.world_size)
+        self.ledger.assign(group.ranks, shards)
+        self.admissions += zip(group.ranks, group.run_each("admit", shards), strict=True)
+
+    def wait_for_admissions(self, timeout_s: float) -> None:
+        """Wait for the admissions since the last wait (they return at once); raises
+        what an engine that died in one raised, keeping the others to wait for."""
+        join([call for _, call in self.admissions], timeout_s)
+        self.admissions = []
 
     def drop(self, ranks: list[int]) -> bool:
         """The engines of `ranks` out of the group, for good (one that only stopped

@@ -33,7 +33,7 @@ from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.elastic_rollout import ElasticRollout
 from rlhf_trainer.loop.scores_ahead import ScoresAhead, scores_ahead
-from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input, split_list
+from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
@@ -92,9 +92,6 @@ class AsyncPPOTrainer:
         # Groups taken from the queue (to train, or dropped): admitted ones not taken
         # are outstanding, queued or in flight, which no engine needs asking.
         self.groups_taken = 0
-        # The engines' admissions since the last wait, by engine rank: the trainer goes
-        # on without waiting for them, and waits before its next sync.
-        self.rollout_pending: list[tuple[int, Any]] = []
         self.elastic = ElasticRollout(core, queue, metrics)
         self.scores_ahead: ScoresAhead | None = None
         if scores_ahead(self.config) and core.reward_service is not None:
@@ -124,7 +121,7 @@ class AsyncPPOTrainer:
             self.push_weights()  # the engines start from the initial weights
             self.admission.restore(resumed.admission)
             join([self.queue.restore.remote(resumed.queued)])
-            self.admit_again(resumed.in_flight)
+            self.elastic.give(resumed.in_flight)
             outstanding = (len(resumed.queued) + len(resumed.in_flight)) // self.group_size
             self.groups_taken = self.admission.admitted_total - outstanding
             self.admission.on_weight_sync(outstanding)
@@ -223,9 +220,7 @@ class AsyncPPOTrainer:
         """Go on with the engines that live, and admit what the lost ones owed to them
         (`ElasticRollout.lose`, which also takes any that die meanwhile); raises
         RanksLost when no engine is left."""
-        gone, owed = self.elastic.lose(lost)
-        self.rollout_pending = [(r, call) for r, call in self.rollout_pending if r not in gone]
-        self.admit_again(owed)
+        self.elastic.give(self.elastic.lose(lost))
 
     def change_engines(self) -> None:
         """Between the trainer's calls to the engines: drop those that died since, and
@@ -247,7 +242,7 @@ class AsyncPPOTrainer:
         while self.admission.try_admit():
             count += 1
         n = self.group_size
-        self.admit_again(
+        self.elastic.give(
             [
                 ((first + i) * n + j, p, rollout_input(self.config, self.prompts.prompts[p]))
                 for i, p in enumerate(self.prompts.next_indices(count))
@@ -255,25 +250,11 @@ class AsyncPPOTrainer:
             ]
         )
 
-    def admit_again(self, admitted: list[Admitted]) -> None:
-        """Give `admitted` to the engines that serve, in even shards. An engine runs
-        its calls in order, so no admission waits for another."""
-        rollout = self.rollout
-        if admitted:
-            shards = split_list(admitted, rollout.world_size)
-            self.elastic.ledger.assign(rollout.ranks, shards)
-            calls = rollout.run_each("admit", shards)
-            self.rollout_pending += zip(rollout.ranks, calls, strict=True)
-
     def wait_for_rollout(self) -> None:
-        """Wait for the admissions since the last wait (they return at once); an engine
-        that died in one is lost, and what it owed admitted again."""
-
-        def wait() -> None:
-            join([call for _, call in self.rollout_pending], self.core.weight_sync.timeout_s)
-            self.rollout_pending = []
-
-        self.surviving(wait, "the admissions")
+        """Wait for the admissions since the last wait; an engine that died in one is
+        lost, and what it owed admitted again."""
+        timeout_s = self.core.weight_sync.timeout_s
+        self.surviving(lambda: self.elastic.wait_for_admissions(timeout_s), "the admissions")
 
     def sync_weights(self) -> None:
         """Hand the new policy to the engines; in-flight requests continue on it
