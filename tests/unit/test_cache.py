@@ -102,16 +102,13 @@ def test_reads_of_cached_kinds_make_no_request() -> None:
         kube.get("RayJob", "ns", "missing")  # a miss: asked
 
 
-def deleted_by(answer: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Stands Kube.delete's answer in for the API server's; returns the uids asked."""
-    asked: list[str] = []
+def deleted_by(answer: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stands Kube.delete's answer in for the API server's."""
 
     def delete(self: Any, kind: str, namespace: str, name: str, uid: str) -> Any:
-        asked.append(uid)
         return answer
 
     monkeypatch.setattr(Kube, "delete", delete)
-    return asked
 
 
 def test_a_deletion_held_by_a_finalizer_is_seen_by_the_next_read(
