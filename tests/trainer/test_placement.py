@@ -59,10 +59,11 @@ def test_ranks_of_a_node_are_consecutive() -> None:
 def test_slots_of_colocated_roles_are_the_same_bundles() -> None:
     plan = plan_placement(SPLIT)
     order = [0, 2, 1, 3]
-    actor = role_slots(plan, Role.ACTOR, order)
-    ref = role_slots(plan, Role.REF, order)
-    assert [s.bundle_index for s in actor] == [s.bundle_index for s in ref] == order
-    assert {s.pool for s in actor} == {"a"}
+    critic = role_slots(plan, Role.CRITIC, order)
+    reward = role_slots(plan, Role.REWARD, order)
+    assert [s.bundle_index for s in critic] == [s.bundle_index for s in reward] == order
+    assert {s.pool for s in critic} == {"b"}
+    assert [s.bundle_index for s in role_slots(plan, Role.ACTOR, order)] == order
     # rollout engines of 2 GPUs each: rank r sits in the first bundle of its slice
     assert [s.bundle_index for s in role_slots(plan, Role.ROLLOUT, order)] == [0, 1]
     with pytest.raises(ValueError, match="pool a has 4 bundles"):

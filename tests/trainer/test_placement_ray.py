@@ -111,7 +111,7 @@ def groups(ray_pools: RayPools) -> Iterator[dict[Role, WorkerGroup]]:
         role: WorkerGroup.spawn(
             ray_pools.plan, role, ray_pools.groups[ray_pools.plan.roles[role].pool], PartialSums
         )
-        for role in (Role.ACTOR, Role.REF, Role.CRITIC)
+        for role in (Role.ACTOR, Role.ROLLOUT, Role.CRITIC)  # toy workers in their places
     }
     ray.get([ref for group in spawned.values() for ref in group.ready])  # built together
     yield spawned
@@ -144,8 +144,8 @@ def test_every_worker_runs_on_a_node_of_its_pool(
 
 
 def test_colocated_roles_share_their_gpus(groups: dict[Role, WorkerGroup]) -> None:
-    actor, ref = groups[Role.ACTOR].whereabouts(), groups[Role.REF].whereabouts()
-    assert [w.gpu_ids for w in actor] == [w.gpu_ids for w in ref]
+    actor, rollout = groups[Role.ACTOR].whereabouts(), groups[Role.ROLLOUT].whereabouts()
+    assert [w.gpu_ids for w in actor] == [w.gpu_ids for w in rollout]
     assert len({w.gpu_ids for w in actor}) == 2  # one GPU per rank, each its own
     assert all(len(w.gpu_ids) == 1 for w in actor)
 
@@ -159,7 +159,7 @@ def test_data_parallel_all_reduce_over_an_uneven_batch(groups: dict[Role, Worker
 
 def test_gather_rejoins_in_rank_order(groups: dict[Role, WorkerGroup]) -> None:
     x = torch.arange(5.0)
-    out = gather(groups[Role.REF].run_sharded("doubled", x))
+    out = gather(groups[Role.ROLLOUT].run_sharded("doubled", x))
     assert torch.equal(out[:, 0], x * 2)
     assert out[:, 1].tolist() == [0, 0, 0, 1, 1]
 
@@ -175,14 +175,14 @@ def test_groups_on_different_pools_run_at_the_same_time(groups: dict[Role, Worke
 def test_a_call_after_another_roles_starts_once_it_ends_and_fails_with_it(
     groups: dict[Role, WorkerGroup],
 ) -> None:
-    actor, ref = groups[Role.ACTOR], groups[Role.REF]  # colocated: they take turns
+    actor, rollout = groups[Role.ACTOR], groups[Role.ROLLOUT]  # colocated: they take turns
     first = actor.run("sleep", 0.5)
-    second = ref.run("sleep", 0.0, after=first)  # sent at once, started after
+    second = rollout.run("sleep", 0.0, after=first)  # sent at once, started after
     for (_, first_end), (second_start, _) in zip(join(first), join(second), strict=True):
         assert second_start >= first_end
     failed = actor.run("fail", "the actor ran out of memory")
     with pytest.raises(ray.exceptions.RayTaskError, match="the actor ran out of memory"):
-        join(ref.run("sleep", 0.0, after=failed))
+        join(rollout.run("sleep", 0.0, after=failed))
 
 
 def test_a_pool_the_cluster_cannot_hold_times_out_naming_it(ray_pools: RayPools) -> None:

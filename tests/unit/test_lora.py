@@ -97,7 +97,8 @@ def test_a_rank_above_vllm_s_largest_is_refused_by_the_engine_too() -> None:
 
 def test_the_actor_answers_for_the_ref_when_the_ref_is_its_base(lora_job: Job) -> None:
     """No ref workers: the ref's log-probs run on the actor, after its own, on its pool.
-    A ref model of its own (models.ref) is loaded as without LoRA."""
+    A ref model of its own (models.ref) is held beside the policy, as without LoRA, and
+    gets workers of its own only on a pool of its own."""
     config = parse_job(lora_job).spec.job_config()
     plan = plan_placement(config)
     assert Role.REF not in plan.roles
@@ -105,8 +106,12 @@ def test_the_actor_answers_for_the_ref_when_the_ref_is_its_base(lora_job: Job) -
     (score,) = [s for s in plan.stages if s.name == "score"]
     (lane,) = [lane for lane in score.lanes if lane.pool == "policy"]  # the reward: driver
     assert lane.phases == (Phase.ACTOR_LOG_PROB, Phase.REF_LOG_PROB, Phase.VALUES)
-    assert "ref: the actor's base" in describe(plan)
+    assert "ref: on the actor's ranks" in describe(plan)
     lora_job["spec"]["models"]["ref"] = {"tiny": {"hiddenSize": 128}}
+    plan = plan_placement(parse_job(lora_job).spec.job_config())
+    assert Role.REF not in plan.roles and plan.phase_role[Phase.REF_LOG_PROB] is Role.ACTOR
+    lora_job["spec"]["pools"].append({"name": "ref", "replicas": 1, "gpusPerNode": 1})
+    lora_job["spec"]["roles"]["ref"] = "ref"
     plan = plan_placement(parse_job(lora_job).spec.job_config())
     assert Role.REF in plan.roles and plan.phase_role[Phase.REF_LOG_PROB] is Role.REF
 

@@ -60,7 +60,8 @@ def test_asymmetric_splits(actor_gpus: int, critic_gpus: int) -> None:
     pools = [{"name": "a", "gpusPerNode": actor_gpus}, {"name": "b", "gpusPerNode": critic_gpus}]
     plan = plan_placement(config(pools, SPLIT_ROLES))
     assert plan.roles[Role.ACTOR].data_parallel_size == actor_gpus
-    assert plan.roles[Role.REF].data_parallel_size == actor_gpus
+    # The ref shares the actor's pool: the actor's ranks hold it, and no ref rank starts.
+    assert Role.REF not in plan.roles and plan.phase_role[Phase.REF_LOG_PROB] is Role.ACTOR
     assert plan.roles[Role.CRITIC].data_parallel_size == critic_gpus
     assert plan.roles[Role.REWARD].data_parallel_size == critic_gpus
     assert plan.concurrent(Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)

@@ -183,22 +183,35 @@ def plan_placement(config: JobConfig) -> PlacementPlan:
     return PlacementPlan(mode, pools, roles, tuple(stages), background, phase_role)
 
 
-def phase_roles(config: JobConfig) -> dict[Phase, Role]:
-    """Whose workers run each phase: PHASE_ROLE, except that a LoRA'd actor whose ref is
-    its own base answers the ref's log-probs itself, with its adapter off
-    (`ModelsConfig.ref_is_actor_base`): no ref workers, no second copy of the model.
+def ref_answered_by_actor(config: JobConfig) -> bool:
+    """Whether the actor's ranks answer the ref's log-probs, so that no ref worker starts:
+    - a LoRA'd actor whose ref is its own base (`ModelsConfig.ref_is_actor_base`), with
+      its adapter off: no second copy of the model;
+    - a ref on the actor's pool: each actor rank holds the frozen ref beside the policy.
+      It is on the same GPUs either way, and the two took turns on them already; a
+      process of its own cost one more CUDA context and one more start (on 2 CPU cores,
+      7 s of imports a run).
     Without roles.ref (no KL) there is no ref phase to answer."""
-    if config.models.ref_is_actor_base and config.roles.ref is not None:
+    ref_pool = config.roles.ref
+    return ref_pool is not None and (
+        config.models.ref_is_actor_base or ref_pool == config.roles.actor
+    )
+
+
+def phase_roles(config: JobConfig) -> dict[Phase, Role]:
+    """Whose workers run each phase: PHASE_ROLE, except the ref's log-probs when the
+    actor's ranks answer them (`ref_answered_by_actor`)."""
+    if ref_answered_by_actor(config):
         return PHASE_ROLE | {Phase.REF_LOG_PROB: Role.ACTOR}
     return dict(PHASE_ROLE)
 
 
 def _active_roles(config: JobConfig) -> list[Role]:
-    """Every role but a ref without a pool (no KL) or answered by the actor (its LoRA
-    base), and a critic without a pool (critic-free estimators); the reward always
-    runs, on a pool or on the driver."""
+    """Every role but a ref without a pool (no KL) or answered by the actor, and a
+    critic without a pool (critic-free estimators); the reward always runs, on a pool
+    or on the driver."""
     optional = {Role.REF: config.roles.ref, Role.CRITIC: config.roles.critic}
-    if config.models.ref_is_actor_base:
+    if ref_answered_by_actor(config):
         optional[Role.REF] = None
     return [r for r in Role if r not in optional or optional[r] is not None]
 
@@ -235,7 +248,7 @@ def describe(plan: PlacementPlan) -> str:
         where = "driver CPU (no model)" if role.pool == DRIVER else f"{role.pool}, {dp}"
         lines.append(f"  {role.role}: {where}")
     if plan.phase_role[Phase.REF_LOG_PROB] is Role.ACTOR:
-        lines.append("  ref: the actor's base, its LoRA adapter off (no second copy)")
+        lines.append("  ref: on the actor's ranks (a frozen copy, or its base with LoRA off)")
     lines.append("one step (' || ' = at the same time, ' -> ' = one after another):")
     for lane in plan.background:
         lines.append(f"  background  {_lane_text(lane)}  (overlaps every stage)")

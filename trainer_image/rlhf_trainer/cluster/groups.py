@@ -108,14 +108,16 @@ class RankHost:
     def rendezvous_address(self) -> tuple[str, int]:
         return self.whereabouts().node_ip, free_port()
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def setup(self, rendezvous: tuple[str, int] | None) -> None:
+        """Join the role's process group at rank 0's `rendezvous` (None: the worker
+        needs none), then build the worker."""
         worker_cls, args, kwargs = self._build
         if not torch.cuda.is_available():
             # On a CPU machine a "GPU" stands for a core: a rank computing on many
             # threads would slow the ranks of other pools that run at the same time.
             torch.set_num_threads(CPU_THREADS_PER_RANK)
-        if worker_cls.needs_process_group:
-            init_distributed(self.info, master_addr, master_port)
+        if rendezvous is not None:
+            init_distributed(self.info, *rendezvous)
         self.worker = worker_cls(self.info, *args, **kwargs)
 
     def call(
@@ -252,10 +254,10 @@ class WorkerGroup:
         **kwargs: Any,
     ) -> WorkerGroup:
         """Start the role's ranks on its pool and have them rendezvous and build their
-        workers. Returns once rank 0 is placed (at once for workers without a process
-        group), without waiting for the (slow) builds, so the groups of several roles
-        start together; `ray.get(group.ready)` joins them. Calls issued before then
-        queue behind the build (an actor runs its calls in order)."""
+        workers. Returns at once, without waiting for the ranks to be placed or built,
+        so the groups of several roles start together; `ray.get(group.ready)` joins
+        them. Calls issued before then queue behind the build (an actor runs its calls
+        in order)."""
         slots = role_slots(plan, role, pool_group.rank_order)
         ranks = range(len(slots))
         return cls.spawn_ranks(role, slots, ranks, pool_group, worker_cls, *args, **kwargs)
@@ -289,13 +291,14 @@ class WorkerGroup:
             ).remote(RankInfo(role, slot.pool, rank, len(slots)), worker_cls, args, kwargs)
             for rank, slot in zip(ranks, slots, strict=True)
         ]
-        # Ranks without a process group need no rendezvous: nothing here waits for them
-        # to be placed (an engine respawned into a bundle whose node is being replaced).
-        master_addr, master_port = "", 0
-        if worker_cls.needs_process_group:
-            master_addr, master_port = ray.get(hosts[0].rendezvous_address.remote())
+        # Rank 0's address is passed on as a future: each rank's setup starts once it is
+        # known, and nothing here waits for a rank to be placed. So the roles on
+        # different nodes start (import, load) together, not one role after another; and
+        # an engine respawned into a bundle whose node is being replaced blocks nothing.
+        needs_rendezvous = worker_cls.needs_process_group
+        rendezvous = hosts[0].rendezvous_address.remote() if needs_rendezvous else None
         # All ranks at once: init_process_group blocks until the whole group has joined.
-        ready = [h.setup.remote(master_addr, master_port) for h in hosts]
+        ready = [h.setup.remote(rendezvous) for h in hosts]
         for rank, slot, host, ref in zip(ranks, slots, hosts, ready, strict=True):
             record(ref, RankCall(role, slot.pool, rank, "setup", host))  # named if it fails
         return cls(role, slots, hosts, ready, ranks)

@@ -13,6 +13,10 @@ from typing import Any
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 
+# A simulated node tails no worker's output for the driver (local_ray_cluster passes
+# log_to_driver=False): the workers' logs are still written to Ray's session folder.
+QUIET_NODE = {"include_log_monitor": False}
+
 
 def connect_to_cluster() -> None:
     """Join the Ray cluster named by RAY_ADDRESS (a RayJob sets it for its driver)."""
@@ -38,6 +42,7 @@ class LocalCluster:
             num_gpus=gpus,
             resources={pool_resource(pool): gpus},
             labels={POOL_LABEL: pool},
+            **QUIET_NODE,
         )
 
     def kill_node(self, node_id: str) -> None:
@@ -96,13 +101,17 @@ def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
     from ray.cluster_utils import Cluster
 
     # No dashboard and no idle workers started ahead: on a laptop both only take CPU
-    # from the roles' start-up (measured: the head starts in 4.5 s instead of 7).
+    # from the roles' start-up (measured: the head starts in 4.5 s instead of 7). No
+    # autoscaler (nodes are added here) and no log monitors (nothing reads the workers'
+    # output: the driver is not sent it): a cluster then stops in 0.4 s, not 1.4.
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": 1,
             "num_gpus": 0,
             "include_dashboard": False,
+            "no_monitor": True,
+            **QUIET_NODE,
             "_system_config": {
                 "enable_worker_prestart": False,
                 # A node killed is found dead in about 3 s, not 15 or more.

@@ -40,6 +40,7 @@ from rlhf_trainer.algo.ppo import (
     truncated_importance_weights,
 )
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.plan import ref_answered_by_actor
 from rlhf_trainer.models import COMPUTE_DTYPE, position_ids
 from rlhf_trainer.roles.hf_export import Export, write_policy
 from rlhf_trainer.roles.lora import adapted, adapter_files
@@ -105,6 +106,11 @@ class Actor(Trainable):
         )
         self.transfer: Any = None  # vLLM's TrainerWeightTransferEngine, to the engines
         self.engines: Any = None  # its VLLMWeightSyncClient (cluster.engine_client)
+        # The ref beside the policy when it shares the actor's pool (a LoRA base is
+        # answered by the model itself): built after the policy, as the ref's own
+        # worker builds it, from the same seed.
+        holds_ref = ref_answered_by_actor(config) and not config.models.ref_is_actor_base
+        self.ref = load_ref(config, info.device) if holds_ref else None
 
     @torch.no_grad()
     def log_probs(self, batch: Sequences) -> Tensor:
@@ -113,10 +119,13 @@ class Actor(Trainable):
 
     @torch.no_grad()
     def ref_log_probs(self, batch: Sequences) -> Tensor:
-        """(B, T) log π_ref of the response tokens (0 elsewhere) when the ref is this
-        actor's own base (`ModelsConfig.ref_is_actor_base`): its adapter turned off."""
+        """(B, T) log π_ref of the response tokens (0 elsewhere), when this actor answers
+        for the ref (`plan.ref_answered_by_actor`): from the frozen ref it holds, or from
+        its own base with the LoRA adapter off (`ModelsConfig.ref_is_actor_base`)."""
+        if self.ref is not None:
+            return sequence_log_probs(self.ref, batch, self.config, self.info.device)
         if not isinstance(self.model, PeftModel):
-            raise RuntimeError("the actor is the ref only with models.actor.lora set")
+            raise RuntimeError("this actor holds no ref: the ref has workers of its own")
         with self.model.disable_adapter():
             return sequence_log_probs(self.model, batch, self.config, self.info.device)
 
@@ -243,12 +252,21 @@ def sequence_log_probs(
     )
 
 
+def load_ref(config: JobConfig, device: torch.device) -> PreTrainedModel:
+    """The frozen ref: models.ref, or the actor's initial model, in the compute dtype (it
+    never trains: no fp32 master needed)."""
+    source = config.models.ref or config.models.actor
+    dtype = COMPUTE_DTYPE[config.trainer.precision]
+    model: PreTrainedModel = load_policy(source, config.trainer.seed, dtype).to(device).eval()
+    return model
+
+
 class Ref(Worker):
+    """The ref's own workers, when it runs on a pool other than the actor's."""
+
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info)
-        source = config.models.ref or config.models.actor
-        dtype = COMPUTE_DTYPE[config.trainer.precision]  # frozen: no fp32 master needed
-        self.model = load_policy(source, config.trainer.seed, dtype).to(info.device).eval()
+        self.model = load_ref(config, info.device)
         self.config = config
 
     @torch.no_grad()
