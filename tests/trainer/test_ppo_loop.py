@@ -119,6 +119,8 @@ def test_the_engine_samples_with_the_actors_latest_weights(trained: Trained) -> 
     assert worst < LOG_PROB_TOLERANCE
     # and the policy did change, so the check above had something to check
     assert max(s.kl for s in trained.steps) > 0.1
+    # The ref the actor's ranks hold is the policy it started from: no KL at step 1.
+    assert trained.steps[0].kl == pytest.approx(0, abs=1e-6)
 
 
 def test_every_step_is_trained_and_reported(trained: Trained) -> None:

@@ -189,8 +189,7 @@ def ref_answered_by_actor(config: JobConfig) -> bool:
       its adapter off: no second copy of the model;
     - a ref on the actor's pool: each actor rank holds the frozen ref beside the policy.
       It is on the same GPUs either way, and the two took turns on them already; a
-      process of its own cost one more CUDA context and one more start (on 2 CPU cores,
-      7 s of imports a run).
+      process of its own cost one more CUDA context and one more start a rank.
     Without roles.ref (no KL) there is no ref phase to answer."""
     ref_pool = config.roles.ref
     return ref_pool is not None and (
