@@ -54,9 +54,10 @@ trainer-lock: $(STAMP)  ## re-resolve trainer_image/requirements-cpu.txt from re
 	  $(PY) -m pip freeze --all --exclude-editable | grep -v '^pip==' | grep -vixFf constraints.txt ) > $(TRAINER_LOCK)
 	touch $(TRAINER_STAMP)
 
-# Two workers, each taking a group of tests at a time (tests/conftest.py), in file order
-# (pytest-randomly off) for a reproducible CI; `make test-shuffled` shuffles.
-PARALLEL = -n 2 --dist loadgroup --no-loadscope-reorder
+# Three workers, each taking a group of tests at a time (tests/conftest.py): one runs the
+# control-plane tier alone, two the rest (tests/lanes.py). In file order (pytest-randomly
+# off) for a reproducible CI; `make test-shuffled` shuffles.
+PARALLEL = -n 3 --dist loadgroup --no-loadscope-reorder
 test: install controlplane real-model images  ## run every test (builds the control plane, the real model and the images first: slow only the first time)
 	$(PY) -m pytest -p no:randomly $(PARALLEL) --durations=25
 

@@ -2,10 +2,12 @@
 cluster), `-m trainer` (Ray and vLLM on this machine), `-m controlplane` (a real
 Kubernetes control plane). `slow` marks tests over about 20 s (by hand, where they are).
 
-`make test` runs two pytest-xdist workers, one group of tests at a time each: a module,
-or the whole control-plane tier (which shares one control plane). A trainer run spends
-about 40% of its start-up waiting (Ray's nodes, vLLM's engine process), so two groups
-side by side use the two cores that one leaves half idle."""
+`make test` runs three pytest-xdist workers, one group of tests at a time each: a module,
+or the whole control-plane tier (which shares one control plane). The tier has a worker
+of its own (tests/lanes.py); two trainer groups run side by side on the others. A
+trainer run spends about 40% of its start-up waiting (Ray's nodes, vLLM's engine
+process), and the control plane's tests wait on the cluster, so the three keep two
+cores busy."""
 
 from __future__ import annotations
 
@@ -88,8 +90,8 @@ MODULES_SHOWN = 15
 
 def summarise_by_module(terminalreporter: pytest.TerminalReporter) -> None:
     """Where a run's time went: seconds by tier and the costliest modules (set-up, calls
-    and tear-down added up; on two workers they overlap, so they add to twice the wall
-    time at most). What to cut first when CI nears its budget."""
+    and tear-down added up; the workers overlap, so on three they add to three times the
+    wall time at most). What to cut first when CI nears its budget."""
     if len(_seconds) < 2:
         return
     modules: defaultdict[str, float] = defaultdict(float)
@@ -102,3 +104,13 @@ def summarise_by_module(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line("  ".join(f"{t} {s:.0f} s" for t, s in sorted(tiers.items())))
     for module, seconds in sorted(modules.items(), key=lambda m: -m[1])[:MODULES_SHOWN]:
         terminalreporter.write_line(f"{seconds:6.0f} s  {module}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """With three workers, the control-plane tier gets one to itself (tests/lanes.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.lanes import ControlPlaneLane  # xdist's: only where xdist runs
+
+    return ControlPlaneLane(config, log)
