@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -214,18 +215,21 @@ def test_a_node_with_the_pools_resource_but_another_label_is_not_used(
         remove_pool_groups(pending)
 
 
+@pytest.mark.parametrize("peer_fails_first", [False, True], ids=["dies", "peer-fails-first"])
 def test_a_rank_dying_mid_collective_fails_the_call_instead_of_hanging(
-    ray_pools: RayPools,
+    ray_pools: RayPools, peer_fails_first: bool, tmp_path: Path
 ) -> None:
     """Rank 0 is stuck in all_reduce (until the 10-minute rendezvous timeout) when rank 1
     dies; `join` must raise the death at once, naming the rank, and shutdown must still
-    end the group."""
+    end the group. Also when rank 0's call fails first, with gloo's "connection closed"
+    (seen on a loaded machine): the death is still what is named."""
     group = WorkerGroup.spawn(ray_pools.plan, Role.ACTOR, ray_pools.groups["policy"], PartialSums)
     join(group.ready)
+    seen_first = str(tmp_path / "peer-failed") if peer_fails_first else ""
     try:
         died = r"^actor rank 1 on pool policy \(die_in_all_reduce\) died: The actor died"
         with pytest.raises(RankDied, match=died):
-            join(group.run("die_in_all_reduce", 1))
+            join(group.run("die_in_all_reduce", 1, seen_first))
     finally:
         group.shutdown(grace_s=1)
     for host in group.hosts:  # both ended: the stuck rank 0 too

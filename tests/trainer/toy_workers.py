@@ -45,13 +45,26 @@ class PartialSums(Worker):
     def fail(self, message: str) -> None:
         raise ValueError(message)
 
-    def die_in_all_reduce(self, dying_rank: int) -> float:
+    def die_in_all_reduce(self, dying_rank: int, seen_first: str = "") -> float:
         """Every rank joins an all_reduce but `dying_rank` exits first: the others are
-        left waiting in the collective for a peer that will never come."""
+        left waiting in the collective for a peer that will never come.
+
+        With `seen_first` (a path): the death reaches the others first as their
+        collective's own error. The dying rank closes its connections and exits only
+        once a peer has failed (the peer creates `seen_first`)."""
         if self.info.rank == dying_rank:
+            if seen_first:
+                dist.destroy_process_group()
+                while not os.path.exists(seen_first):
+                    time.sleep(0.05)
             os._exit(1)
         token = torch.ones(1)
-        dist.all_reduce(token)
+        try:
+            dist.all_reduce(token)
+        except RuntimeError:
+            if seen_first:
+                open(seen_first, "x").close()
+            raise
         return float(token.item())
 
 

@@ -38,6 +38,7 @@ from rlhf_trainer.cluster.hangs import (
     answering,
     forget,
     no_answer,
+    peer_died,
     rank_died,
     record,
 )
@@ -412,9 +413,11 @@ def join(
 
     Raises as soon as any of them fails: when one rank dies, the others may wait in a
     collective for it until the rendezvous timeout, and waiting for them in order
-    would hang the driver just as long. With `timeout_s`, raises NoAnswer once that
-    has passed, naming the ranks still in their calls (`cluster.hangs`), among them
-    those of `involved`: calls in the same collective that are not waited for here.
+    would hang the driver just as long. A call that fails while others are pending is
+    reported as a rank's death if one of theirs dies within PEER_DEATH_S. With
+    `timeout_s`, raises NoAnswer once that has passed, naming the ranks still in their
+    calls (`cluster.hangs`), among them those of `involved`: calls in the same
+    collective that are not waited for here.
     """
     import ray
 
@@ -429,6 +432,10 @@ def join(
             ray.get(done)  # raises the failure, if that is what finished
         except ray.exceptions.RayActorError as error:
             raise rank_died(done[0], error) from error
+        except ray.exceptions.RayTaskError as error:
+            if (died := peer_died([*pending, *involved])) is not None:
+                raise died from error  # the cause, not the collective's echo of it
+            raise
     forget(refs)
     return list(ray.get(list(refs)))
 

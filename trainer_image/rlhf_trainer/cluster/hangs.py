@@ -29,6 +29,10 @@ PROBE_S = 10.0  # a live rank answers at once, busy or not
 # found dead). Less would take a rank starved of CPU on a loaded node for dead; one that
 # Ray finds dead (killed, its node lost) is dead at once.
 LOST_AFTER_S = 60.0
+# A rank that dies in a collective often reaches its peers first, as their collective's
+# own error (gloo: "Connection closed by peer"), and Ray finds it dead a moment later:
+# a failed call waits this long for a peer's death to name instead.
+PEER_DEATH_S = 10.0
 TRACKED_CALLS = 10_000  # the oldest are forgotten first (a future nobody waited for)
 
 
@@ -108,6 +112,25 @@ def rank_died(ref: ObjectRef[Any], error: Exception) -> RankDied:
     who = str(call) if call is not None else "a rank (a call not issued by a worker group)"
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return RankDied(f"{who} died: {reason}")
+
+
+def peer_died(pending: Sequence[ObjectRef[Any]], within_s: float = PEER_DEATH_S) -> RankDied | None:
+    """RankDied for the first of `pending` whose rank Ray finds dead within `within_s`
+    (calls that end otherwise are passed over); None if none does."""
+    import ray
+
+    deadline = time.monotonic() + within_s
+    waiting = list(pending)
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        done, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                return rank_died(ref, error)
+            except ray.exceptions.RayError:
+                pass  # failed on its own: the death looked for is another's
+    return None
 
 
 def answering(calls: Sequence[RankCall], within_s: float = PROBE_S) -> list[bool]:
