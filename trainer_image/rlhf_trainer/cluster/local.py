@@ -36,14 +36,7 @@ class LocalCluster:
     def add_node(self, pool: str) -> None:
         """One more node of `pool`, as the operator makes it (a bigger `replicas`, or a
         pod that replaces a lost one)."""
-        (gpus,) = [p.gpus_per_node for p in self.config.pools if p.name == pool]
-        self.cluster.add_node(
-            num_cpus=1,
-            num_gpus=gpus,
-            resources={pool_resource(pool): gpus},
-            labels={POOL_LABEL: pool},
-            **QUIET_NODE,
-        )
+        self.cluster.add_node(**pool_node(self.config, pool))
 
     def kill_node(self, node_id: str) -> None:
         """SIGKILL the node's raylet and every process on it, without warning (a lost
@@ -55,11 +48,29 @@ class LocalCluster:
         import psutil  # type: ignore[import-untyped]
 
         (node,) = [n for n in self.cluster.list_all_nodes() if n.node_id == node_id]
+        if node is self.cluster.head_node:
+            raise ValueError(
+                f"node {node_id} is the first pool's first node, which also holds Ray's "
+                "head (its GCS) on this machine: killing it would end the cluster"
+            )
         (raylet,) = node.all_processes["raylet"]
         workers = psutil.Process(raylet.process.pid).children(recursive=True)
         signal_all(workers, "suspend")
         self.cluster.remove_node(node, allow_graceful=False)
         signal_all(workers, "kill")
+
+
+def pool_node(config: JobConfig, pool: str) -> dict[str, Any]:
+    """Ray's arguments for a node of `pool`: the logical GPUs, the pool resource and the
+    pool label the operator gives the real nodes."""
+    (gpus,) = [p.gpus_per_node for p in config.pools if p.name == pool]
+    return {
+        "num_cpus": 1,
+        "num_gpus": gpus,
+        "resources": {pool_resource(pool): gpus},
+        "labels": {POOL_LABEL: pool},
+        **QUIET_NODE,
+    }
 
 
 def signal_all(processes: list[Any], how: str) -> None:
@@ -95,8 +106,12 @@ def local_environments(config: JobConfig) -> Iterator[JobConfig]:
 @contextmanager
 def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
     """A simulated Ray cluster on this machine shaped like the job's pools; yields it
-    once connected. One node per pool replica, each with the logical GPUs, the pool
-    resource and the pool label the operator gives the real nodes."""
+    once connected. One node per pool replica (`pool_node`).
+
+    Ray's head is the first pool's first node, not a node of its own as the operator's
+    head pod is: a run here has no head pod's work to place (its driver is this
+    process), and a node costs a raylet and two agents (measured: 3-5 CPU-s less a run,
+    and the cluster up 1.5-5 s sooner). So that node cannot be killed (`kill_node`)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -104,14 +119,13 @@ def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
     # from the roles' start-up (measured: the head starts in 4.5 s instead of 7). No
     # autoscaler (nodes are added here) and no log monitors (QUIET_NODE): a cluster then
     # stops in 0.4 s, not 1.4.
+    first, *others = [pool.name for pool in config.pools for _ in range(pool.replicas)]
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "num_gpus": 0,
+        head_node_args=pool_node(config, first)
+        | {
             "include_dashboard": False,
             "no_monitor": True,
-            **QUIET_NODE,
             "_system_config": {
                 "enable_worker_prestart": False,
                 # A node killed is found dead in about 3 s, not 15 or more.
@@ -122,9 +136,8 @@ def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
     )
     local = LocalCluster(str(cluster.address), cluster, config)
     try:
-        for pool in config.pools:
-            for _ in range(pool.replicas):
-                local.add_node(pool.name)
+        for pool_name in others:
+            local.add_node(pool_name)
         # Ray's INFO lines here say where a dashboard is (there is none) in ANSI colours,
         # even into a pipe: a local run's output stays plain without them.
         ray.init(

@@ -27,7 +27,8 @@ def spawn_queue(
     `snapshot` and `close` run on the others. It must exceed the number of getters that
     may block at once. It asks for no CPU (it only moves references and waits) and is
     pinned to the current node with a hard NodeAffinitySchedulingStrategy, so it lives
-    and dies with the driver on the head node, not on a pool's GPU node.
+    and dies with the driver on the head node, not on a pool's GPU node (in a local
+    run, the head is the first pool's first node, which is never killed).
 
     Ordering: a threaded actor does not run one caller's calls in submission order, so a
     producer that needs its samples queued in order waits for each `put`'s result
