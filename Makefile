@@ -34,8 +34,8 @@ tmux:
 	else echo "no apt-get here: install tmux yourself, or the terminal test of rlhfjob train skips" >&2; fi
 
 # uv installs the same pins as pip (the same `pip freeze`), but links them from its cache
-# and compiles the bytecode on every core: a fresh clone's install took 35 s instead of
-# pip's 139 (both caches warm), and an empty cache 29 s of downloads instead of 374.
+# and compiles the bytecode on every core: a fresh clone's install took 43 s instead of
+# pip's 139 (caches warm), and in a cold CI 179 s instead of 374 (beside the Go builds).
 # Compiled here, because PYTHONDONTWRITEBYTECODE would otherwise make every process of a
 # run compile torch and vLLM again. pip stays in the venv (tests run `pip check`).
 UV_VERSION := 0.13.9
