@@ -173,6 +173,30 @@ def test_groups_on_different_pools_run_at_the_same_time(groups: dict[Role, Worke
     assert max(start for start, _ in intervals) < min(end for _, end in intervals)
 
 
+def test_a_role_beside_the_actor_lives_in_its_processes_and_shares_its_process_group(
+    groups: dict[Role, WorkerGroup],
+) -> None:
+    """`WorkerGroup.beside` (a critic on the actor's pool, plan.in_actor_processes): its
+    ranks are built in the actor's processes, its calls reach its own worker, its
+    collectives run over the actor's process group (the constructor all-reduces), the
+    timeline gets its calls under its role, and ending it leaves the actor's ranks up."""
+    actor = groups[Role.ACTOR]
+    beside = WorkerGroup.beside(actor, Role.CRITIC, PartialSums)
+    try:
+        join(beside.ready, READY_TIMEOUT_S)
+        assert [w.pid for w in beside.whereabouts()] == [w.pid for w in actor.whereabouts()]
+        assert join(beside.run("whose")) == [(Role.CRITIC, 0), (Role.CRITIC, 1)]
+        assert join(actor.run("whose")) == [(Role.ACTOR, 0), (Role.ACTOR, 1)]
+        assert join(beside.run_sharded("total_sum", torch.arange(7.0))) == [21.0, 21.0]
+        drained = join(beside.drain_calls())
+        assert [[phase for phase, _, _ in calls] for calls in drained] == [
+            ["whose", "total_sum"]
+        ] * 2
+    finally:
+        beside.shutdown()
+    assert join(actor.run("whose")) == [(Role.ACTOR, 0), (Role.ACTOR, 1)]
+
+
 def test_a_call_after_another_roles_starts_once_it_ends_and_fails_with_it(
     groups: dict[Role, WorkerGroup],
 ) -> None:

@@ -80,11 +80,15 @@ def start(spec: Path, log: Path, tag: str) -> subprocess.Popen[bytes]:
         )
 
 
+# role_groups.log_whereabouts' line for each rank 0: (role, pool, pid)
+RANK_LINE = re.compile(r"(\w+) rank 0 on pool (\w+): pid (\d+) on node")
+
+
 def rank_pid(log: str, role: str) -> tuple[int, str]:
     """(pid, pool) of the role's rank 0, from the line the run logs once it is placed."""
-    found = re.search(rf"{role} rank 0 on pool (\w+): pid (\d+) on node", log)
+    found = [(int(pid), pool) for who, pool, pid in RANK_LINE.findall(log) if who == role]
     assert found, f"the run logged no process for {role} rank 0:\n{log[-3000:]}"
-    return int(found.group(2)), found.group(1)
+    return found[0]
 
 
 def kill_steps_past_a_checkpoint(
@@ -246,10 +250,12 @@ def assert_the_run_ends_naming_the_dead_rank(
         ) from None
     output = log.read_text()
     assert code != 0, output[-3000:]
-    pool = rank_pid(output, role)[1]
-    assert re.search(rf"RankDied: {role} rank 0 on pool {pool} \(\w+\) died", output), output[
-        -3000:
-    ]
+    pid, pool = rank_pid(output, role)
+    # The killed process's roles: the critic lives in the actor's (plan.in_actor_processes),
+    # and whichever of their calls fails first is the rank named.
+    hosted = [who for who, _, at in RANK_LINE.findall(output) if int(at) == pid]
+    named = re.search(rf"RankDied: (\w+) rank 0 on pool {pool} \(\w+\) died", output)
+    assert named and named.group(1) in hosted, (hosted, output[-3000:])
     deadline = time.monotonic() + 30  # a process that has been killed may take a moment
     while (left := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -32,6 +32,10 @@ class PartialSums(Worker):
         dist.all_reduce(partial)
         return float(partial.item())
 
+    def whose(self) -> tuple[str, int]:
+        """(role, rank) of the worker that answers: which one a host routed the call to."""
+        return self.info.role, self.info.rank
+
     def doubled(self, shard: Tensor) -> Tensor:
         """(N, 2) per row: twice the value and this rank, for gather to put in rank order."""
         return torch.stack([shard * 2, torch.full_like(shard, self.info.rank)], dim=1)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from rlhf_trainer.api.config import Role
-from rlhf_trainer.api.plan import DRIVER, Mode, Phase, plan_placement
+from rlhf_trainer.api.plan import DRIVER, Mode, Phase, describe, in_actor_processes, plan_placement
 from tests.specs import job_config as config
 
 SPLIT_ROLES = {"actor": "a", "rollout": "a", "ref": "a", "critic": "b", "reward": "b"}
@@ -97,6 +97,21 @@ def test_everything_colocated_in_one_pool() -> None:
     assert not any(plan.concurrent(a, b) for a in Phase for b in Phase)
     assert all(len(stage.lanes) == 1 for stage in plan.stages)
     assert plan.step_seconds(dict.fromkeys(Phase, 1.0)) == len(Phase)
+    # The critic and the reward model start in the actor's processes, not in their own.
+    assert in_actor_processes(plan) == [Role.CRITIC, Role.REWARD]
+    assert "  critic: all, dp=8, in the actor's processes" in describe(plan).splitlines()
+
+
+def test_only_roles_on_the_actors_pool_live_in_its_processes() -> None:
+    pools = [{"name": "a", "gpusPerNode": 4}, {"name": "b", "gpusPerNode": 4}]
+    assert in_actor_processes(plan_placement(config(pools, SPLIT_ROLES))) == []
+    critic_beside = SPLIT_ROLES | {"critic": "a"}
+    assert in_actor_processes(plan_placement(config(pools, critic_beside))) == [Role.CRITIC]
+    rule = {"actor": {"path": "m"}, "reward": {"function": "toy_copy"}}  # on the driver
+    colocated = dict.fromkeys(SPLIT_ROLES, "a") | {"reward": None}
+    plan = plan_placement(config(pools[:1], colocated, models=rule))
+    assert in_actor_processes(plan) == [Role.CRITIC]
+    assert "  critic: b, dp=4" in describe(plan_placement(config(pools, SPLIT_ROLES))).split("\n")
 
 
 def test_ideal_split_step_time_is_the_slower_lane_of_each_stage() -> None:

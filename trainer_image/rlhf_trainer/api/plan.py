@@ -197,6 +197,21 @@ def ref_answered_by_actor(config: JobConfig) -> bool:
     )
 
 
+def in_actor_processes(plan: PlacementPlan) -> list[Role]:
+    """The roles on the actor's pool whose ranks live in the actor's processes, each
+    with its own model (and optimizer) on its rank's GPUs: the critic and a reward
+    model. Their ranks are the actor's (a pool's roles take all of its GPUs), and they
+    took turns on those GPUs already; a process of their own cost one more start (its
+    imports alone: ~5 CPU-s on a CPU here) and one more CUDA context a GPU. The rollout
+    keeps its own: vLLM makes its own processes and process group."""
+    actor = plan.roles[Role.ACTOR].pool
+    return [
+        role
+        for role in (Role.CRITIC, Role.REWARD)
+        if getattr(plan.roles.get(role), "pool", None) == actor
+    ]
+
+
 def phase_roles(config: JobConfig) -> dict[Phase, Role]:
     """Whose workers run each phase: PHASE_ROLE, except the ref's log-probs when the
     actor's ranks answer them (`ref_answered_by_actor`)."""
@@ -245,7 +260,8 @@ def describe(plan: PlacementPlan) -> str:
             f" x tp={role.tensor_parallel_size}" if role.tensor_parallel_size > 1 else ""
         )
         where = "driver CPU (no model)" if role.pool == DRIVER else f"{role.pool}, {dp}"
-        lines.append(f"  {role.role}: {where}")
+        beside = ", in the actor's processes" if role.role in in_actor_processes(plan) else ""
+        lines.append(f"  {role.role}: {where}{beside}")
     if plan.phase_role[Phase.REF_LOG_PROB] is Role.ACTOR:
         lines.append("  ref: on the actor's ranks (a frozen copy, or its base with LoRA off)")
     lines.append("one step (' || ' = at the same time, ' -> ' = one after another):")

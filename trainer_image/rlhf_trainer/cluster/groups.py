@@ -1,7 +1,8 @@
 """Worker groups: the data-parallel ranks of one role on one pool.
 
 A role's work lives in a plain Python class (`rlhf_trainer.worker.Worker`). Ray stays
-at the edge: `RankHost` is the one actor class, hosting one worker, and `WorkerGroup`
+at the edge: `RankHost` is the one actor class, hosting one rank's worker (and the same
+rank of the roles that live in the actor's processes, `WorkerGroup.beside`), and `WorkerGroup`
 owns the hosts of a role: it places them on the pool's bundles, runs the rank-0
 rendezvous, shards batches over the ranks, fans calls out and gathers the results.
 
@@ -91,9 +92,15 @@ class RankHost:
     ) -> None:
         self.info = info
         self._build = (worker_cls, args, kwargs)
-        self.worker: Worker | None = None
-        self.calls: list[tuple[str, float, float]] = []  # (method, start, end), wall clock
+        # by role: this rank's own worker, and those hosted beside it (`host_beside`)
+        self.workers: dict[Role, Worker] = {}
+        self.calls: list[tuple[Role, str, float, float]] = []  # (role, phase, start, end)
         self.calls_lock = threading.Lock()  # calls are timed on one thread, drained on another
+
+    @property
+    def worker(self) -> Worker | None:
+        """This rank's own worker (its role's), once built."""
+        return self.workers.get(self.info.role)
 
     def whereabouts(self) -> Whereabouts:
         import ray
@@ -119,24 +126,44 @@ class RankHost:
             torch.set_num_threads(CPU_THREADS_PER_RANK)
         if rendezvous is not None:
             init_distributed(self.info, *rendezvous)
-        self.worker = worker_cls(self.info, *args, **kwargs)
+        self.workers[self.info.role] = worker_cls(self.info, *args, **kwargs)
+
+    def host_beside(
+        self,
+        info: RankInfo,
+        worker_cls: type[Worker],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Build another role's worker in this process, after this rank's own: the same
+        rank of a role on the same GPUs, in the same process group (`plan.in_actor_processes`)."""
+        if self.worker is None:
+            raise RuntimeError(
+                f"{info.role} rank {info.rank} cannot start beside {self.info.role} rank "
+                f"{self.info.rank}: that rank's setup failed (the error is in its `ready`)"
+            )
+        self.workers[info.role] = worker_cls(info, *args, **kwargs)
 
     def call(
         self,
         method: str,
         *args: Any,
+        worker_role: Role | None = None,
         after: Sequence[ObjectRef[Any]] = (),
         phase: str | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run the worker's `method`, once the calls in `after` (another role's on this
-        GPU) are done; it raises what they raised. They come in a list, which Ray does
-        not resolve before sending the call: its arguments travel while the other role
-        computes, and it starts without a round trip through the driver. `phase` names
-        the call on the timeline (the method's name if not given)."""
-        if self.worker is None:
+        """Run `method` of the worker of `worker_role` (this rank's own if None), once
+        the calls in `after` (another role's on this GPU) are done; it raises what they
+        raised. They come in a list, which Ray does not resolve before sending the call:
+        its arguments travel while the other role computes, and it starts without a
+        round trip through the driver. `phase` names the call on the timeline (the
+        method's name if not given)."""
+        role = worker_role or self.info.role
+        worker = self.workers.get(role)
+        if worker is None:
             raise RuntimeError(
-                f"{self.info.role} rank {self.info.rank} has no worker: its setup failed "
+                f"{role} rank {self.info.rank} has no worker: its setup failed "
                 "(the error is in WorkerGroup.ready)"
             )
         if after:
@@ -145,19 +172,22 @@ class RankHost:
             ray.get(list(after))
         start = time.time()
         try:
-            return getattr(self.worker, method)(*args, **kwargs)
+            return getattr(worker, method)(*args, **kwargs)
         finally:
             with self.calls_lock:
-                self.calls.append((phase or method, start, time.time()))
+                self.calls.append((role, phase or method, start, time.time()))
 
-    def drain_calls(self) -> list[tuple[str, float, float]]:
-        """The calls timed since the last drain: what the timeline shows of this rank,
-        with what the worker did in the background, if it says (`drain_activity`).
-        Runs in the TELEMETRY group: a rank still in a call (an engine loading weights)
-        answers at once, and the next drain has that call."""
+    def drain_calls(self, role: Role | None = None) -> list[tuple[str, float, float]]:
+        """The calls of `role`'s worker (this rank's own if None) timed since the last
+        drain: what the timeline shows of this rank, with what the worker did in the
+        background, if it says (`drain_activity`). Runs in the TELEMETRY group: a rank
+        still in a call (an engine loading weights) answers at once, and the next drain
+        has that call."""
+        role = role or self.info.role
         with self.calls_lock:
-            calls, self.calls = self.calls, []
-        background = getattr(self.worker, "drain_activity", None)
+            calls = [(phase, start, end) for who, phase, start, end in self.calls if who == role]
+            self.calls = [call for call in self.calls if call[0] != role]
+        background = getattr(self.workers.get(role), "drain_activity", None)
         return calls + (background() if background is not None else [])
 
     def alive(self) -> bool:
@@ -171,9 +201,10 @@ class RankHost:
         return read() if read is not None else None
 
     def shutdown(self) -> None:
-        close = getattr(self.worker, "close", None)
-        if close is not None:
-            close()  # e.g. stop vLLM's engine processes
+        for worker in self.workers.values():
+            close = getattr(worker, "close", None)
+            if close is not None:
+                close()  # e.g. stop vLLM's engine processes
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -195,6 +226,7 @@ class WorkerGroup:
         hosts: Sequence[Any],
         ready: Sequence[ObjectRef[None]],
         ranks: Sequence[int] | None = None,
+        owns_hosts: bool = True,
     ) -> None:
         self.role = role
         self.slots = tuple(slots)
@@ -203,6 +235,8 @@ class WorkerGroup:
         # Each worker's own rank (RankInfo.rank), by position: 0 … n-1 until the group
         # loses some (`without`); what errors and logs name them by.
         self.ranks = tuple(range(len(self.hosts)) if ranks is None else ranks)
+        # False: the hosts are another role's, whose group ends them (`beside`)
+        self.owns_hosts = owns_hosts
 
     def joined(self, other: WorkerGroup) -> WorkerGroup:
         """This group with `other`'s ranks (started since, and ready), in rank order."""
@@ -234,7 +268,7 @@ class WorkerGroup:
 
     def _of(self, slots: list[WorkerSlot], hosts: list[Any], ranks: list[int]) -> WorkerGroup:
         # Ranks that started already: no futures of their start to keep.
-        return WorkerGroup(self.role, slots, hosts, [], ranks)
+        return WorkerGroup(self.role, slots, hosts, [], ranks, self.owns_hosts)
 
     @property
     def world_size(self) -> int:
@@ -304,6 +338,21 @@ class WorkerGroup:
             record(ref, RankCall(role, slot.pool, rank, "setup", host))  # named if it fails
         return cls(role, slots, hosts, ready, ranks)
 
+    @classmethod
+    def beside(
+        cls, hosting: WorkerGroup, role: Role, worker_cls: type[Worker], *args: Any, **kwargs: Any
+    ) -> WorkerGroup:
+        """`role`'s ranks in the processes of `hosting`'s, rank for rank: each builds its
+        worker once the host's own is built (a host runs its calls in order), in the
+        host's process group (`plan.in_actor_processes`). Returns at once, as `spawn`."""
+        world = hosting.world_size
+        ready = []
+        for rank, slot, host in zip(hosting.ranks, hosting.slots, hosting.hosts, strict=True):
+            info = RankInfo(role, slot.pool, rank, world)
+            ready.append(host.host_beside.remote(info, worker_cls, args, kwargs))
+            record(ready[-1], RankCall(role, slot.pool, rank, "setup", host))
+        return cls(role, hosting.slots, hosting.hosts, ready, hosting.ranks, owns_hosts=False)
+
     def run(
         self,
         method: str,
@@ -360,7 +409,7 @@ class WorkerGroup:
                 f"lists and {len(waits)} calls to wait for"
             )
         refs = [
-            h.call.remote(method, *a, after=wait, phase=phase, **kwargs)
+            h.call.remote(method, *a, worker_role=self.role, after=wait, phase=phase, **kwargs)
             for h, a, wait in zip(self.hosts, rank_args, waits, strict=True)
         ]
         for rank, ref, host in zip(self.ranks, refs, self.hosts, strict=True):
@@ -370,7 +419,8 @@ class WorkerGroup:
     def drain_calls(self) -> list[ObjectRef[list[tuple[str, float, float]]]]:
         """Per rank, a future of the calls it ran since the last drain (see
         RankHost.drain_calls); a rank busy in a call answers beside it."""
-        return [h.drain_calls.options(concurrency_group=TELEMETRY).remote() for h in self.hosts]
+        telemetry = [h.drain_calls.options(concurrency_group=TELEMETRY) for h in self.hosts]
+        return [drain.remote(self.role) for drain in telemetry]
 
     def engine_stats(self, rank: int) -> ObjectRef[EngineStats | None]:
         """Ask rank `rank` for its engine's stats; it answers even while busy in a call."""
@@ -395,9 +445,12 @@ class WorkerGroup:
     def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """End the actors, cleanly if they answer within `grace_s`; the placement groups
         stay. After a failure some ranks may be dead or stuck in a collective: they
-        are killed all the same, and the error that caused it is not hidden."""
+        are killed all the same, and the error that caused it is not hidden. A group
+        hosted `beside` another role's leaves that to the hosting group."""
         import ray
 
+        if not self.owns_hosts:
+            return
         with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
             ray.get([h.shutdown.remote() for h in self.hosts], timeout=grace_s)
         for h in self.hosts:

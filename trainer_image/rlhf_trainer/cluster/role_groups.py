@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import DRIVER, PlacementPlan
+from rlhf_trainer.api.plan import DRIVER, PlacementPlan, in_actor_processes
 from rlhf_trainer.cluster.groups import WorkerGroup, join
 from rlhf_trainer.cluster.placement import (
     PoolGroup,
@@ -72,13 +72,17 @@ class RoleGroups:
         the config (fully async mode's streaming rollout takes the queue)."""
         pools = wait_ready(create_pool_groups(plan, job), timeout_s)
         chosen = {role: (cls, ()) for role, cls in WORKERS.items()} | dict(workers or {})
+        beside_actor = in_actor_processes(plan)
         groups = {
             role: WorkerGroup.spawn(
                 plan, role, pools[role_plan.pool], chosen[role][0], config, *chosen[role][1]
             )
             for role, role_plan in plan.roles.items()
-            if role_plan.pool != DRIVER
+            if role_plan.pool != DRIVER and role not in beside_actor
         }
+        for role in beside_actor:
+            worker, args = chosen[role]
+            groups[role] = WorkerGroup.beside(groups[Role.ACTOR], role, worker, config, *args)
         started = cls(groups, pools, {role: group.world_size for role, group in groups.items()})
         try:
             join([ready for group in groups.values() for ready in group.ready])
