@@ -16,7 +16,11 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.data.prompts import load_prompts, prompt_tokenizer
 from rlhf_trainer.models import build_tiny_model, load_tokenizer
-from rlhf_trainer.rollout.engine_settings import CPU_ENVIRONMENT, UNI_EXECUTOR_ENVIRONMENT
+from rlhf_trainer.rollout.engine_settings import (
+    CPU_EAGER_ENVIRONMENT,
+    CPU_ENVIRONMENT,
+    UNI_EXECUTOR_ENVIRONMENT,
+)
 
 
 def checkpoint_actor(tiny: TinyModel, step_dir: Path, scratch: Path) -> PreTrainedModel:
@@ -53,7 +57,8 @@ if __name__ == "__main__":
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy)
     print(json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
 """
-VLLM_ENVIRONMENT = CPU_ENVIRONMENT | UNI_EXECUTOR_ENVIRONMENT  # as the trainer's engines
+# as the trainer's engines
+VLLM_ENVIRONMENT = CPU_ENVIRONMENT | UNI_EXECUTOR_ENVIRONMENT | CPU_EAGER_ENVIRONMENT
 
 
 def held_out_prompts(config: JobConfig) -> list[list[int]]:

@@ -11,11 +11,13 @@ driver replaces it: test_ppo_loop.py, test_async_loop.py).
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
@@ -29,10 +31,12 @@ from rlhf_trainer.data.tasks import copy_prompts
 from rlhf_trainer.models import build_tokenizer, token_log_probs, write_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_death import EngineDied
+from rlhf_trainer.rollout.engine_settings import engine_settings
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
 from rlhf_trainer.rollout.transfer_engines import PolicySource
 from rlhf_trainer.rollout.transfer_memory import Segment
 from rlhf_trainer.rollout.weight_sync import (
+    HOST_TRANSFER,
     pack_bucket,
     plan_buckets,
     weight_specs,
@@ -194,6 +198,23 @@ def test_the_engines_vllm_stats_count_the_tokens_of_a_batch(engine: RolloutEngin
     assert after.generation_tokens - before.generation_tokens == generated
     assert after.prompt_tokens - before.prompt_tokens == sum(len(p) for p in prompts)
     assert 0 <= after.kv_cache_usage <= 1
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_an_eager_cpu_engine_starts_its_engine_core_with_no_compile(enforce_eager: bool) -> None:
+    """engine_settings.CPU_EAGER_ENVIRONMENT: an eager engine on CPU starts its engine
+    core (a child, which inherits the environment) with dynamo off, so vLLM's one
+    compiled sampler helper runs eager and no C++ is built as the engine starts; one
+    that compiles keeps dynamo. (The engines of this module are eager: their log-probs
+    match transformers' above. The engine core's own environment cannot be read back:
+    vLLM's process title overwrites it.)"""
+    with mock.patch.dict(os.environ, clear=False):
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        engine_settings(Path("/unused"), max_model_len=64, gpu_memory_utilization=0.3,
+                        tensor_parallel_size=1, seed=0, dtype="float32",
+                        enforce_eager=enforce_eager, transfer_backend=HOST_TRANSFER)  # fmt: skip
+        disabled = os.environ.get("TORCHDYNAMO_DISABLE")
+    assert disabled == ("1" if enforce_eager else None)
 
 
 def test_a_killed_engine_fails_every_call_naming_itself_and_tells_its_owner(

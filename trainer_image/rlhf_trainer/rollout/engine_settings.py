@@ -40,6 +40,14 @@ CPU_ENVIRONMENT = {
 # roles that run next to the rollout (measured: split placement lost 20% of its
 # speedup to it). vLLM's CPU platform allows "uni" only with this setting.
 UNI_EXECUTOR_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# On CPU with enforce_eager no torch.compile at all. vLLM still compiles one helper of
+# its sampler (each sampled token's rank among the log-probs, batched_count_greater_than)
+# in every engine process that asks for log-probs: a dynamo trace, then inductor's C++
+# build unless its on-disk cache has it. Measured here: a whole `make test` ran g++ 81
+# times from engine cores (cc1plus alone 59 CPU-s); a 6-step fully-async run took 45.5
+# CPU-s with that build and 39.4 without. Eager it is a comparison and a sum. The engine
+# core, a child, reads this as it imports torch.
+CPU_EAGER_ENVIRONMENT = {"TORCHDYNAMO_DISABLE": "1"}
 
 
 def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
@@ -71,6 +79,10 @@ def engine_settings(
     for key, value in environment.items():
         os.environ.setdefault(key, value)
     from vllm.platforms import current_platform  # after: vLLM may read the environment
+
+    if current_platform.is_cpu() and enforce_eager:
+        for key, value in CPU_EAGER_ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
 
     # One adapter at a time: the policy's, replaced in place at each sync.
     lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
