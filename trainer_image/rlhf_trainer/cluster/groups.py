@@ -77,7 +77,8 @@ class Whereabouts:
 
 
 class RankHost:
-    """The Ray actor around one worker: the only code that asks Ray where it is.
+    """The Ray actor around one rank's worker (and the same rank's workers of the roles
+    hosted beside it, `host_beside`): the only code that asks Ray where it is.
 
     Constructed first, then `setup` joins the process group and builds the worker, since
     rank 0's address is known only once rank 0 is placed.
