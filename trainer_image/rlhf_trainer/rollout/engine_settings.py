@@ -44,7 +44,7 @@ UNI_EXECUTOR_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # its sampler (each sampled token's rank among the log-probs, batched_count_greater_than)
 # in every engine process that asks for log-probs: a dynamo trace, then inductor's C++
 # build unless its on-disk cache has it. Measured here: a whole `make test` ran g++ 81
-# times from engine cores (cc1plus alone 59 CPU-s); a 6-step fully-async run took 45.5
+# times from engine cores (cc1plus alone 54 CPU-s); a 6-step fully-async run took 45.5
 # CPU-s with that build and 39.4 without. Eager it is a comparison and a sum. The engine
 # core, a child, reads this as it imports torch.
 CPU_EAGER_ENVIRONMENT = {"TORCHDYNAMO_DISABLE": "1"}
