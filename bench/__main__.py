@@ -25,6 +25,7 @@ BENCHES = {  # name -> module
     "operator": "bench.operator.run",
     "real_model": "bench.real_model.run",
     "gpu_train_step": "bench.gpu_train_step.run",
+    "gpu_ipc": "bench.gpu_ipc.run",
     "contention": "bench.contention.run",
 }
 HEADLINES = {  # name -> the figures its summary shows
@@ -77,6 +78,7 @@ HEADLINES = {  # name -> the figures its summary shows
     ],
     "real_model": ["fp32.generation_tokens_per_s", "fp32.actor_training_tokens_per_s"],
     "gpu_train_step": ["actor_bf16.mfu", "actor_bf16.tokens_per_s", "autocast.tokens_per_s"],
+    "gpu_ipc": ["ipc_share", "ipc.gb_per_s", "ipc_fresh.open_s"],
     "contention": ["slowdown"],
 }
 RESULTS = Path(__file__).with_name("results.jsonl")

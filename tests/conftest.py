@@ -1,6 +1,7 @@
 """Test tiers as markers, from the directory a test lives in: `pytest -m unit` (no
 cluster), `-m trainer` (Ray and vLLM on this machine), `-m controlplane` (a real
-Kubernetes control plane). `slow` marks tests over about 20 s (by hand, where they are).
+Kubernetes control plane), `-m gpu` (CUDA devices: `make test-gpu` on a GPU node; it skips,
+saying why, everywhere else, CI too). `slow` marks tests over about 20 s (by hand, where they are).
 
 `make test` runs three pytest-xdist workers, one group of tests at a time each: a module,
 or the whole control-plane tier (which shares one control plane). The tier has a worker
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).parent
-TIERS = ("unit", "trainer", "controlplane")
+TIERS = ("unit", "trainer", "controlplane", "gpu")
 # CI's budget (.ci/run): a test marked slow past this is named at the end of the run.
 SLOW_BUDGET_S = 300.0
 # Set by .ci/run: a tier that cannot run here (no real node, no Kueue) fails, not skips.

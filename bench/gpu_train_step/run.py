@@ -16,13 +16,15 @@ on the CPU and says that no GPU figure was taken.
 
 Each variant runs in a process of its own (a fresh process group and a clean peak
 memory), interleaved, 3 repeats: `make bench-gpu-train-step`, or with torch,
-transformers and pydantic only: `PYTHONPATH=trainer_image python -m bench.gpu_train_step.run`.
+transformers and pydantic only: `PYTHONPATH=trainer_image python -m bench.gpu_train_step.run
+[VARIANT ...]` (all three by default).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import resource
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -210,7 +212,6 @@ if __name__ == "__main__":
         torch.cuda.get_device_name() if gpu else "no GPU: CPU, tiny config; no GPU figure taken"
     )
     print(f"device: {device}; {shape}", flush=True)
-    variants = {
-        name: in_own_process(name, shape) for name in ("actor_bf16", "actor_fp32", "autocast")
-    }
+    names = sys.argv[1:] or ["actor_bf16", "actor_fp32", "autocast"]
+    variants = {name: in_own_process(name, shape) for name in names}
     run_bench("gpu_train_step", variants, REPEATS, device=device, shape=str(shape))

@@ -36,3 +36,37 @@ def test_every_node_is_a_pool_replica_and_the_head_is_the_first_pools_first() ->
         with pytest.raises(ValueError, match=r"holds Ray's head \(its GCS\)"):
             cluster.kill_node(head)
         assert all(node["Alive"] for node in ray.nodes() if node["NodeID"] in nodes)
+
+
+def test_on_a_cuda_machine_each_node_hands_its_workers_its_own_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray gives a node's GPU workers the ids in the CUDA_VISIBLE_DEVICES it started with
+    (here ids of a machine that is not this one: Ray does not check them)."""
+    import ray
+
+    from rlhf_trainer.cluster.local import MachineGpus, local_ray_cluster
+
+    monkeypatch.setattr(
+        MachineGpus, "of_this_machine", classmethod(lambda _: MachineGpus(["5", "7", "9"]))
+    )
+    config = local_job(
+        colocated=False, total_steps=1, checkpoint_dir=Path("/unused"), every_steps=1
+    )
+    first, second = (pool.name for pool in config.pools)
+
+    @ray.remote(num_gpus=1)
+    def devices() -> tuple[list[str], str | None]:
+        import os
+
+        return [str(i) for i in ray.get_gpu_ids()], os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def on(pool: str) -> tuple[list[str], str | None]:
+        return ray.get(devices.options(resources={pool_resource(pool): 1}).remote())
+
+    with local_ray_cluster(config) as cluster:
+        assert (on(first), on(second)) == ((["5"], "5"), (["7"], "7"))
+        cluster.add_node(first)  # the one device left
+        assert cluster.gpus.free == []
+        with pytest.raises(ValueError, match=r"pools\[policy\] needs 1 GPUs for a node"):
+            cluster.add_node(first)

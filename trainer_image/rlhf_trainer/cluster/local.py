@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.config import Device, JobConfig
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 
 # No log monitor: the driver is not sent the workers' output (log_to_driver=False); their
@@ -32,11 +33,13 @@ class LocalCluster:
     address: str
     cluster: Any  # ray.cluster_utils.Cluster
     config: JobConfig
+    gpus: MachineGpus  # the CUDA devices its nodes take
 
     def add_node(self, pool: str) -> None:
         """One more node of `pool`, as the operator makes it (a bigger `replicas`, or a
         pod that replaces a lost one)."""
-        self.cluster.add_node(**pool_node(self.config, pool))
+        with self.gpus.for_node(self.config, pool):
+            self.cluster.add_node(**pool_node(self.config, pool))
 
     def kill_node(self, node_id: str) -> None:
         """SIGKILL the node's raylet and every process on it, without warning (a lost
@@ -71,6 +74,57 @@ def pool_node(config: JobConfig, pool: str) -> dict[str, Any]:
         "labels": {POOL_LABEL: pool},
         **QUIET_NODE,
     }
+
+
+class MachineGpus:
+    """This machine's CUDA devices, handed out to the simulated nodes: each node of a GPU
+    pool starts with devices of its own in CUDA_VISIBLE_DEVICES, from which Ray gives its
+    workers theirs, so two nodes never share a GPU. Without CUDA (`ids` empty) the nodes'
+    GPUs are logical, Ray's resources alone, and the roles compute on CPU."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.cuda = bool(ids)
+        self.free = list(ids)  # handed out first to last; a node's stay taken
+
+    @classmethod
+    def of_this_machine(cls) -> MachineGpus:
+        import torch
+
+        if not torch.cuda.is_available():
+            return cls([])
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        return cls(ids)
+
+    @contextmanager
+    def for_node(self, config: JobConfig, pool: str) -> Iterator[None]:
+        """CUDA_VISIBLE_DEVICES set, while a node of `pool` starts, to the devices it takes."""
+        if not self.cuda:
+            yield
+            return
+        spec = config.pool(pool)
+        if spec.device == Device.CPU:
+            raise ValueError(
+                f"pools[{pool}].device is cpu, but this machine has CUDA: a local run cannot "
+                "keep a pool off its GPUs; run it with CUDA_VISIBLE_DEVICES= (no GPU) or "
+                "give the pool device: gpu"
+            )
+        if spec.gpus_per_node > len(self.free):
+            raise ValueError(
+                f"pools[{pool}] needs {spec.gpus_per_node} GPUs for a node, and this "
+                f"machine has {len(self.free)} left of its CUDA devices: a local run gives "
+                "every node GPUs of its own"
+            )
+        taken, self.free = self.free[: spec.gpus_per_node], self.free[spec.gpus_per_node :]
+        before = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(taken)
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def signal_all(processes: list[Any], how: str) -> None:
@@ -120,21 +174,23 @@ def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
     # autoscaler (nodes are added here) and no log monitors (QUIET_NODE): a cluster then
     # stops in 0.4 s, not 1.4.
     first, *others = [pool.name for pool in config.pools for _ in range(pool.replicas)]
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args=pool_node(config, first)
-        | {
-            "include_dashboard": False,
-            "no_monitor": True,
-            "_system_config": {
-                "enable_worker_prestart": False,
-                # A node killed is found dead in about 3 s, not 15 or more.
-                "health_check_period_ms": 1000,
-                "health_check_failure_threshold": 3,
+    gpus = MachineGpus.of_this_machine()
+    with gpus.for_node(config, first):
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args=pool_node(config, first)
+            | {
+                "include_dashboard": False,
+                "no_monitor": True,
+                "_system_config": {
+                    "enable_worker_prestart": False,
+                    # A node killed is found dead in about 3 s, not 15 or more.
+                    "health_check_period_ms": 1000,
+                    "health_check_failure_threshold": 3,
+                },
             },
-        },
-    )
-    local = LocalCluster(str(cluster.address), cluster, config)
+        )
+    local = LocalCluster(str(cluster.address), cluster, config, gpus)
     try:
         for pool_name in others:
             local.add_node(pool_name)
