@@ -67,6 +67,17 @@ def test_a_tied_lm_head_is_reprocessed_after_a_reload_and_an_untied_one_is_not()
     assert untied.processed == []
 
 
+def test_a_tied_lm_head_takes_the_kernel_the_reload_packed_for_the_embeddings() -> None:
+    """On CPU the embeddings' post-load step packs the shared weight (`cpu_linear`): the
+    head takes that kernel and packs nothing again (real vLLM: test_rollout_vllm.py's
+    log-probs after a weight update)."""
+    tied = FakeVllmModel(tied=True)
+    tied.model.embed_tokens.cpu_linear = kernel = object()
+    assert refresh_tied_lm_head(tied)
+    assert tied.lm_head.cpu_linear is kernel
+    assert tied.processed == []
+
+
 def test_tokens_per_version_counts_each_span() -> None:
     assert tokens_per_version(((3, 0), (4, 5)), 9) == {3: 5, 4: 4}
     assert tokens_per_version(((3, 0),), 7) == {3: 7}
