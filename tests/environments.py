@@ -23,12 +23,13 @@ START_SECONDS = 10
 
 
 @contextmanager
-def served(apps: Mapping[str, FastAPI]) -> Iterator[str]:
-    """The base URL of a server with each app mounted at /<name>; stopped on leaving."""
+def served(apps: Mapping[str, FastAPI], port: int = 0) -> Iterator[str]:
+    """The base URL of a server with each app mounted at /<name>; stopped on leaving
+    (its port then refuses connections). `port`: 0 for any free one."""
     root = FastAPI()
     for path, app in apps.items():
         root.mount(f"/{path}", app)
-    server = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + START_SECONDS

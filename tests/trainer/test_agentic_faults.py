@@ -4,6 +4,8 @@
   HTTP 500 (tests.environments.Unreliable, on an event: its 2nd and 4th sessions).
 - A fully-async run whose reward service fails every attempt at some samples (those of
   the prompts that start with "a"), scored as they finish (loop/scores_ahead.py).
+- A synchronous run whose reward service is down (its port refuses connections) for a
+  whole step, from the end of step 1 to the end of step 2 (on those events).
 
 Each fault is masked, counted and named, and the run trains to its end. The faults of
 single episodes against real vLLM are in test_episodes.py, a replica killed
@@ -14,7 +16,9 @@ tests/unit/test_reward_service.py; these runs show the loop carries on past them
 from __future__ import annotations
 
 import logging
+import math
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -23,8 +27,10 @@ from rlhf_env.rewards import reward_app_for
 from rlhf_env.server import app_for
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.data.tasks import toy_copy
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.worker import free_port
 from tests.environments import Unreliable, served
-from tests.specs import local_async_job
+from tests.specs import local_async_job, local_job
 from tests.trainer.local_runs import train
 from tests.trainer.test_multi_turn_run import STEPS, multi_turn_job
 
@@ -116,3 +122,32 @@ def test_a_run_whose_reward_service_fails_some_samples_masks_counts_names_and_go
     assert metric == unscored
     assert f"reward service at {url}/reward/score failed" in caplog.text
     assert "the judge is down" in caplog.text
+
+
+def test_a_run_whose_reward_service_is_down_for_a_step_masks_it_counts_names_and_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()
+    reward = {"reward": reward_app_for(toy_copy)}
+    service = ExitStack()
+    url = service.enter_context(served(reward, port))
+
+    def outage(step: StepResult) -> None:
+        if step.step == 1:
+            service.close()  # down: nothing listens on its port
+        elif step.step == 2:
+            service.enter_context(served(reward, port))  # back, at the same address
+
+    config = local_job(colocated=True, total_steps=3, checkpoint_dir=tmp_path, every_steps=3)
+    spec = config.model_dump(by_alias=True, exclude_none=True)
+    spec["models"]["reward"] = {"url": f"{url}/reward", "requests": {"retries": RETRIES}}
+    with service, caplog.at_level(logging.WARNING):
+        trained = train(JobConfig.model_validate(spec), on_step=outage)
+    samples = config.trainer.batch_size * config.generation.samples_per_prompt
+    # Step 2 was scored while the service was down: every sample masked, the run went on
+    # within maxUnscoredSteps (1 by default), and the steps on either side were scored.
+    assert [(s.step, s.unscored) for s in trained.steps] == [(1, 0), (2, samples), (3, 0)]
+    metric = trained.metrics.registry.get_sample_value("rlhf_reward_unscored_samples_total")
+    assert metric == samples
+    assert f"reward service at {url}/reward/score failed: ConnectError" in caplog.text
+    assert all(math.isfinite(s.actor.policy_loss) for s in trained.steps)

@@ -314,3 +314,28 @@ def test_the_actor_and_the_critic_each_report_their_own_grad_norm(
         torch.distributed.destroy_process_group()
     assert reported[Role.ACTOR] != pytest.approx(reported[Role.CRITIC])
     assert all(norm > 0 for norm in reported.values())
+
+
+def update_on_nothing(rank: int, job: JobConfig) -> list[dict[str, torch.Tensor]]:
+    """An actor updated twice: on a batch, then on the same batch with nothing counted
+    (every response masked, as when the reward service left every sample unscored);
+    its weights before and after each."""
+    actor = Actor(RankInfo(Role.ACTOR, "policy", rank, 1), job)
+    batch = experience()
+    log_probs = actor.log_probs(batch).detach()
+    batch = replace(batch, old_log_probs=log_probs, rollout_log_probs=log_probs)
+    weights = [full_state_dict(actor.model)]
+    actor.update(batch, step=1)
+    weights.append(full_state_dict(actor.model))
+    actor.update(replace(batch, response_mask=torch.zeros_like(batch.response_mask)), step=2)
+    return [*weights, full_state_dict(actor.model)]
+
+
+def test_an_update_with_nothing_counted_leaves_the_weights_as_they_were(tmp_path: Path) -> None:
+    """AdamW would still move them on its momentum (and weight decay) from the update
+    before: no step is taken."""
+    (weights,) = run_ranks(update_on_nothing, 1, config(None, 1, tmp_path))
+    start, trained, after_nothing = weights
+    assert any(not torch.equal(trained[n], start[n]) for n in start)
+    for name in trained:
+        assert torch.equal(after_nothing[name], trained[name]), name

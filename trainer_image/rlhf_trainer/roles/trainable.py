@@ -159,7 +159,10 @@ class Trainable(Worker):
                     (loss * world).backward()  # type: ignore[no-untyped-call]
                     micro_stats.append(stats)
                 grad_norms.append(clip_gradients(self.model, trainer.max_grad_norm))
-                self.optimizer.step()
+                # Nothing counted on any rank (every sample unscored): no step, or AdamW's
+                # momentum and weight decay would move the weights on no data.
+                if normalizer > 0:
+                    self.optimizer.step()
         self.model.eval()
         means = {
             name: sum(s[name] for s in micro_stats) / len(micro_stats) for name in micro_stats[0]
