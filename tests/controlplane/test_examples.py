@@ -119,7 +119,9 @@ def assert_reads_come_from_the_watches(operator: OperatorProcess) -> None:
     # This operator made every child and stored each as made: a child is read from the
     # API server only by a reconcile under way as the garbage collector took it.
     assert requests("get", "ConfigMap") <= 1, counts
-    # The job is read before its RayJob is made (was it deleted meanwhile?), and by a
-    # reconcile under way as it goes; its children's going brings no reconcile (it was
-    # one GET of the job each, about 15 a job).
-    assert requests("get", "RLHFJob") <= 2, counts
+    # The job is read before its RayJob is made (was it deleted meanwhile?), and, once
+    # it is gone from the cache, by at most three reconciles of its key (workqueue.py):
+    # the one under way, the one queued again behind it, and a delayed look (seen: 3 on
+    # a loaded machine). Its children's going brings no reconcile (it was one GET of the
+    # job each, about 15 a job).
+    assert requests("get", "RLHFJob") <= 4, counts
