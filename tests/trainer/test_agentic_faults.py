@@ -145,7 +145,7 @@ def test_a_run_whose_reward_service_is_down_for_a_step_masks_it_counts_names_and
         trained = train(JobConfig.model_validate(spec), on_step=outage)
     samples = config.trainer.batch_size * config.generation.samples_per_prompt
     # Step 2 was scored while the service was down: every sample masked, the run went on
-    # within maxUnscoredSteps (1 by default), and the steps on either side were scored.
+    # within maxUnscoredSteps (3 by default), and the steps on either side were scored.
     assert [(s.step, s.unscored) for s in trained.steps] == [(1, 0), (2, samples), (3, 0)]
     metric = trained.metrics.registry.get_sample_value("rlhf_reward_unscored_samples_total")
     assert metric == samples

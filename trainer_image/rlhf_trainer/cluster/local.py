@@ -113,7 +113,7 @@ class MachineGpus:
             raise ValueError(
                 f"pools[{pool}] needs {spec.gpus_per_node} GPUs for a node, and this "
                 f"machine has {len(self.free)} left of its CUDA devices: a local run gives "
-                "every node GPUs of its own"
+                "every node GPUs of its own (CUDA_VISIBLE_DEVICES= runs it on CPUs)"
             )
         taken, self.free = self.free[: spec.gpus_per_node], self.free[spec.gpus_per_node :]
         before = os.environ.get("CUDA_VISIBLE_DEVICES")
