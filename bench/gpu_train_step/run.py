@@ -7,6 +7,10 @@ torch.autocast loop on the same model: MFU, tokens/s and peak memory.
     actor_fp32  the same in fp32
     autocast    a plain loop on the same model: fp32 parameters, the forward pass under
                 torch.autocast(bf16), the same policy loss, backward, AdamW; no FSDP
+    autocast_compiled
+                the same with each decoder layer torch.compile'd (one graph a layer:
+                dynamo's cache is raised past the layer count, or it falls back to
+                eager after 8); on a GPU only by default (on CPUs it compiles C++)
 
 On a GPU the model is a ~0.5B-parameter Qwen2 built in code (hidden 1024, 28 layers,
 vocab 32768) and each sequence is 2048 tokens (512 prompt, 1536 response).
@@ -144,11 +148,16 @@ def actor_seconds(shape: Shape, precision: str) -> tuple[float, int]:
     return seconds, sum(p.numel() for p in actor.model.parameters())
 
 
-def autocast_seconds(shape: Shape) -> tuple[float, int]:
-    """A plain loop on the same model: fp32 parameters, bf16 autocast, AdamW."""
+def autocast_seconds(shape: Shape, compiled: bool = False) -> tuple[float, int]:
+    """A plain loop on the same model: fp32 parameters, bf16 autocast, AdamW; `compiled`:
+    each decoder layer torch.compile'd."""
     config = job(shape, "fp32")
     device = RankInfo(Role.ACTOR, "gpu", rank=0, world_size=1).device
     model = load_policy(config.models.actor, config.trainer.seed).to(device).train()
+    if compiled:
+        torch._dynamo.config.cache_size_limit = max(64, shape.layers)
+        for layer in model.model.layers:
+            layer.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     temperature = config.generation.temperature
 
@@ -175,8 +184,8 @@ def autocast_seconds(shape: Shape) -> tuple[float, int]:
 
 def measure(variant: str, shape: Shape) -> Measurement:
     """One variant, in this process (a fresh one per variant)."""
-    if variant == "autocast":
-        seconds, parameters = autocast_seconds(shape)
+    if variant.startswith("autocast"):
+        seconds, parameters = autocast_seconds(shape, compiled=variant == "autocast_compiled")
     else:
         seconds, parameters = actor_seconds(shape, variant.removeprefix("actor_"))
     tokens = shape.sequences * (shape.prompt + shape.response)
@@ -212,6 +221,7 @@ if __name__ == "__main__":
         torch.cuda.get_device_name() if gpu else "no GPU: CPU, tiny config; no GPU figure taken"
     )
     print(f"device: {device}; {shape}", flush=True)
-    names = sys.argv[1:] or ["actor_bf16", "actor_fp32", "autocast"]
+    default = ["actor_bf16", "actor_fp32", "autocast"] + (["autocast_compiled"] if gpu else [])
+    names = sys.argv[1:] or default
     variants = {name: in_own_process(name, shape) for name in names}
     run_bench("gpu_train_step", variants, REPEATS, device=device, shape=str(shape))
