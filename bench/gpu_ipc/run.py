@@ -55,14 +55,13 @@ def copy_seconds(source: torch.Tensor, target: torch.Tensor) -> float:
 
 def receive(kind: str, shared: tuple[Any, ...] | None, expected: int) -> Measurement:
     """In the receiving process: copy from `kind`'s source into a buffer of its own."""
-    target = _opened.setdefault(
-        "target", torch.empty(BUFFER_BYTES, dtype=torch.uint8, device="cuda")
-    )
+    if not _opened:  # made once: setdefault would allocate 2 GiB a call to throw away
+        _opened["target"] = torch.empty(BUFFER_BYTES, dtype=torch.uint8, device="cuda")
+        _opened["local"] = torch.randint(0, 256, (BUFFER_BYTES,), dtype=torch.uint8, device="cuda")
+    target = _opened["target"]
     figures: Measurement = {}
     if kind == "local":
-        source = _opened.setdefault(
-            "local", torch.randint(0, 256, (BUFFER_BYTES,), dtype=torch.uint8, device="cuda")
-        )
+        source = _opened["local"]
         expected = checksum(source)
     else:
         assert shared is not None
