@@ -96,7 +96,8 @@ def train_alone(streaming: AsyncPPOTrainer, samples: list[Sample]) -> float:
     started = time.time()
     for step in range(1, STEPS + 1):
         taken = samples[(step - 1) * size : step * size]
-        core.train_on(step, Batch(streaming.prompts_of(taken), [s.rollout for s in taken]))
+        rollouts, uids = [s.rollout for s in taken], [s.uid for s in taken]
+        core.train_on(step, Batch(streaming.prompts_of(taken), rollouts, uids))
         core.policy_version += 1
         if step % streaming.sync_every == 0:  # into the paused engines, as a sync would
             core.weight_sync.push(core.policy_version)

@@ -1,21 +1,24 @@
-"""Benchmark: fully async PPO scored by a slow reward service, its samples scored as they
-finish (ScoresAhead) against scored when the step takes them, in one run.
+"""Benchmark: PPO scored by a slow reward service, its samples scored as they finish
+(ScoresAhead) against scored when the step takes them, fully async and synchronous, in
+one run.
 
-The job is bench-async's fully-async one (rollout and train pools of one simulated GPU
-each, stalenessThreshold 1, a weight sync every 2 steps) with models.reward.url: the
-toy copy rule served over HTTP by rlhf_env's reward app in a process of its own, taking
-SECONDS_PER_SAMPLE (0.06) for each sample it scores, as a judge model would: a batch of
-32, one sample after another, takes it 1.9 s, more than generating it. Scored at the
-step, the driver waits for the service inside each step; scored ahead, the service
-works while the engines generate, and the step waits only for what it is behind.
+The jobs are bench-async's (rollout and train pools of one simulated GPU each; fully
+async at stalenessThreshold 1 with a weight sync every 2 steps, and the same job
+synchronous, split) with models.reward.url: the toy copy rule served over HTTP by
+rlhf_env's reward app in a process of its own, taking SECONDS_PER_SAMPLE (0.06) for
+each sample it scores, as a judge model would: a batch of 32, one sample after another,
+takes it 1.9 s, more than generating it. Scored at the step, the driver waits for the
+service inside each step (synchronous: beside the pools' log-probs and values); scored
+ahead, the service works while the engines generate, and the step waits only for what
+it is behind.
 
 "at the step" is the same run with `scores_ahead` answering False: the step's samples
 spread over 8 requests at once (models.reward.requests.concurrency), as the client
-sends them; "one request" is the loop before that spread, a step's 32 samples in one
-request (concurrency 1). Against "at the step", the gain of "ahead" is the overlap
-alone. Interleaved, 3 repeats by default (median and min-max).
+sends them; "one request" is the fully-async loop before that spread, a step's 32
+samples in one request (concurrency 1). Against "at the step", the gain of "ahead" is
+the overlap alone. Interleaved, 3 repeats by default (median and min-max).
 Run: .venv/bin/python -m bench.async.slow_reward [measured steps] [seconds per sample]
-[repeats] (about 12 minutes).
+[repeats] (about 20 minutes).
 """
 
 from __future__ import annotations
@@ -54,18 +57,21 @@ def slow_copy_reward(prompt: str, response: str, **row: object) -> float:
     return toy_copy(prompt, response)
 
 
-def job(url: str, concurrency: int, checkpoints: Path) -> JobConfig:
-    config = async_job(True, checkpoints)
+def job(url: str, concurrency: int, fully_async: bool, checkpoints: Path) -> JobConfig:
+    config = async_job(fully_async, checkpoints)
     spec = config.model_dump(by_alias=True, exclude_none=True)
     spec["models"]["reward"] = {"url": url, "requests": {"concurrency": concurrency}}
     spec["trainer"]["totalSteps"] = WARMUP_STEPS + MEASURED_STEPS
     return JobConfig.model_validate(spec)
 
 
-def measure(url: str, ahead: bool, concurrency: int = 8) -> Measurement:
+def measure(url: str, ahead: bool, concurrency: int = 8, fully_async: bool = True) -> Measurement:
     """samples/s over the measured steps, and the step's mean seconds."""
-    with mock.patch("rlhf_trainer.loop.fully_async.scores_ahead", return_value=ahead):
-        measured, figures = measure_run(partial(job, url, concurrency), WARMUP_STEPS)
+    with (
+        mock.patch("rlhf_trainer.loop.sync.scores_ahead", return_value=ahead),
+        mock.patch("rlhf_trainer.loop.run.scores_ahead", return_value=ahead),
+    ):
+        measured, figures = measure_run(partial(job, url, concurrency, fully_async), WARMUP_STEPS)
     return {
         "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),
         "step_s": figures["step_s"],
@@ -75,10 +81,12 @@ def measure(url: str, ahead: bool, concurrency: int = 8) -> Measurement:
 def compare(run: dict[str, Measurement]) -> Measurement:
     ahead, at_the_step = run["ahead"]["samples_per_s"], run["at_the_step"]["samples_per_s"]
     one_request = run["one_request"]["samples_per_s"]
+    sync_ahead = run["sync_ahead"]["samples_per_s"]
     return {
         "speedup": ahead / at_the_step,  # the overlap alone
         "spread_speedup": at_the_step / one_request,
         "speedup_over_one_request": ahead / one_request,
+        "sync_speedup": sync_ahead / run["sync_at_the_step"]["samples_per_s"],
     }
 
 
@@ -119,6 +127,8 @@ def main() -> None:
                 "one_request": partial(measure, url, False, 1),
                 "at_the_step": partial(measure, url, False),
                 "ahead": partial(measure, url, True),
+                "sync_at_the_step": partial(measure, url, False, fully_async=False),
+                "sync_ahead": partial(measure, url, True, fully_async=False),
             },
             REPEATS,
             compare,

@@ -34,7 +34,7 @@ from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
 from rlhf_trainer.cluster.engine_client import TransferFailed
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
-from rlhf_trainer.cluster.groups import WorkerGroup, gather, join
+from rlhf_trainer.cluster.groups import WorkerGroup, gather, join, results_as_they_come
 from rlhf_trainer.cluster.hangs import NoAnswer, RankDied
 from rlhf_trainer.cluster.placement import (
     PlacementTimeout,
@@ -303,6 +303,43 @@ def test_engines_report_their_stats_and_calls_while_busy_and_a_dead_one_loses_it
         assert (generated("0"), generated("1")) == (100, None)
     finally:
         group.shutdown(grace_s=1)
+
+
+@pytest.mark.parametrize("dying_rank", [None, 1])
+def test_a_streaming_call_hands_each_result_over_as_it_comes_and_names_a_rank_that_dies(
+    ray_pools: RayPools, tmp_path: Path, dying_rank: int | None
+) -> None:
+    """`stream_each` and `results_as_they_come` (how a synchronous step takes each
+    sample as it finishes): each rank's first result comes while every rank still waits
+    for the test's go-ahead, so before any call could have returned; the rest follow,
+    each with its rank's place. A rank that dies after its first result is named."""
+    group = WorkerGroup.spawn(ray_pools.plan, Role.ROLLOUT, ray_pools.groups["policy"], BusyEngine)
+    join(group.ready)
+    go_ahead = tmp_path / "go-ahead"
+    shards = [[10 * rank, 10 * rank + 1, 10 * rank + 2] for rank in range(group.world_size)]
+    try:
+        streams = group.stream_each(
+            "count_up", shards, str(go_ahead), -1 if dying_rank is None else dying_rank
+        )
+        results = results_as_they_come(streams)
+        firsts = {next(results) for _ in range(group.world_size)}
+        assert not go_ahead.exists()
+        assert firsts == {(place, (shard[0], place)) for place, shard in enumerate(shards)}
+        go_ahead.touch()
+        if dying_rank is not None:
+            died = rf"^rollout rank {dying_rank} on pool policy \(count_up\) died: The actor died"
+            with pytest.raises(RankDied, match=died):
+                list(results)
+            return
+        rest = list(results)
+    finally:
+        group.shutdown(grace_s=1)
+    expected = [
+        (place, (value, place)) for place, shard in enumerate(shards) for value in shard[1:]
+    ]
+    assert sorted(rest) == expected
+    for place, _ in enumerate(shards):  # each rank's results in the order it yielded them
+        assert [value for at, (value, _) in rest if at == place] == shards[place][1:]
 
 
 def test_a_rank_is_lost_once_ray_finds_it_dead_or_it_stays_silent_not_while_it_is_slow(

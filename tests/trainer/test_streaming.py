@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import threading
@@ -11,15 +12,16 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlhf_env.rewards import RewardClient, ScoredSample, reward_app_for
+from rlhf_env.rewards import RewardClient, ScoredSample, ScoreRequest, reward_app_for
 from rlhf_trainer.algo.experience import Episode, Rollout
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.loop.elastic_rollout import EngineLedger, start_retry_delay
 from rlhf_trainer.loop.fully_async import AsyncState
-from rlhf_trainer.loop.scores_ahead import ScoresAhead
+from rlhf_trainer.loop.scores_ahead import QueueArrivals, ScoresAhead
 from rlhf_trainer.rollout.queue import (
     MIN_REMEMBERED_UIDS,
     AdmissionControl,
@@ -571,9 +573,10 @@ def as_scored(samples: Sequence[Sample]) -> list[ScoredSample]:
 
 
 def test_samples_are_scored_as_they_arrive_each_once_and_taken_by_uid(ray_module: Any) -> None:
-    """ScoresAhead (fully async with a reward service): the driver's thread has the
-    service (rlhf_env's reward app, served here) score each sample as it reaches the
-    queue, before any step takes it; a service that fails it leaves it NaN (unscored)."""
+    """ScoresAhead fed by the queue (fully async with a reward service): the driver's
+    thread has the service (rlhf_env's reward app, served here) score each sample as it
+    reaches the queue, before any step takes it; a service that fails it leaves it NaN
+    (unscored)."""
     ray = ray_module
     queue = spawn_queue(keep_arrivals=True)
     scored: list[str] = []
@@ -587,22 +590,76 @@ def test_samples_are_scored_as_they_arrive_each_once_and_taken_by_uid(ray_module
 
     with served({"reward": reward_app_for(by_uid)}) as url:
         client = RewardClient(f"{url}/reward", retries=0, batch_size=2, concurrency=2)
-        ahead = ScoresAhead(queue, client, as_scored, lambda *span: requests.append(span))
-        ahead.start()
+        ahead = ScoresAhead(client, lambda *span: requests.append(span)).start()
+        ahead.feed_from(QueueArrivals(queue, as_scored))
         for uid in range(4):
             ray.get(queue.put.remote(sample(uid)))
         wait_until(lambda: len(scored) == 4, "the samples scored before a step takes them")
         taken = ray.get(queue.get_batch.remote(4, WAIT_S))
-        assert ahead.take(taken[::-1]).tolist() == [3.0, 2.0, 1.0, 0.0]
+        assert ahead.take([s.uid for s in taken[::-1]]).tolist() == [3.0, 2.0, 1.0, 0.0]
         ray.get(queue.put.remote(sample(4)))
         wait_until(lambda: "4" in scored, "sample 4 scored")  # a request of its own
         ray.get(queue.put.remote(sample(5)))
-        rewards = ahead.take([sample(4), sample(5)])  # waits for 5's answer
+        rewards = ahead.take([4, 5])  # waits for 5's answer
         ahead.stop()
     assert rewards[0] == 4.0 and math.isnan(rewards[1])
     assert sorted(scored) == ["0", "1", "2", "3", "4", "5"]  # each once
     assert requests and all(start <= end for start, end in requests)
     ray.kill(queue)
+
+
+def test_samples_offered_as_they_finish_are_scored_before_the_step_takes_them() -> None:
+    """ScoresAhead fed by offers (the synchronous loop offers each sample as its engine
+    yields it): each is scored when offered, and taken by key in the batch's order."""
+    scored: list[str] = []
+
+    def by_response(prompt: str, response: str) -> float:
+        scored.append(response)
+        return float(response)
+
+    def offered(key: int) -> tuple[int, ScoredSample]:
+        return key, ScoredSample(prompt="q", response=str(key), row={})
+
+    with served({"reward": reward_app_for(by_response)}) as url:
+        ahead = ScoresAhead(RewardClient(f"{url}/reward", retries=0), lambda *s: None).start()
+        ahead.offer([offered(8)])
+        ahead.offer([offered(7), offered(9)])
+        wait_until(lambda: len(scored) == 3, "the offered samples scored before any take")
+        assert ahead.take([9, 7, 8]).tolist() == [9.0, 7.0, 8.0]
+        ahead.stop()
+    assert sorted(scored) == ["7", "8", "9"]  # each once
+
+
+def test_samples_offered_while_the_service_is_busy_wait_and_go_in_larger_requests() -> None:
+    """At most `concurrency` requests in flight: what is offered meanwhile waits, and
+    goes when a request ends, spread over the free ones and batchSize at most each."""
+    sizes: list[int] = []
+    first_held, release = threading.Event(), threading.Event()
+    app = FastAPI()
+
+    @app.post("/score")
+    async def score(request: ScoreRequest) -> dict[str, Any]:
+        sizes.append(len(request.samples))
+        if len(sizes) == 1:
+            first_held.set()
+            await asyncio.to_thread(release.wait)
+        return {"rewards": [float(s.response) for s in request.samples]}
+
+    def offered(key: int) -> list[tuple[int, ScoredSample]]:
+        return [(key, ScoredSample(prompt="q", response=str(key), row={}))]
+
+    with served({"judge": app}) as url:
+        client = RewardClient(f"{url}/judge", retries=0, concurrency=1, batch_size=3)
+        ahead = ScoresAhead(client, lambda *span: None).start()
+        ahead.offer(offered(0))
+        assert first_held.wait(timeout=60)
+        for key in range(1, 6):
+            ahead.offer(offered(key))
+        wait_until(lambda: len(ahead._waiting) == 5, "the offers queued behind the first")
+        release.set()
+        assert ahead.take([5, 4, 3, 2, 1, 0]).tolist() == [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+        ahead.stop()
+    assert sizes == [1, 3, 2]
 
 
 def test_a_failure_to_score_ahead_is_the_steps(ray_module: Any) -> None:
@@ -613,10 +670,11 @@ def test_a_failure_to_score_ahead_is_the_steps(ray_module: Any) -> None:
         raise KeyError("prompt 7 is not in the data set")
 
     client = RewardClient("http://127.0.0.1:9", retries=0)
-    ahead = ScoresAhead(queue, client, broken, lambda *span: None).start()
+    ahead = ScoresAhead(client, lambda *span: None).start()
+    ahead.feed_from(QueueArrivals(queue, broken))
     ray.get(queue.put.remote(sample(0)))
     with pytest.raises(RuntimeError, match="scoring the samples as they finish failed") as failed:
-        ahead.take([sample(0)])
+        ahead.take([0])
     assert isinstance(failed.value.__cause__, KeyError)
     ahead.stop()
     ray.kill(queue)

@@ -85,6 +85,18 @@ class BusyEngine(Worker):
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    def count_up(self, shard: list[int], go_ahead: str, dying_rank: int = -1) -> Iterator[Any]:
+        """Yields (value, rank) for each value of its shard, as a rollout rank yields
+        samples as they finish: the first at once, the rest once the file `go_ahead`
+        exists (the test's word). Rank `dying_rank` exits instead of yielding the rest."""
+        yield shard[0], self.info.rank
+        while not os.path.exists(go_ahead):
+            time.sleep(0.05)
+        if self.info.rank == dying_rank:
+            os._exit(1)
+        for value in shard[1:]:
+            yield value, self.info.rank
+
 
 TOY_WEIGHTS = {"embed": torch.arange(12.0).reshape(3, 4), "head": torch.ones(4)}
 

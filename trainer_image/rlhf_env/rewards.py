@@ -101,13 +101,15 @@ class RewardClient:
         partial: bool = True,
         slots: asyncio.Semaphore | None = None,
         http: httpx.AsyncClient | None = None,
+        size: int | None = None,
     ) -> list[float | None]:
         """One reward per sample, in order. `partial`: a batch that fails (after its
         retries) is None for each of its samples, logged naming the URL and the reason,
         and the others are still scored; else its failure is raised. `slots`: the
         requests in flight, shared by calls that overlap (one for this call if None).
-        `http`: an open `connection()` (one for this call if None)."""
-        size = self.request_size(len(samples))
+        `http`: an open `connection()` (one for this call if None). `size`: samples a
+        request (`request_size` if None)."""
+        size = size or self.request_size(len(samples))
         batches = [samples[start : start + size] for start in range(0, len(samples), size)]
         if slots is None:
             slots = asyncio.Semaphore(self.concurrency)  # of this call's loop

@@ -46,8 +46,9 @@ class RewardRequests(SpecModel):
         64,
         ge=1,
         le=65536,
-        description="Samples a request, at most; a step's samples are spread over "
-        "`concurrency` requests.",
+        description="Samples a request, at most. Samples are sent as they finish, "
+        "spread over the requests that `concurrency` leaves free; those that finish while "
+        "none is free wait, and go together when one is.",
     )
     max_unscored_steps: int = Field(
         3,

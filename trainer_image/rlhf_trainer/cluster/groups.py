@@ -22,7 +22,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -160,13 +160,7 @@ class RankHost:
         its arguments travel while the other role computes, and it starts without a
         round trip through the driver. `phase` names the call on the timeline (the
         method's name if not given)."""
-        role = worker_role or self.info.role
-        worker = self.workers.get(role)
-        if worker is None:
-            raise RuntimeError(
-                f"{role} rank {self.info.rank} has no worker: its setup failed "
-                "(the error is in WorkerGroup.ready)"
-            )
+        role, worker = self._worker_of(worker_role)
         if after:
             import ray
 
@@ -175,8 +169,34 @@ class RankHost:
         try:
             return getattr(worker, method)(*args, **kwargs)
         finally:
-            with self.calls_lock:
-                self.calls.append((role, phase or method, start, time.time()))
+            self._timed(role, phase or method, start)
+
+    def stream(
+        self, method: str, *args: Any, worker_role: Role | None = None, phase: str | None = None
+    ) -> Iterator[Any]:
+        """Like `call`, for a worker method that yields its results as they come: the
+        driver gets each as it is yielded (a Ray streaming call)."""
+        role, worker = self._worker_of(worker_role)
+        start = time.time()
+        try:
+            yield from getattr(worker, method)(*args)
+        finally:
+            self._timed(role, phase or method, start)
+
+    def _worker_of(self, role: Role | None) -> tuple[Role, Worker]:
+        """The worker of `role` (this rank's own if None)."""
+        role = role or self.info.role
+        worker = self.workers.get(role)
+        if worker is None:
+            raise RuntimeError(
+                f"{role} rank {self.info.rank} has no worker: its setup failed "
+                "(the error is in WorkerGroup.ready)"
+            )
+        return role, worker
+
+    def _timed(self, role: Role, phase: str, start: float) -> None:
+        with self.calls_lock:
+            self.calls.append((role, phase, start, time.time()))
 
     def drain_calls(self, role: Role | None = None) -> list[tuple[str, float, float]]:
         """The calls of `role`'s worker (this rank's own if None) timed since the last
@@ -395,6 +415,19 @@ class WorkerGroup:
         """Call `method` on every rank, rank i with firsts[i] as first argument."""
         return self._issue(method, [(first, *args) for first in firsts], kwargs, after, phase)
 
+    def stream_each(
+        self, method: str, firsts: Sequence[Any], *args: Any, phase: str | None = None
+    ) -> Streams:
+        """Like `run_each`, for a worker method that yields its results as they come;
+        `results_as_they_come` reads them."""
+        calls = [RankCall(self.role, self.pool, rank, method, h)
+                 for rank, h in zip(self.ranks, self.hosts, strict=True)]  # fmt: skip
+        generators = [
+            h.stream.remote(method, first, *args, worker_role=self.role, phase=phase)
+            for h, first in zip(self.hosts, firsts, strict=True)
+        ]
+        return Streams(calls, generators)
+
     def _issue(
         self,
         method: str,
@@ -492,6 +525,37 @@ def join(
             raise
     forget(refs)
     return list(ray.get(list(refs)))
+
+
+@dataclass(frozen=True)
+class Streams:
+    """One streaming call per rank (`WorkerGroup.stream_each`)."""
+
+    calls: list[RankCall]  # who each is, to name a rank that dies
+    generators: list[Any]  # Ray's ObjectRefGenerator of each
+
+
+def results_as_they_come(streams: Streams) -> Iterator[tuple[int, Any]]:
+    """(i, result) for each result the ranks' streams yield, as it comes, i being the
+    stream's place in `streams`. A rank whose process dies raises RankDied, naming it;
+    a rank's error is raised as `join` raises it."""
+    import ray
+
+    place = {id(generator): i for i, generator in enumerate(streams.generators)}
+    waiting: list[Any] = list(streams.generators)
+    while waiting:
+        ready: list[Any]
+        ready, waiting = ray.wait(waiting, num_returns=1)
+        for generator in ready:  # an ObjectRefGenerator: its next result is ready
+            i = place[id(generator)]
+            try:
+                ref = next(generator)
+            except StopIteration:
+                continue
+            record(ref, streams.calls[i])
+            (result,) = join([ref])
+            waiting.append(generator)
+            yield i, result
 
 
 def started_up(groups: Sequence[WorkerGroup], timeout_s: float) -> WorkerGroup:

@@ -25,14 +25,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from rlhf_env.rewards import ScoredSample
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import DRIVER, Phase
 from rlhf_trainer.cluster.groups import WorkerGroup, join, join_watching
 from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.elastic_rollout import ElasticRollout
-from rlhf_trainer.loop.scores_ahead import ScoresAhead, scores_ahead
+from rlhf_trainer.loop.scores_ahead import QueueArrivals
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -93,18 +93,6 @@ class AsyncPPOTrainer:
         # are outstanding, queued or in flight, which no engine needs asking.
         self.groups_taken = 0
         self.elastic = ElasticRollout(core, queue, metrics)
-        self.scores_ahead: ScoresAhead | None = None
-        if scores_ahead(self.config) and core.reward_service is not None:
-            self.scores_ahead = ScoresAhead(
-                queue,
-                core.reward_service,
-                lambda samples: core.scored_samples(
-                    self.prompts_of(samples), [s.rollout for s in samples]
-                ),
-                lambda start, end: core.timeline.record(
-                    DRIVER, Role.REWARD, Phase.REWARD, start, end
-                ),
-            )
 
     @property
     def rollout(self) -> WorkerGroup:
@@ -125,14 +113,9 @@ class AsyncPPOTrainer:
             outstanding = (len(resumed.queued) + len(resumed.in_flight)) // self.group_size
             self.groups_taken = self.admission.admitted_total - outstanding
             self.admission.on_weight_sync(outstanding)
-        if self.scores_ahead is not None:
-            self.scores_ahead.start()
+        if self.core.scores_ahead is not None:  # the reward service scores arrivals
+            self.core.scores_ahead.feed_from(QueueArrivals(self.queue, self.scored_samples))
         self.admit()
-
-    def stop(self) -> None:
-        """Stop what runs beside the steps (the run is over)."""
-        if self.scores_ahead is not None:
-            self.scores_ahead.stop()
 
     def step(self, step: int) -> StepResult:
         started = time.time()
@@ -143,7 +126,8 @@ class AsyncPPOTrainer:
         lags = group_staleness(samples, version, self.group_size)
         for lag in lags:
             self.metrics.sample_staleness.observe(lag)
-        batch = Batch(self.prompts_of(samples), [s.rollout for s in samples], scores, dropped)
+        rollouts, uids = [s.rollout for s in samples], [s.uid for s in samples]
+        batch = Batch(self.prompts_of(samples), rollouts, uids, scores, dropped)
         result = self.core.train_on(step, batch)
         self.core.policy_version += 1
         if step % self.sync_every == 0:
@@ -164,9 +148,7 @@ class AsyncPPOTrainer:
         are dropped and as many new prompts admitted in their place (they leave the
         admission's count as trained ones do, so the staleness bound holds)."""
         if self.config.algorithm.dynamic_sampling is None:
-            samples = self.take_groups(self.config.trainer.batch_size)
-            ahead = self.scores_ahead
-            return samples, None if ahead is None else ahead.take(samples), 0
+            return self.take_groups(self.config.trainer.batch_size), None, 0
 
         def draw(groups: int, attempt: int) -> list[Sample]:
             if attempt > 0:
@@ -174,14 +156,17 @@ class AsyncPPOTrainer:
                 self.admit()
             return self.take_groups(groups)
 
-        ahead = self.scores_ahead
-        score = self.score_samples if ahead is None else ahead.take
-        kept = keep_informative_groups(step, self.config, draw, score)
+        kept = keep_informative_groups(step, self.config, draw, self.score_samples)
         return kept.items, kept.scores, kept.dropped
 
     def score_samples(self, samples: Sequence[Sample]) -> torch.Tensor:
-        """(B,) the samples' rewards, scored now."""
-        return self.core.score_alone(self.prompts_of(samples), [s.rollout for s in samples])
+        """(B,) the samples' rewards, scored now (or as they arrived)."""
+        prompts, rollouts = self.prompts_of(samples), [s.rollout for s in samples]
+        return self.core.score_alone(prompts, rollouts, [s.uid for s in samples])
+
+    def scored_samples(self, samples: Sequence[Sample]) -> list[ScoredSample]:
+        """What the reward service is sent for each sample."""
+        return self.core.scored_samples(self.prompts_of(samples), [s.rollout for s in samples])
 
     def take_groups(self, groups: int) -> list[Sample]:
         """The next `groups` whole groups from the queue, waiting for them, in uid order

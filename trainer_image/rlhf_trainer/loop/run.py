@@ -359,7 +359,7 @@ def open_run(
     groups = RoleGroups.start(plan, config, job, workers)
     log.info("roles started in %.1f s", time.time() - started)
     engines = EngineStatsPoller(lambda: groups[Role.ROLLOUT], metrics.engines.observe).start()
-    streaming: AsyncPPOTrainer | None = None
+    trainer: PPOTrainer | None = None
     try:
         trainer = PPOTrainer(
             config,
@@ -376,8 +376,8 @@ def open_run(
             streaming.elastic.on_lost.append(evaluator.ask_again)
         yield Run(config, trainer, metrics, reporter, streaming, evaluator)
     finally:
-        if streaming is not None:
-            streaming.stop()
+        if trainer is not None:
+            trainer.close()
         if trace is not None:
             timeline.write_chrome_trace(trace)
         engines.stop()

@@ -1,14 +1,17 @@
-"""Fully async with a reward service (models.reward.url): samples scored as they finish.
+"""A reward service (models.reward.url) scores samples as they finish, in every mode.
 
-A thread of the driver reads each sample as it reaches the queue (`SampleQueue.arrivals`)
-and has the reward service score it, so that by the time the trainer takes a batch its
-rewards are in, and a slow service costs the loop only what it is behind, not a whole
-round trip per step. The thread runs one event loop: what each read of the queue brings
-is scored by a task of it, in requests the client sizes, with at most `concurrency` in
-flight across the tasks, as the job's models.reward.requests allows, over one HTTP
-client whose connections are kept from read to read (no new handshake each time). The
-scores are kept by sample uid until the step takes them. Nothing is checkpointed: a
-resumed queue's samples arrive again, and are scored again.
+Whoever sees a sample finish offers it here, keyed: the synchronous loop as each rank's
+streaming `generate` yields it, fully async as it reaches the queue (`QueueArrivals`,
+read on this scorer's own loop). A thread of the driver runs one event loop, which
+sends what is offered at once while fewer than models.reward.requests.concurrency
+requests are in flight, spread over the free ones and batchSize at most a request, and
+otherwise keeps it until a request ends: a fast service sees each sample soon after it
+finishes, a slow one sees them in batches as large as it is behind. One HTTP client
+serves the run, its connections kept from request to request (no new handshake each
+time). The scores are kept by key until the step takes them, after it has started its
+pools' scoring stage: so a slow service costs the loop only what it is behind, not a
+round trip per step. Nothing is checkpointed: a resumed run's samples arrive again, and
+are scored again.
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import httpx
 import torch
 
 from rlhf_env.rewards import RewardClient, ScoredSample
@@ -32,80 +34,124 @@ from rlhf_trainer.rollout.queue import Sample
 log = logging.getLogger(__name__)
 
 ARRIVALS_WAIT_S = 1.0  # how long one read of the queue waits for a sample (and a stop)
-ToScored = Callable[[Sequence[Sample]], list[ScoredSample]]  # what the service is sent
-Scored = Callable[[float, float], object]  # (start, end) of a read's scoring, for the timeline
+Keyed = list[tuple[int, ScoredSample]]  # (key, what the service is sent) per sample
+Scored = Callable[[float, float], object]  # (start, end) of an offer's scoring, for the timeline
 
 
 def scores_ahead(config: JobConfig) -> bool:
-    """Whether the job scores samples as they finish: fully async, a reward service."""
-    return config.async_ is not None and config.models.reward.url is not None
+    """Whether the job's samples are scored as they finish: a reward service scores them."""
+    return config.models.reward.url is not None
+
+
+class QueueArrivals:
+    """Fully async: the samples that reached the queue since the last read, keyed by
+    uid; a read waits up to ARRIVALS_WAIT_S for some."""
+
+    def __init__(self, queue: Any, to_scored: Callable[[Sequence[Sample]], list[ScoredSample]]):
+        self.queue = queue  # the SampleQueue actor, keeping its arrivals
+        self.to_scored = to_scored
+        self.read = 0  # samples read so far
+
+    def __call__(self) -> Keyed:
+        arrived: list[Sample]
+        arrived, self.read = join([self.queue.arrivals.remote(self.read, ARRIVALS_WAIT_S)])[0]
+        return list(zip((s.uid for s in arrived), self.to_scored(arrived), strict=True))
 
 
 class ScoresAhead:
-    """Scores the queue's samples as they arrive; `take` hands their rewards out."""
+    """Scores what it is offered with the reward service; `take` hands the rewards out."""
 
-    def __init__(
-        self, queue: Any, client: RewardClient, to_scored: ToScored, on_scored: Scored
-    ) -> None:
-        self.queue = queue
+    def __init__(self, client: RewardClient, on_scored: Scored) -> None:
         self.client = client
-        self.to_scored = to_scored
         self.on_scored = on_scored
-        self._scores: dict[int, float] = {}  # by uid, scored and not taken yet
+        self._scores: dict[int, float] = {}  # by key, scored and not taken yet
         self._ready = threading.Condition()
         self._failure: BaseException | None = None
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._serve()), name="scores-ahead", daemon=True
-        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="scores-ahead",
+                                        daemon=True)  # fmt: skip
+        self._tasks: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
+        self._stopped = False
+        # One HTTP client for the whole run: its connections are kept from offer to offer.
+        self._http = client.connection()
+        self._waiting: Keyed = []  # offered, not sent yet (touched on the loop only)
+        self._requests = 0  # in flight (on the loop only)
 
     def start(self) -> ScoresAhead:
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._stopping.set()
-        if self._thread.ident is not None:  # started
-            self._thread.join(timeout=60)
+        """Cancel what is still being scored and close the client."""
+        if self._stopped or not self._thread.is_alive():
+            return
+        self._stopped = True
+        asyncio.run_coroutine_threadsafe(self._close(), self._loop).result(timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=60)
 
-    async def _serve(self) -> None:
-        slots = asyncio.Semaphore(self.client.concurrency)
-        scoring: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
-        read = 0  # samples read from the queue so far
-        # One HTTP client for the whole run: its connections are kept from read to read.
-        async with self.client.connection() as http:
+    async def _close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # before the client closes
+        await self._http.aclose()
+        await self._loop.shutdown_default_executor()  # a queue read under way ends (≤ 1 s)
+
+    def offer(self, keyed: Keyed) -> None:
+        """Score these samples (from any thread); returns at once."""
+        if keyed:
+            self._loop.call_soon_threadsafe(self._add, keyed)
+
+    def feed_from(self, read: Callable[[], Keyed]) -> None:
+        """Also score what `read()` returns (it waits a while for some), read after read,
+        until stopped."""
+
+        async def read_all() -> None:
             try:
-                while not self._stopping.is_set():
-                    arrived, read = await asyncio.to_thread(self._arrivals, read)
-                    if arrived:
-                        task = asyncio.create_task(self._score(http, slots, arrived))
-                        scoring.add(task)
-                        task.add_done_callback(scoring.discard)
-            except BaseException as error:
+                while True:
+                    if keyed := await asyncio.to_thread(read):
+                        self._add(keyed)
+            except Exception as error:
                 self._fail(error)
-            for task in scoring:
-                task.cancel()
-            await asyncio.gather(*scoring, return_exceptions=True)  # before the client closes
 
-    def _arrivals(self, read: int) -> tuple[list[Sample], int]:
-        arrived: tuple[list[Sample], int] = join(
-            [self.queue.arrivals.remote(read, ARRIVALS_WAIT_S)]
-        )[0]
-        return arrived
+        self._submit(read_all())
 
-    async def _score(
-        self, http: httpx.AsyncClient, slots: asyncio.Semaphore, samples: Sequence[Sample]
-    ) -> None:
+    def _submit(self, coroutine: Coroutine[Any, Any, object]) -> None:
+        self._loop.call_soon_threadsafe(self._spawn, coroutine)
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        task = self._loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _add(self, keyed: Keyed) -> None:
+        self._waiting += keyed
+        self._send()
+
+    def _send(self) -> None:
+        """What waits, in requests spread over the free ones (batchSize at most each)."""
+        while self._waiting and self._requests < self.client.concurrency and not self._stopped:
+            free = self.client.concurrency - self._requests
+            size = min(self.client.batch_size, -(-len(self._waiting) // free))
+            request, self._waiting = self._waiting[:size], self._waiting[size:]
+            self._requests += 1
+            self._spawn(self._score(request))
+
+    async def _score(self, keyed: Keyed) -> None:
         started = time.time()
         try:
-            scored = self.to_scored(samples)
-            rewards = service_rewards(await self.client.score_each(scored, slots=slots, http=http))
+            samples = [s for _, s in keyed]
+            answers = await self.client.score_each(samples, http=self._http, size=len(samples))
         except Exception as error:
             self._fail(error)
             return
+        finally:
+            self._requests -= 1
+            self._send()
         self.on_scored(started, time.time())
         with self._ready:
-            self._scores.update(zip((s.uid for s in samples), rewards.tolist(), strict=True))
+            self._scores.update(zip((key for key, _ in keyed), service_rewards(answers).tolist(),
+                                    strict=True))  # fmt: skip
             self._ready.notify_all()
 
     def _fail(self, error: BaseException) -> None:
@@ -114,13 +160,13 @@ class ScoresAhead:
             self._failure = error
             self._ready.notify_all()
 
-    def take(self, samples: Sequence[Sample]) -> torch.Tensor:
-        """(B,) the samples' rewards, once each is scored (NaN: the service failed it)."""
-        uids = [s.uid for s in samples]
+    def take(self, keys: Sequence[int]) -> torch.Tensor:
+        """(B,) the rewards of the samples offered with `keys`, once each is scored (NaN:
+        the service failed it)."""
         with self._ready:
             self._ready.wait_for(
-                lambda: self._failure is not None or all(u in self._scores for u in uids)
+                lambda: self._failure is not None or all(k in self._scores for k in keys)
             )
             if self._failure is not None:
                 raise RuntimeError("scoring the samples as they finish failed") from self._failure
-            return torch.tensor([self._scores.pop(uid) for uid in uids])
+            return torch.tensor([self._scores.pop(key) for key in keys])

@@ -13,6 +13,7 @@ only the placement differs. Every call carries its phase's name to the timeline.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,7 +30,7 @@ from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, Phase, plan_placement
 from rlhf_trainer.api.progress import EvalProgress
-from rlhf_trainer.cluster.groups import gather, join
+from rlhf_trainer.cluster.groups import gather, join, results_as_they_come
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import RewardFunction
@@ -42,6 +43,7 @@ from rlhf_trainer.loop.rewards import (
     rule_rewards,
     service_rewards,
 )
+from rlhf_trainer.loop.scores_ahead import ScoresAhead, scores_ahead
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.rollout.worker import BatchShard
 from rlhf_trainer.telemetry.metrics import union_seconds
@@ -101,6 +103,9 @@ class Batch:
 
     prompts: list[Prompt]  # (B·n,) each sample's prompt
     rollouts: list[Rollout]  # (B·n,)
+    # (B·n,) each sample's key: a reward service that scores samples as they finish
+    # (the trainer's `scores_ahead`) keeps its reward by it
+    keys: list[int]
     scores: torch.Tensor | None = None  # (B·n,) when already scored (dynamic sampling)
     dropped_groups: int = 0
 
@@ -127,6 +132,13 @@ class PPOTrainer:
         self.plan = plan_placement(config)
         self.reward = reward  # the rule-based reward (data.tasks.reward_function), if any
         self.reward_service = reward_client(config.models.reward)  # models.reward.url
+        self.scores_ahead: ScoresAhead | None = None
+        if self.reward_service is not None and scores_ahead(config):
+            self.scores_ahead = ScoresAhead(
+                self.reward_service,
+                lambda start, end: timeline.record(DRIVER, Role.REWARD, Phase.REWARD, start, end),
+            ).start()
+        self.sample_keys = itertools.count()  # the samples' keys (Batch.keys)
         self.group_size = config.generation.samples_per_prompt
         self.policy_version = 0  # the actor's weights: bumped by every update
         self.kl_coef = config.algorithm.kl_coef  # moved by an adaptive klController
@@ -134,6 +146,11 @@ class PPOTrainer:
         # opened by the run
         self.weight_sync = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
         self.engines = EngineReplacement(config, groups, self.weight_sync)
+
+    def close(self) -> None:
+        """Stop what runs beside the steps (the run is over)."""
+        if self.scores_ahead is not None:
+            self.scores_ahead.stop()
 
     def step(self, step: int) -> StepResult:
         """One synchronous PPO step: generate, train on it, hand the weights over."""
@@ -149,26 +166,23 @@ class PPOTrainer:
         """batchSize prompts, samplesPerPrompt responses each."""
         if self.config.algorithm.dynamic_sampling is not None:
             return self.sample_dynamically(step)
-        prompts = self.prompts.next_batch(self.config.trainer.batch_size)
-        return Batch(self.grouped(prompts), self.generate(prompts, step))
+        return self.generate(self.prompts.next_batch(self.config.trainer.batch_size), step)
 
     def sample_dynamically(self, step: int) -> Batch:
         """Like `sample`, but groups whose rewards are all equal are dropped and more
         prompts generated, round after round, until the batch is full (DAPO)."""
 
-        def draw(groups: int, attempt: int) -> list[tuple[Prompt, Rollout]]:
-            prompts = self.prompts.next_batch(groups)
-            rollouts = self.generate(prompts, step, attempt)
-            return list(zip(self.grouped(prompts), rollouts, strict=True))
+        def draw(groups: int, attempt: int) -> list[tuple[Prompt, Rollout, int]]:
+            drawn = self.generate(self.prompts.next_batch(groups), step, attempt)
+            return list(zip(drawn.prompts, drawn.rollouts, drawn.keys, strict=True))
 
-        kept = keep_informative_groups(
-            step,
-            self.config,
-            draw,
-            lambda drawn: self.score_alone([t for t, _ in drawn], [r for _, r in drawn]),
-        )
-        prompts, rollouts = (list(column) for column in zip(*kept.items, strict=True))
-        return Batch(prompts, rollouts, kept.scores, kept.dropped)
+        def score(drawn: Sequence[tuple[Prompt, Rollout, int]]) -> torch.Tensor:
+            prompts, rollouts, keys = (list(column) for column in zip(*drawn, strict=True))
+            return self.score_alone(prompts, rollouts, keys)
+
+        kept = keep_informative_groups(step, self.config, draw, score)
+        prompts, rollouts, keys = (list(column) for column in zip(*kept.items, strict=True))
+        return Batch(prompts, rollouts, keys, kept.scores, kept.dropped)
 
     def grouped(self, prompts: Sequence[Prompt]) -> list[Prompt]:
         """Each prompt once per sample of its group."""
@@ -183,7 +197,7 @@ class PPOTrainer:
         scores = sampled.scores
         scoring = self.run_stage("score", batch, skip=(Phase.REWARD,) if scores is not None else ())
         if scores is None:
-            scores = self.score(sampled.prompts, sampled.rollouts, scoring)
+            scores = self.score(sampled.prompts, sampled.rollouts, scoring, sampled.keys)
         unscored = self.unscored.count(step, scores)
         scores, unscored_masked = without_unscored(scores, batch.response_mask)
         batch = replace(batch, response_mask=unscored_masked)
@@ -231,20 +245,31 @@ class PPOTrainer:
             unscored=unscored,
         )
 
-    def generate(self, prompts: Sequence[Prompt], step: int, attempt: int = 0) -> list[Rollout]:
+    def generate(self, prompts: Sequence[Prompt], step: int, attempt: int = 0) -> Batch:
         """samplesPerPrompt responses to each prompt, a group's next to each other: with
-        generation.multiTurn, an episode per sample, which the prompt's row starts. An
-        engine lost meanwhile is replaced, and the batch generated again: the same
-        samples (`engine_replacement`)."""
+        generation.multiTurn, an episode per sample, which the prompt's row starts. Each
+        sample comes from its engine as it finishes, and a reward service is given it
+        then (`scores_ahead`). An engine lost meanwhile is replaced, and the batch
+        generated again: the same samples (`engine_replacement`)."""
         method = PHASE_METHOD[Phase.GENERATE] if self.config.multi_turn is None else "run_episodes"
-        grouped = [rollout_input(self.config, p) for p in prompts for _ in range(self.group_size)]
+        grouped = self.grouped(prompts)
+        inputs = [rollout_input(self.config, p) for p in grouped]
 
-        def on_the_engines() -> list[Rollout]:
+        def on_the_engines() -> Batch:
             rollout = self.groups[Role.ROLLOUT]
-            parts = split_list(grouped, rollout.world_size)
+            parts = split_list(inputs, rollout.world_size)
+            starts = list(itertools.accumulate(map(len, parts), initial=0))
             shards = [BatchShard(index, part) for index, part in enumerate(parts)]
-            calls = rollout.run_each(method, shards, step, attempt, phase=Phase.GENERATE)
-            return [r for shard in join(calls) for r in shard]
+            streams = rollout.stream_each(method, shards, step, attempt, phase=Phase.GENERATE)
+            rollouts: dict[int, Rollout] = {}  # by place in the batch
+            keys = [next(self.sample_keys) for _ in inputs]
+            for shard, (place, finished) in results_as_they_come(streams):
+                at = starts[shard] + place
+                rollouts[at] = finished
+                if self.scores_ahead is not None:
+                    (scored,) = self.scored_samples([grouped[at]], [finished])
+                    self.scores_ahead.offer([(keys[at], scored)])
+            return Batch(grouped, [rollouts[at] for at in range(len(inputs))], keys)
 
         return self.engines.surviving(on_the_engines, reload=lambda: self.policy_version)
 
@@ -269,13 +294,19 @@ class PPOTrainer:
         return calls
 
     def score(
-        self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout], scoring: Calls
+        self,
+        prompts: Sequence[Prompt],
+        rollouts: Sequence[Rollout],
+        scoring: Calls,
+        keys: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """(B,) one reward per response: from the reward model, the rule here, the reward
-        service (NaN for a sample it failed), or each episode's environment (its score
-        came with the rollout)."""
+        service (NaN for a sample it failed; with `keys`, scored as they finished), or
+        each episode's environment (its score came with the rollout)."""
         if self.config.models.reward.environment:
             return torch.tensor([episode_score(r) for r in rollouts])
+        if self.scores_ahead is not None and keys is not None:  # scored as they finished
+            return self.scores_ahead.take(keys)
         if self.reward_service is not None:
             with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
                 samples = self.scored_samples(prompts, rollouts)
@@ -296,7 +327,12 @@ class PPOTrainer:
             for p, r in zip(prompts, rollouts, strict=True)
         ]
 
-    def score_alone(self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout]) -> torch.Tensor:
+    def score_alone(
+        self,
+        prompts: Sequence[Prompt],
+        rollouts: Sequence[Rollout],
+        keys: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """(B,) rewards ahead of the scoring stage (dynamic sampling filters on them)."""
         calls: Calls = {}
         if self.config.models.reward.path is not None:  # a reward model
@@ -304,7 +340,7 @@ class PPOTrainer:
             calls[Phase.REWARD] = self.groups[Role.REWARD].run_sharded(
                 PHASE_METHOD[Phase.REWARD], batch, phase=Phase.REWARD
             )
-        return self.score(prompts, rollouts, calls)
+        return self.score(prompts, rollouts, calls, keys)
 
     def sync_weights(self, version: int) -> None:
         """Hand the actor's weights to every rollout engine, and wait until they have

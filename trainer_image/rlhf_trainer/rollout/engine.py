@@ -61,6 +61,7 @@ from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER
 from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 
 T = TypeVar("T")
+OnFinished = Callable[[int, Rollout], None]  # (its place in the batch, the rollout)
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,11 @@ class RolloutEngine(WeightUpdates):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        on_finished: OnFinished | None = None,
     ) -> list[Rollout]:
         """Generate one response per prompt (token ids in, token ids out; no text), and
-        wait for all of them.
+        wait for all of them. `on_finished(i, rollout)`, if given, is called (on the
+        engine's loop) as each one finishes, with its place in `prompts`.
 
         With a seed, request i samples with seed + i: reproducible, and a prompt that
         appears twice in the batch still gets two different responses. The requests
@@ -203,10 +206,16 @@ class RolloutEngine(WeightUpdates):
             sampling_params(max_tokens, temperature, top_p, None if seed is None else seed + i)
             for i in range(len(prompts))
         ]
-        return self.call(self._alive(lambda llm: self._generate_batch(llm, prompts, params)))
+        return self.call(
+            self._alive(lambda llm: self._generate_batch(llm, prompts, params, on_finished))
+        )
 
     async def _generate_batch(
-        self, llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any]
+        self,
+        llm: Any,
+        prompts: Sequence[Sequence[int]],
+        params: Sequence[Any],
+        on_finished: OnFinished | None,
     ) -> list[Rollout]:
         from vllm.inputs import TokensPrompt
 
@@ -223,8 +232,15 @@ class RolloutEngine(WeightUpdates):
             ]
         finally:
             await self._resume(llm)
+
+        async def collect(index: int, stream: Any, prompt: Sequence[int]) -> Rollout:
+            rollout = await self._collect(llm, stream, list(prompt))
+            if on_finished is not None:
+                on_finished(index, rollout)
+            return rollout
+
         done = await asyncio.gather(
-            *(self._collect(llm, s, list(p)) for s, p in zip(streams, prompts, strict=True)),
+            *(collect(i, s, p) for i, (s, p) in enumerate(zip(streams, prompts, strict=True))),
             return_exceptions=True,  # each one's error retrieved: a dead engine fails all
         )
         failed = [r for r in done if isinstance(r, BaseException)]

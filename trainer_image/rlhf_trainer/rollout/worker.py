@@ -1,7 +1,8 @@
 """The rollout role's workers: one vLLM engine per rank, which takes the actor's
 weights through vLLM's weight-transfer API (`transfer_engines`; the actor's side
 calls the methods named as vLLM's). `RolloutWorker` generates a batch at a time
-(synchronous PPO); `streaming.StreamingRollout` streams (fully async)."""
+(synchronous PPO), handing each sample over as it finishes; `streaming.StreamingRollout`
+streams (fully async)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import asyncio
 import itertools
 import logging
 import os
+import queue
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,7 +21,7 @@ from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import EvalGeneration, GenerationConfig
 from rlhf_trainer.models import chat_tokenizer, model_path
-from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
+from rlhf_trainer.rollout.engine import EngineOptions, OnFinished, RolloutEngine
 from rlhf_trainer.rollout.engine_death import EngineDied
 from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
 from rlhf_trainer.rollout.trajectory import ChatRenderer
@@ -150,9 +154,11 @@ class EngineWorker(Worker):
         name: str,
         seed: int,
         sampling: GenerationConfig | EvalGeneration | None = None,
+        on_finished: OnFinished | None = None,
     ) -> list[Rollout]:
         """An episode per row (generation.multiTurn), sampled as `sampling` says (the
-        training sampling by default); requests are named `episode-<name>-<i>-<turn>`."""
+        training sampling by default); requests are named `episode-<name>-<i>-<turn>`.
+        `on_finished(i, episode)` is told of each as it ends, as `generate_batch` does."""
         if self.episodes is None:
             raise RuntimeError("episodes need generation.multiTurn")
         runner, sampled = self.episodes, sampling or self.config.generation
@@ -171,7 +177,10 @@ class EngineWorker(Worker):
                     seed=seed + number * len(rows) + index,
                 )
 
-            return await runner.run(row, turn, self.engine.policy_version)
+            rollout = await runner.run(row, turn, self.engine.policy_version)
+            if on_finished is not None:
+                on_finished(index, rollout)
+            return rollout
 
         return list(await asyncio.gather(*(episode(i, row) for i, row in enumerate(rows))))
 
@@ -200,32 +209,59 @@ class BatchShard:
 
 
 class RolloutWorker(EngineWorker):
-    """Synchronous PPO's rollout rank: generates the batch it is given."""
+    """Synchronous PPO's rollout rank: generates the batch it is given, and hands each
+    sample over as it finishes (a Ray streaming call: the driver may score the first
+    ones while the engine still generates the rest)."""
 
-    def generate(self, shard: BatchShard, step: int, attempt: int = 0) -> list[Rollout]:
-        """One response per prompt. `attempt` > 0: dynamic sampling's further rounds
-        of the step, seeded apart from the first."""
+    def generate(
+        self, shard: BatchShard, step: int, attempt: int = 0
+    ) -> Iterator[tuple[int, Rollout]]:
+        """One response per prompt, as each finishes: (its place in the shard, it).
+        `attempt` > 0: dynamic sampling's further rounds of the step, seeded apart from
+        the first."""
         generation = self.config.generation
-        return self.engine.generate_batch(
-            shard.inputs,
-            max_tokens=self.config.data.max_response_length,
-            temperature=generation.temperature,
-            top_p=generation.top_p,
-            seed=self.step_seed(step, attempt, shard),
+        return as_finished(
+            lambda on_finished: self.engine.generate_batch(
+                shard.inputs,
+                max_tokens=self.config.data.max_response_length,
+                temperature=generation.temperature,
+                top_p=generation.top_p,
+                seed=self.step_seed(step, attempt, shard),
+                on_finished=on_finished,
+            )
         )
 
-    def run_episodes(self, shard: BatchShard, step: int, attempt: int = 0) -> list[Rollout]:
+    def run_episodes(
+        self, shard: BatchShard, step: int, attempt: int = 0
+    ) -> Iterator[tuple[int, Rollout]]:
         """One multi-turn episode per environment row, all at once on the engine (its
-        turns batch with the other episodes' turns). Turn t of episode i samples with
-        the step's seed + t·len(rows) + i."""
+        turns batch with the other episodes' turns), as each ends, like `generate`.
+        Turn t of episode i samples with the step's seed + t·len(rows) + i."""
         seed = self.step_seed(step, attempt, shard)
-        return self.engine.call(self.episodes_of(shard.inputs, f"{step}-{attempt}", seed))
+        name = f"{step}-{attempt}"
+        return as_finished(
+            lambda on_finished: self.engine.call(
+                self.episodes_of(shard.inputs, name, seed, on_finished=on_finished)
+            )
+        )
 
     def step_seed(self, step: int, attempt: int, shard: BatchShard) -> int:
         """Per step, round and part of the batch: a resumed run samples what the first
         one would have, and so does an engine that replaced a lost one."""
         purpose = "generate" if attempt == 0 else f"generate-round-{attempt}"
         return derive_seed(self.config.trainer.seed, purpose, step, shard.index)
+
+
+def as_finished(generate: Callable[[OnFinished], object]) -> Iterator[tuple[int, Rollout]]:
+    """Runs `generate(on_finished)` on a thread of its own, and yields each (place,
+    rollout) it reports finished, as it does; then raises what `generate` raised."""
+    finished: queue.SimpleQueue[tuple[int, Rollout] | None] = queue.SimpleQueue()
+    with ThreadPoolExecutor(1, thread_name_prefix="generate") as thread:
+        generating = thread.submit(generate, lambda place, r: finished.put((place, r)))
+        generating.add_done_callback(lambda _: finished.put(None))
+        while (item := finished.get()) is not None:
+            yield item
+        generating.result()
 
 
 def episode_runner(config: JobConfig) -> EpisodeRunner | None:
