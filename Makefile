@@ -161,7 +161,7 @@ bench-split: install  ## benchmark: one PPO job colocated vs split placement (a 
 bench-async: install  ## benchmark: synchronous vs fully-async PPO on the same pools (a few minutes)
 	$(PY) -m bench.async.run
 
-bench-slow-reward: install  ## benchmark: fully async with a slow reward service, scored as samples finish vs at the step (~12 min)
+bench-slow-reward: install  ## benchmark: a slow reward service (fully async and synchronous), scored as samples finish vs at the step (~20 min)
 	$(PY) -m bench.async.slow_reward
 
 bench-elastic: install  ## benchmark: a fully-async rollout pool grown from 1 engine to 2 mid-run, vs fixed sizes (~15 min)

@@ -111,8 +111,8 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_differ(
 ) -> None:
     """A binary reward and groups of 2: a young policy's groups are often all 0 or all 1.
     Synchronous runs generate more prompts in their place; fully async ones admit more.
-    The fully async run is scored by a reward service (models.reward.url): the same rule,
-    served over HTTP by rlhf_env's reward app."""
+    Both are scored by a reward service (models.reward.url), each sample as it finishes:
+    the same rule, served over HTTP by rlhf_env's reward app."""
     scored: list[str] = []
 
     def served_rule(prompt: str, response: str, **row: object) -> float:
@@ -127,15 +127,14 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_differ(
             checkpoint_dir=tmp_path,
             samples_per_prompt=2,
             algorithm={"dynamicSampling": {"maxAttempts": 30}, "clipRatioHigh": 0.28},
-            reward={"url": f"{url}/reward"} if placement == "async"
-            else {"function": "tests.trainer.rewards:starts_with_a_letter"},
-        )  # fmt: skip
+            reward={"url": f"{url}/reward"},
+        )
         trained = train(config)
     dropped = sum(s.dropped_groups for s in trained.steps)
     assert dropped > 0
-    # The service scored the held-out answers and each sample once as it reached the
-    # queue (fully async scores ahead): those trained, those of the groups dropped, and
-    # at most the admission limit's worth still outstanding when the run ended.
+    # The service scored the held-out answers and each sample once as it finished: those
+    # trained, those of the groups dropped, and (fully async) at most the admission
+    # limit's worth still outstanding when the run ended.
     held_out = sum(e.prompts for s in trained.steps for e in s.evaluations)
     held_out *= config.generation.eval.samples_per_prompt
     trained_samples = sum(len(s.sample_uids) for s in trained.steps)
@@ -149,7 +148,8 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_differ(
         floor = trained_samples + 2 * dropped + held_out
         assert floor <= len(scored) <= floor + ahead, (floor, len(scored))
     else:
-        assert not scored
+        trained_samples = config.trainer.batch_size * 2 * len(trained.steps)
+        assert len(scored) == trained_samples + 2 * dropped + held_out
     assert trained.metrics.registry.get_sample_value("rlhf_dropped_groups_total") == dropped
     # every kept group has one response rewarded 1 and one 0: the batch's mean is 0.5
     assert [s.reward_mean for s in trained.steps] == [0.5] * 3
