@@ -27,8 +27,8 @@ from pathlib import Path
 
 from bench.harness import Measurement
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.cluster.groups import join
 from rlhf_trainer.cluster.local import local_ray_cluster
+from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer
 from rlhf_trainer.loop.run import open_run
 from rlhf_trainer.loop.sync import Batch

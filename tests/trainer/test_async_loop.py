@@ -220,8 +220,9 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     does not depend on how fast this machine is."""
     import ray
 
-    from rlhf_trainer.cluster.groups import WorkerGroup, join
+    from rlhf_trainer.cluster.groups import WorkerGroup
     from rlhf_trainer.cluster.local import local_ray_cluster, signal_all
+    from rlhf_trainer.cluster.waits import join
     from rlhf_trainer.loop import elastic_rollout
     from rlhf_trainer.loop.elastic_rollout import ElasticRollout
     from rlhf_trainer.loop.evaluation import Evaluator

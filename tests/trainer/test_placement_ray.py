@@ -34,7 +34,7 @@ from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
 from rlhf_trainer.cluster.engine_client import TransferFailed
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
-from rlhf_trainer.cluster.groups import WorkerGroup, gather, join, results_as_they_come
+from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import NoAnswer, RankDied
 from rlhf_trainer.cluster.placement import (
     PlacementTimeout,
@@ -44,6 +44,7 @@ from rlhf_trainer.cluster.placement import (
     wait_ready,
 )
 from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
 from rlhf_trainer.loop.weights import WeightSync, group_timeout_s
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from tests.trainer.toy_workers import BusyEngine, PartialSums, StoppingReceiver, WeightSender

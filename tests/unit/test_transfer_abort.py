@@ -112,7 +112,7 @@ class ThreadEngines(EngineFanOut):
     def answers(self, sent: Sequence[Future[None]]) -> None:
         finished, _ = wait(sent, timeout=60, return_when=FIRST_EXCEPTION)
         for future in finished:
-            future.result()  # the first failure, as cluster.groups.join raises it
+            future.result()  # the first failure, as cluster.waits.join raises it
 
 
 def sender(engines: ThreadEngines, communicator: StandInCommunicator) -> Any:

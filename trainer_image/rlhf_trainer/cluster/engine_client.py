@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.cluster.groups import WorkerGroup, join
+from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import NoAnswer
+from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.rollout.weight_sync import EngineFanOut
 
 

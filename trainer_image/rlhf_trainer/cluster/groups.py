@@ -37,20 +37,16 @@ from rlhf_trainer.cluster.hangs import (
     RankCall,
     RanksLost,
     answering,
-    forget,
-    no_answer,
-    peer_died,
-    rank_died,
     record,
 )
 from rlhf_trainer.cluster.placement import PoolGroup, WorkerSlot, role_slots
+from rlhf_trainer.cluster.waits import Streams, join
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import (
     CPU_THREADS_PER_RANK,
     BatchT,
     RankInfo,
     Worker,
-    concat_batches,
     free_port,
     init_distributed,
     split_batch,
@@ -491,73 +487,6 @@ class WorkerGroup:
             ray.kill(h)
 
 
-def join(
-    refs: Sequence[ObjectRef[T]],
-    timeout_s: float | None = None,
-    involved: Sequence[ObjectRef[Any]] = (),
-) -> list[T]:
-    """Wait for the futures and return their results, in order.
-
-    Raises as soon as any of them fails: when one rank dies, the others may wait in a
-    collective for it until the rendezvous timeout, and waiting for them in order
-    would hang the driver just as long. A call that fails while others are pending is
-    reported as a rank's death if one of theirs dies within PEER_DEATH_S. With
-    `timeout_s`, raises NoAnswer once that has passed, naming the ranks still in their
-    calls (`cluster.hangs`), among them those of `involved`: calls in the same
-    collective that are not waited for here.
-    """
-    import ray
-
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not done:
-            raise no_answer([*pending, *involved], float(timeout_s or 0))
-        try:
-            ray.get(done)  # raises the failure, if that is what finished
-        except ray.exceptions.RayActorError as error:
-            raise rank_died(done[0], error) from error
-        except ray.exceptions.RayTaskError as error:
-            if (died := peer_died([*pending, *involved])) is not None:
-                raise died from error  # the cause, not the collective's echo of it
-            raise
-    forget(refs)
-    return list(ray.get(list(refs)))
-
-
-@dataclass(frozen=True)
-class Streams:
-    """One streaming call per rank (`WorkerGroup.stream_each`)."""
-
-    calls: list[RankCall]  # who each is, to name a rank that dies
-    generators: list[Any]  # Ray's ObjectRefGenerator of each
-
-
-def results_as_they_come(streams: Streams) -> Iterator[tuple[int, Any]]:
-    """(i, result) for each result the ranks' streams yield, as it comes, i being the
-    stream's place in `streams`. A rank whose process dies raises RankDied, naming it;
-    a rank's error is raised as `join` raises it."""
-    import ray
-
-    place = {id(generator): i for i, generator in enumerate(streams.generators)}
-    waiting: list[Any] = list(streams.generators)
-    while waiting:
-        ready: list[Any]
-        ready, waiting = ray.wait(waiting, num_returns=1)
-        for generator in ready:  # an ObjectRefGenerator: its next result is ready
-            i = place[id(generator)]
-            try:
-                ref = next(generator)
-            except StopIteration:
-                continue
-            record(ref, streams.calls[i])
-            (result,) = join([ref])
-            waiting.append(generator)
-            yield i, result
-
-
 def started_up(groups: Sequence[WorkerGroup], timeout_s: float) -> WorkerGroup:
     """The ranks of `groups` (started in the background) as one group, once all are up;
     NoAnswer past `timeout_s`, naming those not up, or RankDied naming one whose start
@@ -576,26 +505,3 @@ def join_watching(ref: ObjectRef[T], group: WorkerGroup, every_s: float = WATCH_
         if dead := group.dead_ranks():
             raise RanksLost(group.role, group.pool, dead)
     return join([ref])[0]
-
-
-def finished(refs: Sequence[ObjectRef[Any]]) -> bool:
-    """Whether every one of the futures has its result (or its error); never waits."""
-    import ray
-
-    return not ray.wait(list(refs), num_returns=len(refs), timeout=0)[1]
-
-
-def answered(refs: Sequence[ObjectRef[Any]]) -> bool:
-    """Whether every one of the futures has its result, not an error; never waits."""
-    if not finished(refs):
-        return False
-    try:
-        join(refs)
-    except Exception:
-        return False
-    return True
-
-
-def gather(refs: Sequence[ObjectRef[BatchT]]) -> BatchT:
-    """Wait for the ranks' batch results and re-join them in rank order."""
-    return concat_batches(join(refs))

@@ -13,7 +13,7 @@ from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PlacementPlan, in_actor_processes
-from rlhf_trainer.cluster.groups import WorkerGroup, join
+from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.placement import (
     PoolGroup,
     WorkerSlot,
@@ -24,6 +24,7 @@ from rlhf_trainer.cluster.placement import (
     remove_pool_groups,
     wait_ready,
 )
+from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.roles.critic import Critic
 from rlhf_trainer.roles.policy import Actor, Ref
 from rlhf_trainer.roles.reward import RewardModel

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf_trainer.api.config import Role
-from rlhf_trainer.cluster.groups import WorkerGroup, finished, join, started_up
+from rlhf_trainer.cluster.groups import WorkerGroup, started_up
 from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.placement import PlacementTimeout, WorkerSlot
 from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S
+from rlhf_trainer.cluster.waits import finished, join
 from rlhf_trainer.loop.sync import PPOTrainer, split_list
 from rlhf_trainer.rollout.queue import Admitted
 from rlhf_trainer.rollout.streaming import StreamingRollout

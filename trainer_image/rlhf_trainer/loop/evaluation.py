@@ -25,7 +25,7 @@ from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.api.sections import EvalGeneration
-from rlhf_trainer.cluster.groups import answered, finished, join
+from rlhf_trainer.cluster.waits import answered, finished, join
 from rlhf_trainer.data.prompts import Prompt
 from rlhf_trainer.loop.sync import PPOTrainer, rollout_input, split_list
 from rlhf_trainer.telemetry.progress import eval_text

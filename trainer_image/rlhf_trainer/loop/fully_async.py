@@ -27,8 +27,9 @@ import torch
 
 from rlhf_env.rewards import ScoredSample
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.cluster.groups import WorkerGroup, join, join_watching
+from rlhf_trainer.cluster.groups import WorkerGroup, join_watching
 from rlhf_trainer.cluster.hangs import RankDied, RanksLost
+from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.elastic_rollout import ElasticRollout

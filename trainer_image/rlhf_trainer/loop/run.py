@@ -17,9 +17,10 @@ from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.api.progress import EvalProgress, OutputProgress, TrainingProgress
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
-from rlhf_trainer.cluster.groups import WorkerGroup, join
+from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.data.prompts import PromptStream, load_prompts, prompt_tokenizer
 from rlhf_trainer.data.tasks import check_reward_arguments, reward_function
 from rlhf_trainer.loop.evaluation import Evaluator, eval_due

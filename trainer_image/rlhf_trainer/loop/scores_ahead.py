@@ -27,7 +27,7 @@ import torch
 
 from rlhf_env.rewards import RewardClient, ScoredSample
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.cluster.groups import join
+from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.loop.rewards import service_rewards
 from rlhf_trainer.rollout.queue import Sample
 

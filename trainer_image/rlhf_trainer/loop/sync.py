@@ -30,8 +30,8 @@ from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, Phase, plan_placement
 from rlhf_trainer.api.progress import EvalProgress
-from rlhf_trainer.cluster.groups import gather, join, results_as_they_come
 from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.data.tasks import RewardFunction
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups

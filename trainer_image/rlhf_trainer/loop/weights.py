@@ -24,8 +24,9 @@ from typing import Any
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.engine_client import EngineGroupClient
-from rlhf_trainer.cluster.groups import WorkerGroup, join
+from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     TransferSetup,
