@@ -147,6 +147,9 @@ def test_a_run_whose_reward_service_is_down_for_a_step_masks_it_counts_names_and
     # Step 2 was scored while the service was down: every sample masked, the run went on
     # within maxUnscoredSteps (3 by default), and the steps on either side were scored.
     assert [(s.step, s.unscored) for s in trained.steps] == [(1, 0), (2, samples), (3, 0)]
+    # A step with no reward has no mean reward (not 0), and the status leaves it out.
+    assert [math.isnan(s.reward_mean) for s in trained.steps] == [False, True, False]
+    assert {p.reward_mean is None for p, _ in trained.reports if p.step == 2} == {True}
     metric = trained.metrics.registry.get_sample_value("rlhf_reward_unscored_samples_total")
     assert metric == samples
     assert f"reward service at {url}/reward/score failed: ConnectError" in caplog.text

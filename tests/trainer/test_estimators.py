@@ -194,3 +194,18 @@ def test_an_unscored_sample_is_not_trained_on_and_scores_0_in_its_groups_baselin
     advantages = compute_advantages(kept, zeros, zeros, None, masked, grpo, 2, 0.0)
     assert torch.isfinite(advantages.advantages).all()
     assert advantages.advantages[1].abs().sum() == 0  # masked: nothing of it counts
+
+
+@pytest.mark.parametrize(
+    "scores",
+    [[1.0, math.nan, 0.5, 0.0], [0.25], [math.nan, 2.0], [math.nan, math.nan], [-1.0, 3.0, 0.5]],
+)
+def test_the_mean_reward_is_over_the_scored_samples_alone(scores: list[float]) -> None:
+    """Against a naive mean: an unscored sample's 0 placeholder is no reward (a step
+    with none scored has no mean, not 0)."""
+    scored = [s for s in scores if not math.isnan(s)]
+    mean = estimators.scored_mean(torch.tensor(scores))
+    if scored:
+        assert mean == pytest.approx(statistics.fmean(scored))
+    else:
+        assert math.isnan(mean)

@@ -95,6 +95,15 @@ def test_nan_is_written_as_null_and_read_back_as_nan() -> None:
     assert replace(back, critic=CRITIC) == replace(step, critic=CRITIC)
 
 
+def test_a_step_with_no_reward_is_written_as_null_and_read_back_as_nan() -> None:
+    """Every sample unscored (a reward service down for the step): no mean reward."""
+    step = StepRecord.of(step_result(2, reward=math.nan), 32, {})
+    assert json.loads(step.to_json())["reward_mean"] is None
+    back = StepRecord.from_json(step.to_json())
+    assert math.isnan(back.reward_mean)
+    assert replace(back, reward_mean=0.0) == replace(step, reward_mean=0.0)
+
+
 def test_a_critic_free_step_has_no_critic() -> None:
     step = StepRecord.of(step_result(1, critic=None), 32, {"policy": 0.5})
     assert json.loads(step.to_json())["critic"] is None

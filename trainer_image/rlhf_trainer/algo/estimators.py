@@ -16,6 +16,7 @@ group's rows together: rows g·n … g·n + n - 1 answer prompt g.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,13 @@ def compute_advantages(
     if estimator.startswith("reinforce++"):
         advantages = whiten(advantages, mask)
     return Advantages(advantages=advantages, returns=None, kl=kl)
+
+
+def scored_mean(scores: Tensor) -> float:
+    """The mean of (B,) scores over the samples that have one (NaN: unscored); NaN when
+    none has: an unscored sample's 0 in the batch is a placeholder, not a reward."""
+    scored = scores[~torch.isnan(scores)]
+    return float(scored.mean()) if len(scored) else math.nan
 
 
 def without_unscored(scores: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -164,7 +164,7 @@ class Run:
         return progress.model_copy(
             update={
                 "samples_per_second": self.config.samples_per_step / result.seconds,
-                "reward_mean": result.reward_mean,
+                "reward_mean": finite_or_none(result.reward_mean),  # NaN: none scored
                 "kl": result.kl,
                 "kl_coef": result.kl_coef,
                 "entropy": result.actor.entropy,

@@ -23,7 +23,7 @@ import torch
 
 from rlhf_env.rewards import ScoredSample
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, EpisodeStats, ResponseStats
-from rlhf_trainer.algo.estimators import compute_advantages, without_unscored
+from rlhf_trainer.algo.estimators import compute_advantages, scored_mean, without_unscored
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
 from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.algo.ppo import explained_variance
@@ -73,7 +73,7 @@ Calls = dict[Phase, list["ObjectRef[Any]"]]  # one future per rank, for each pha
 class StepResult:
     step: int
     seconds: float  # wall time of the step
-    reward_mean: float
+    reward_mean: float  # over the samples with a reward (NaN: none had one)
     kl: float
     response_tokens: int
     # max |log π_actor - log π_rollout| over the batch's tokens: the engine samples with
@@ -199,6 +199,7 @@ class PPOTrainer:
         if scores is None:
             scores = self.score(sampled.prompts, sampled.rollouts, scoring, sampled.keys)
         unscored = self.unscored.count(step, scores)
+        reward_mean = scored_mean(scores)
         scores, unscored_masked = without_unscored(scores, batch.response_mask)
         batch = replace(batch, response_mask=unscored_masked)
         recomputed = gather_if(scoring, Phase.ACTOR_LOG_PROB)  # unless oldLogProbs: rollout
@@ -232,7 +233,7 @@ class PPOTrainer:
         return StepResult(
             step=step,
             seconds=0.0,
-            reward_mean=float(scores.mean()),
+            reward_mean=reward_mean,
             kl=kl,
             kl_coef=kl_coef,
             response_tokens=int(mask.sum()),

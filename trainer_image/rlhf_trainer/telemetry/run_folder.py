@@ -93,6 +93,8 @@ class StepRecord:
     @classmethod
     def from_json(cls, line: str) -> StepRecord:
         fields = json.loads(line)
+        if fields["reward_mean"] is None:  # a step with no reward (every sample unscored)
+            fields["reward_mean"] = math.nan
         critic = fields["critic"]
         fields["actor"] = ActorStats(**_nan_for_null(fields["actor"]))
         fields["critic"] = CriticStats(**_nan_for_null(critic)) if critic else None
