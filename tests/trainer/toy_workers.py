@@ -72,6 +72,9 @@ class PartialSums(Worker):
         return float(token.item())
 
 
+GO_AHEAD_S = 120.0  # how long count_up waits for the test's word after its first result
+
+
 class BusyEngine(Worker):
     """Stands in for a rollout worker: an engine's stats (rank-dependent), and a call
     that keeps the rank busy."""
@@ -88,9 +91,14 @@ class BusyEngine(Worker):
     def count_up(self, shard: list[int], go_ahead: str, dying_rank: int = -1) -> Iterator[Any]:
         """Yields (value, rank) for each value of its shard, as a rollout rank yields
         samples as they finish: the first at once, the rest once the file `go_ahead`
-        exists (the test's word). Rank `dying_rank` exits instead of yielding the rest."""
+        exists (the test's word). Rank `dying_rank` exits instead of yielding the rest.
+        No word within GO_AHEAD_S fails the call: a reader that waits for whole calls
+        then fails the test, naming this, instead of hanging it."""
         yield shard[0], self.info.rank
+        deadline = time.monotonic() + GO_AHEAD_S
         while not os.path.exists(go_ahead):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.info.rank}: no go-ahead in {GO_AHEAD_S:g} s")
             time.sleep(0.05)
         if self.info.rank == dying_rank:
             os._exit(1)

@@ -114,10 +114,7 @@ class ScoresAhead:
             except Exception as error:
                 self._fail(error)
 
-        self._submit(read_all())
-
-    def _submit(self, coroutine: Coroutine[Any, Any, object]) -> None:
-        self._loop.call_soon_threadsafe(self._spawn, coroutine)
+        self._loop.call_soon_threadsafe(self._spawn, read_all())
 
     def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
         task = self._loop.create_task(coroutine)
