@@ -9,6 +9,7 @@ import pytest
 
 from rlhf_operator.api.job import Phase, RLHFJobStatus
 from rlhf_operator.api.validation import parse_job
+from rlhf_operator.controller.reconcile import status_patch
 from rlhf_operator.controller.status import (
     Observed,
     compute_status,
@@ -318,6 +319,47 @@ def test_a_head_lost_and_made_again_in_the_same_cluster_is_a_driver_restart() ->
     )  # fmt: skip
     another_clusters_head = status(Observed(rayjob(), [head("h-9", "someone-else")]), again)
     assert another_clusters_head.ray_head == "h-2"
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """What the API server makes of `target` given a merge patch (RFC 7386)."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+def test_a_new_attempts_head_is_not_a_driver_restart_once_the_status_is_written() -> None:
+    """Between two attempts the job names the new cluster and has no head yet: the status
+    patch must clear the last attempt's head. Left out of the patch, it stayed, and the
+    new attempt's head, in the same cluster as far as the status said, counted as a
+    driver restart (an event, and the new attempt's workers deleted)."""
+    first = status(Observed(rayjob(), [head("h-1")]))
+    next_attempt = rayjob()
+    next_attempt["status"]["rayClusterName"] = "asymmetric-6-2-fghij"
+    between = status(Observed(next_attempt, [head("h-1", terminating=True)]), first)
+    assert (between.ray_cluster, between.ray_head) == ("asymmetric-6-2-fghij", None)
+
+    stored = merge_patch(first.to_dict(), status_patch(first, between))
+    read_back = RLHFJobStatus.model_validate(stored)
+    assert read_back == between
+    then = status(Observed(next_attempt, [head("h-3", "asymmetric-6-2-fghij")]), read_back)
+    assert (then.ray_head, then.driver_restarts) == ("h-3", 0)
+    assert status_patch(between, between) is None
+
+
+def test_the_status_patch_leaves_the_trainers_progress_alone() -> None:
+    progress = TrainingProgress(step=3, total_steps=10)
+    old = RLHFJobStatus(phase=Phase.RUNNING, training=progress)
+    new = RLHFJobStatus(phase=Phase.SUCCEEDED)
+    patch = status_patch(old, new)
+    assert patch is not None and "training" not in patch and patch["phase"] == "Succeeded"
+    assert status_patch(old, old.model_copy(update={"training": None})) is None
 
 
 def test_the_workers_of_a_lost_head_are_those_of_its_cluster_made_before_the_new_head() -> None:

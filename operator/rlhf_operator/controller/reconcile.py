@@ -328,8 +328,8 @@ class Reconciler:
         events that say what changed are posted first: once the status shows a change,
         its event is there (an operator that dies in between posts it again, rather than
         never; Events aggregate)."""
-        mine, before = _without_training(new), _without_training(old)
-        if mine == before:
+        patch = status_patch(old, new)
+        if patch is None:
             return
         invalid = _invalid_message(new)
         if new.phase != old.phase or invalid != _invalid_message(old):
@@ -344,7 +344,7 @@ class Reconciler:
             if said.get((kind, reason)) != message:
                 self.events.post(job, reason, message, warning=True)
         meta = job["metadata"]
-        self.kube.patch("RLHFJob", meta["namespace"], meta["name"], {"status": mine},
+        self.kube.patch("RLHFJob", meta["namespace"], meta["name"], {"status": patch},
                         subresource="status")  # fmt: skip
 
 
@@ -357,11 +357,17 @@ def _driver_restart_message(old: RLHFJobStatus, new: RLHFJobStatus) -> str:
     )
 
 
-def _without_training(status: RLHFJobStatus) -> Obj:
-    data = status.to_dict()
-    data.pop("training", None)
-    data.setdefault("resizing", None)  # a merge patch removes a field only given null
-    return data
+def status_patch(old: RLHFJobStatus, new: RLHFJobStatus) -> Obj | None:
+    """The merge patch of the status from `old` to `new`, None if nothing changed. The
+    trainer's `training` is left alone. A merge patch removes a field only given null:
+    a field `new` no longer has (no head while a new attempt's is made, no resize) is
+    sent as null, or the stale value would stay."""
+    mine, before = new.to_dict(), old.to_dict()
+    mine.pop("training", None)
+    before.pop("training", None)
+    if mine == before:
+        return None
+    return mine | dict.fromkeys(before.keys() - mine.keys())
 
 
 def _phase_message(status: RLHFJobStatus) -> str:
