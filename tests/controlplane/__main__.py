@@ -17,6 +17,8 @@ from . import demo
 from .harness import BIN_DIR, ControlPlane, build_binaries, missing_binaries
 from .kuberay_in_cluster import NAMESPACE as KUBERAY_NAMESPACE
 from .kuberay_in_cluster import kuberay_in_cluster
+from .network_policies import NAMESPACE as ENFORCER_NAMESPACE
+from .network_policies import network_policies_enforced
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
             if cp.real_node:
                 print("loading the images into the real node (first time: a few minutes) ...")
                 claim = demo.prepare(cp)
+                stack.enter_context(network_policies_enforced(cp))
                 stack.enter_context(kuberay_in_cluster(cp))
                 print(f"real node {cp.real_node.name} at {cp.real_node.node_ip}: the pods of "
                       f"namespaces {demo.OPERATOR_NAMESPACE} and {demo.JOBS_NAMESPACE} run "
-                      f"there, and KubeRay's in {KUBERAY_NAMESPACE} (tests/controlplane/demo.py, "
-                      "kuberay_in_cluster.py)")  # fmt: skip
+                      f"there, KubeRay's in {KUBERAY_NAMESPACE} and the NetworkPolicy "
+                      f"enforcer's in {ENFORCER_NAMESPACE} (tests/controlplane/demo.py, "
+                      "kuberay_in_cluster.py, network_policies.py)")  # fmt: skip
                 print(f"the claim {demo.JOBS_NAMESPACE}/checkpoints is {claim} on this machine")
             else:
                 print(f"no real node: {cp.real_node_absent}")

@@ -7,7 +7,8 @@
 #                       kubectl, kwok, helm, KubeRay's operator, Kueue's manager and kube-score into tests/controlplane/bin/,
 #                       and Prometheus with Kubernetes discovery (the dashboards' tests query it);
 #                       for the real node: kubelet, kube-proxy, CoreDNS, the pause and nettool
-#                       programs, and (as root) Debian's containerd, runc and CNI plugins
+#                       programs, the NetworkPolicy enforcer (kube-network-policies), and (as
+#                       root) Debian's containerd, runc and CNI plugins
 #   make cluster        start that control plane for a person; prints KUBECONFIG; Ctrl-C stops it
 #
 # Binaries are rebuilt only when a module's go.mod/go.sum is newer than them, and the
@@ -54,7 +55,7 @@ CP_NODE_DEBS := containerd runc containernetworking-plugins iptables
 CP_BINARIES := $(CP_KUBE_BINS) $(CP_TOOLS_BINS) $(CP_BIN)/kuberay-operator $(CP_BIN)/kueue-manager \
 	$(CP_BIN)/kube-score \
 	$(CP_BIN)/prometheus \
-	$(CP_BIN)/coredns $(CP_NODE_PROGRAMS) $(CP_BIN)/.node-packages
+	$(CP_BIN)/coredns $(CP_NODE_PROGRAMS) $(CP_BIN)/kube-network-policies $(CP_BIN)/.node-packages
 
 .PHONY: controlplane cluster
 
@@ -113,6 +114,28 @@ $(CP_NODE_PROGRAMS) &: $(CP_GO)/node/go.mod $(wildcard $(CP_GO)/node/*/*.go) $(C
 	cd $(CP_GO)/node && CGO_ENABLED=0 $(CP_GO_BUILD) -ldflags '$(CP_STRIP) -buildid=' \
 		-o $(abspath $(CP_BIN))/ ./pause ./nettool
 	@touch $(CP_NODE_PROGRAMS)
+
+# The real node's NetworkPolicy enforcer: kube-network-policies, static (an image of the
+# one file runs it), with one change this kernel needs. Its rules send new connections to
+# a userspace queue with nf_tables' `queue` expression, which this kernel lacks (no
+# nft_queue); go/netpol/queue_patch makes them use the xtables NFQUEUE target, built in
+# here, through nf_tables' compat layer. The build copies the pinned module, patches the
+# copy and builds against it with a go.mod of its own (-modfile, with a replace line):
+# the module cache and go/netpol stay as they are.
+CP_NETPOL := $(CP_GO)/netpol
+CP_NETPOL_BUILD := $(abspath $(CP_BIN))/.netpol-build
+$(CP_BIN)/kube-network-policies: $(CP_NETPOL)/go.mod $(CP_NETPOL)/go.sum $(wildcard $(CP_NETPOL)/queue_patch/*) $(CP_MK)
+	rm -rf $(CP_NETPOL_BUILD) && mkdir -p $(CP_NETPOL_BUILD)
+	cd $(CP_NETPOL) && $(GO) mod download sigs.k8s.io/kube-network-policies && \
+	cp -r "$$($(GO) list -m -f '{{.Dir}}' sigs.k8s.io/kube-network-policies)" $(CP_NETPOL_BUILD)/src && \
+	chmod -R u+w $(CP_NETPOL_BUILD)/src && \
+	patch --quiet -d $(CP_NETPOL_BUILD)/src -p1 < queue_patch/controller.patch && \
+	cp queue_patch/queue_target.go $(CP_NETPOL_BUILD)/src/pkg/networkpolicy/ && \
+	cp go.mod go.sum $(CP_NETPOL_BUILD)/ && \
+	echo 'replace sigs.k8s.io/kube-network-policies => $(CP_NETPOL_BUILD)/src' >> $(CP_NETPOL_BUILD)/go.mod && \
+	CGO_ENABLED=0 $(CP_GO_BUILD) -modfile $(CP_NETPOL_BUILD)/go.mod -ldflags '$(CP_STRIP)' \
+		-o $(abspath $@) sigs.k8s.io/kube-network-policies/cmd
+	@touch $@
 
 # Debian's container runtime and CNI plugins, for the real node. Installing needs root;
 # elsewhere the node does not start (and its tests skip), so this only says so.

@@ -72,7 +72,7 @@ LOCK_FILE = Path("/run/rlhf-test-node.lock")
 PAUSE_IMAGE = "rlhf.local/pause:1"
 NETTOOL_IMAGE = "rlhf.local/nettool:1"
 IMAGE_LABEL = "rlhf.dev/archive"  # on each imported image: what archive it came from
-NODE_BINARIES = ("kubelet", "kube-proxy", "coredns", "pause", "nettool")
+NODE_BINARIES = ("kubelet", "kube-proxy", "coredns", "pause", "nettool", "kube-network-policies")
 HOST_COMMANDS = ("containerd", "containerd-shim-runc-v2", "ctr", "runc", "iptables", "ip")
 CNI_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
 MODE_ENV = "RLHF_REAL_NODE"
@@ -242,10 +242,10 @@ class RealNode:
             self.ctr("images", "label", ref, f"{IMAGE_LABEL}={identity}")
         return refs
 
-    def import_go_image(self, binary: str, ref: str) -> list[str]:
+    def import_go_image(self, binary: str, ref: str, stop_signal: str | None = None) -> list[str]:
         """An image of one static binary from bin/ (go/node), imported as `ref`."""
         archive = DATA_DIR / "images" / f"{binary}.tar"
-        write_image(BIN_DIR / binary, ref, [f"/{binary}"], archive)
+        write_image(BIN_DIR / binary, ref, [f"/{binary}"], archive, stop_signal)
         return self.load_image(archive)
 
     def ctr(

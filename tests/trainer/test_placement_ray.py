@@ -27,9 +27,10 @@ import ray
 import torch
 from ray import cluster_utils
 
+from rlhf_env.rewards import reward_app_for
 from rlhf_operator.api.validation import parse_job
 from rlhf_operator.render.children import JobRef, render_rayjob
-from rlhf_trainer.api.config import Role
+from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
 from rlhf_trainer.cluster.engine_client import TransferFailed
@@ -45,9 +46,19 @@ from rlhf_trainer.cluster.placement import (
 )
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
+from rlhf_trainer.data.prompts import Prompt, PromptStream
+from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.loop.weights import WeightSync, group_timeout_s
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
-from tests.trainer.toy_workers import BusyEngine, PartialSums, StoppingReceiver, WeightSender
+from rlhf_trainer.telemetry.timeline import Timeline
+from tests.environments import served
+from tests.trainer.toy_workers import (
+    BusyEngine,
+    HeldRollout,
+    PartialSums,
+    StoppingReceiver,
+    WeightSender,
+)
 from tests.unit.conftest import EXAMPLES, load
 
 READY_TIMEOUT_S = 120  # generous: other test runs share this machine's two cores
@@ -440,3 +451,41 @@ def test_a_rank_that_dies_in_a_weight_sync_fails_it_at_once_by_name(
     assert "weight transfer, update_weights: rollout rank 0 on pool sync failed" in message
     assert "rollout rank 1" not in message, message
     assert waited < SYNC_TIMEOUT_S
+
+
+def test_a_synchronous_step_offers_each_sample_to_the_reward_service_as_it_finishes(
+    ray_pools: RayPools, tmp_path: Path
+) -> None:
+    """PPOTrainer.generate hands the reward service each sample as its engine yields it,
+    not once the batch is generated: the rollout ranks (HeldRollout) hold all but their
+    first sample until the service has scored one. A step that offered samples only
+    after generation would never send one, and the ranks would fail, naming the
+    go-ahead they waited for."""
+    go_ahead = tmp_path / "go-ahead"
+
+    def score(prompt: str, response: str) -> float:
+        go_ahead.touch()
+        return float(response)
+
+    spec = job_manifest()["spec"]
+    prompts = [Prompt(text=f"p{k}", token_ids=[k]) for k in range(4)]
+    group = WorkerGroup.spawn(
+        ray_pools.plan, Role.ROLLOUT, ray_pools.groups["policy"], HeldRollout, str(go_ahead)
+    )
+    with served({"reward": reward_app_for(score)}) as url:
+        spec["models"]["reward"] = {"url": f"{url}/reward"}
+        config = JobConfig.model_validate(spec)
+        trainer = PPOTrainer(config, RoleGroups({Role.ROLLOUT: group}, ray_pools.groups),
+                             PromptStream(prompts, seed=0), decode=lambda ids: str(ids[0]),
+                             pad_id=0, timeline=Timeline(), reward=None)  # fmt: skip
+        try:
+            join(group.ready)
+            batch = trainer.generate(prompts, step=1)
+            assert trainer.scores_ahead is not None
+            rewards = trainer.scores_ahead.take(batch.keys).tolist()
+        finally:
+            trainer.close()
+            group.shutdown(grace_s=1)
+    assert group.world_size == 2  # two ranks, each holding the rest of its samples
+    assert [p.token_ids for p in batch.prompts] == [[k] for k in range(4)]
+    assert rewards == [k + 100.0 for k in range(4)]

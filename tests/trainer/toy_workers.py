@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.rollout.transfer_memory import Relay, Segments
 from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, EngineTransfer, TransferSetup
+from rlhf_trainer.rollout.worker import BatchShard
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import RankInfo, Worker
 
@@ -104,6 +106,26 @@ class BusyEngine(Worker):
             os._exit(1)
         for value in shard[1:]:
             yield value, self.info.rank
+
+
+class HeldRollout(BusyEngine):
+    """Stands in for a synchronous step's rollout rank (RolloutWorker): `generate` yields
+    its shard's first sample at once and the rest once the file `go_ahead` exists, as
+    count_up does. A sample's one response token is its prompt's first token + 100."""
+
+    def __init__(self, info: RankInfo, go_ahead: str) -> None:
+        super().__init__(info)
+        self.go_ahead = go_ahead
+
+    def generate(
+        self, shard: BatchShard, step: int, attempt: int = 0
+    ) -> Iterator[tuple[int, Rollout]]:
+        def sample(prompt: list[int]) -> Rollout:
+            return Rollout(prompt, [prompt[0] + 100], [0.0], finished=True, policy_version=0)
+
+        held = self.count_up(list(range(len(shard.inputs))), self.go_ahead)
+        for place, _ in held:
+            yield place, sample(shard.inputs[place])
 
 
 TOY_WEIGHTS = {"embed": torch.arange(12.0).reshape(3, 4), "head": torch.ones(4)}

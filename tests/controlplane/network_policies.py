@@ -1,0 +1,117 @@
+"""NetworkPolicies enforced on the real node, as a cluster with a policy-enforcing network
+plugin does: kube-network-policies (go/netpol), a pod on the real node from an image of
+the binary the tests build, installed with its module's own install.yaml.
+
+The bridge CNI enforces nothing by itself. The enforcer sends each new connection to or
+from a pod that a policy selects to a userspace queue, and drops what no policy admits
+(it evaluates after DNAT, at POSTROUTING; br_netfilter puts bridged traffic there too).
+Traffic that root's processes on the machine send is never queued, as the enforcer
+intends (kubelet probes): the host's KubeRay, Prometheus and the tests' kubectl pass.
+
+It runs with --fail-open: a test that kills it, or a run that dies with it, leaves rules
+whose packets pass, not a node that drops every pod's traffic for the next test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from .harness import GO_DIR, ControlPlane, go_module_dir
+from .node import on_real_node
+from .util import eventually, get_json
+
+NAMESPACE = "kube-system"  # install.yaml's; the enforcer is privileged, on the host's network
+IMAGE = "rlhf.local/kube-network-policies:1"
+BINARY = "kube-network-policies"  # in tests/controlplane/bin, and at / in the image
+SYNCED = "Syncing nftables rules"  # its log line as it writes its rules
+SYNC_FAILED = "syncing nftables rules"  # and as the kernel refuses them (with the error)
+
+
+def manifests(cp: ControlPlane) -> list[dict[str, Any]]:
+    """Its module's install.yaml, running IMAGE on the real node."""
+    module = go_module_dir(GO_DIR / "netpol", "sigs.k8s.io/kube-network-policies")
+    objects = [o for o in yaml.safe_load_all((module / "install.yaml").read_text()) if o]
+    server = urlsplit(cp.server)
+    for obj in objects:
+        if obj["kind"] != "DaemonSet":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        obj["spec"]["template"]["spec"] = on_real_node(pod)
+        (container,) = pod["containers"]
+        container |= {
+            "image": IMAGE,
+            "imagePullPolicy": "Never",
+            "command": [f"/{BINARY}"],
+            "args": [
+                "--hostname-override=$(MY_NODE_NAME)",
+                "--v=2",
+                "--nfqueue-id=98",
+                "--fail-open",
+                # Pod IPs from the API server: this node's containerd has no NRI socket.
+                "--disable-nri",
+                # A DNS race that kernels from 6.12 fixed; the node's is newer.
+                "--netfilter-bug-1766-fix=false",
+                "--metrics-bind-address=127.0.0.1:0",  # the host's ports are the tests'
+            ],
+            # On the host's network, a ClusterIP is not reachable from this node (its
+            # Service range is a blackhole route, met before kube-proxy's DNAT), so the
+            # enforcer is pointed at the API server's own address.
+            "env": [
+                *container["env"],
+                {"name": "KUBERNETES_SERVICE_HOST", "value": server.hostname},
+                {"name": "KUBERNETES_SERVICE_PORT", "value": str(server.port)},
+            ],
+        }
+        # The walk-through's pods ask for all of the node's 2 cores but 100m, which KubeRay's
+        # submitter then needs (kuberay_in_cluster): no CPU asked here either.
+        container["resources"]["requests"]["cpu"] = "0"
+        container.pop("volumeMounts")  # NRI's socket and the netns: unused without NRI
+        obj["spec"]["template"]["spec"].pop("volumes")
+        obj["spec"]["template"]["spec"]["containers"] = [container]
+    return objects
+
+
+def enforcer_log(cp: ControlPlane, pod: dict[str, Any]) -> str:
+    """Its log: at --v=2, a line per connection it judged, ending verdict="accept" or
+    verdict="drop" ("" if the pod has none yet)."""
+    return cp.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"], check=False).stdout
+
+
+def enforcer_pods(cp: ControlPlane) -> list[dict[str, Any]]:
+    pods: list[dict[str, Any]] = get_json(
+        cp, "pods", "-n", NAMESPACE, "-l", "app=kube-network-policies"
+    )["items"]
+    return pods
+
+
+@contextmanager
+def network_policies_enforced(cp: ControlPlane) -> Iterator[dict[str, Any]]:
+    """The enforcer running on the real node for the body; yields its pod once it has
+    written its rules."""
+    assert cp.real_node is not None
+    # It removes its rules on SIGINT only (cmd/main.go), so the image says to stop it so.
+    cp.real_node.import_go_image(BINARY, IMAGE, stop_signal="SIGINT")
+    objects = yaml.safe_dump_all(manifests(cp))
+    cp.kubectl("apply", "-f", "-", input=objects)
+    try:
+
+        def synced() -> dict[str, Any] | None:
+            for pod in enforcer_pods(cp):
+                if pod["status"].get("phase") != "Running":
+                    continue
+                log = enforcer_log(cp, pod)
+                assert SYNC_FAILED not in log, log[-3000:]
+                if SYNCED in log:
+                    return pod
+            return None
+
+        yield eventually(synced, "the NetworkPolicy enforcer's rules written", timeout=120)
+    finally:
+        # It removes its rules as it stops: the pod goes before its DaemonSet
+        # (foreground), and --wait waits for both, so the rules are gone at the return.
+        cp.kubectl("delete", "--cascade=foreground", "--wait=true", "--timeout=90s",
+                   "-f", "-", input=objects, check=False)  # fmt: skip
