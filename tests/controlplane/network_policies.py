@@ -27,6 +27,7 @@ from .util import eventually, get_json
 NAMESPACE = "kube-system"  # install.yaml's; the enforcer is privileged, on the host's network
 IMAGE = "rlhf.local/kube-network-policies:1"
 BINARY = "kube-network-policies"  # in tests/controlplane/bin, and at / in the image
+LABEL = "app=kube-network-policies"  # its pods' (install.yaml)
 SYNCED = "Syncing nftables rules"  # its log line as it writes its rules
 SYNC_FAILED = "syncing nftables rules"  # and as the kernel refuses them (with the error)
 
@@ -81,13 +82,6 @@ def enforcer_log(cp: ControlPlane, pod: dict[str, Any]) -> str:
     return cp.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"], check=False).stdout
 
 
-def enforcer_pods(cp: ControlPlane) -> list[dict[str, Any]]:
-    pods: list[dict[str, Any]] = get_json(
-        cp, "pods", "-n", NAMESPACE, "-l", "app=kube-network-policies"
-    )["items"]
-    return pods
-
-
 @contextmanager
 def network_policies_enforced(cp: ControlPlane) -> Iterator[dict[str, Any]]:
     """The enforcer running on the real node for the body; yields its pod once it has
@@ -100,7 +94,7 @@ def network_policies_enforced(cp: ControlPlane) -> Iterator[dict[str, Any]]:
     try:
 
         def synced() -> dict[str, Any] | None:
-            for pod in enforcer_pods(cp):
+            for pod in get_json(cp, "pods", "-n", NAMESPACE, "-l", LABEL)["items"]:
                 if pod["status"].get("phase") != "Running":
                     continue
                 log = enforcer_log(cp, pod)

@@ -333,10 +333,10 @@ def test_kuberay_runs_in_the_cluster_and_follows_the_job_over_the_pod_network(ru
 
 def test_the_job_runs_under_the_charts_network_policies_enforced(run: Run) -> None:
     """The walk-through installs the chart with its NetworkPolicies on, and the real node
-    enforces them (network_policies.py): every connection to or from the job's pods and
-    the operator's was judged, and none the job needed was dropped. That KubeRay, in the
-    cluster, got through to the head's dashboard the test above shows; a pod outside the
-    job refused, test_network_policies.py."""
+    enforces them (network_policies.py): it judged the connections between the pods
+    (those to the API server and DNS, on this machine itself, never reach it) and
+    dropped none. That KubeRay, in the cluster, got through to the head's dashboard the
+    test above shows; a pod outside the job refused, test_network_policies.py."""
     assert run.enforcer_pod["spec"]["nodeName"] == REAL_NODE_NAME
     spec = run.network_policy["spec"]
     assert spec["podSelector"]["matchLabels"] == {"rlhf.dev/job": JOB}, spec

@@ -6,7 +6,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -15,9 +15,11 @@ from torch import Tensor
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.rollout.transfer_memory import Relay, Segments
 from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, EngineTransfer, TransferSetup
-from rlhf_trainer.rollout.worker import BatchShard
 from rlhf_trainer.telemetry.engine_stats import EngineStats
 from rlhf_trainer.worker import RankInfo, Worker
+
+if TYPE_CHECKING:  # rollout.worker imports vLLM: seconds in every toy rank's process
+    from rlhf_trainer.rollout.worker import BatchShard
 
 
 class PartialSums(Worker):
