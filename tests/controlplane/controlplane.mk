@@ -120,8 +120,9 @@ $(CP_NODE_PROGRAMS) &: $(CP_GO)/node/go.mod $(wildcard $(CP_GO)/node/*/*.go) $(C
 # a userspace queue with nf_tables' `queue` expression, which this kernel lacks (no
 # nft_queue); go/netpol/queue_patch makes them use the xtables NFQUEUE target, built in
 # here, through nf_tables' compat layer. The build copies the pinned module, patches the
-# copy and builds against it with a go.mod of its own (-modfile, with a replace line):
-# the module cache and go/netpol stay as they are.
+# copy (git apply, as outside any repository: inside this one it would skip the files)
+# and builds against it with a go.mod of its own (-modfile, with a replace line): the
+# module cache and go/netpol stay as they are.
 CP_NETPOL := $(CP_GO)/netpol
 CP_NETPOL_BUILD := $(abspath $(CP_BIN))/.netpol-build
 $(CP_BIN)/kube-network-policies: $(CP_NETPOL)/go.mod $(CP_NETPOL)/go.sum $(wildcard $(CP_NETPOL)/queue_patch/*) $(CP_MK)
@@ -129,7 +130,8 @@ $(CP_BIN)/kube-network-policies: $(CP_NETPOL)/go.mod $(CP_NETPOL)/go.sum $(wildc
 	cd $(CP_NETPOL) && $(GO) mod download sigs.k8s.io/kube-network-policies && \
 	cp -r "$$($(GO) list -m -f '{{.Dir}}' sigs.k8s.io/kube-network-policies)" $(CP_NETPOL_BUILD)/src && \
 	chmod -R u+w $(CP_NETPOL_BUILD)/src && \
-	patch --quiet -d $(CP_NETPOL_BUILD)/src -p1 < queue_patch/controller.patch && \
+	(cd $(CP_NETPOL_BUILD)/src && GIT_CEILING_DIRECTORIES=$(CP_NETPOL_BUILD) \
+		git apply -p1 $(abspath $(CP_NETPOL))/queue_patch/controller.patch) && \
 	cp queue_patch/queue_target.go $(CP_NETPOL_BUILD)/src/pkg/networkpolicy/ && \
 	cp go.mod go.sum $(CP_NETPOL_BUILD)/ && \
 	echo 'replace sigs.k8s.io/kube-network-policies => $(CP_NETPOL_BUILD)/src' >> $(CP_NETPOL_BUILD)/go.mod && \
