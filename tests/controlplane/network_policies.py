@@ -40,8 +40,7 @@ def manifests(cp: ControlPlane) -> list[dict[str, Any]]:
     for obj in objects:
         if obj["kind"] != "DaemonSet":
             continue
-        pod = obj["spec"]["template"]["spec"]
-        obj["spec"]["template"]["spec"] = on_real_node(pod)
+        pod = obj["spec"]["template"]["spec"] = on_real_node(obj["spec"]["template"]["spec"])
         (container,) = pod["containers"]
         container |= {
             "image": IMAGE,
@@ -71,8 +70,7 @@ def manifests(cp: ControlPlane) -> list[dict[str, Any]]:
         # submitter then needs (kuberay_in_cluster): no CPU asked here either.
         container["resources"]["requests"]["cpu"] = "0"
         container.pop("volumeMounts")  # NRI's socket and the netns: unused without NRI
-        obj["spec"]["template"]["spec"].pop("volumes")
-        obj["spec"]["template"]["spec"]["containers"] = [container]
+        pod.pop("volumes")
     return objects
 
 

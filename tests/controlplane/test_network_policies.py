@@ -32,8 +32,9 @@ from .harness import ControlPlane
 from .network_policies import enforcer_log, network_policies_enforced
 from .node import NETTOOL_IMAGE, RealNode
 from .scan_manifests import chart_network_access
+from .test_node import _wait_ready as wait_ready
 from .test_node import nettool_pod
-from .util import eventually, get_json
+from .util import eventually
 
 pytestmark = pytest.mark.slow  # the enforcer, seven pods and a few dozen dials: ~1 min
 
@@ -72,18 +73,6 @@ def client_pod(name: str, pod_labels: dict[str, str]) -> dict[str, Any]:
     return pod
 
 
-def wait_ready(cp: ControlPlane, namespace: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    def ready() -> dict[str, dict[str, Any]] | None:
-        pods = {p["metadata"]["name"]: p for p in get_json(cp, "pods", "-n", namespace)["items"]}
-        for name in names:
-            conditions = pods.get(name, {}).get("status", {}).get("conditions", [])
-            if not any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
-                return None
-        return pods
-
-    return eventually(ready, f"pods {names} Ready", timeout=120)
-
-
 def reaches(cp: ControlPlane, namespace: str, client: str, ip: str) -> dict[int, bool]:
     """Which of the head's ports `client` connects to (nettool's dial: 3 s, then a
     timeout: the enforcer drops a refused connection's first packet)."""
@@ -111,7 +100,9 @@ def test_a_jobs_policy_admits_its_pods_prometheus_and_kuberay_and_refuses_the_re
     pods = [head_pod(job), *(client_pod(name, peer) for name, peer in peers.items())]
     cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(pods))
     try:
-        head_ip = wait_ready(cp, namespace, ["head", *peers])["head"]["status"]["podIP"]
+        head_ip = wait_ready(cp, namespace, "head")["status"]["podIP"]
+        for name in peers:
+            wait_ready(cp, namespace, name)
         with network_policies_enforced(cp) as enforcer:
             before = reachability(cp, namespace, list(peers), head_ip)
             meta = metadata(job, job.name, "network")
