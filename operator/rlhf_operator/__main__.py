@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    if not args.verbose:  # kopf says "Handler ... succeeded" at every watch event
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     settings = kopf.OperatorSettings()
     settings.peering.lifetime = args.peering_lifetime
     asyncio.run(

@@ -122,9 +122,12 @@ def assert_reads_come_from_the_watches(operator: OperatorProcess) -> None:
     # This operator made every child and stored each as made: a child is read from the
     # API server only by a reconcile under way as the garbage collector took it.
     assert requests("get", "ConfigMap") <= 1, counts
-    # The job is read before its RayJob is made (was it deleted meanwhile?), and, once
-    # it is gone from the cache, by at most three reconciles of its key (workqueue.py):
-    # the one under way, the one queued again behind it, and a delayed look (seen: 3 on
-    # a loaded machine). Its children's going brings no reconcile (it was one GET of the
-    # job each, about 15 a job).
-    assert requests("get", "RLHFJob") <= 4, counts
+    # A new job's first reconcile asks for nothing: its RayJob is not there unless this
+    # operator made it (it was a GET of the RayJob and of the job, before any create).
+    assert requests("get", "RayJob") == 0, counts
+    # Once the job is gone from the cache, it is read by at most three reconciles of its
+    # key (workqueue.py): the one under way, the one queued again behind it, and a
+    # delayed look (seen: 3 on a loaded machine, with the read before the RayJob that a
+    # new job no longer makes). Its children's going brings no reconcile (it was one
+    # GET of the job each, about 15 a job).
+    assert requests("get", "RLHFJob") <= 3, counts

@@ -150,6 +150,9 @@ def test_a_job_deleted_before_the_cache_heard_of_it_gets_no_children(
     job = yaml.safe_load(CLUSTER_EXAMPLES[0].read_text())
     job["metadata"] |= {"name": "gone", "namespace": namespace, "uid": "5e1d2c3b",
                         "resourceVersion": "1"}  # fmt: skip
+    # A job reconciled before (it had children to collect). One whose status was never
+    # written is new, and its reconcile asks nothing before its creates.
+    job["status"] = {"phase": "Pending", "rayJob": "gone"}
     cache = ObjectCache(frozenset({"RLHFJob", "RayJob"}))
     cache.observe("RLHFJob", "ADDED", job)  # its DELETED event is still on the way
     if rayjob_cached:

@@ -100,6 +100,11 @@ def test_reads_of_cached_kinds_make_no_request() -> None:
         kube.get("RayCluster", "ns", "c")  # not cached: asked
     with pytest.raises(AssertionError, match="the API server was asked"):
         kube.get("RayJob", "ns", "missing")  # a miss: asked
+    # `known` trusts the miss too: a new job's RayJob is looked up without a request.
+    assert kube.known("RayJob", "ns", "missing") is None
+    assert (kube.known("RayJob", "ns", "j") or {})["spec"] == {"suspend": False}
+    with pytest.raises(AssertionError, match="the API server was asked"):
+        kube.known("RayCluster", "ns", "c")  # not cached: asked
 
 
 def deleted_by(answer: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch) -> None:

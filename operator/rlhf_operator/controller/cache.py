@@ -128,6 +128,13 @@ class CachedKube(Kube):
                 self.cache.observe(kind, None, found)
         return found
 
+    def known(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """What the cache holds, a miss included (not asked about): for a look-up where a
+        wrong miss costs no more than a create answered 409."""
+        if kind not in self.cache.kinds:
+            return super().get(kind, namespace, name)
+        return self.cache.get(kind, namespace, name)
+
     def read(self, kind: str, namespace: str, name: str) -> Obj | None:
         """From the API server; what it says is stored, a deletion too (the watch may
         tell later: the reconciles between would each ask again)."""

@@ -61,13 +61,18 @@ MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 
 
-def load_config() -> client.ApiClient:
-    """In a pod: its service account; elsewhere: $KUBECONFIG or ~/.kube/config."""
+def load_config(connections: int) -> client.ApiClient:
+    """In a pod: its service account; elsewhere: $KUBECONFIG or ~/.kube/config.
+    `connections`: how many threads may call at once, each of which keeps one (the
+    default, 5 per CPU, dropped connections under a burst of new jobs, and each new
+    one costs the API server a TLS handshake)."""
     try:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = connections
+    return client.ApiClient(configuration)
 
 
 class Kube:
@@ -114,6 +119,10 @@ class Kube:
 
     def read(self, kind: str, namespace: str, name: str) -> Obj | None:
         """`get`, from the API server itself: a cached Kube's `get` answers from its cache."""
+        return self.get(kind, namespace, name)
+
+    def known(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """`get`, but a cached Kube trusts its cache's miss too (it does not ask)."""
         return self.get(kind, namespace, name)
 
     def create(self, obj: Obj) -> Obj | None:

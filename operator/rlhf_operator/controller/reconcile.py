@@ -111,7 +111,12 @@ class Reconciler:
             return Reconciled(new)
 
         ref, now = JobRef(name, namespace, meta["uid"]), self.now()
-        rayjob = self.kube.get("RayJob", namespace, ref.rayjob)
+        # A job whose status was never written is new: it has no RayJob unless this
+        # process made one (the cache holds what it made), so a miss is not asked about.
+        # Were one there, its create would answer 409 and _ensure reads it.
+        new_job = not job.get("status")
+        get_rayjob = self.kube.known if new_job else self.kube.get
+        rayjob = get_rayjob("RayJob", namespace, ref.rayjob)
         # A finished job is not started again; a failed attempt may be (restarts.py), and
         # one whose pools changed size is replaced (resizes.py).
         restart = None if finished(old) else decide(spec.restart_policy, rayjob, old, now)
@@ -128,7 +133,9 @@ class Reconciler:
                          resize.resizes)  # fmt: skip
                 self.kube.delete("RayJob", namespace, ref.rayjob, uid=rayjob["metadata"]["uid"])
         elif restart is not None and restart.action is Action.NONE:
-            if rayjob is None and self._gone(ref):
+            # Children wiped after a deletion the cache has not heard of yet (the garbage
+            # collector's work) are not made again. A new job had none to wipe.
+            if rayjob is None and not new_job and self._gone(ref):
                 raise JobGone(name)
             children = render_children(ref, spec, self.network)
             # Before anything is created: a KubeRay that would drop fields (or cannot
@@ -195,18 +202,20 @@ class Reconciler:
         """The RayJob as it now is, and the other children (those that exist)."""
         *dependencies, desired_rayjob = children
         # No RayJob means a new job (or one whose children were wiped): try creating
-        # first, which saves a read per child on the path users wait on. The RayJob's
-        # pods need the others (their ServiceAccount, the ConfigMap), which are made at
-        # once, one round trip instead of several; but a RoleBinding only after its Role:
-        # the operator has no `bind` verb, so the API server checks that it holds the
-        # Role's rules, and answers 404 while the Role is not there.
-        missing = rayjob is None
+        # first, which saves a read per child on the path users wait on. Two rounds of
+        # requests at once. The RayJob's pods need its ServiceAccount and ConfigMap, so
+        # it waits for the first round; a RoleBinding waits for its Role: the operator
+        # has no `bind` verb, so the API server checks that it holds the Role's rules,
+        # and answers 404 while the Role is not there. The trainer needs the binding
+        # only once it runs, so the RayJob goes beside it.
         bindings = [obj for obj in dependencies if obj["kind"] == "RoleBinding"]
         others = [obj for obj in dependencies if obj["kind"] != "RoleBinding"]
-        live = self._ensure_all(ref, others, missing) + self._ensure_all(ref, bindings, missing)
         if rayjob is None:
-            created = self.kube.create(desired_rayjob)
-            return created or self.kube.get("RayJob", ref.namespace, ref.rayjob), live
+            live = self._ensure_all(ref, others, likely_missing=True)
+            live += self._ensure_all(ref, [*bindings, desired_rayjob], likely_missing=True)
+            made = next((obj for obj in live if obj["kind"] == "RayJob"), None)
+            return made, [obj for obj in live if obj is not made]
+        live = self._ensure_all(ref, others) + self._ensure_all(ref, bindings)
         self._check_owner(ref, rayjob)
         return self._sync_rayjob(ref, spec, rayjob, desired_rayjob), live
 
