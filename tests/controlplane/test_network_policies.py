@@ -32,8 +32,7 @@ from .harness import ControlPlane
 from .network_policies import enforcer_log, network_policies_enforced
 from .node import NETTOOL_IMAGE, RealNode
 from .scan_manifests import chart_network_access
-from .test_node import _wait_ready as wait_ready
-from .test_node import nettool_pod
+from .test_node import nettool_pod, wait_ready
 from .util import eventually
 
 pytestmark = pytest.mark.slow  # the enforcer, seven pods and a few dozen dials: ~1 min

@@ -123,7 +123,7 @@ def _pod(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
     return pod
 
 
-def _wait_ready(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+def wait_ready(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
     def ready() -> Any:  # the pod, once Ready
         pod = _pod(cp, namespace, name)
         conditions = pod.get("status", {}).get("conditions", [])
@@ -154,7 +154,7 @@ def probe(controlplane: ControlPlane, real_node: RealNode) -> Iterator[Probe]:
     namespace = f"t-node-{uuid.uuid4().hex[:6]}"
     cp.create_namespace(namespace)
     _apply(cp, namespace, web_objects())
-    web = _wait_ready(cp, namespace, "web")
+    web = wait_ready(cp, namespace, "web")
     web_ip = get_json(cp, "service", "web", "-n", namespace)["spec"]["clusterIP"]
     unused = unused_service_ip(cp)
     checks = [
