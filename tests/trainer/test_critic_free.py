@@ -1,14 +1,14 @@
 """Critic-free RL end to end on a simulated Ray cluster with real vLLM: GRPO learns the
-toy task colocated, split and fully async; RLOO (fully async) and REINFORCE++ (split)
-run with dynamic sampling. (Dynamic sampling's cap: test_dynamic_sampling.py.)
+toy task colocated and fully async; RLOO (fully async) and REINFORCE++ (split: the
+rollout on a pool of its own) run with dynamic sampling. (Dynamic sampling's cap:
+test_dynamic_sampling.py. That a split placement trains the colocated run's policy,
+sample for sample: test_ppo_loop.py.)
 
 8 prompts x 4 responses a step (the samples of the PPO tests' 32 prompts). Measured on
-2 cores: GRPO's fitted rise over 20 steps is +0.11 (t = 7.4) colocated and split (the
-same rewards: only the placement differs), and +0.10 fully async. The fully-async run
-takes log π_old from the rollout engine (`oldLogProbs: rollout`, as verl's does): its
-actor never scores a batch before updating on it, and it learns all the same. The split
-run is short: it learns what the colocated run learns if its rewards are the same, step for
-step, so it is checked for that over its first SPLIT_STEPS steps.
+2 cores: GRPO's fitted rise over 20 steps is +0.11 (t = 7.4) colocated (and split, with
+the same rewards), and +0.10 fully async. The fully-async run takes log π_old from the
+rollout engine (`oldLogProbs: rollout`, as verl's does): its actor never scores a batch
+before updating on it, and it learns all the same.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ pytestmark = pytest.mark.slow  # each trains a whole run (about a minute)
 
 STEPS = 20
 N = 4  # samples per prompt
-SPLIT_STEPS = 5
 MIN_RISE = 0.05  # measured: +0.11 (t = 7.4) sync, +0.10 async over 20 steps
 
 
@@ -39,12 +38,6 @@ MIN_RISE = 0.05  # measured: +0.11 (t = 7.4) sync, +0.10 async over 20 steps
 def grpo_colocated(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     tmp = tmp_path_factory.mktemp("colocated")
     return train(critic_free_job("grpo", "colocated", total_steps=STEPS, checkpoint_dir=tmp))
-
-
-@pytest.fixture(scope="module")
-def grpo_split(tmp_path_factory: pytest.TempPathFactory) -> Trained:
-    tmp = tmp_path_factory.mktemp("split")
-    return train(critic_free_job("grpo", "split", total_steps=SPLIT_STEPS, checkpoint_dir=tmp))
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +75,6 @@ def test_grpo_learns_the_toy_task_with_no_critic_anywhere(grpo: Trained) -> None
     registry = grpo.metrics.registry
     assert registry.get_sample_value("rlhf_samples_trained_total") == STEPS * 8 * N
     assert registry.get_sample_value("rlhf_critic_grad_norm") is None  # never registered
-
-
-def test_split_grpo_trains_the_same_policy_as_colocated(
-    grpo_colocated: Trained, grpo_split: Trained
-) -> None:
-    rewards = [s.reward_mean for s in grpo_colocated.steps[:SPLIT_STEPS]]
-    assert rewards == pytest.approx([s.reward_mean for s in grpo_split.steps])
-    assert all(s.critic is None for s in grpo_split.steps)
 
 
 def test_async_grpo_trains_each_group_once_whole_and_as_stale_as_its_oldest(
