@@ -217,14 +217,20 @@ def kwok_stage_files() -> list[Path]:
 
 
 LOWEST_PORT = 10000
+# Every port free_ports gave in this process: free until its owner binds it, so never
+# given again (the real node's kube-proxy once got the port picked for KubeRay's metrics,
+# which starts later, and KubeRay exited: "address already in use").
+_given: set[int] = set()
 
 
 def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (held open together so none repeats), below the
-    kernel's ephemeral range: it hands those to outgoing connections, and one (the
-    apiserver's or Ray's) once took kwok's port between its pick and kwok's bind."""
+    """Distinct free loopback ports (held open together so none repeats), none given
+    before in this process, below the kernel's ephemeral range: it hands those to
+    outgoing connections, and one (the apiserver's or Ray's) once took kwok's port
+    between its pick and kwok's bind."""
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     candidates = random.sample(range(LOWEST_PORT, ephemeral_low), ephemeral_low - LOWEST_PORT)
+    candidates = [port for port in candidates if port not in _given]
     socks: list[socket.socket] = []
     try:
         for port in candidates:
@@ -239,7 +245,9 @@ def free_ports(count: int) -> list[int]:
             socks.append(s)
         if len(socks) < count:
             raise RuntimeError(f"fewer than {count} free ports in {LOWEST_PORT}-{ephemeral_low}")
-        return [s.getsockname()[1] for s in socks]
+        ports = [s.getsockname()[1] for s in socks]
+        _given.update(ports)
+        return ports
     finally:
         for s in socks:
             s.close()
@@ -646,8 +654,6 @@ class ControlPlane:
             "kcm",
             "scheduler",
             "kwok",
-            "kuberay-metrics",
-            "kuberay-probe",
         ]
         self._ports = dict(zip(names, free_ports(len(names)), strict=True))
         self.server = f"https://{self.api_host}:{self._ports['apiserver']}"
@@ -760,17 +766,14 @@ class ControlPlane:
     def host_kuberay_stopped(self) -> Iterator[None]:
         """KubeRay's process on this machine stopped for the body (a KubeRay inside the
         cluster takes the RayJobs meanwhile: two would reconcile the same ones), then
-        started again with the same arguments; returns once it is ready."""
+        started again (on new ports); returns once it is ready."""
         proc = next(p for p in self.processes if p.name == "kuberay-operator")
         proc.stop()
+        self.processes.remove(proc)
         try:
             yield
         finally:
-            proc.start()
-            self._wait("kuberay-operator", self._kuberay_ready, proc, timeout=60)
-
-    def _kuberay_ready(self) -> bool:
-        return _http_get(f"http://127.0.0.1:{self._ports['kuberay-probe']}/readyz") == 200
+            self._start_kuberay()
 
     def _leases_renewed(self, nodes: list[str], since: datetime) -> bool:
         """Whether each node's Lease was renewed after `since`."""
@@ -860,12 +863,16 @@ class ControlPlane:
         return all(_has_condition(crd, "Established") for crd in crds)
 
     def _start_kuberay(self) -> None:
-        self._spawn(
+        """Start KubeRay's operator on ports picked now, and wait until both its probe
+        and its metrics answer: it exits when either port is taken, and its probe may
+        answer once before that."""
+        metrics, probe = free_ports(2)
+        proc = self._spawn(
             "kuberay-operator",
             [
                 BIN_DIR / "kuberay-operator",
-                f"--metrics-addr=127.0.0.1:{self._ports['kuberay-metrics']}",
-                f"--health-probe-bind-address=127.0.0.1:{self._ports['kuberay-probe']}",
+                f"--metrics-addr=127.0.0.1:{metrics}",
+                f"--health-probe-bind-address=127.0.0.1:{probe}",
                 "--enable-leader-election=false",
                 "--log-stdout-encoder=console",
                 # KubeRay runs outside the cluster here, where a head Service's DNS name
@@ -874,6 +881,15 @@ class ControlPlane:
                 "--use-kubernetes-proxy",
             ],
             env={"KUBECONFIG": str(self.kubeconfig)},
+        )
+        self._wait(
+            "kuberay-operator",
+            lambda: (
+                _http_get(f"http://127.0.0.1:{probe}/readyz") == 200
+                and _http_get(f"http://127.0.0.1:{metrics}/metrics") == 200
+            ),
+            proc,
+            timeout=60,
         )
 
     def start_kueue(self) -> None:
@@ -928,7 +944,6 @@ class ControlPlane:
                 _https_get(f"https://127.0.0.1:{self._ports['scheduler']}/healthz", insecure) == 200
             ),
             "kwok": lambda: _http_get(f"http://127.0.0.1:{self._ports['kwok']}/healthz") == 200,
-            "kuberay-operator": self._kuberay_ready,
         }
         for name, check in checks.items():
             self._wait(name, check, by_name[name], timeout=60)
