@@ -228,6 +228,23 @@ def test_an_eager_cpu_engine_starts_its_engine_core_with_no_compile(enforce_eage
     assert disabled == ("1" if enforce_eager else None)
 
 
+@pytest.mark.parametrize("explicit", [None, "ACTIVE"])
+def test_an_engine_core_starts_with_openmp_threads_that_sleep_when_they_wait(
+    explicit: str | None,
+) -> None:
+    """engine_settings.CPU_ENVIRONMENT: OMP_WAIT_POLICY=PASSIVE, which the engine core
+    (a child) inherits, unless the environment says otherwise."""
+    with mock.patch.dict(os.environ, clear=False):
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        if explicit is not None:
+            os.environ["OMP_WAIT_POLICY"] = explicit
+        engine_settings(Path("/unused"), max_model_len=64, gpu_memory_utilization=0.3,
+                        tensor_parallel_size=1, seed=0, dtype="float32",
+                        enforce_eager=True, transfer_backend=HOST_TRANSFER)  # fmt: skip
+        policy = os.environ.get("OMP_WAIT_POLICY")
+    assert policy == (explicit or "PASSIVE")
+
+
 def test_a_killed_engine_fails_every_call_naming_itself_and_tells_its_owner(
     model_dir: Path,
 ) -> None:
