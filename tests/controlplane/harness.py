@@ -857,6 +857,14 @@ class ControlPlane:
     def _wait_crds_established(self) -> None:
         # Polled here: `kubectl wait` gives up on a CRD whose status is still empty.
         self._wait("CRDs Established", self._crds_established, None, timeout=120)
+        # The API server builds its OpenAPI v2 document again at the first request after
+        # CRDs changed: with KubeRay's and Kueue's schemas, 30 s and more on a busy
+        # machine. kubectl asks for it before every create or apply and gives up after
+        # 32 s (a test's `kubectl apply` failed so, right after Kueue's CRDs came). Asked
+        # here once, it is built before any kubectl needs it.
+        url = f"{self.server}/openapi/v2"
+        with urllib.request.urlopen(url, context=self._client_tls, timeout=300) as document:
+            document.read()
 
     def _crds_established(self) -> bool:
         crds = json.loads(self.kubectl("get", "crd", "-o", "json").stdout)["items"]
