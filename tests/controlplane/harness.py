@@ -588,7 +588,7 @@ class ControlPlane:
             self._phase("create crds", self._create_crds)
             self._phase("nodes", self._create_nodes)
             # KubeRay's operator exits if its kinds are not served yet.
-            self._phase("crds established", self._wait_crds_established)
+            self._phase("crds established", self.wait_crds_established)
             self._phase("kuberay-operator", self._start_kuberay)
             self._phase("ready", self._wait_ready)
         except BaseException:
@@ -854,7 +854,9 @@ class ControlPlane:
                 with open(self.logs_dir / "crds.log", "a") as log:
                     log.write(f"kubectl create -f {path} failed:\n{result.stderr}\n")
 
-    def _wait_crds_established(self) -> None:
+    def wait_crds_established(self) -> None:
+        """After CRDs were created or replaced: until every CRD is Established, and the
+        API server has built its OpenAPI document again."""
         # Polled here: `kubectl wait` gives up on a CRD whose status is still empty.
         self._wait("CRDs Established", self._crds_established, None, timeout=120)
         # The API server builds its OpenAPI v2 document again at the first request after
@@ -909,7 +911,7 @@ class ControlPlane:
             raise ControlPlaneError("Kueue needs root and unshare here (see can_run_kueue)")
         self.kubectl("create", *[f"--filename={path}" for path in kueue_crd_files()])
         self.kubectl("create", "namespace", "kueue-system")
-        self._wait_crds_established()
+        self.wait_crds_established()
         # /etc/kueue/metrics/certs is where Kueue reads its metrics certificate: a private
         # /etc holds it (and the webhook's), seen by Kueue alone.
         etc = self.run_dir / "kueue-etc"

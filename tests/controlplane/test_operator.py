@@ -534,6 +534,7 @@ def test_an_invalid_spec_that_slips_past_admission_is_reported_and_not_acted_on(
             assert get(cp, kind, name, namespace) is None, f"{kind} created for an invalid job"
     finally:
         cp.kubectl("replace", "-f", str(crd_file))
+        cp.wait_crds_established()  # and the API server's OpenAPI document built again
 
 
 def test_restart_mid_reconcile_creates_no_duplicates(
