@@ -219,13 +219,22 @@ def test_an_eager_cpu_engine_starts_its_engine_core_with_no_compile(enforce_eage
     that compiles keeps dynamo. (The engines of this module are eager: their log-probs
     match transformers' above. The engine core's own environment cannot be read back:
     vLLM's process title overwrites it.)"""
+    environment = engine_environment({"TORCHDYNAMO_DISABLE": None}, enforce_eager)
+    assert environment.get("TORCHDYNAMO_DISABLE") == ("1" if enforce_eager else None)
+
+
+def engine_environment(before: dict[str, str | None], enforce_eager: bool) -> dict[str, str]:
+    """The environment engine_settings leaves for the engine core, from this one with
+    `before` set (None: unset); this process's own is left as it was."""
     with mock.patch.dict(os.environ, clear=False):
-        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        for key, value in before.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
         engine_settings(Path("/unused"), max_model_len=64, gpu_memory_utilization=0.3,
                         tensor_parallel_size=1, seed=0, dtype="float32",
                         enforce_eager=enforce_eager, transfer_backend=HOST_TRANSFER)  # fmt: skip
-        disabled = os.environ.get("TORCHDYNAMO_DISABLE")
-    assert disabled == ("1" if enforce_eager else None)
+        return dict(os.environ)
 
 
 @pytest.mark.parametrize("explicit", [None, "ACTIVE"])
@@ -234,15 +243,8 @@ def test_an_engine_core_starts_with_openmp_threads_that_sleep_when_they_wait(
 ) -> None:
     """engine_settings.CPU_ENVIRONMENT: OMP_WAIT_POLICY=PASSIVE, which the engine core
     (a child) inherits, unless the environment says otherwise."""
-    with mock.patch.dict(os.environ, clear=False):
-        os.environ.pop("OMP_WAIT_POLICY", None)
-        if explicit is not None:
-            os.environ["OMP_WAIT_POLICY"] = explicit
-        engine_settings(Path("/unused"), max_model_len=64, gpu_memory_utilization=0.3,
-                        tensor_parallel_size=1, seed=0, dtype="float32",
-                        enforce_eager=True, transfer_backend=HOST_TRANSFER)  # fmt: skip
-        policy = os.environ.get("OMP_WAIT_POLICY")
-    assert policy == (explicit or "PASSIVE")
+    environment = engine_environment({"OMP_WAIT_POLICY": explicit}, enforce_eager=True)
+    assert environment.get("OMP_WAIT_POLICY") == (explicit or "PASSIVE")
 
 
 def test_a_killed_engine_fails_every_call_naming_itself_and_tells_its_owner(
