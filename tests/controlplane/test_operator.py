@@ -169,6 +169,58 @@ def test_a_job_deleted_before_the_cache_heard_of_it_gets_no_children(
     assert children == []
 
 
+def test_a_new_jobs_report_comes_in_the_pass_after_its_children(
+    controlplane: ControlPlane, namespace: str
+) -> None:
+    """A new job's first pass makes its children and writes no status and no Event: in a
+    burst, the queue (workqueue.py) gives the other new jobs' first passes priority over
+    this report. The next pass writes them."""
+    cp = controlplane
+    apply_example(cp, namespace, CLUSTER_EXAMPLES[0].name)
+    name = load(CLUSTER_EXAMPLES[0])["metadata"]["name"]
+    cache = ObjectCache(frozenset({"RLHFJob", "RayJob"}))
+    cache.observe("RLHFJob", "ADDED", rlhfjob(cp, name, namespace) or {})
+    reconciler = Reconciler(CachedKube(cp.api_client(), cache))
+
+    def events() -> list[str]:
+        found = get_json(cp, "events", "-n", namespace, "--field-selector",
+                         f"involvedObject.kind=RLHFJob,involvedObject.name={name}")["items"]  # fmt: skip
+        return [e["reason"] for e in found]
+
+    first = reconciler.reconcile(namespace, name)
+    assert first.report_later and first.status is not None
+    assert get(cp, "rayjob", name, namespace) is not None
+    assert job_status(cp, name, namespace) == {} and events() == []
+    second = reconciler.reconcile(namespace, name)
+    assert not second.report_later
+    status = job_status(cp, name, namespace)
+    assert status["rayJob"] == name and events() == [status["phase"]]
+
+
+def test_a_new_job_collected_between_its_passes_gets_no_children_again(
+    controlplane: ControlPlane, namespace: str
+) -> None:
+    """Between a new job's first pass and its report, the job may be deleted and its
+    children collected before the cache hears that the job went: the second pass is not
+    a new job's (which trusts a cache miss), so it asks before it makes anything."""
+    cp = controlplane
+    job = yaml.safe_load(CLUSTER_EXAMPLES[0].read_text())
+    # Never on the API server: the job as the cache last saw it.
+    job["metadata"] |= {"name": "gone", "namespace": namespace, "uid": "6f2e3d4c",
+                        "resourceVersion": "1"}  # fmt: skip
+    cache = ObjectCache(frozenset({"RLHFJob", "RayJob"}))
+    cache.observe("RLHFJob", "ADDED", job)  # its DELETED event is still on the way
+    reconciler = Reconciler(CachedKube(cp.api_client(), cache))
+    assert reconciler.reconcile(namespace, "gone").report_later
+    rayjob = get(cp, "rayjob", "gone", namespace)
+    assert rayjob is not None
+    # As the collector does (it may have already: the owner is not there).
+    cp.kubectl("delete", "rayjob", "gone", "-n", namespace, "--ignore-not-found")
+    cache.observe("RayJob", "DELETED", rayjob)
+    assert reconciler.reconcile(namespace, "gone").status is None
+    assert cache.get("RayJob", namespace, "gone") is None  # it would hold one it made
+
+
 def test_a_head_lost_inside_an_attempt_is_a_driver_restart_in_status_and_an_event(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:

@@ -125,8 +125,8 @@ async def job_changed(event: kopf.RawEvent, name: str, namespace: str, memo: kop
     memo.cache.observe("RLHFJob", event["type"], event["object"])
     if event["type"] == "DELETED":
         memo.gauges.observe(namespace, name, None)
-    else:
-        memo.queue.add((namespace, name))
+    else:  # a job with no status yet is new: its RayJob is still to be made
+        memo.queue.add((namespace, name), urgent=not event["object"].get("status"))
 
 
 def child_changed(kind: str) -> Any:
@@ -158,6 +158,8 @@ async def _work(memo: kopf.Memo) -> None:
             result = await loop.run_in_executor(memo.executor, memo.reconciler.reconcile, *key)
             memo.gauges.observe(*key, result.status)
             memo.failures.pop(key, None)
+            if result.report_later:
+                queue.add(key)  # at normal priority: after the new jobs that wait
             if result.requeue_after is not None:
                 queue.add_later(key, max(result.requeue_after, 0.1))
         except Exception:

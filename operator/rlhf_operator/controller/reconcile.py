@@ -63,6 +63,9 @@ WORKLOAD_JOB_UID = "kueue.x-k8s.io/job-uid"  # Kueue's label: the uid of the Wor
 class Reconciled:
     status: RLHFJobStatus | None  # None: the job is gone
     requeue_after: float | None = None  # seconds: nothing else will bring the job back
+    # A new job's RayJob was made and its report (status, Event) waits for the next
+    # pass, which the queue gives a lower priority than other new jobs' first.
+    report_later: bool = False
 
 
 class JobGone(Exception):
@@ -86,14 +89,20 @@ class Reconciler:
         self.kuberay = KubeRayCheck(kube)
         self.events = EventRecorder(kube, now)
         self.fanout = ThreadPoolExecutor(CHILD_REQUESTS, thread_name_prefix="children")
+        # Jobs whose children this process made and whose first report is still to
+        # come. They are no longer new: their children may have been collected since.
+        self._unreported: set[tuple[str, str]] = set()
 
     def reconcile(self, namespace: str, name: str) -> Reconciled:
         """Bring one job to its desired state; returns its new status, and when to look
         again if no event will say (a failed attempt's backoff)."""
         try:
-            return self._reconcile(namespace, name)
+            result = self._reconcile(namespace, name)
         except JobGone:
-            return Reconciled(None)
+            result = Reconciled(None)
+        if not result.report_later:
+            self._unreported.discard((namespace, name))
+        return result
 
     def _reconcile(self, namespace: str, name: str) -> Reconciled:
         job = self.kube.get("RLHFJob", namespace, name)
@@ -114,7 +123,7 @@ class Reconciler:
         # A job whose status was never written is new: it has no RayJob unless this
         # process made one (the cache holds what it made), so a miss is not asked about.
         # Were one there, its create would answer 409 and _ensure reads it.
-        new_job = not job.get("status")
+        new_job = not job.get("status") and (namespace, name) not in self._unreported
         get_rayjob = self.kube.known if new_job else self.kube.get
         rayjob = get_rayjob("RayJob", namespace, ref.rayjob)
         # A finished job is not started again; a failed attempt may be (restarts.py), and
@@ -156,6 +165,11 @@ class Reconciler:
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
         observed = self._observe(ref, spec, rayjob, workload, live)
         new = compute_status(spec, generation, observed, old, now, restart, resize)
+        if new_job and rayjob is not None:
+            # Its RayJob first: in a burst of new jobs, the API server makes the other
+            # jobs' RayJobs before it takes this one's status patch and Event.
+            self._unreported.add((namespace, name))
+            return Reconciled(new, report_later=True)
         if new.driver_restarts > old.driver_restarts:
             self._replace_workers_of_the_lost_head(ref, observed, new)
         self._write_status(job, old, new)
