@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from monitoring.charts import Dashboard
-from tests.controlplane.harness import free_ports
+from tests.controlplane.processes import free_ports
 
 BINARY = Path(__file__).parent / "controlplane" / "bin" / "prometheus"
 SCRAPE_SECONDS = 1

@@ -21,15 +21,10 @@ Needs only the standard library, PyYAML, the ``kubernetes`` client and the
 from __future__ import annotations
 
 import atexit
-import base64
 import contextlib
-import ctypes
 import json
 import os
-import random
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -42,6 +37,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
+
+from .pki import kubeconfig_yaml, leaf_certificate, make_pki
+from .processes import Process, free_ports, tail
 
 if TYPE_CHECKING:
     from .node import RealNode
@@ -216,64 +214,9 @@ def kwok_stage_files() -> list[Path]:
 # --------------------------------------------------------------------------- helpers
 
 
-LOWEST_PORT = 10000
-# Every port free_ports gave in this process: free until its owner binds it, so never
-# given again (the real node's kube-proxy once got the port picked for KubeRay's metrics,
-# which starts later, and KubeRay exited: "address already in use").
-_given: set[int] = set()
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (held open together so none repeats), none given
-    before in this process, below the kernel's ephemeral range: it hands those to
-    outgoing connections, and one (the apiserver's or Ray's) once took kwok's port
-    between its pick and kwok's bind."""
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    candidates = random.sample(range(LOWEST_PORT, ephemeral_low), ephemeral_low - LOWEST_PORT)
-    candidates = [port for port in candidates if port not in _given]
-    socks: list[socket.socket] = []
-    try:
-        for port in candidates:
-            if len(socks) == count:
-                break
-            s = socket.socket()
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:  # taken
-                s.close()
-                continue
-            socks.append(s)
-        if len(socks) < count:
-            raise RuntimeError(f"fewer than {count} free ports in {LOWEST_PORT}-{ephemeral_low}")
-        ports = [s.getsockname()[1] for s in socks]
-        _given.update(ports)
-        return ports
-    finally:
-        for s in socks:
-            s.close()
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode(errors="replace")
-    except FileNotFoundError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
 def _has_condition(obj: dict, condition: str) -> bool:
     conditions = (obj.get("status") or {}).get("conditions") or []
     return any(c["type"] == condition and c["status"] == "True" for c in conditions)
-
-
-def _die_with_parent() -> None:
-    # If the Python process is killed outright (no atexit), the kernel still stops
-    # the components instead of leaving them running.
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _https_get(url: str, context: ssl.SSLContext) -> int:
@@ -305,187 +248,6 @@ def _run_owner_alive(run_dir: Path) -> bool:
     except PermissionError:
         pass
     return True
-
-
-class Process:
-    """One component in its own process group, its output in a log file."""
-
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict | None = None):
-        self.name = name
-        self.argv = [str(a) for a in argv]
-        self.log_path = log_path
-        self.env = env
-        self.popen: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(self.argv)}\n".encode())
-            log.flush()
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(self.env or {})},
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def stop(self, grace: float = 10.0) -> None:
-        if self.popen is None:
-            return
-        if self.popen.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(grace)
-        # Whatever is left in the group (the leader or any child) gets SIGKILL.
-        self._signal_group(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(5)
-
-    def _signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, sig)
-
-
-# --------------------------------------------------------------------------- certificates
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_pki(pki: Path, api_ips: Sequence[str] = ()) -> None:
-    """A throw-away CA, the API server's serving cert (for loopback, the `kubernetes`
-    Service and `api_ips`), an admin client cert (group system:masters) and the
-    service-account signing key pair."""
-    pki.mkdir(parents=True, exist_ok=True)
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl(
-        "req",
-        "-x509",
-        *ec,
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "3650",
-        "-subj",
-        "/CN=rlhf-test-ca",
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=pki,
-    )
-    _leaf(
-        pki,
-        "apiserver",
-        "/CN=kube-apiserver",
-        "serverAuth",
-        [
-            "IP:127.0.0.1",
-            "IP:10.0.0.1",
-            *[f"IP:{ip}" for ip in api_ips],
-            "DNS:localhost",
-            "DNS:kubernetes",
-            "DNS:kubernetes.default",
-            "DNS:kubernetes.default.svc",
-            "DNS:kubernetes.default.svc.cluster.local",
-        ],
-    )
-    _leaf(pki, "admin", "/O=system:masters/CN=rlhf-test-admin", "clientAuth", [])
-    _openssl(
-        "genpkey",
-        "-algorithm",
-        "RSA",
-        "-pkeyopt",
-        "rsa_keygen_bits:2048",
-        "-out",
-        "sa.key",
-        cwd=pki,
-    )
-    _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
-
-
-def _leaf(pki: Path, name: str, subject: str, usage: str, sans: list[str]) -> None:
-    ext = [
-        "basicConstraints=critical,CA:FALSE",
-        "keyUsage=critical,digitalSignature,keyEncipherment",
-        f"extendedKeyUsage={usage}",
-    ]
-    if sans:
-        ext.append("subjectAltName=" + ",".join(sans))
-    (pki / f"{name}.ext").write_text("\n".join(ext) + "\n")
-    _openssl(
-        "req",
-        "-new",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.csr",
-        "-subj",
-        subject,
-        cwd=pki,
-    )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        f"{name}.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "3650",
-        "-extfile",
-        f"{name}.ext",
-        "-out",
-        f"{name}.crt",
-        cwd=pki,
-    )
-
-
-def kubeconfig_yaml(server: str, pki: Path) -> str:
-    def b64(name: str) -> str:
-        return base64.b64encode((pki / name).read_bytes()).decode()
-
-    return yaml.safe_dump(
-        {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "rlhf-test",
-                    "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")},
-                }
-            ],
-            "users": [
-                {
-                    "name": "admin",
-                    "user": {
-                        "client-certificate-data": b64("admin.crt"),
-                        "client-key-data": b64("admin.key"),
-                    },
-                }
-            ],
-            "contexts": [
-                {"name": "rlhf-test", "context": {"cluster": "rlhf-test", "user": "admin"}}
-            ],
-            "current-context": "rlhf-test",
-        }
-    )
 
 
 # --------------------------------------------------------------------------- nodes
@@ -740,7 +502,9 @@ class ControlPlane:
 
     def _wait_apiserver(self, proc: Process) -> None:
         ready = f"{self.server}/readyz"
-        self._wait("kube-apiserver", lambda: _https_get(ready, self._client_tls) == 200, proc, 60)
+        # A bound, not a pace: a restarted API server refills every watch cache from etcd
+        # before it is ready, which once took over 60 s on a loaded machine.
+        self._wait("kube-apiserver", lambda: _https_get(ready, self._client_tls) == 200, proc, 180)
 
     @contextlib.contextmanager
     def api_server_stopped(self) -> Iterator[None]:
@@ -917,7 +681,9 @@ class ControlPlane:
         etc = self.run_dir / "kueue-etc"
         certs = etc / "kueue" / "metrics" / "certs"
         certs.mkdir(parents=True)
-        _leaf(self.pki, "kueue", "/CN=kueue", "serverAuth", ["IP:127.0.0.1", "DNS:localhost"])
+        leaf_certificate(
+            self.pki, "kueue", "/CN=kueue", "serverAuth", ["IP:127.0.0.1", "DNS:localhost"]
+        )
         shutil.copy(self.pki / "kueue.crt", certs / "tls.crt")
         shutil.copy(self.pki / "kueue.key", certs / "tls.key")
         ports = dict(zip(("health", "metrics", "webhook"), free_ports(3), strict=True))

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .harness import BIN_DIR, SERVICE_CIDR, ControlPlaneError, Process, free_ports, tail
+from .harness import BIN_DIR, SERVICE_CIDR, ControlPlaneError
 from .node_config import (
     CNI_BIN_DIR,
     NodeLayout,
@@ -50,6 +50,7 @@ from .node_host import (
     write_sysctls,
 )
 from .oci import archive_identity, write_image
+from .processes import Process, free_ports, tail
 
 REAL_NODE_NAME = "real-0"
 REAL_NODE_LABEL_KEY = "rlhf.dev/real-node"

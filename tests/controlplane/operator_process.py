@@ -16,7 +16,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .harness import ControlPlane, free_ports
+from .harness import ControlPlane
+from .processes import free_ports
 
 
 class OperatorProcess:

@@ -20,7 +20,7 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import DRIVER
 from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
 from tests.conftest import needs
-from tests.controlplane.harness import free_ports
+from tests.controlplane.processes import free_ports
 from tests.prometheus import BINARY, Prometheus, Target
 from tests.specs import local_async_job, local_job
 from tests.trainer.local_runs import Trained, train

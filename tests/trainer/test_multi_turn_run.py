@@ -25,7 +25,7 @@ from rlhf_env.server import app_for
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
 from tests.conftest import skip_or_fail
-from tests.controlplane.harness import free_ports
+from tests.controlplane.processes import free_ports
 from tests.environments import CHATTER_TURNS, Chatter, served
 from tests.prometheus import BINARY, Prometheus, Target
 from tests.specs import LOCAL_EXAMPLE

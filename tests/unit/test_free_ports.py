@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tests.controlplane import harness
+from tests.controlplane import processes
 
 
 def test_a_port_given_is_not_given_again_though_still_free(
@@ -17,7 +17,7 @@ def test_a_port_given_is_not_given_again_though_still_free(
     # The same candidates, in the same order, for every call: without the memory of
     # what was given, both calls would answer the same (still unbound) ports.
     monkeypatch.setattr(random, "sample", lambda ports, k: list(ports)[:k])
-    monkeypatch.setattr(harness, "_given", set())
-    first, second = harness.free_ports(4), harness.free_ports(4)
+    monkeypatch.setattr(processes, "_given", set())
+    first, second = processes.free_ports(4), processes.free_ports(4)
     assert len(set(first)) == len(set(second)) == 4
     assert not set(first) & set(second), (first, second)

@@ -72,7 +72,7 @@ def test_an_unreachable_api_server_is_reported_as_such() -> None:
     from kubernetes import client
 
     from rlhf_operator.controller.kube import Kube
-    from tests.controlplane.harness import free_ports
+    from tests.controlplane.processes import free_ports
 
     port = free_ports(1)[0]  # nothing listens there
     kube = Kube(client.ApiClient(client.Configuration(host=f"https://127.0.0.1:{port}")))
