@@ -18,7 +18,9 @@ from rlhf_operator.controller.events import EventRecorder
 from rlhf_operator.controller.kube import Kube
 from rlhf_operator.controller.reconcile import Reconciler
 from rlhf_operator.controller.resizes import STOP_ASKED
+from rlhf_operator.controller.restarts import LATE_VERDICT
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
+from rlhf_operator.render.meta import COMPONENT_LABEL
 
 from .harness import DEFAULT_NODE_GROUPS, REPO_ROOT, ControlPlane
 from .operator_process import OperatorProcess
@@ -668,6 +670,37 @@ def test_a_failed_attempt_restarts_until_max_restarts_then_the_job_fails(
     assert len(messages) == 2, messages
     assert "attempt 1: trainer exited with 1" in messages[0]
     assert "starts from scratch (no checkpoint yet)" in messages[0]
+
+
+def test_kuberays_late_failure_of_an_attempt_whose_submitter_exited_0_is_a_success(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    """KubeRay marks a RayJob Failed (LATE_VERDICT) when it reconciles it over 30 s after
+    its submitter ended, without asking the head: here, as KubeRay would write it, after
+    a submitter pod of the attempt that ended Succeeded (`ray job submit` exits 0 unless
+    the Ray job failed). The job has succeeded: no restart, no new attempt."""
+    cp, name = controlplane, "colocated"
+    apply_with_checkpoints(cp, namespace, "colocated.yaml")
+    attempt = eventually(lambda: get(cp, "rayjob", name, namespace), "the RayJob")
+    labels = {JOB_LABEL: name, COMPONENT_LABEL: "submitter"}
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": f"{name}-submitter", "labels": labels},
+           # No scheduler takes it: only its status matters, written as its kubelet would.
+           "spec": {"schedulerName": "nobody", "restartPolicy": "Never",
+                    "containers": [{"name": "ray-job-submitter", "image": "unused"}]}}  # fmt: skip
+    cp.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(pod))
+    for kind, obj, status in (
+        ("pod", pod["metadata"]["name"], {"phase": "Succeeded"}),
+        ("rayjob", name, {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED",
+                          "reason": LATE_VERDICT, "message": "The RayJob submitter finished "
+                          "at 2026-11-30 21:20:40 but the ray job did not reach terminal "
+                          "state within 30s"}),
+    ):  # fmt: skip
+        cp.kubectl("patch", kind, obj, "-n", namespace, "--subresource=status",
+                   "--type=merge", "-p", json.dumps({"status": status}))  # fmt: skip
+    status = eventually(lambda: status_when(cp, name, namespace, phase="Succeeded"), "Succeeded")
+    assert status.get("restarts", 0) == 0 and "lastFailure" not in status, status
+    assert get(cp, "rayjob", name, namespace)["metadata"]["uid"] == attempt["metadata"]["uid"]  # type: ignore[index]
 
 
 def test_a_pool_the_scheduler_cannot_place_says_why_in_status_and_an_event(

@@ -9,8 +9,17 @@ import pytest
 
 from rlhf_operator.api.job import Phase, RestartPolicy, RLHFJobStatus
 from rlhf_operator.api.validation import parse_job
-from rlhf_operator.controller.restarts import Action, attempt_failure, decide
+from rlhf_operator.controller.resizes import STOP_ASKED, ResizeAction, decide_resize
+from rlhf_operator.controller.restarts import (
+    LATE_VERDICT,
+    Action,
+    as_its_submitter_ended,
+    attempt_failure,
+    decide,
+    late_verdict,
+)
 from rlhf_operator.controller.status import Observed, compute_status, finished
+from rlhf_operator.render.meta import COMPONENT_LABEL
 from tests.unit.conftest import EXAMPLES, load
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -130,3 +139,77 @@ def test_kuberays_long_failure_keeps_its_first_line_and_the_logs_end() -> None:
         "the job is restarting after its attempt failed (AppFailed: "
         "Job entrypoint command failed with exit code 1, last logs:)"
     )
+
+
+# KubeRay's own words when its verdict came late (rayjob_controller.go).
+LATE = {"reason": LATE_VERDICT, "jobStatus": "FAILED",
+        "message": "The RayJob submitter finished at 2026-01-01 00:10:00 but the ray job did "
+                   "not reach terminal state within 30s"}  # fmt: skip
+
+
+def made_at(obj: dict[str, Any], at: str) -> dict[str, Any]:
+    obj["metadata"] |= {"creationTimestamp": at}
+    return obj
+
+
+def submitter(phase: str, at: str = "2026-01-01T00:01:00Z") -> dict[str, Any]:
+    labels = {COMPONENT_LABEL: "submitter"}
+    return {"metadata": {"name": "colocated-x", "labels": labels, "creationTimestamp": at},
+            "status": {"phase": phase}}  # fmt: skip
+
+
+LATE_ATTEMPT = made_at(attempt("a", "Failed", **LATE), "2026-01-01T00:00:00Z")
+
+
+@pytest.mark.parametrize(
+    ("pods", "succeeded"),
+    [
+        ([submitter("Succeeded")], True),
+        ([submitter("Failed"), submitter("Succeeded")], True),  # the Job's retry exited 0
+        ([submitter("Failed")], False),
+        ([submitter("Running")], False),
+        ([], False),
+        # The previous attempt's submitter, not yet collected: not this attempt's word.
+        ([submitter("Succeeded", at="2025-12-31T23:50:00Z")], False),
+    ],
+    ids=["exited 0", "retried, then 0", "exited 1", "running", "none", "an older attempt's"],
+)
+def test_kuberays_late_failure_is_a_success_when_the_attempts_submitter_exited_0(
+    pods: list[dict[str, Any]], succeeded: bool
+) -> None:
+    """KubeRay marks an attempt Failed, without asking the head, when it reconciles over
+    30 s after the submitter ended (a loaded control plane). `ray job submit` exits 0
+    only if the Ray job did not fail, so its pod's phase is the attempt's outcome."""
+    assert late_verdict(LATE_ATTEMPT)
+    ended = as_its_submitter_ended(LATE_ATTEMPT, pods)
+    assert (attempt_failure(ended, T0) is None) is succeeded
+    assert (ended is LATE_ATTEMPT) is not succeeded
+    _, status = reconcile(ended, RLHFJobStatus(), T0)
+    assert (status.phase, status.restarts) == (
+        (Phase.SUCCEEDED, 0) if succeeded else (Phase.RESTARTING, 1)
+    )
+
+
+@pytest.mark.parametrize(
+    "rayjob",
+    [None, failed("a"), attempt("a", "Complete", jobStatus="SUCCEEDED", reason=LATE_VERDICT)],
+    ids=["none", "another reason", "its grace-period sibling"],
+)
+def test_only_kuberays_late_failure_is_read_against_the_submitter(
+    rayjob: dict[str, Any] | None,
+) -> None:
+    """The other path to the same reason (the Ray job ended but the deployment stayed
+    Running) already carries the Ray job's own status."""
+    assert not late_verdict(rayjob)
+
+
+def test_a_driver_stopped_for_a_resize_under_a_late_verdict_is_replaced_not_restarted() -> None:
+    """The stop for a resize exits 0 too: the attempt is replaced on the new sizes, and
+    no restart is counted (what the walk-through saw fail on a loaded machine)."""
+    asked = made_at(attempt("a", "Failed", **LATE), "2026-01-01T00:00:00Z")
+    asked["metadata"]["annotations"] = {STOP_ASKED: "value: 1 to 2"}
+    asked["spec"] = {"rayClusterSpec": {"workerGroupSpecs": [
+        {"groupName": pool.name, "replicas": pool.replicas} for pool in SPEC.pools]}}  # fmt: skip
+    ended = as_its_submitter_ended(asked, [submitter("Succeeded")])
+    assert decide(POLICY, ended, RLHFJobStatus(), T0).action is Action.NONE
+    assert decide_resize(SPEC, ended, None).action is ResizeAction.REPLACE

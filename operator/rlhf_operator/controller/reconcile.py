@@ -28,7 +28,13 @@ from rlhf_operator.controller.resizes import (
     stop_asked,
     stop_asked_patch,
 )
-from rlhf_operator.controller.restarts import Action, decide
+from rlhf_operator.controller.restarts import (
+    LATE_VERDICT,
+    Action,
+    as_its_submitter_ended,
+    decide,
+    late_verdict,
+)
 from rlhf_operator.controller.status import (
     KUBERAY_INCOMPATIBLE,
     Observed,
@@ -126,6 +132,8 @@ class Reconciler:
         new_job = not job.get("status") and (namespace, name) not in self._unreported
         get_rayjob = self.kube.known if new_job else self.kube.get
         rayjob = get_rayjob("RayJob", namespace, ref.rayjob)
+        if late_verdict(rayjob):
+            rayjob = self._as_its_submitter_ended(ref, rayjob, said=finished(old))
         # A finished job is not started again; a failed attempt may be (restarts.py), and
         # one whose pools changed size is replaced (resizes.py).
         restart = None if finished(old) else decide(spec.restart_policy, rayjob, old, now)
@@ -177,6 +185,18 @@ class Reconciler:
         if new.phase is Phase.QUEUED:
             wait = QUEUED_RECHECK_SECONDS
         return Reconciled(new, requeue_after=wait)
+
+    def _as_its_submitter_ended(self, ref: JobRef, rayjob: Obj, said: bool) -> Obj:
+        """KubeRay's late verdict (restarts.LATE_VERDICT) read against the submitter pods:
+        an attempt whose driver exited 0 succeeded, whatever KubeRay concluded. Logged
+        unless `said` (the job's status already has its end)."""
+        pods = self.kube.list("Pod", ref.namespace, f"{JOB_LABEL}={ref.name}")
+        ended = as_its_submitter_ended(rayjob, pods)
+        if ended is not rayjob and not said:
+            log.info("%s/%s: KubeRay marked RayJob %s Failed (%s) over 30 s after its "
+                     "submitter ended; the submitter exited 0, so the attempt succeeded",
+                     ref.namespace, ref.name, ref.rayjob, LATE_VERDICT)  # fmt: skip
+        return ended
 
     def _replace_workers_of_the_lost_head(
         self, ref: JobRef, observed: Observed, new: RLHFJobStatus

@@ -12,11 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeGuard
 
 from rlhf_operator.api.job import AttemptFailure, Phase, RestartPolicy, RLHFJobStatus
+from rlhf_operator.render.meta import COMPONENT_LABEL
 
 FAILED_DEPLOYMENTS = ("Failed", "ValidationFailed")  # KubeRay's jobDeploymentStatus
+# KubeRay's reason when it first reconciles a RayJob over 30 s after its submitter ended
+# (DefaultSubmitterFinishedTimeout, rayjob_controller.go): it marks the attempt Failed
+# without asking the head how the Ray job ended. On a loaded control plane a driver that
+# exited 0 (the end, or a stop for a resize) so became a failed attempt, and a restart.
+LATE_VERDICT = "JobDeploymentStatusTransitionGracePeriodExceeded"
 MAX_FAILURE_MESSAGE = 1024  # of an attempt's failure, kept in status.lastFailure
 FIRST_LINE = 300  # of it, in the Ready condition and the Restarting event
 
@@ -50,6 +56,28 @@ def attempt_failure(rayjob: dict[str, Any] | None, now: datetime) -> AttemptFail
         time=now,
         ray_job_uid=rayjob["metadata"]["uid"],
     )
+
+
+def late_verdict(rayjob: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
+    status = (rayjob or {}).get("status") or {}
+    return (status.get("jobDeploymentStatus"), status.get("reason")) == ("Failed", LATE_VERDICT)
+
+
+def as_its_submitter_ended(rayjob: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """`rayjob` (a `late_verdict`), Complete and SUCCEEDED if a submitter pod of this
+    attempt (made since its RayJob) ended Succeeded: `ray job submit` follows the Ray job
+    to its end and exits 1 if it failed (Ray's job CLI). `pods`: the job's."""
+    made = rayjob["metadata"].get("creationTimestamp") or ""
+    exited_0 = any(
+        pod["metadata"].get("labels", {}).get(COMPONENT_LABEL) == "submitter"
+        and pod["metadata"].get("creationTimestamp", "") >= made  # RFC 3339 in UTC: sortable
+        and (pod.get("status") or {}).get("phase") == "Succeeded"
+        for pod in pods
+    )
+    if not exited_0:
+        return rayjob
+    ended = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
+    return rayjob | {"status": rayjob["status"] | ended}
 
 
 def head_and_tail(text: str, limit: int = MAX_FAILURE_MESSAGE) -> str:
