@@ -132,8 +132,8 @@ class Reconciler:
         new_job = not job.get("status") and (namespace, name) not in self._unreported
         get_rayjob = self.kube.known if new_job else self.kube.get
         rayjob = get_rayjob("RayJob", namespace, ref.rayjob)
-        if late_verdict(rayjob):
-            rayjob = self._as_its_submitter_ended(ref, rayjob, said=finished(old))
+        if late_verdict(rayjob) and not finished(old):
+            rayjob = self._as_its_submitter_ended(ref, rayjob)
         # A finished job is not started again; a failed attempt may be (restarts.py), and
         # one whose pools changed size is replaced (resizes.py).
         restart = None if finished(old) else decide(spec.restart_policy, rayjob, old, now)
@@ -186,13 +186,12 @@ class Reconciler:
             wait = QUEUED_RECHECK_SECONDS
         return Reconciled(new, requeue_after=wait)
 
-    def _as_its_submitter_ended(self, ref: JobRef, rayjob: Obj, said: bool) -> Obj:
+    def _as_its_submitter_ended(self, ref: JobRef, rayjob: Obj) -> Obj:
         """KubeRay's late verdict (restarts.LATE_VERDICT) read against the submitter pods:
-        an attempt whose driver exited 0 succeeded, whatever KubeRay concluded. Logged
-        unless `said` (the job's status already has its end)."""
+        an attempt whose driver exited 0 succeeded, whatever KubeRay concluded."""
         pods = self.kube.list("Pod", ref.namespace, f"{JOB_LABEL}={ref.name}")
         ended = as_its_submitter_ended(rayjob, pods)
-        if ended is not rayjob and not said:
+        if ended is not rayjob:
             log.info("%s/%s: KubeRay marked RayJob %s Failed (%s) over 30 s after its "
                      "submitter ended; the submitter exited 0, so the attempt succeeded",
                      ref.namespace, ref.name, ref.rayjob, LATE_VERDICT)  # fmt: skip
