@@ -47,14 +47,18 @@ from rlhf_trainer.cluster.placement import (
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
 from rlhf_trainer.data.prompts import Prompt, PromptStream
+from rlhf_trainer.loop.engine_replacement import EngineReplacement
 from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.loop.weights import WeightSync, group_timeout_s
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
+from rlhf_trainer.worker import Worker
 from tests.environments import served
 from tests.trainer.toy_workers import (
+    TOY_WEIGHTS,
     BusyEngine,
     HeldRollout,
+    LosingReceiver,
     PartialSums,
     StoppingReceiver,
     WeightSender,
@@ -395,26 +399,40 @@ def test_a_rank_is_lost_once_ray_finds_it_dead_or_it_stays_silent_not_while_it_i
 SYNC_TIMEOUT_S = 5.0
 
 
+def sync_job() -> JobConfig:
+    """A job with every role on pool "sync" (2 GPUs: the actor and two engines)."""
+    manifest = job_manifest()
+    manifest["spec"]["pools"] = [{"name": "sync", "gpusPerNode": 2}]
+    manifest["spec"]["roles"] = {role: "sync" for role in ("actor", "rollout", "ref", "critic")}
+    return parse_job(manifest).spec
+
+
+def sync_groups(job: JobConfig, receiver: type[Worker], *args: Any) -> RoleGroups:
+    """The toy actor (WeightSender) and two toy engines (`receiver`) of `job`, up."""
+    plan = plan_placement(job)
+    pools = wait_ready(create_pool_groups(plan, "sync"), READY_TIMEOUT_S)
+    groups = RoleGroups(
+        {Role.ACTOR: WorkerGroup.spawn(plan, Role.ACTOR, pools["sync"], WeightSender)}
+        | {Role.ROLLOUT: WorkerGroup.spawn(plan, Role.ROLLOUT, pools["sync"], receiver, *args)},
+        pools,
+    )
+    try:
+        join([ready for group in groups.groups.values() for ready in group.ready])
+    except BaseException:
+        groups.shutdown()
+        raise
+    return groups
+
+
 def sync_with_a_failing_engine(
     ray_pools: RayPools, error: type[Exception], dies: bool
 ) -> tuple[str, float]:
     """One weight push to two toy engines on one pool, rank 0 of which stops or dies in
     it; the error the driver gets, and how long it took."""
-    manifest = job_manifest()
-    manifest["spec"]["pools"] = [{"name": "sync", "gpusPerNode": 2}]
-    manifest["spec"]["roles"] = {role: "sync" for role in ("actor", "rollout", "ref", "critic")}
-    plan = plan_placement(parse_job(manifest).spec)
-    pools = wait_ready(create_pool_groups(plan, "sync"), READY_TIMEOUT_S)
-    engines = WorkerGroup.spawn(plan, Role.ROLLOUT, pools["sync"], StoppingReceiver, 0, dies)
-    groups = RoleGroups(
-        {Role.ACTOR: WorkerGroup.spawn(plan, Role.ACTOR, pools["sync"], WeightSender)}
-        | {Role.ROLLOUT: engines},
-        pools,
-    )
+    groups = sync_groups(sync_job(), StoppingReceiver, 0, dies)
     frozen = None
     try:
-        join([ready for group in groups.groups.values() for ready in group.ready])
-        frozen = join(engines.run("pid"))[0]
+        frozen = join(groups[Role.ROLLOUT].run("pid"))[0]
         sync = WeightSync(groups, SYNC_TIMEOUT_S)
         sync.open()
         started = time.monotonic()
@@ -451,6 +469,36 @@ def test_a_rank_that_dies_in_a_weight_sync_fails_it_at_once_by_name(
     assert "weight transfer, update_weights: rollout rank 0 on pool sync failed" in message
     assert "rollout rank 1" not in message, message
     assert waited < SYNC_TIMEOUT_S
+
+
+def test_engines_left_stuck_in_a_push_that_lost_one_are_replaced_too(
+    ray_pools: RayPools, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rollout rank 0 dies at the push's first bucket, and rank 1 stays in its receive
+    (a stand-in for NCCL's, which no abort ends: LosingReceiver). The push is made
+    again on two new engines: rank 2 in rank 0's bundle, and rank 3 in rank 1's, once
+    rank 1 has not closed the failed update within the timeout. Both serve the
+    version whole; only rank 0's bundle counts a restart, and rank 1's process is
+    ended (on a GPU, so are its engine's GPU memory and communicator)."""
+    job = sync_job()
+    groups = sync_groups(job, LosingReceiver)
+    try:
+        stuck = groups[Role.ROLLOUT].hosts[1]
+        slots = groups[Role.ROLLOUT].slots
+        sync = WeightSync(groups, SYNC_TIMEOUT_S)
+        sync.open()
+        engines = EngineReplacement(job, groups, sync, worker=(LosingReceiver,))
+        engines.surviving(lambda: sync.push(version=1), lost_in=Exception)
+        assert list(groups[Role.ROLLOUT].ranks) == [2, 3]
+        for version, weights in join(groups[Role.ROLLOUT].run("serving")):
+            assert version == 1 and weights.keys() == TOY_WEIGHTS.keys()
+            for name, tensor in TOY_WEIGHTS.items():
+                assert torch.equal(weights[name], tensor), name
+        assert engines.replaced == 2 and engines.by_bundle == {slots[0]: 1}
+        assert "rollout rank 1 on pool sync stuck in the weight transfer" in caplog.text
+        wait_until_dead(stuck)
+    finally:
+        groups.shutdown()
 
 
 def test_a_synchronous_step_offers_each_sample_to_the_reward_service_as_it_finishes(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -203,3 +204,38 @@ class StoppingReceiver(Worker):
 
     def finish_weight_update(self, weight_version: int) -> None:
         self.segments.prune()
+
+
+class LosingReceiver(StoppingReceiver):
+    """Stands in for the rollout engines of a push that loses one. At its first bucket
+    rank 0's process exits, as a crashed engine's does, and rank 1's receive never
+    returns: rank 1 stands in for a vLLM worker in an NCCL receive whose sender
+    aborted, which waits for ever (NCCL tells no peer of an abort). The host transfer's
+    gloo would end that receive with an error, so it cannot show this. Their
+    replacements (ranks 2 and on) take every push whole, and say what they serve."""
+
+    def __init__(self, info: RankInfo) -> None:
+        super().__init__(info, stopping_rank=-1)
+        self.loaded: dict[str, Tensor] = {}
+        self.serves: tuple[int, dict[str, Tensor]] | None = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        if self.info.rank == 0:
+            os._exit(1)
+        if self.info.rank == 1:
+            threading.Event().wait()  # only its process's end ends it
+        bucket = Bucket.from_dict(update_info)
+        if self.relay is not None:
+            bucket = self.relay.receive(bucket)
+        self.loaded |= {name: view.clone() for name, view in self.segments.read(bucket)}
+
+    def finish_weight_update(self, weight_version: int) -> None:
+        self.serves, self.loaded = (weight_version, self.loaded), {}
+        super().finish_weight_update(weight_version)
+
+    def abandon_weight_update(self) -> None:
+        self.loaded = {}
+
+    def serving(self) -> tuple[int, dict[str, Tensor]] | None:
+        """The version this engine serves, and its weights."""
+        return self.serves

@@ -329,7 +329,9 @@ class TrainerConfig(SpecModel):
         description=(
             "How long setting up the weight transfer, or each of its calls to the rollout "
             "engines, may take. Past it the job fails, naming each rank that did not "
-            "answer (stopped, hung or lost) and those left waiting for it."
+            "answer (stopped, hung or lost) and those left waiting for it; except after "
+            "a push that lost an engine, when an engine still in that push's receive "
+            "(NCCL) is replaced as a lost one is."
         ),
     )
     eval_every_steps: int | None = Field(

@@ -57,6 +57,10 @@ class RoleGroups:
     # the ranks started since (`start_more`, `respawn`), taken in or not: all end with the run
     started_later: list[WorkerGroup] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        for role, group in self.groups.items():  # a role's ranks are numbered from 0
+            self.ranks_started.setdefault(role, max(group.ranks, default=-1) + 1)
+
     @classmethod
     def start(
         cls,
@@ -84,7 +88,7 @@ class RoleGroups:
         for role in beside_actor:
             worker, args = chosen[role]
             groups[role] = WorkerGroup.beside(groups[Role.ACTOR], role, worker, config, *args)
-        started = cls(groups, pools, {role: group.world_size for role, group in groups.items()})
+        started = cls(groups, pools)
         try:
             join([ready for group in groups.values() for ready in group.ready])
             started.log_whereabouts()

@@ -1,7 +1,7 @@
 """Waiting for what the ranks' calls return (their Ray futures), without hanging on a
 rank that is gone: `join` (and `gather`, which re-joins batch shards), the streams of
 calls that yield results as they come (`results_as_they_come`), and looks that never
-wait (`finished`, `answered`)."""
+wait (`finished`, `answered`) or wait a while (`unfinished_after`)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,18 @@ def finished(refs: Sequence[ObjectRef[Any]]) -> bool:
     import ray
 
     return not ray.wait(list(refs), num_returns=len(refs), timeout=0)[1]
+
+
+def unfinished_after(refs: Sequence[ObjectRef[Any]], timeout_s: float) -> list[int]:
+    """The places in `refs` of the futures still without a result (or an error) once
+    `timeout_s` has passed; waits no longer than all of them take."""
+    import ray
+
+    if not refs:
+        return []
+    pending = {ref.binary() for ref in ray.wait(list(refs), num_returns=len(refs),
+                                                timeout=timeout_s)[1]}  # fmt: skip
+    return [i for i, ref in enumerate(refs) if ref.binary() in pending]
 
 
 def answered(refs: Sequence[ObjectRef[Any]]) -> bool:

@@ -37,6 +37,7 @@ from rlhf_trainer.cluster.placement import PlacementTimeout, WorkerSlot
 from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S
 from rlhf_trainer.cluster.waits import finished, join
 from rlhf_trainer.loop.sync import PPOTrainer, split_list
+from rlhf_trainer.loop.weights import EnginesStuck
 from rlhf_trainer.rollout.queue import Admitted
 from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -126,28 +127,32 @@ class ElasticRollout:
     def lose(self, lost: RanksLost) -> list[Admitted]:
         """Go on without the engines of `lost`, and without any more that die while
         that is done: in rounds, until a round ends with every engine that serves alive.
-        Past generation.maxEngineRestarts, EngineRestartsExhausted naming them. Returns
+        Engines the loss left stuck in the weight transfer (EnginesStuck) go too. Past
+        generation.maxEngineRestarts, EngineRestartsExhausted naming them. Returns
         what they owed (to admit again); their admissions are no longer waited for."""
         gone: list[int] = []
-        dying = list(lost.ranks)
+        dying: RanksLost | None = lost
         unloaded: list[int] = []  # lost with none serving: their replacements need weights
         with self.core.timeline.span(self.group.pool, Role.ROLLOUT, ENGINES_LOST):
-            while dying:
-                self.core.engines.count(RanksLost(Role.ROLLOUT, self.group.pool, dying))
-                gone += dying
-                if not self.drop(dying):
-                    unloaded += dying
+            while dying is not None:
+                self.core.engines.count(dying)
+                gone += dying.ranks
+                if not self.drop(list(dying.ranks)):
+                    unloaded += dying.ranks
                 try:
                     self.core.weight_sync.reopen()
                     if unloaded:
                         self.core.weight_sync.push(self.core.policy_version)
                         self.tell(unloaded)
                         unloaded = []
+                except EnginesStuck as stuck:  # left in the failed push's receive (NCCL)
+                    dying = stuck
+                    continue
                 except Exception:  # a call met one more that died (or stopped)
-                    if not (dying := self.group.dead_ranks()):
+                    if (dying := self.dead()) is None:
                         raise
                     continue
-                dying = self.group.dead_ranks()
+                dying = self.dead()
             owed = join([self.queue.not_received.remote(self.ledger.held_by(gone))])[0]
         self.admissions = [(rank, call) for rank, call in self.admissions if rank not in gone]
         log.warning("%s: going on with %d engine(s); %d sample(s) they owed are generated "

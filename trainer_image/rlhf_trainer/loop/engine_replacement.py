@@ -6,7 +6,9 @@ a rank lost. The trainer then replaces it, between its calls to the engines: a n
 rank in the lost one's bundle (Ray places it again, on the node that replaces a lost
 one), built from the model directory, taken into the weight transfer, and given the
 current weights by a push before it generates. Nothing of the dead engine is needed, so
-an engine recovers the same way on every weight transfer, GPUs included. Fully async
+an engine recovers the same way on every weight transfer, GPUs included. An engine that the
+loss left stuck in the failed push (an NCCL receive, which nothing ends from outside)
+is replaced too, not counted against the limit below. Fully async
 does the same through its elastic membership (`elastic_rollout`).
 
 A replacement takes its predecessor's place in the group, and so its part of the
@@ -22,15 +24,16 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.cluster.groups import started_up
 from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.cluster.placement import WorkerSlot
 from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S, RoleGroups
-from rlhf_trainer.loop.weights import WeightSync
+from rlhf_trainer.loop.weights import EnginesStuck, WeightSync
 from rlhf_trainer.rollout.worker import RolloutWorker
+from rlhf_trainer.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +62,31 @@ class EngineReplacement:
     """Replaces the rollout engines that a synchronous run loses, and counts them in
     both modes (fully async replaces its own: `elastic_rollout`)."""
 
-    def __init__(self, config: JobConfig, groups: RoleGroups, weight_sync: WeightSync) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        groups: RoleGroups,
+        weight_sync: WeightSync,
+        worker: tuple[type[Worker], ...] | None = None,
+    ) -> None:
         self.config = config
         self.groups = groups
         self.weight_sync = weight_sync
+        # The engines' worker class and its arguments (a toy engine's in tests).
+        self.worker: tuple[Any, ...] = worker or (RolloutWorker, config)
         self.replaced = 0  # engines, in this run
         self.by_bundle: Counter[WorkerSlot] = Counter()  # the replacements in each bundle
 
     def count(self, lost: RanksLost) -> None:
         """Count the engines of `lost` (rollout ranks of the group that serves) as
         replaced; past generation.maxEngineRestarts in any one bundle,
-        EngineRestartsExhausted naming them (and nothing counted)."""
+        EngineRestartsExhausted naming them (and nothing counted). Engines stuck in a
+        push that another's loss failed (EnginesStuck) are not counted against it."""
         slots = self.groups[Role.ROLLOUT].slots_of(lost.ranks)
-        times = [self.by_bundle[slot] for slot in slots]
-        check_replacements(lost, times, self.config.generation.max_engine_restarts)
-        self.by_bundle.update(slots)
+        if not isinstance(lost, EnginesStuck):
+            times = [self.by_bundle[slot] for slot in slots]
+            check_replacements(lost, times, self.config.generation.max_engine_restarts)
+            self.by_bundle.update(slots)
         self.replaced += len(slots)
 
     def surviving(
@@ -103,16 +116,27 @@ class EngineReplacement:
             replaced = True
 
     def replace(self, lost: RanksLost) -> None:
-        """New engines in the bundles of those of `lost`, up and in the weight transfer."""
+        """New engines in the bundles of those of `lost`, up and in the weight transfer;
+        those that the loss left stuck in the transfer (EnginesStuck: NCCL) are
+        replaced too, once."""
+        self.respawn(lost)
+        try:
+            self.weight_sync.reopen()
+        except EnginesStuck as stuck:
+            log.warning("%s: they are replaced too", stuck)
+            self.respawn(stuck)
+            self.weight_sync.reopen()
+
+    def respawn(self, lost: RanksLost) -> None:
+        """New engines in the bundles of those of `lost`, up, serving in their place."""
         self.count(lost)
         before = self.groups[Role.ROLLOUT]
         gone = before.without(before.without(lost.ranks).ranks)
         gone.shutdown(grace_s=0)  # a stopped one must not come back
         log.warning("%s: starting new engines in their bundles (%d replaced in this run)",
                     lost, self.replaced)  # fmt: skip
-        started = self.groups.respawn(Role.ROLLOUT, gone.slots, RolloutWorker, self.config)
+        started = self.groups.respawn(Role.ROLLOUT, gone.slots, *self.worker)
         new = started_up(started, PLACEMENT_TIMEOUT_S)
         serving = before.substituted(new)
         self.groups.replace(serving)
-        self.weight_sync.reopen()
         log.info("rollout rank(s) %s serve in place of %s", list(new.ranks), list(lost.ranks))

@@ -12,21 +12,25 @@ only in gathering each tensor whole (an FSDP collective).
 No silent hangs: each call to the engines waits `timeout_s`, then fails naming the
 engines that did not answer. The transfer's own collectives wait longer
 (`group_timeout_s`), so that the calls, which can tell a stopped rank from its waiting
-peers, are what report; the driver waits longer still.
+peers, are what report; the driver waits longer still. After a push that failed (an
+engine lost in it), an engine that cannot close the update is stuck in the push's
+receive, as NCCL's is for ever: it is handed back as lost (EnginesStuck), to replace.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.engine_client import EngineGroupClient
 from rlhf_trainer.cluster.groups import WorkerGroup
+from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.role_groups import RoleGroups
-from rlhf_trainer.cluster.waits import join
+from rlhf_trainer.cluster.waits import join, unfinished_after
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     TransferSetup,
@@ -39,6 +43,21 @@ log = logging.getLogger(__name__)
 def group_timeout_s(timeout_s: float) -> float:
     """How long the transfer's collectives wait: well past the engine calls' own wait."""
     return 2 * timeout_s + 60
+
+
+class EnginesStuck(RanksLost):
+    """Rollout engines that live but are stuck in the weight transfer: after a failed
+    push they did not close its update within the engine calls' timeout. A vLLM
+    worker waiting in an NCCL receive whose sender aborted waits for ever (NCCL tells
+    no peer of an abort, and nothing outside its process can end the receive), so such
+    an engine can only be replaced, as a lost one is; it is not counted against
+    generation.maxEngineRestarts (`EngineReplacement.count`)."""
+
+    def __init__(self, pool: str, ranks: Sequence[int], timeout_s: float) -> None:
+        super().__init__(Role.ROLLOUT, pool, ranks)
+        names = ", ".join(f"rollout rank {rank}" for rank in self.ranks)
+        self.args = (f"{names} on pool {pool} stuck in the weight transfer: no answer "
+                     f"within {timeout_s:g} s to closing a failed push's update",)  # fmt: skip
 
 
 class WeightSync:
@@ -123,9 +142,14 @@ class WeightSync:
         engine's ranks follow the ones before it). An update a failed push left open on
         them is closed unserved first (paused until the next push: never half loaded),
         and the old transfer is shut down on both sides. The engines keep the weights
-        they serve."""
+        they serve. Engines that cannot close it within the timeout, still in the
+        failed push's receive, are raised as EnginesStuck (the transfer is not opened)."""
         self.wait_for_engines()  # the calls below would queue behind theirs
-        join(self.rollout.run("abandon_weight_update"), self.timeout_s)
+        closing = self.rollout.run("abandon_weight_update")
+        if stuck := unfinished_after(closing, self.timeout_s):
+            ranks = [self.rollout.ranks[i] for i in stuck]
+            raise EnginesStuck(self.rollout.pool, ranks, self.timeout_s)
+        join(closing)
         self.open()
 
     def wait_before_next_push(self, calls: list[Any], timeout_s: float) -> None:
