@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from .harness import ControlPlane
+from .jobs import CLUSTER_EXAMPLES, get, load, node_pools, status_when, worker_pods
 from .operator_process import OperatorProcess
-from .test_operator import CLUSTER_EXAMPLES, get, load, node_pools, status_when, worker_pods
 from .util import bound_claim, eventually
 
 

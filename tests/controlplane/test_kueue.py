@@ -13,8 +13,8 @@ import pytest
 from tests.conftest import needs
 
 from .harness import REPO_ROOT, ControlPlane, can_run_kueue
+from .jobs import apply, get, job_status, load
 from .operator_process import OperatorProcess
-from .test_operator import apply, get, job_status, load
 from .util import eventually, get_json
 
 pytestmark = needs(None if can_run_kueue() else "Kueue needs root and unshare")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,95 +14,22 @@ import yaml
 from rlhf_operator.controller.resizes import STOP_ASKED
 
 from .harness import DEFAULT_NODE_GROUPS, REPO_ROOT, ControlPlane
+from .jobs import (
+    apply,
+    apply_example,
+    apply_with_checkpoints,
+    get,
+    job_status,
+    load,
+    patch_job,
+    recreated,
+    status_when,
+    worker_pods,
+)
 from .operator_process import OperatorProcess
-from .util import bound_claim, eventually, get_json, kubectl_as, rlhfjob
+from .util import eventually, get_json, kubectl_as
 
 CPU_NODES = next(g for g in DEFAULT_NODE_GROUPS if not g.gpus)
-EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
-# local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
-# cpu-cluster trains for real on the real node (test_real_job.py).
-# The examples that put each pool on a node group of its own (the others run on this
-# machine: locally, or on the tests' real node).
-CLUSTER_EXAMPLES = [
-    p for p in EXAMPLES
-    if p.name not in ("local-cpu.yaml", "cpu-cluster.yaml", "agentic-cluster.yaml", "agentic-tools.yaml")
-]  # fmt: skip
-
-
-def load(path: Path) -> dict[str, Any]:
-    doc: dict[str, Any] = yaml.safe_load(path.read_text())
-    return doc
-
-
-def apply(cp: ControlPlane, namespace: str, manifest: dict[str, Any], check: bool = True) -> Any:
-    return cp.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=check
-    )
-
-
-def apply_example(cp: ControlPlane, namespace: str, file_name: str) -> None:
-    cp.kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / file_name))
-
-
-def patch_job(
-    cp: ControlPlane, namespace: str, name: str, kind: str, patch: str, check: bool = True
-) -> Any:
-    """kubectl patch --type=KIND of an RLHFJob."""
-    return cp.kubectl(
-        "patch", "rlhfjob", name, "-n", namespace, f"--type={kind}", "-p", patch, check=check
-    )
-
-
-def get(cp: ControlPlane, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    result = cp.kubectl("get", kind, name, "-n", namespace, "-o", "json", check=False)
-    return json.loads(result.stdout) if result.returncode == 0 else None
-
-
-def job_status(cp: ControlPlane, name: str, namespace: str) -> dict[str, Any]:
-    return (rlhfjob(cp, name, namespace) or {}).get("status") or {}
-
-
-def worker_pods(cp: ControlPlane, job: str, namespace: str) -> dict[str, list[dict[str, Any]]]:
-    """Running worker pods of a job, by pool."""
-    pods = get_json(cp, "pods", "-n", namespace, "-l", f"rlhf.dev/job={job},rlhf.dev/pool")["items"]
-    by_pool: dict[str, list[dict[str, Any]]] = {}
-    for pod in pods:
-        if pod["status"].get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp"):
-            by_pool.setdefault(pod["metadata"]["labels"]["rlhf.dev/pool"], []).append(pod)
-    return by_pool
-
-
-def status_when(
-    cp: ControlPlane, name: str, namespace: str, **expected: Any
-) -> dict[str, Any] | None:
-    """The job's status once the given fields have the given values, else None."""
-    status = job_status(cp, name, namespace)
-    return status if all(status.get(k) == v for k, v in expected.items()) else None
-
-
-def recreated(
-    cp: ControlPlane, kind: str, name: str, namespace: str, old_uid: str
-) -> dict[str, Any] | None:
-    obj = get(cp, kind, name, namespace)
-    return obj if obj and obj["metadata"]["uid"] != old_uid else None
-
-
-def apply_with_checkpoints(cp: ControlPlane, namespace: str, example: str) -> None:
-    """Apply an example that keeps checkpoints, on a bound `checkpoints` claim (a resize
-    may then replace its attempt)."""
-    claim = bound_claim(namespace, "checkpoints", f"/tmp/{namespace}-ckpt", "ReadWriteMany")
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(claim))
-    manifest = load(REPO_ROOT / "examples" / example)
-    manifest["spec"]["checkpointClaim"] = "checkpoints"
-    apply(cp, namespace, manifest)
-
-
-def node_pools(cp: ControlPlane) -> dict[str, str]:
-    """kwok's nodes by pool (the real node, where it runs, is in none)."""
-    return {
-        n["metadata"]["name"]: n["metadata"]["labels"]["pool"]
-        for n in get_json(cp, "nodes", "-l", "type=kwok")["items"]
-    }
 
 
 def test_a_head_lost_inside_an_attempt_is_a_driver_restart_in_status_and_an_event(

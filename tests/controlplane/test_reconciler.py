@@ -22,7 +22,7 @@ from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render.meta import COMPONENT_LABEL
 
 from .harness import ControlPlane
-from .test_operator import (
+from .jobs import (
     CLUSTER_EXAMPLES,
     apply_example,
     apply_with_checkpoints,

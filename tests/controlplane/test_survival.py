@@ -22,8 +22,8 @@ import yaml
 from rlhf_operator.api.crd import PEERING_NAME
 
 from .harness import REPO_ROOT, ControlPlane
+from .jobs import apply, apply_example, get, job_status, load, status_when
 from .operator_process import OperatorProcess
-from .test_operator import apply, apply_example, get, job_status, load, status_when
 from .util import eventually, get_json
 
 JOB = "colocated"
