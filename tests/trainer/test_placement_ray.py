@@ -5,8 +5,8 @@ one node per pool replica, with logical GPUs, the custom resource and the node l
 taken from the RayJob the operator renders, so the trainer is tested against what the
 operator really gives it. Pool "policy" (actor, rollout, ref) has 2 GPUs on one node,
 pool "value" (critic) 1 GPU on another. One more node is mis-labelled on purpose: it
-carries pool "stray"'s resource but another pool's label. And pool "sync" has a node
-of its own (2 GPUs) for the weight-sync test's job.
+carries pool "stray"'s resource but another pool's label. (Weight pushes that lose an
+engine: test_weight_push_faults.py.)
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from rlhf_operator.render.children import JobRef, render_rayjob
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
-from rlhf_trainer.cluster.engine_client import TransferFailed
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup
-from rlhf_trainer.cluster.hangs import NoAnswer, RankDied
+from rlhf_trainer.cluster.hangs import RankDied
 from rlhf_trainer.cluster.placement import (
     PlacementTimeout,
     PoolGroup,
@@ -47,21 +46,15 @@ from rlhf_trainer.cluster.placement import (
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
 from rlhf_trainer.data.prompts import Prompt, PromptStream
-from rlhf_trainer.loop.engine_replacement import EngineReplacement
 from rlhf_trainer.loop.sync import PPOTrainer
-from rlhf_trainer.loop.weights import WeightSync, group_timeout_s
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
-from rlhf_trainer.worker import Worker
 from tests.environments import served
 from tests.trainer.toy_workers import (
-    TOY_WEIGHTS,
     BusyEngine,
     HeldRollout,
-    LosingReceiver,
     PartialSums,
-    StoppingReceiver,
-    WeightSender,
+    wait_until_dead,
 )
 from tests.unit.conftest import EXAMPLES, load
 
@@ -102,12 +95,6 @@ def ray_pools() -> Iterator[RayPools]:
             resources={pool_resource("stray"): 1},
             labels={POOL_LABEL: "not-stray"},
         )
-        cluster.add_node(
-            num_cpus=0,
-            num_gpus=2,
-            resources={pool_resource("sync"): 2},
-            labels={POOL_LABEL: "sync"},
-        )
         ray.init(address=cluster.address, include_dashboard=False)
         pool_nodes: dict[str, set[str]] = {}
         for node in ray.nodes():
@@ -141,7 +128,6 @@ def test_the_cluster_is_what_the_operator_renders(ray_pools: RayPools) -> None:
         "policy": 1,
         "value": 1,
         "not-stray": 1,
-        "sync": 1,
     }
 
 
@@ -276,19 +262,6 @@ def test_a_rank_dying_mid_collective_fails_the_call_instead_of_hanging(
         wait_until_dead(host)
 
 
-def wait_until_dead(host: Any, timeout_s: float = 60) -> None:
-    """ray.kill lands asynchronously: a call made at once may still be answered (a cold
-    CI run here saw the killed rank's stats come back once)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(host.whereabouts.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the killed rank still answers")
-
-
 def test_engines_report_their_stats_and_calls_while_busy_and_a_dead_one_loses_its_series(
     ray_pools: RayPools,
 ) -> None:
@@ -394,111 +367,6 @@ def test_a_rank_is_lost_once_ray_finds_it_dead_or_it_stays_silent_not_while_it_i
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         group.shutdown(grace_s=1)
-
-
-SYNC_TIMEOUT_S = 5.0
-
-
-def sync_job() -> JobConfig:
-    """A job with every role on pool "sync" (2 GPUs: the actor and two engines)."""
-    manifest = job_manifest()
-    manifest["spec"]["pools"] = [{"name": "sync", "gpusPerNode": 2}]
-    manifest["spec"]["roles"] = {role: "sync" for role in ("actor", "rollout", "ref", "critic")}
-    return parse_job(manifest).spec
-
-
-def sync_groups(job: JobConfig, receiver: type[Worker], *args: Any) -> RoleGroups:
-    """The toy actor (WeightSender) and two toy engines (`receiver`) of `job`, up."""
-    plan = plan_placement(job)
-    pools = wait_ready(create_pool_groups(plan, "sync"), READY_TIMEOUT_S)
-    groups = RoleGroups(
-        {Role.ACTOR: WorkerGroup.spawn(plan, Role.ACTOR, pools["sync"], WeightSender)}
-        | {Role.ROLLOUT: WorkerGroup.spawn(plan, Role.ROLLOUT, pools["sync"], receiver, *args)},
-        pools,
-    )
-    try:
-        join([ready for group in groups.groups.values() for ready in group.ready])
-    except BaseException:
-        groups.shutdown()
-        raise
-    return groups
-
-
-def sync_with_a_failing_engine(
-    ray_pools: RayPools, error: type[Exception], dies: bool
-) -> tuple[str, float]:
-    """One weight push to two toy engines on one pool, rank 0 of which stops or dies in
-    it; the error the driver gets, and how long it took."""
-    groups = sync_groups(sync_job(), StoppingReceiver, 0, dies)
-    frozen = None
-    try:
-        frozen = join(groups[Role.ROLLOUT].run("pid"))[0]
-        sync = WeightSync(groups, SYNC_TIMEOUT_S)
-        sync.open()
-        started = time.monotonic()
-        with pytest.raises(error) as failure:
-            sync.push(version=1)
-        return str(failure.value), time.monotonic() - started
-    finally:
-        if frozen is not None and not dies:
-            os.kill(frozen, signal.SIGKILL)  # a stopped process ends only this way
-        groups.shutdown()
-
-
-def test_a_rank_stopped_in_a_weight_sync_is_named_once_the_timeout_passes(
-    ray_pools: RayPools,
-) -> None:
-    """Rollout rank 0 freezes (SIGSTOP) as an update starts. The transfer does not hang:
-    after the timeout the actor's rank 0, which drives it, fails naming that rank as the
-    one not answering (not rank 1, which answered), before the transfer's own
-    collectives would time out, and the driver gets that error."""
-    message, waited = sync_with_a_failing_engine(ray_pools, NoAnswer, dies=False)
-    assert "weight transfer, start_weight_update on every engine" in message
-    silent = message.partition("not answering (stopped, hung, dead or lost):")[2]
-    assert "rollout rank 0 on pool sync (start_weight_update)" in silent, message
-    assert "rollout rank 1" not in message and "actor rank" not in silent, message
-    assert SYNC_TIMEOUT_S <= waited < group_timeout_s(SYNC_TIMEOUT_S)
-
-
-def test_a_rank_that_dies_in_a_weight_sync_fails_it_at_once_by_name(
-    ray_pools: RayPools,
-) -> None:
-    """Rollout rank 0's process exits at the first bucket: the push fails without
-    waiting out the timeout, naming that rank (and not rank 1)."""
-    message, waited = sync_with_a_failing_engine(ray_pools, TransferFailed, dies=True)
-    assert "weight transfer, update_weights: rollout rank 0 on pool sync failed" in message
-    assert "rollout rank 1" not in message, message
-    assert waited < SYNC_TIMEOUT_S
-
-
-def test_engines_left_stuck_in_a_push_that_lost_one_are_replaced_too(
-    ray_pools: RayPools, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Rollout rank 0 dies at the push's first bucket, and rank 1 stays in its receive
-    (a stand-in for NCCL's, which no abort ends: LosingReceiver). The push is made
-    again on two new engines: rank 2 in rank 0's bundle, and rank 3 in rank 1's, once
-    rank 1 has not closed the failed update within the timeout. Both serve the
-    version whole; only rank 0's bundle counts a restart, and rank 1's process is
-    ended (on a GPU, so are its engine's GPU memory and communicator)."""
-    job = sync_job()
-    groups = sync_groups(job, LosingReceiver)
-    try:
-        stuck = groups[Role.ROLLOUT].hosts[1]
-        slots = groups[Role.ROLLOUT].slots
-        sync = WeightSync(groups, SYNC_TIMEOUT_S)
-        sync.open()
-        engines = EngineReplacement(job, groups, sync, worker=(LosingReceiver,))
-        engines.surviving(lambda: sync.push(version=1), lost_in=Exception)
-        assert list(groups[Role.ROLLOUT].ranks) == [2, 3]
-        for version, weights in join(groups[Role.ROLLOUT].run("serving")):
-            assert version == 1 and weights.keys() == TOY_WEIGHTS.keys()
-            for name, tensor in TOY_WEIGHTS.items():
-                assert torch.equal(weights[name], tensor), name
-        assert engines.replaced == 2 and engines.by_bundle == {slots[0]: 1}
-        assert "rollout rank 1 on pool sync stuck in the weight transfer" in caplog.text
-        wait_until_dead(stuck)
-    finally:
-        groups.shutdown()
 
 
 def test_a_synchronous_step_offers_each_sample_to_the_reward_service_as_it_finishes(

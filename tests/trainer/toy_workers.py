@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import ray
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -239,3 +240,16 @@ class LosingReceiver(StoppingReceiver):
     def serving(self) -> tuple[int, dict[str, Tensor]] | None:
         """The version this engine serves, and its weights."""
         return self.serves
+
+
+def wait_until_dead(host: Any, timeout_s: float = 60) -> None:
+    """ray.kill lands asynchronously: a call made at once may still be answered (a cold
+    CI run here saw the killed rank's stats come back once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(host.whereabouts.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed rank still answers")
