@@ -146,6 +146,7 @@ class ElasticRollout:
                         self.tell(unloaded)
                         unloaded = []
                 except EnginesStuck as stuck:  # left in the failed push's receive (NCCL)
+                    log.warning("%s: they go too", stuck)
                     dying = stuck
                     continue
                 except Exception:  # a call met one more that died (or stopped)
