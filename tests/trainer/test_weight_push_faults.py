@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -26,7 +27,7 @@ from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.cluster.engine_client import TransferFailed
 from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import NoAnswer, RanksLost
-from rlhf_trainer.cluster.placement import create_pool_groups, wait_ready
+from rlhf_trainer.cluster.placement import WorkerSlot, create_pool_groups, wait_ready
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.cluster.waits import join
@@ -137,8 +138,45 @@ def test_a_rank_that_dies_in_a_weight_sync_fails_it_at_once_by_name() -> None:
     assert waited < SYNC_TIMEOUT_S
 
 
+@dataclass
+class LosingPush:
+    """Two toy engines (LosingReceiver) in an open weight transfer, and their
+    replacement; `stuck` is rank 1's actor, `slots` the engines' bundles."""
+
+    groups: RoleGroups
+    sync: WeightSync
+    engines: EngineReplacement
+    stuck: Any
+    slots: list[WorkerSlot]
+
+    def check_after(self, caplog: pytest.LogCaptureFixture) -> None:
+        """Every engine that serves has version 1 whole; only rank 0's bundle counted a
+        restart; rank 1 was named stuck, and its process has ended."""
+        for version, weights in join(self.groups[Role.ROLLOUT].run("serving")):
+            assert version == 1 and weights.keys() == TOY_WEIGHTS.keys()
+            for name, tensor in TOY_WEIGHTS.items():
+                assert torch.equal(weights[name], tensor), name
+        assert self.engines.replaced == 2 and self.engines.by_bundle == {self.slots[0]: 1}
+        assert "rollout rank 1 on pool sync stuck in the weight transfer" in caplog.text
+        wait_until_dead(self.stuck)
+
+
+@pytest.fixture
+def losing_push() -> Iterator[LosingPush]:
+    job = sync_job()
+    groups = sync_groups(job, LosingReceiver)
+    try:
+        rollout = groups[Role.ROLLOUT]
+        sync = WeightSync(groups, SYNC_TIMEOUT_S)
+        sync.open()
+        engines = EngineReplacement(job, groups, sync, worker=(LosingReceiver,))
+        yield LosingPush(groups, sync, engines, rollout.hosts[1], list(rollout.slots))
+    finally:
+        groups.shutdown()
+
+
 def test_engines_left_stuck_in_a_push_that_lost_one_are_replaced_too(
-    caplog: pytest.LogCaptureFixture,
+    losing_push: LosingPush, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Rollout rank 0 dies at the push's first bucket, and rank 1 stays in its receive
     (a stand-in for NCCL's, which no abort ends: LosingReceiver). The push is made
@@ -146,57 +184,29 @@ def test_engines_left_stuck_in_a_push_that_lost_one_are_replaced_too(
     rank 1 has not closed the failed update within the timeout. Both serve the
     version whole; only rank 0's bundle counts a restart, and rank 1's process is
     ended (on a GPU, so are its engine's GPU memory and communicator)."""
-    job = sync_job()
-    groups = sync_groups(job, LosingReceiver)
-    try:
-        stuck = groups[Role.ROLLOUT].hosts[1]
-        slots = groups[Role.ROLLOUT].slots
-        sync = WeightSync(groups, SYNC_TIMEOUT_S)
-        sync.open()
-        engines = EngineReplacement(job, groups, sync, worker=(LosingReceiver,))
-        engines.surviving(lambda: sync.push(version=1), lost_in=Exception)
-        assert list(groups[Role.ROLLOUT].ranks) == [2, 3]
-        for version, weights in join(groups[Role.ROLLOUT].run("serving")):
-            assert version == 1 and weights.keys() == TOY_WEIGHTS.keys()
-            for name, tensor in TOY_WEIGHTS.items():
-                assert torch.equal(weights[name], tensor), name
-        assert engines.replaced == 2 and engines.by_bundle == {slots[0]: 1}
-        assert "rollout rank 1 on pool sync stuck in the weight transfer" in caplog.text
-        wait_until_dead(stuck)
-    finally:
-        groups.shutdown()
+    push = losing_push
+    push.engines.surviving(lambda: push.sync.push(version=1), lost_in=Exception)
+    assert list(push.groups[Role.ROLLOUT].ranks) == [2, 3]
+    push.check_after(caplog)
 
 
 def test_in_fully_async_engines_left_stuck_by_a_loss_go_with_it(
-    caplog: pytest.LogCaptureFixture,
+    losing_push: LosingPush, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The same push in fully async (ElasticRollout.lose): rank 0 is lost, and rank 1,
     left stuck, goes too. With no engine left the run waits for rank 3, started in
     rank 1's bundle, and pushes it the current weights; rank 2, started in rank 0's,
     joins later (it is left starting). Only rank 0's bundle counts a restart."""
-    job = sync_job()
-    groups = sync_groups(job, LosingReceiver)
-    try:
-        stuck = groups[Role.ROLLOUT].hosts[1]
-        slots = groups[Role.ROLLOUT].slots
-        sync = WeightSync(groups, SYNC_TIMEOUT_S)
-        sync.open()
-        engines = EngineReplacement(job, groups, sync, worker=(LosingReceiver,))
-        core = SimpleNamespace(groups=groups, weight_sync=sync, engines=engines,
-                               timeline=Timeline(), policy_version=1)  # fmt: skip
-        elastic = ToyElasticRollout(cast(PPOTrainer, core), spawn_queue(), TrainerMetrics())
-        with pytest.raises(TransferFailed):
-            sync.push(version=1)
-        assert elastic.lose(RanksLost(Role.ROLLOUT, "sync", [0])) == []  # it owed nothing
-        assert list(groups[Role.ROLLOUT].ranks) == [3]
-        [(version, weights)] = join(groups[Role.ROLLOUT].run("serving"))
-        assert version == 1 and all(torch.equal(weights[n], t) for n, t in TOY_WEIGHTS.items())
-        assert [list(g.ranks) for g in elastic.joining] == [[2]]
-        assert engines.replaced == 2 and engines.by_bundle == {slots[0]: 1}
-        assert "rollout rank 1 on pool sync stuck in the weight transfer" in caplog.text
-        wait_until_dead(stuck)
-    finally:
-        groups.shutdown()
+    push = losing_push
+    core = SimpleNamespace(groups=push.groups, weight_sync=push.sync, engines=push.engines,
+                           timeline=Timeline(), policy_version=1)  # fmt: skip
+    elastic = ToyElasticRollout(cast(PPOTrainer, core), spawn_queue(), TrainerMetrics())
+    with pytest.raises(TransferFailed):
+        push.sync.push(version=1)
+    assert elastic.lose(RanksLost(Role.ROLLOUT, "sync", [0])) == []  # it owed nothing
+    assert list(push.groups[Role.ROLLOUT].ranks) == [3]
+    assert [list(group.ranks) for group in elastic.joining] == [[2]]
+    push.check_after(caplog)
 
 
 class ToyElasticRollout(ElasticRollout):
