@@ -1,0 +1,103 @@
+"""CPU-seconds by test and by module, for deciding what to cut when CI nears its budget
+(`PYTEST_ADDOPTS="-p tests.cpu_by_test" make test`).
+
+On CI's 2 busy cores a run lasts its CPU over 2, and a test's wall time says little: one
+that waits on a cluster is slow and cheap, and two that train side by side each look
+twice as long as they are. Each pytest process (each xdist worker) moves itself into a
+cgroup of its own, so the Ray clusters, engines and servers it starts count with it
+wherever they are reparented, and reads the group's usage around every test. Needs root
+and cgroup v1's `cpuacct` (as on CI's machines); elsewhere it says why and measures
+nothing. A real node's pods are not counted: containerd puts them in cgroups of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+PROPERTY = "cpu_seconds"  # a report's user property: its phase's CPU, where it ran
+SHOWN = 20
+PLUGIN = "cpu_by_test_plugin"
+
+
+class CpuByTest:
+    def __init__(self) -> None:
+        self.group: Path | None = None
+        self.why_not = ""
+        self.mark = 0.0
+        self.by_test: defaultdict[str, float] = defaultdict(float)
+
+    def join_a_group_of_its_own(self) -> None:
+        name = f"rlhf-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}"
+        for earlier in CPUACCT.glob("rlhf-tests-*"):  # runs' groups left with nothing in them
+            with contextlib.suppress(OSError):
+                earlier.rmdir()
+        try:
+            group = CPUACCT / name
+            group.mkdir(exist_ok=True)
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError as error:
+            self.why_not = f"no cgroup of its own under {CPUACCT}: {error}"
+            return
+        self.group = group
+
+    def leave_its_group(self) -> None:
+        """Back to the root group; the group goes once nothing of the run is left in it."""
+        if self.group is not None:
+            (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
+            with contextlib.suppress(OSError):
+                self.group.rmdir()
+
+    def usage(self) -> float:
+        assert self.group is not None
+        return int((self.group / "cpuacct.usage").read_text()) / 1e9
+
+    def pytest_collection_finish(self) -> None:
+        if self.group is not None:
+            self.mark = self.usage()  # the first test's CPU leaves out collection
+
+    @pytest.hookimpl(tryfirst=True)  # in an xdist worker, before xdist sends the report on
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        properties = dict(report.user_properties)
+        if PROPERTY not in properties and self.group is not None:  # where the test ran
+            now = self.usage()
+            properties[PROPERTY] = now - self.mark
+            report.user_properties.append((PROPERTY, properties[PROPERTY]))
+            self.mark = now
+        if PROPERTY in properties:
+            self.by_test[report.nodeid] += properties[PROPERTY]
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        terminalreporter.section("CPU-seconds by module and test (tests/cpu_by_test.py)")
+        if not self.by_test:
+            terminalreporter.write_line(f"nothing measured: {self.why_not}")
+            return
+        modules: defaultdict[str, float] = defaultdict(float)
+        for test, seconds in self.by_test.items():
+            modules[test.split("::")[0]] += seconds
+        terminalreporter.write_line(f"{sum(modules.values()):7.1f} CPU-s in all")
+        for module, seconds in sorted(modules.items(), key=lambda m: -m[1])[:SHOWN]:
+            terminalreporter.write_line(f"{seconds:7.1f}  {module}")
+        for test, seconds in sorted(self.by_test.items(), key=lambda t: -t[1])[:SHOWN]:
+            terminalreporter.write_line(f"{seconds:7.1f}  {test}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    plugin = CpuByTest()
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        # xdist's controller runs no test: its workers measure, it adds up their reports.
+        plugin.why_not = f"no worker could make a cgroup of its own under {CPUACCT}"
+    else:
+        plugin.join_a_group_of_its_own()
+    config.pluginmanager.register(plugin, PLUGIN)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    plugin = config.pluginmanager.get_plugin(PLUGIN)
+    if plugin is not None:
+        plugin.leave_its_group()
