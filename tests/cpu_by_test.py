@@ -34,9 +34,10 @@ class CpuByTest:
 
     def join_a_group_of_its_own(self) -> None:
         name = f"rlhf-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{os.getpid()}"
-        for earlier in CPUACCT.glob("rlhf-tests-*"):  # runs' groups left with nothing in them
-            with contextlib.suppress(OSError):
-                earlier.rmdir()
+        for earlier in CPUACCT.glob("rlhf-tests-*"):  # groups of runs that have ended
+            if not Path("/proc", earlier.name.rpartition("-")[2]).exists():
+                with contextlib.suppress(OSError):
+                    earlier.rmdir()  # fails while a process of that run is left in it
         try:
             group = CPUACCT / name
             group.mkdir(exist_ok=True)
@@ -49,8 +50,8 @@ class CpuByTest:
     def leave_its_group(self) -> None:
         """Back to the root group; the group goes once nothing of the run is left in it."""
         if self.group is not None:
-            (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
             with contextlib.suppress(OSError):
+                (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
                 self.group.rmdir()
 
     def usage(self) -> float:
@@ -63,14 +64,13 @@ class CpuByTest:
 
     @pytest.hookimpl(tryfirst=True)  # in an xdist worker, before xdist sends the report on
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        properties = dict(report.user_properties)
-        if PROPERTY not in properties and self.group is not None:  # where the test ran
+        measured = dict(report.user_properties).get(PROPERTY)
+        if measured is None and self.group is not None:  # where the test ran
             now = self.usage()
-            properties[PROPERTY] = now - self.mark
-            report.user_properties.append((PROPERTY, properties[PROPERTY]))
-            self.mark = now
-        if PROPERTY in properties:
-            self.by_test[report.nodeid] += properties[PROPERTY]
+            measured, self.mark = now - self.mark, now
+            report.user_properties.append((PROPERTY, measured))
+        if isinstance(measured, float):
+            self.by_test[report.nodeid] += measured
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("CPU-seconds by module and test (tests/cpu_by_test.py)")
