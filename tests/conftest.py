@@ -93,7 +93,7 @@ def summarise_by_module(terminalreporter: pytest.TerminalReporter) -> None:
     """Where a run's time went: seconds by tier and the costliest modules (set-up, calls
     and tear-down added up; the workers overlap, so on three they add to three times the
     wall time at most). What to cut first when CI nears its budget: on 2 busy cores, by
-    their CPU-seconds (tests/cpu_by_test.py, which CI loads) more than by these."""
+    their CPU-seconds (`PYTEST_ADDOPTS="-p tests.cpu_by_test"`) more than by these."""
     if len(_seconds) < 2:
         return
     modules: defaultdict[str, float] = defaultdict(float)

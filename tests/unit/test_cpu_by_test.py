@@ -31,7 +31,7 @@ def test_a_test_is_charged_the_cpu_it_took_not_its_wall_time(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # `tests.cpu_by_test` in the subprocess
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)  # CI's loads the plugin already
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)  # a caller's may load the plugin already
     pytester.makepyfile(test_suite=SUITE)
     result = pytester.runpytest_subprocess(
         "-p", "no:randomly", "-p", "tests.cpu_by_test", "-n", "2", "--dist", "loadfile"

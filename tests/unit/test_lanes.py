@@ -62,7 +62,7 @@ def pytester_importing_tests(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> pytest.Pytester:
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))  # `tests.lanes` in the subprocess
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)  # CI's: its plugins are not this suite's
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)  # the caller's plugins are not this suite's
     return pytester
 
 
