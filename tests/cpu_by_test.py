@@ -7,7 +7,12 @@ twice as long as they are. Each pytest process (each xdist worker) moves itself 
 cgroup of its own, so the Ray clusters, engines and servers it starts count with it
 wherever they are reparented, and reads the group's usage around every test. Needs root
 and cgroup v1's `cpuacct` (as on CI's machines); elsewhere it says why and measures
-nothing. A real node's pods are not counted: containerd puts them in cgroups of their own.
+nothing.
+
+The control-plane tier is left out: a process joins its group at its first test
+elsewhere, so the control plane, its real node and their pods stay where they are. With
+the lane worker moved too, the walk-through failed twice in two runs (2026-12-01), and
+passed without: unexplained, so its processes are not moved.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 PROPERTY = "cpu_seconds"  # a report's user property: its phase's CPU, where it ran
 SHOWN = 20
 PLUGIN = "cpu_by_test_plugin"
+LEFT_OUT = "controlplane"  # tests/controlplane: the tier whose processes stay put
 
 
 class CpuByTest:
@@ -58,14 +64,18 @@ class CpuByTest:
         assert self.group is not None
         return int((self.group / "cpuacct.usage").read_text()) / 1e9
 
-    def pytest_collection_finish(self) -> None:
-        if self.group is not None:
-            self.mark = self.usage()  # the first test's CPU leaves out collection
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if self.group is None and not self.why_not and LEFT_OUT not in item.path.parts:
+            self.join_a_group_of_its_own()
+            if self.group is not None:
+                self.mark = self.usage()
 
     @pytest.hookimpl(tryfirst=True)  # in an xdist worker, before xdist sends the report on
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         measured = dict(report.user_properties).get(PROPERTY)
-        if measured is None and self.group is not None:  # where the test ran
+        in_tier = LEFT_OUT not in Path(report.fspath).parts
+        if measured is None and self.group is not None and in_tier:  # where the test ran
             now = self.usage()
             measured, self.mark = now - self.mark, now
             report.user_properties.append((PROPERTY, measured))
@@ -74,6 +84,7 @@ class CpuByTest:
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("CPU-seconds by module and test (tests/cpu_by_test.py)")
+        terminalreporter.write_line(f"tests/{LEFT_OUT}/ left out: its processes are not moved")
         if not self.by_test:
             terminalreporter.write_line(f"nothing measured: {self.why_not}")
             return
@@ -92,8 +103,6 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
         # xdist's controller runs no test: its workers measure, it adds up their reports.
         plugin.why_not = f"no worker could make a cgroup of its own under {CPUACCT}"
-    else:
-        plugin.join_a_group_of_its_own()
     config.pluginmanager.register(plugin, PLUGIN)
 
 
