@@ -66,7 +66,11 @@ class CpuByTest:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        if self.group is None and not self.why_not and LEFT_OUT not in item.path.parts:
+        left_out = LEFT_OUT in item.path.parts
+        if left_out and self.group is not None:  # a worker with no lane: out, for that tier
+            self.leave_its_group()
+            self.group = None
+        elif not left_out and self.group is None and not self.why_not:
             self.join_a_group_of_its_own()
             if self.group is not None:
                 self.mark = self.usage()
