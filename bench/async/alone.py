@@ -45,7 +45,8 @@ def measure_alone(job: Callable[[Path], JobConfig]) -> Measurement:
     with tempfile.TemporaryDirectory() as tmp:
         config = job(Path(tmp) / "checkpoints")
         assert config.async_ is not None, "a fully-async job"
-        with local_ray_cluster(config), open_run(config, "alone", ConsoleReporter(1e9)) as run:
+        quiet = ConsoleReporter(every=1e9)
+        with local_ray_cluster(config), open_run(config, "alone", quiet) as run:
             run.start()
             streaming = run.streaming
             assert streaming is not None
@@ -65,7 +66,7 @@ def generate_alone(streaming: AsyncPPOTrainer) -> tuple[float, int]:
     """Tokens/s the engines generate while full, and the samples admitted in all."""
     batch, n = streaming.config.trainer.batch_size, streaming.group_size
     first = streaming.admission.admitted_total  # prompts run.start() admitted
-    streaming.admit_again(
+    streaming.elastic.give(
         [
             ((first + i) * n + j, p, streaming.prompts.prompts[p].token_ids)
             for i, p in enumerate(streaming.prompts.next_indices(BATCHES * batch))

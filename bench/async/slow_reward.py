@@ -67,10 +67,7 @@ def job(url: str, concurrency: int, fully_async: bool, checkpoints: Path) -> Job
 
 def measure(url: str, ahead: bool, concurrency: int = 8, fully_async: bool = True) -> Measurement:
     """samples/s over the measured steps, and the step's mean seconds."""
-    with (
-        mock.patch("rlhf_trainer.loop.sync.scores_ahead", return_value=ahead),
-        mock.patch("rlhf_trainer.loop.run.scores_ahead", return_value=ahead),
-    ):
+    with mock.patch("rlhf_trainer.loop.setup.scores_ahead", return_value=ahead):
         measured, figures = measure_run(partial(job, url, concurrency, fully_async), WARMUP_STEPS)
     return {
         "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),

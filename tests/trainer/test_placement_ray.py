@@ -43,10 +43,14 @@ from rlhf_trainer.cluster.placement import (
     remove_pool_groups,
     wait_ready,
 )
-from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
 from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
 from rlhf_trainer.data.prompts import Prompt, PromptStream
+from rlhf_trainer.loop.engine_replacement import EngineReplacement
+from rlhf_trainer.loop.rewards import Scorer, Tokens
+from rlhf_trainer.loop.setup import RunParts
 from rlhf_trainer.loop.sync import PPOTrainer
+from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
 from tests.environments import served
@@ -369,6 +373,19 @@ def test_a_rank_is_lost_once_ray_finds_it_dead_or_it_stays_silent_not_while_it_i
         group.shutdown(grace_s=1)
 
 
+def parts_of(
+    config: JobConfig, groups: RoleGroups, worker: WorkerSpec, prompts: PromptStream,
+    scorer: Scorer,
+) -> RunParts:  # fmt: skip
+    """A run's parts around `groups` and `scorer`, its weight transfer not opened."""
+    plan = plan_placement(config)
+    weights = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
+    engines = EngineReplacement(config, groups, weights, worker)
+    return RunParts(config, plan, TrainerMetrics(pools=[p.name for p in plan.pools]),
+                    scorer.timeline, scorer.tokens, prompts, [], groups, weights, engines,
+                    scorer, None)  # fmt: skip
+
+
 def test_a_synchronous_step_offers_each_sample_to_the_reward_service_as_it_finishes(
     ray_pools: RayPools, tmp_path: Path
 ) -> None:
@@ -385,23 +402,24 @@ def test_a_synchronous_step_offers_each_sample_to_the_reward_service_as_it_finis
 
     spec = job_manifest()["spec"]
     prompts = [Prompt(text=f"p{k}", token_ids=[k]) for k in range(4)]
+    worker = WorkerSpec(HeldRollout, (str(go_ahead),))
     group = WorkerGroup.spawn(
-        ray_pools.plan, Role.ROLLOUT, ray_pools.groups["policy"], HeldRollout, str(go_ahead)
+        ray_pools.plan, Role.ROLLOUT, ray_pools.groups["policy"], worker.cls, *worker.args
     )
     with served({"reward": reward_app_for(score)}) as url:
         spec["models"]["reward"] = {"url": f"{url}/reward"}
         config = JobConfig.model_validate(spec)
-        trainer = PPOTrainer(config, RoleGroups({Role.ROLLOUT: group}, ray_pools.groups),
-                             PromptStream(prompts, seed=0), decode=lambda ids: str(ids[0]),
-                             pad_id=0, timeline=Timeline(), reward=None)  # fmt: skip
-        try:
-            join(group.ready)
-            batch = trainer.generate(prompts, step=1)
-            assert trainer.scores_ahead is not None
-            rewards = trainer.scores_ahead.take(batch.keys).tolist()
-        finally:
-            trainer.close()
-            group.shutdown(grace_s=1)
+        groups = RoleGroups({Role.ROLLOUT: group}, ray_pools.groups)
+        tokens = Tokens(decode=lambda ids: str(ids[0]), pad_id=0)
+        with Scorer.open(config.models.reward, None, groups, tokens, Timeline()) as scorer:
+            parts = parts_of(config, groups, worker, PromptStream(prompts, seed=0), scorer)
+            trainer = PPOTrainer(parts)
+            try:
+                join(group.ready)
+                batch = trainer.generate(prompts, step=1)
+                rewards = scorer.score(batch.prompts, batch.rollouts, None, batch.keys).tolist()
+            finally:
+                group.shutdown(grace_s=1)
     assert group.world_size == 2  # two ranks, each holding the rest of its samples
     assert [p.token_ids for p in batch.prompts] == [[k] for k in range(4)]
     assert rewards == [k + 100.0 for k in range(4)]

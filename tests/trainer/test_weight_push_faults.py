@@ -29,10 +29,11 @@ from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import NoAnswer, RanksLost
 from rlhf_trainer.cluster.placement import WorkerSlot, create_pool_groups, wait_ready
 from rlhf_trainer.cluster.queue import spawn_queue
-from rlhf_trainer.cluster.role_groups import RoleGroups
+from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
 from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.loop.elastic_rollout import ElasticRollout
 from rlhf_trainer.loop.engine_replacement import EngineReplacement
+from rlhf_trainer.loop.setup import RunParts
 from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
@@ -170,7 +171,7 @@ def losing_push() -> Iterator[LosingPush]:
         rollout = groups[Role.ROLLOUT]
         sync = WeightSync(groups, SYNC_TIMEOUT_S)
         sync.open()
-        engines = EngineReplacement(job, groups, sync, worker=(LosingReceiver,))
+        engines = EngineReplacement(job, groups, sync, WorkerSpec(LosingReceiver))
         yield LosingPush(groups, sync, engines, rollout.hosts[1], list(rollout.slots))
     finally:
         groups.shutdown()
@@ -201,18 +202,11 @@ def test_in_fully_async_engines_left_stuck_by_a_loss_go_with_it(
     push = losing_push
     core = SimpleNamespace(groups=push.groups, weight_sync=push.sync, engines=push.engines,
                            timeline=Timeline(), policy_version=1)  # fmt: skip
-    elastic = ToyElasticRollout(cast(PPOTrainer, core), spawn_queue(), TrainerMetrics())
+    parts = SimpleNamespace(queue=spawn_queue(), metrics=TrainerMetrics(), engines=push.engines)
+    elastic = ElasticRollout(cast(PPOTrainer, core), cast(RunParts, parts))
     with pytest.raises(TransferFailed):
         push.sync.push(version=1)
     assert elastic.lose(RanksLost(Role.ROLLOUT, "sync", [0])) == []  # it owed nothing
     assert list(push.groups[Role.ROLLOUT].ranks) == [3]
     assert [list(group.ranks) for group in elastic.joining] == [[2]]
     push.check_after(caplog)
-
-
-class ToyElasticRollout(ElasticRollout):
-    """Fully async's elastic rollout group, of toy engines (LosingReceiver)."""
-
-    @property
-    def worker(self) -> tuple[Any, ...]:
-        return (LosingReceiver,)

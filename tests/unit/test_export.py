@@ -227,7 +227,7 @@ def test_a_job_whose_output_cannot_be_written_fails_at_its_start_naming_the_path
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Checked before any role starts (Ray is asked nothing), not at the job's end."""
-    from rlhf_trainer.loop import run
+    from rlhf_trainer.loop import run, setup
     from rlhf_trainer.telemetry.report import ConsoleReporter
 
     (tmp_path / "a-file").write_text("")
@@ -238,8 +238,8 @@ def test_a_job_whose_output_cannot_be_written_fails_at_its_start_naming_the_path
     def not_reached(*_: Any) -> None:
         raise AssertionError("a role was started before the output was checked")
 
-    monkeypatch.setattr(run, "sample_queue", not_reached)
-    monkeypatch.setattr(run.RoleGroups, "start", not_reached)
+    monkeypatch.setattr(setup, "sample_queue", not_reached)
+    monkeypatch.setattr(setup.RoleGroups, "start", not_reached)
     unwritable = rf"{target}: cannot write the export here: .*Not a dir"
     with (
         pytest.raises(ExportError, match=unwritable),

@@ -51,3 +51,14 @@ def spawn_queue(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         name=name,
     ).remote(group_size, remembered, keep_arrivals)
+
+
+def close_queue(handle: Any) -> None:
+    """End the queue actor: close it (a getter blocked in it returns), then kill it, so
+    that it does not outlive the run on the driver's node."""
+    import ray
+
+    try:
+        ray.get(handle.close.remote(), timeout=10)
+    finally:
+        ray.kill(handle)

@@ -13,18 +13,19 @@ from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, PlacementPlan, in_actor_processes
-from rlhf_trainer.cluster.groups import WorkerGroup
+from rlhf_trainer.cluster.groups import WorkerGroup, started_up
+from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.cluster.placement import (
     PoolGroup,
     WorkerSlot,
     create_pool_groups,
     free_pool_gpus,
-    gpu_share,
     place_more,
     remove_pool_groups,
+    tp_slots,
     wait_ready,
 )
-from rlhf_trainer.cluster.waits import join
+from rlhf_trainer.cluster.waits import finished, join
 from rlhf_trainer.roles.critic import Critic
 from rlhf_trainer.roles.policy import Actor, Ref
 from rlhf_trainer.roles.reward import RewardModel
@@ -40,6 +41,17 @@ WORKERS: dict[Role, type[Worker]] = {
     Role.CRITIC: Critic,
     Role.REWARD: RewardModel,
 }
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """A role's worker class and its arguments after the rank's info (the job's config,
+    and for fully async's StreamingRollout the queue): one value names a role's worker
+    wherever its ranks start, at the run's start and when more start later."""
+
+    cls: type[Worker]
+    args: tuple[Any, ...] = ()
+
 
 PLACEMENT_TIMEOUT_S = 600.0  # a pool's nodes may still be starting (autoscaling, pulls)
 GROW_PLACEMENT_TIMEOUT_S = 30.0  # for GPUs seen free: they are there, or taken meanwhile
@@ -67,27 +79,27 @@ class RoleGroups:
         plan: PlacementPlan,
         config: JobConfig,
         job: str,
-        workers: Mapping[Role, tuple[type[Worker], tuple[Any, ...]]] | None = None,
+        workers: Mapping[Role, WorkerSpec] | None = None,
         timeout_s: float = PLACEMENT_TIMEOUT_S,
     ) -> RoleGroups:
         """Place every pool, then start every role's ranks at once and wait for them
         (model loading and engine start-up overlap across roles).
 
-        `workers` replaces a role's worker class, with extra constructor arguments after
-        the config (fully async mode's streaming rollout takes the queue)."""
+        `workers` replaces a role's worker (fully async mode's streaming rollout)."""
         pools = wait_ready(create_pool_groups(plan, job), timeout_s)
-        chosen = {role: (cls, ()) for role, cls in WORKERS.items()} | dict(workers or {})
+        chosen = {role: WorkerSpec(cls, (config,)) for role, cls in WORKERS.items()}
+        chosen |= workers or {}
         beside_actor = in_actor_processes(plan)
         groups = {
             role: WorkerGroup.spawn(
-                plan, role, pools[role_plan.pool], chosen[role][0], config, *chosen[role][1]
+                plan, role, pools[role_plan.pool], chosen[role].cls, *chosen[role].args
             )
             for role, role_plan in plan.roles.items()
             if role_plan.pool != DRIVER and role not in beside_actor
         }
         for role in beside_actor:
-            worker, args = chosen[role]
-            groups[role] = WorkerGroup.beside(groups[Role.ACTOR], role, worker, config, *args)
+            spec = chosen[role]
+            groups[role] = WorkerGroup.beside(groups[Role.ACTOR], role, spec.cls, *spec.args)
         started = cls(groups, pools)
         try:
             join([ready for group in groups.values() for ready in group.ready])
@@ -117,9 +129,7 @@ class RoleGroups:
         or with those that joined)."""
         self.groups[group.role] = group
 
-    def start_more(
-        self, plan: PlacementPlan, role: Role, worker: type[Worker], *args: Any
-    ) -> WorkerGroup | None:
+    def start_more(self, plan: PlacementPlan, role: Role, worker: WorkerSpec) -> WorkerGroup | None:
         """Ranks of `role` on its pool's free GPUs (nodes that joined the pool since it
         was placed), one per tensor-parallel slice, numbered after every rank the role
         had; None when there are not enough. Placed now; their workers build in the
@@ -135,16 +145,15 @@ class RoleGroups:
                             GROW_PLACEMENT_TIMEOUT_S)  # fmt: skip
         key = placed.group.id.hex()
         self.pools[key] = placed  # removed with the others at the end
-        slots = [WorkerSlot(pool.name, placed.rank_order[i * tp], gpu_share(pool), key)
-                 for i in range(count)]  # fmt: skip
+        slots = tp_slots(pool, placed.rank_order, count, tp, placement=key)
         ranks = range(first, first + count)
         self.ranks_started[role] = first + count
-        group = WorkerGroup.spawn_ranks(role, slots, ranks, placed, worker, *args)
+        group = WorkerGroup.spawn_ranks(role, slots, ranks, placed, worker.cls, *worker.args)
         self.started_later.append(group)
         return group
 
     def respawn(
-        self, role: Role, slots: Sequence[WorkerSlot], worker: type[Worker], *args: Any
+        self, role: Role, slots: Sequence[WorkerSlot], worker: WorkerSpec
     ) -> list[WorkerGroup]:
         """New ranks of `role` in the slots of ranks lost (their bundles stay reserved:
         Ray places them again on the node that replaces a lost one), numbered after
@@ -157,9 +166,33 @@ class RoleGroups:
             self.ranks_started[role] = first + len(mine)
             ranks = range(first, first + len(mine))
             pool_group = self.pools[key]
-            groups.append(WorkerGroup.spawn_ranks(role, mine, ranks, pool_group, worker, *args))
+            groups.append(
+                WorkerGroup.spawn_ranks(role, mine, ranks, pool_group, worker.cls, *worker.args)
+            )
         self.started_later.extend(groups)
         return groups
+
+    @staticmethod
+    def started_up(groups: Sequence[WorkerGroup], timeout_s: float) -> WorkerGroup:
+        """The ranks of `groups` (started in the background) as one group, once all are
+        up; NoAnswer past `timeout_s`, or RanksLost naming those whose start failed."""
+        try:
+            return started_up(groups, timeout_s)
+        except RankDied:
+            failed = [rank for group in groups for rank, error in start_errors(group) if error]
+            if not failed:
+                raise
+            raise RanksLost(groups[0].role, groups[0].pool, failed) from None
+
+    @staticmethod
+    def start_ended(group: WorkerGroup) -> bool:
+        """Whether the start of every rank of `group` is over, well or not; never waits."""
+        return finished(group.ready)
+
+    @staticmethod
+    def start_error(group: WorkerGroup) -> Exception | None:
+        """What a rank of `group` raised as it started (call once its start ended)."""
+        return next((error for _, error in start_errors(group) if error), None)
 
     def get(self, role: Role) -> WorkerGroup | None:
         return self.groups.get(role)
@@ -176,3 +209,16 @@ class RoleGroups:
         for group in self.started_later:  # those still starting (the others ended above)
             group.shutdown(grace_s=0)
         remove_pool_groups(self.pools)
+
+
+def start_errors(group: WorkerGroup) -> list[tuple[int, Exception | None]]:
+    """Each rank of `group` whose start ended, and what it raised (None: it is up)."""
+    ended: list[tuple[int, Exception | None]] = []
+    for rank, ready in zip(group.ranks, group.ready, strict=True):
+        if finished([ready]):
+            try:
+                join([ready])
+                ended.append((rank, None))
+            except Exception as error:
+                ended.append((rank, error))
+    return ended

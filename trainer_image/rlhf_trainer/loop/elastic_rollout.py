@@ -36,11 +36,10 @@ from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.placement import PlacementTimeout, WorkerSlot
 from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S
 from rlhf_trainer.cluster.waits import finished, join
+from rlhf_trainer.loop.setup import RunParts
 from rlhf_trainer.loop.sync import PPOTrainer, split_list
 from rlhf_trainer.loop.weights import EnginesStuck
 from rlhf_trainer.rollout.queue import Admitted
-from rlhf_trainer.rollout.streaming import StreamingRollout
-from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +97,11 @@ class EngineLedger:
 class ElasticRollout:
     """The rollout group of a fully-async run as its engines are lost and join."""
 
-    def __init__(self, core: PPOTrainer, queue: Any, metrics: TrainerMetrics) -> None:
+    def __init__(self, core: PPOTrainer, parts: RunParts) -> None:
         self.core = core
-        self.queue = queue  # the SampleQueue actor
-        self.metrics = metrics
+        self.queue = parts.queue  # the SampleQueue actor
+        self.metrics = parts.metrics
+        self.worker = parts.engines.worker  # the engines' (a toy engine's in tests)
         self.ledger = EngineLedger()
         # The admissions given since the last wait, by engine rank: the trainer goes on
         # without waiting for them, and waits before its next sync.
@@ -189,7 +189,7 @@ class ElasticRollout:
         serving = before.without(ranks)
         gone = before.without(serving.ranks)
         gone.shutdown(grace_s=0)
-        started = self.core.groups.respawn(Role.ROLLOUT, gone.slots, *self.worker)
+        started = self.core.groups.respawn(Role.ROLLOUT, gone.slots, self.worker)
         if serving.world_size == 0:  # nothing can generate meanwhile: wait for them
             log.warning("%s: no engine serves; waiting for those started in their bundles",
                         RanksLost(Role.ROLLOUT, before.pool, ranks))  # fmt: skip
@@ -206,11 +206,6 @@ class ElasticRollout:
         for listener in self.on_lost:
             listener(ranks)
 
-    @property
-    def worker(self) -> tuple[Any, ...]:
-        """The engines' worker class and its arguments."""
-        return StreamingRollout, self.core.config, self.queue
-
     def start(self, groups: Sequence[WorkerGroup]) -> None:
         """Engines to take in once they are up (`ready_to_join`)."""
         self.joining.extend(groups)
@@ -224,7 +219,7 @@ class ElasticRollout:
         none is). Starts engines on the pool's free GPUs first, if there are any, and
         again in the slots of those that could not start, once their wait is over."""
         try:
-            more = self.core.groups.start_more(self.core.plan, Role.ROLLOUT, *self.worker)
+            more = self.core.groups.start_more(self.core.plan, Role.ROLLOUT, self.worker)
         except PlacementTimeout as error:  # Ray gave them to a lost engine's bundle first
             log.warning("%s: the free GPUs were taken meanwhile", error)
             more = None
@@ -236,7 +231,7 @@ class ElasticRollout:
         due = [retry for retry in self.retries if retry.due <= now]
         self.retries = [retry for retry in self.retries if retry.due > now]
         for retry in due:
-            self.start(self.core.groups.respawn(Role.ROLLOUT, retry.slots, *self.worker))
+            self.start(self.core.groups.respawn(Role.ROLLOUT, retry.slots, self.worker))
         self.count()
         return functools.reduce(WorkerGroup.joined, started) if started else None
 

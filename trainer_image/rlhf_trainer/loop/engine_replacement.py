@@ -24,16 +24,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.cluster.groups import started_up
 from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.cluster.placement import WorkerSlot
-from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S, RoleGroups
+from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S, RoleGroups, WorkerSpec
 from rlhf_trainer.loop.weights import EnginesStuck, WeightSync
-from rlhf_trainer.rollout.worker import RolloutWorker
-from rlhf_trainer.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +65,12 @@ class EngineReplacement:
         config: JobConfig,
         groups: RoleGroups,
         weight_sync: WeightSync,
-        worker: tuple[type[Worker], ...] | None = None,
+        worker: WorkerSpec,
     ) -> None:
         self.config = config
         self.groups = groups
         self.weight_sync = weight_sync
-        # The engines' worker class and its arguments (a toy engine's in tests).
-        self.worker: tuple[Any, ...] = worker or (RolloutWorker, config)
+        self.worker = worker  # the engines' (a toy engine's in tests)
         self.replaced = 0  # engines, in this run
         self.by_bundle: Counter[WorkerSlot] = Counter()  # the replacements in each bundle
 
@@ -135,7 +132,7 @@ class EngineReplacement:
         gone.shutdown(grace_s=0)  # a stopped one must not come back
         log.warning("%s: starting new engines in their bundles (%d replaced in this run)",
                     lost, self.replaced)  # fmt: skip
-        started = self.groups.respawn(Role.ROLLOUT, gone.slots, *self.worker)
+        started = self.groups.respawn(Role.ROLLOUT, gone.slots, self.worker)
         new = started_up(started, PLACEMENT_TIMEOUT_S)
         serving = before.substituted(new)
         self.groups.replace(serving)

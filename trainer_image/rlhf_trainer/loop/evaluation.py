@@ -26,8 +26,8 @@ from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.api.sections import EvalGeneration
 from rlhf_trainer.cluster.waits import answered, finished, join
-from rlhf_trainer.data.prompts import Prompt
-from rlhf_trainer.loop.sync import PPOTrainer, rollout_input, split_list
+from rlhf_trainer.loop.setup import RunParts
+from rlhf_trainer.loop.sync import rollout_input, split_list
 from rlhf_trainer.telemetry.progress import eval_text
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,13 @@ def eval_due(config: JobConfig, step: int) -> bool:
 class Evaluator:
     """Starts evaluations on the rollout engines, and scores their answers."""
 
-    def __init__(self, trainer: PPOTrainer, prompts: list[Prompt]) -> None:
-        self.trainer = trainer
-        self.config = trainer.config
+    def __init__(self, parts: RunParts) -> None:
+        self.parts = parts
+        self.config = parts.config
         self.sampling = self.config.generation.eval
         # (P·k,) each held-out prompt k times, a prompt's answers next to each other
-        self.asked = [p for p in prompts for _ in range(self.sampling.samples_per_prompt)]
+        k = self.sampling.samples_per_prompt
+        self.asked = [p for p in parts.held_out for _ in range(k)]
         self.pending: PendingEvaluation | None = None
         self.last: EvalProgress | None = None  # the last one reported
 
@@ -65,11 +66,11 @@ class Evaluator:
         """Ask the engines for the held-out answers after `step` steps (once the last
         weights pushed are loaded); returns the evaluation this one waited for, if any."""
         done = self.finish(wait=True)
-        rollout = self.trainer.groups[Role.ROLLOUT]
+        rollout = self.parts.groups[Role.ROLLOUT]
         asked = [rollout_input(self.config, p) for p in self.asked]
         shards = split_list(asked, rollout.world_size)
         answers = rollout.run_each("evaluate", shards, step)
-        self.trainer.weight_sync.wait_before_next_push(answers, ANSWER_TIMEOUT_S)
+        self.parts.weights.wait_before_next_push(answers, ANSWER_TIMEOUT_S)
         self.pending = PendingEvaluation(step, shards, list(rollout.ranks), [[a] for a in answers])
         return done
 
@@ -85,8 +86,8 @@ class Evaluator:
         ]  # fmt: skip
         if not lost:
             return
-        serving = self.trainer.groups[Role.ROLLOUT]
-        weight_sync = self.trainer.weight_sync
+        serving = self.parts.groups[Role.ROLLOUT]
+        weight_sync = self.parts.weights
         weight_sync.forget_busy([call for index in lost for call in pending.answers[index]])
         for index in lost:
             engine = index % serving.world_size
@@ -106,7 +107,7 @@ class Evaluator:
             return []
         step, self.pending = self.pending.step, None
         rollouts = [r for engine in join(calls, ANSWER_TIMEOUT_S) for r in engine]
-        rewards = self.trainer.score_alone(self.asked, rollouts)
+        rewards = self.parts.scorer.score_alone(self.asked, rollouts)
         if unscored := int(torch.isnan(rewards).sum()):
             log.warning("held-out step %d: %d samples unscored (the reward service failed "
                         "them): counted as reward 0", step, unscored)  # fmt: skip

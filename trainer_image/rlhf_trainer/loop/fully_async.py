@@ -34,9 +34,9 @@ from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.elastic_rollout import ElasticRollout
 from rlhf_trainer.loop.scores_ahead import QueueArrivals
+from rlhf_trainer.loop.setup import RunParts
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
-from rlhf_trainer.telemetry.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +79,22 @@ class AsyncState:
 class AsyncPPOTrainer:
     """Drives the rollouter and trains the PPO core on its samples."""
 
-    def __init__(self, core: PPOTrainer, queue: Any, metrics: TrainerMetrics) -> None:
+    def __init__(self, core: PPOTrainer, parts: RunParts) -> None:
         self.core = core
-        self.config: JobConfig = core.config
+        self.config: JobConfig = parts.config
         assert self.config.async_ is not None
         self.sync_every = self.config.async_.trigger_parameter_sync_step
         self.admission = AdmissionControl(
             self.config.trainer.batch_size, self.sync_every, self.config.async_.staleness_threshold
         )
-        self.queue = queue
-        self.metrics = metrics
+        self.queue = parts.queue
+        self.metrics = parts.metrics
+        self.scorer = parts.scorer
         self.group_size = core.group_size
         # Groups taken from the queue (to train, or dropped): admitted ones not taken
         # are outstanding, queued or in flight, which no engine needs asking.
         self.groups_taken = 0
-        self.elastic = ElasticRollout(core, queue, metrics)
+        self.elastic = ElasticRollout(core, parts)
 
     @property
     def rollout(self) -> WorkerGroup:
@@ -114,8 +115,8 @@ class AsyncPPOTrainer:
             outstanding = (len(resumed.queued) + len(resumed.in_flight)) // self.group_size
             self.groups_taken = self.admission.admitted_total - outstanding
             self.admission.on_weight_sync(outstanding)
-        if self.core.scores_ahead is not None:  # the reward service scores arrivals
-            self.core.scores_ahead.feed_from(QueueArrivals(self.queue, self.scored_samples))
+        # A reward service scores the samples as they reach the queue.
+        self.scorer.feed_from(QueueArrivals(self.queue, self.scored_samples))
         self.admit()
 
     def step(self, step: int) -> StepResult:
@@ -163,11 +164,11 @@ class AsyncPPOTrainer:
     def score_samples(self, samples: Sequence[Sample]) -> torch.Tensor:
         """(B,) the samples' rewards, scored now (or as they arrived)."""
         prompts, rollouts = self.prompts_of(samples), [s.rollout for s in samples]
-        return self.core.score_alone(prompts, rollouts, [s.uid for s in samples])
+        return self.scorer.score_alone(prompts, rollouts, [s.uid for s in samples])
 
     def scored_samples(self, samples: Sequence[Sample]) -> list[ScoredSample]:
         """What the reward service is sent for each sample."""
-        return self.core.scored_samples(self.prompts_of(samples), [s.rollout for s in samples])
+        return self.scorer.samples(self.prompts_of(samples), [s.rollout for s in samples])
 
     def take_groups(self, groups: int) -> list[Sample]:
         """The next `groups` whole groups from the queue, waiting for them, in uid order

@@ -10,34 +10,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from rlhf_trainer.algo.diagnostics import EpisodeStats
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.api.progress import EvalProgress, OutputProgress, TrainingProgress
-from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.groups import WorkerGroup
-from rlhf_trainer.cluster.queue import spawn_queue
-from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.cluster.waits import join
-from rlhf_trainer.data.prompts import PromptStream, load_prompts, prompt_tokenizer
-from rlhf_trainer.data.tasks import check_reward_arguments, reward_function
 from rlhf_trainer.loop.evaluation import Evaluator, eval_due
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer, AsyncState
-from rlhf_trainer.loop.scores_ahead import scores_ahead
+from rlhf_trainer.loop.setup import open_parts
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult
-from rlhf_trainer.models import load_tokenizer
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
-from rlhf_trainer.roles.hf_export import check_target
-from rlhf_trainer.rollout.episodes import check_environment
-from rlhf_trainer.rollout.queue import admission_limit, remembered_uids
-from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.progress import STEP_LOG
 from rlhf_trainer.telemetry.report import Reporter
-from rlhf_trainer.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
 step_log = logging.getLogger(STEP_LOG)  # quiet while a live bar shows the steps
@@ -69,7 +56,6 @@ class Run:
     def start(self) -> None:
         """Continue from the latest committed checkpoint, if there is one, and start
         the rollouter in fully-async mode."""
-        self.trainer.weight_sync.open()
         root = self.checkpoint_root
         latest = checkpoint.latest(root) if root is not None else None
         resumed = self.resume(latest) if latest is not None else None
@@ -332,65 +318,11 @@ def open_run(
     reward_files: Path | None = None,
 ) -> Iterator[Run]:
     """The job's roles started on the connected Ray cluster, as a Run not yet started;
-    on leaving, the trace is written and every role stopped."""
-    plan = plan_placement(config)
-    metrics = metrics or TrainerMetrics(pools=[p.name for p in plan.pools])
-    timeline = Timeline(listeners=[metrics.observe_span])
-    tokenizer = load_tokenizer(config.models.actor)
-    tokenize = prompt_tokenizer(tokenizer, config.data.chat_template)
-    prompts = PromptStream.load(config.data, config.trainer.seed, tokenize)
-    held_out = (
-        load_prompts(config.data, config.trainer.seed, tokenize, "eval")[0]
-        if config.data.eval is not None
-        else []
-    )
-    if config.output is not None:  # an unwritable target fails now, not at the end
-        check_target(Path(config.output.path))
-    if config.multi_turn is not None:  # an environment out of reach fails now too
-        check_environment(config.environment(config.multi_turn.environment))
-    # Loaded once, before any role starts: a missing file or a mismatch fails in seconds.
-    reward = reward_function(config.models.reward, reward_files)
-    if reward is not None:
-        check_reward_arguments(reward, prompts.prompts[0].fields, "data.train")
-        if held_out:
-            check_reward_arguments(reward, held_out[0].fields, "data.eval")
-    started = time.time()
-    queue = sample_queue(config)
-    workers = {Role.ROLLOUT: (StreamingRollout, (queue,))} if queue else {}
-    groups = RoleGroups.start(plan, config, job, workers)
-    log.info("roles started in %.1f s", time.time() - started)
-    engines = EngineStatsPoller(lambda: groups[Role.ROLLOUT], metrics.engines.observe).start()
-    trainer: PPOTrainer | None = None
-    try:
-        trainer = PPOTrainer(
-            config,
-            groups,
-            prompts,
-            lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=False)),
-            int(tokenizer.pad_token_id),
-            timeline,
-            reward,
-        )
-        streaming = AsyncPPOTrainer(trainer, queue, metrics) if queue else None
-        evaluator = Evaluator(trainer, held_out) if held_out else None
+    on leaving, the trace is written and every role stopped (loop.setup)."""
+    with open_parts(config, job, metrics, trace, reward_files) as parts:
+        core = PPOTrainer(parts)
+        streaming = AsyncPPOTrainer(core, parts) if parts.queue is not None else None
+        evaluator = Evaluator(parts) if parts.held_out else None
         if streaming is not None and evaluator is not None:
             streaming.elastic.on_lost.append(evaluator.ask_again)
-        yield Run(config, trainer, metrics, reporter, streaming, evaluator)
-    finally:
-        if trainer is not None:
-            trainer.close()
-        if trace is not None:
-            timeline.write_chrome_trace(trace)
-        engines.stop()
-        groups.shutdown()
-
-
-def sample_queue(config: JobConfig) -> Any:
-    """Fully async's sample queue (None in synchronous mode), remembering as many uids as
-    this job's admissions can have outstanding."""
-    if config.async_ is None:
-        return None
-    group = config.generation.samples_per_prompt
-    limit = admission_limit(config.trainer.batch_size, config.async_.trigger_parameter_sync_step,
-                            config.async_.staleness_threshold)  # fmt: skip
-    return spawn_queue(group, remembered_uids(limit, group), keep_arrivals=scores_ahead(config))
+        yield Run(config, core, parts.metrics, reporter, streaming, evaluator)

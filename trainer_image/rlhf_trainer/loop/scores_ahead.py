@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -28,7 +29,6 @@ import torch
 from rlhf_env.rewards import RewardClient, ScoredSample
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.cluster.waits import join
-from rlhf_trainer.loop.rewards import service_rewards
 from rlhf_trainer.rollout.queue import Sample
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,11 @@ Scored = Callable[[float, float], object]  # (start, end) of an offer's scoring,
 def scores_ahead(config: JobConfig) -> bool:
     """Whether the job's samples are scored as they finish: a reward service scores them."""
     return config.models.reward.url is not None
+
+
+def service_rewards(rewards: Sequence[float | None]) -> torch.Tensor:
+    """(B,) a reward service's answers, NaN for each sample it failed (unscored)."""
+    return torch.tensor([math.nan if r is None else r for r in rewards])
 
 
 class QueueArrivals:

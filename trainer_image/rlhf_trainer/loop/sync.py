@@ -12,47 +12,32 @@ only the placement differs. Every call carries its phase's name to the timeline.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlhf_env.rewards import ScoredSample
 from rlhf_trainer.algo.diagnostics import ActorStats, CriticStats, EpisodeStats, ResponseStats
 from rlhf_trainer.algo.estimators import compute_advantages, scored_mean, without_unscored
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
 from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.algo.ppo import explained_variance
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import DRIVER, Phase, plan_placement
+from rlhf_trainer.api.plan import DRIVER, Phase
 from rlhf_trainer.api.progress import EvalProgress
-from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
-from rlhf_trainer.data.prompts import Prompt, PromptStream
-from rlhf_trainer.data.tasks import RewardFunction
+from rlhf_trainer.data.prompts import Prompt
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
-from rlhf_trainer.loop.engine_replacement import EngineReplacement
-from rlhf_trainer.loop.rewards import (
-    UnscoredSteps,
-    episode_score,
-    reward_client,
-    rule_rewards,
-    service_rewards,
-)
-from rlhf_trainer.loop.scores_ahead import ScoresAhead, scores_ahead
-from rlhf_trainer.loop.weights import WeightSync
+from rlhf_trainer.loop.rewards import REWARD_METHOD
+from rlhf_trainer.loop.setup import RunParts
 from rlhf_trainer.rollout.worker import BatchShard
 from rlhf_trainer.telemetry.metrics import union_seconds
-from rlhf_trainer.telemetry.timeline import Timeline
 
 if TYPE_CHECKING:
     from rlhf_trainer.cluster.groups import ObjectRef
-
-Decode = Callable[[Sequence[int]], str]
 
 # The worker method that runs each phase on the workers of its role (plan.phase_role).
 # Which phases run together, and in what order on a pool, is the placement plan's business.
@@ -61,7 +46,7 @@ PHASE_METHOD: dict[Phase, str] = {
     Phase.ACTOR_LOG_PROB: "log_probs",
     Phase.REF_LOG_PROB: "ref_log_probs",
     Phase.VALUES: "values",
-    Phase.REWARD: "score",
+    Phase.REWARD: REWARD_METHOD,
     Phase.UPDATE_ACTOR: "update",
     Phase.UPDATE_CRITIC: "update",
 }
@@ -111,46 +96,22 @@ class Batch:
 
 
 class PPOTrainer:
-    """Runs PPO steps over the job's role groups."""
+    """Runs PPO steps over the run's parts (loop.setup): it builds and closes none."""
 
-    def __init__(
-        self,
-        config: JobConfig,
-        groups: RoleGroups,
-        prompts: PromptStream,
-        decode: Decode,
-        pad_id: int,
-        timeline: Timeline,
-        reward: RewardFunction | None,
-    ) -> None:
-        self.config = config
-        self.groups = groups
-        self.prompts = prompts
-        self.decode = decode
-        self.pad_id = pad_id
-        self.timeline = timeline
-        self.plan = plan_placement(config)
-        self.reward = reward  # the rule-based reward (data.tasks.reward_function), if any
-        self.reward_service = reward_client(config.models.reward)  # models.reward.url
-        self.scores_ahead: ScoresAhead | None = None
-        if self.reward_service is not None and scores_ahead(config):
-            self.scores_ahead = ScoresAhead(
-                self.reward_service,
-                lambda start, end: timeline.record(DRIVER, Role.REWARD, Phase.REWARD, start, end),
-            ).start()
+    def __init__(self, parts: RunParts) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.plan = parts.plan
+        self.groups = parts.groups
+        self.prompts = parts.prompts
+        self.timeline = parts.timeline
+        self.scorer = parts.scorer
+        self.weight_sync = parts.weights
+        self.engines = parts.engines
         self.sample_keys = itertools.count()  # the samples' keys (Batch.keys)
-        self.group_size = config.generation.samples_per_prompt
+        self.group_size = parts.config.generation.samples_per_prompt
         self.policy_version = 0  # the actor's weights: bumped by every update
-        self.kl_coef = config.algorithm.kl_coef  # moved by an adaptive klController
-        self.unscored = UnscoredSteps(config.models.reward)
-        # opened by the run
-        self.weight_sync = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
-        self.engines = EngineReplacement(config, groups, self.weight_sync)
-
-    def close(self) -> None:
-        """Stop what runs beside the steps (the run is over)."""
-        if self.scores_ahead is not None:
-            self.scores_ahead.stop()
+        self.kl_coef = parts.config.algorithm.kl_coef  # moved by an adaptive klController
 
     def step(self, step: int) -> StepResult:
         """One synchronous PPO step: generate, train on it, hand the weights over."""
@@ -178,7 +139,7 @@ class PPOTrainer:
 
         def score(drawn: Sequence[tuple[Prompt, Rollout, int]]) -> torch.Tensor:
             prompts, rollouts, keys = (list(column) for column in zip(*drawn, strict=True))
-            return self.score_alone(prompts, rollouts, keys)
+            return self.scorer.score_alone(prompts, rollouts, keys)
 
         kept = keep_informative_groups(step, self.config, draw, score)
         prompts, rollouts, keys = (list(column) for column in zip(*kept.items, strict=True))
@@ -191,14 +152,15 @@ class PPOTrainer:
     def train_on(self, step: int, sampled: Batch) -> StepResult:
         """Score the batch, compute advantages and update the actor and the critic
         (the policy version is bumped by the caller's weight sync). Without timings."""
-        batch = pack_rollouts(sampled.rollouts, self.pad_id)
+        batch = pack_rollouts(sampled.rollouts, self.parts.tokens.pad_id)
 
         # Score: every pool at once; the rule-based reward runs here meanwhile.
         scores = sampled.scores
         scoring = self.run_stage("score", batch, skip=(Phase.REWARD,) if scores is not None else ())
         if scores is None:
-            scores = self.score(sampled.prompts, sampled.rollouts, scoring, sampled.keys)
-        unscored = self.unscored.count(step, scores)
+            model = scoring.get(Phase.REWARD)  # a reward model's calls
+            scores = self.scorer.score(sampled.prompts, sampled.rollouts, model, sampled.keys)
+        unscored = self.scorer.unscored.count(step, scores)
         reward_mean = scored_mean(scores)
         scores, unscored_masked = without_unscored(scores, batch.response_mask)
         batch = replace(batch, response_mask=unscored_masked)
@@ -267,9 +229,7 @@ class PPOTrainer:
             for shard, (place, finished) in results_as_they_come(streams):
                 at = starts[shard] + place
                 rollouts[at] = finished
-                if self.scores_ahead is not None:
-                    (scored,) = self.scored_samples([grouped[at]], [finished])
-                    self.scores_ahead.offer([(keys[at], scored)])
+                self.scorer.offer([keys[at]], [grouped[at]], [finished])
             return Batch(grouped, [rollouts[at] for at in range(len(inputs))], keys)
 
         return self.engines.surviving(on_the_engines, reload=lambda: self.policy_version)
@@ -293,55 +253,6 @@ class PPOTrainer:
                     method, batch, *args, after=after, phase=phase
                 )
         return calls
-
-    def score(
-        self,
-        prompts: Sequence[Prompt],
-        rollouts: Sequence[Rollout],
-        scoring: Calls,
-        keys: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """(B,) one reward per response: from the reward model, the rule here, the reward
-        service (NaN for a sample it failed; with `keys`, scored as they finished), or
-        each episode's environment (its score came with the rollout)."""
-        if self.config.models.reward.environment:
-            return torch.tensor([episode_score(r) for r in rollouts])
-        if self.scores_ahead is not None and keys is not None:  # scored as they finished
-            return self.scores_ahead.take(keys)
-        if self.reward_service is not None:
-            with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
-                samples = self.scored_samples(prompts, rollouts)
-                return service_rewards(asyncio.run(self.reward_service.score_each(samples)))
-        if self.reward is None:
-            scores: torch.Tensor = gather(scoring[Phase.REWARD])
-            return scores
-        with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
-            responses = [self.decode(r.response_token_ids) for r in rollouts]
-            return torch.tensor(rule_rewards(self.reward, prompts, responses))
-
-    def scored_samples(
-        self, prompts: Sequence[Prompt], rollouts: Sequence[Rollout]
-    ) -> list[ScoredSample]:
-        """What a reward service is sent for each response."""
-        return [
-            ScoredSample(prompt=p.text, response=self.decode(r.response_token_ids), row=p.fields)
-            for p, r in zip(prompts, rollouts, strict=True)
-        ]
-
-    def score_alone(
-        self,
-        prompts: Sequence[Prompt],
-        rollouts: Sequence[Rollout],
-        keys: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """(B,) rewards ahead of the scoring stage (dynamic sampling filters on them)."""
-        calls: Calls = {}
-        if self.config.models.reward.path is not None:  # a reward model
-            batch = pack_rollouts(rollouts, self.pad_id)
-            calls[Phase.REWARD] = self.groups[Role.REWARD].run_sharded(
-                PHASE_METHOD[Phase.REWARD], batch, phase=Phase.REWARD
-            )
-        return self.score(prompts, rollouts, calls, keys)
 
     def sync_weights(self, version: int) -> None:
         """Hand the actor's weights to every rollout engine, and wait until they have
