@@ -212,6 +212,13 @@ def in_actor_processes(plan: PlacementPlan) -> list[Role]:
     ]
 
 
+def roles_with_processes(plan: PlacementPlan) -> list[Role]:
+    """The roles whose ranks are processes of their own on their pool: every role on a
+    pool but those in the actor's processes (`in_actor_processes`)."""
+    beside_actor = in_actor_processes(plan)
+    return [r for r, p in plan.roles.items() if p.pool != DRIVER and r not in beside_actor]
+
+
 def phase_roles(config: JobConfig) -> dict[Phase, Role]:
     """Whose workers run each phase: PHASE_ROLE, except the ref's log-probs when the
     actor's ranks answer them (`ref_answered_by_actor`)."""

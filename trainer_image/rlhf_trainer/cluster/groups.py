@@ -33,7 +33,7 @@ from rlhf_trainer.cluster.hangs import (
     answering,
     record,
 )
-from rlhf_trainer.cluster.placement import PoolGroup, WorkerSlot, role_slots
+from rlhf_trainer.cluster.placement import PoolGroup, WorkerSlot, engine_environment, role_slots
 from rlhf_trainer.cluster.rank_host import RankHost, Whereabouts
 from rlhf_trainer.cluster.waits import Streams, join
 from rlhf_trainer.telemetry.engine_stats import EngineStats
@@ -166,9 +166,15 @@ class WorkerGroup:
                 # CPU is not what limits a pool's workers; asking for none keeps a
                 # GPU-only bundle enough (see placement.gpu_bundle).
                 num_cpus=0,
-                num_gpus=slot.gpu_share,
+                num_gpus=slot.process_gpus,
                 scheduling_strategy=pool_group.scheduling(slot),
-            ).remote(RankInfo(role, slot.pool, rank, len(slots)), worker_cls, args, kwargs)
+            ).remote(
+                RankInfo(role, slot.pool, rank, len(slots)),
+                worker_cls,
+                args,
+                kwargs,
+                engine_environment(slot),
+            )
             for rank, slot in zip(ranks, slots, strict=True)
         ]
         # Rank 0's address is passed on as a future: each rank's setup starts once it is

@@ -7,9 +7,19 @@ what pins a pool's workers to the pool's node group. PACK fills a node before us
 the next, so a pool of 2 nodes x 4 GPUs gets 4 bundles on each node.
 
 Colocated roles share the bundles: rank r of every role on a pool sits in bundle r
-(with tensor parallelism, in the first bundle of its slice) and takes a fraction of
-its GPU (`gpu_share`). Ray then hands all of them the same device, and the step
-schedule (plan.py) runs them one after another, never at the same time.
+and takes a fraction of its GPU (`gpu_share`). Ray then hands all of them the same
+device, and the step schedule (plan.py) runs them one after another, never at the
+same time.
+
+A rollout engine with tensor parallelism t owns t bundles of one node (`WorkerSlot.
+engine_bundles`). Its rank's process sits in the first and asks for no GPU; vLLM's Ray
+executor puts one worker in each of the engine's bundles, at the pool's share
+(`engine_environment`: vLLM's `VLLM_RAY_BUNDLE_INDICES` and `VLLM_RAY_PER_WORKER_GPUS`).
+So every bundle holds one share per role, whatever t is, and a worker's GPU is the GPU
+of the actor rank in the same bundle (which CUDA IPC needs). Without the indices vLLM
+would take the first t GPU bundles of the whole pool at a whole GPU each; and a rank
+process holding one GPU share would see one device, and vLLM's config refuses a world
+larger than that before it looks at Ray.
 
 The pure part (names, bundles, shares, rank order) needs no Ray; the functions that
 talk to Ray import it when called, because the operator imports `pool_resource` and
@@ -26,6 +36,7 @@ from typing import TYPE_CHECKING
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import DRIVER, PlacementPlan, PoolPlan
+from rlhf_trainer.rollout.engine_settings import RAY_BUNDLES_VARIABLE, RAY_WORKER_GPUS_VARIABLE
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -73,19 +84,29 @@ class WorkerSlot:
     bundle_index: int
     gpu_share: float
     placement: str = ""  # "": the pool's own group
+    # A tensor-parallel engine's bundles, one per vLLM worker, the first being
+    # `bundle_index`; () for a rank that computes in its own process.
+    engine_bundles: tuple[int, ...] = ()
 
     @property
     def group_key(self) -> str:
         """Its placement group's key in `RoleGroups.pools`."""
         return self.placement or self.pool
 
+    @property
+    def process_gpus(self) -> float:
+        """What the rank's own process asks Ray for: its share of the bundle's GPU, or
+        nothing for a tensor-parallel engine, whose vLLM workers take the share in each
+        of its bundles. (A process that asks for no GPU sees all of its node's: Ray
+        2.60 leaves CUDA_VISIBLE_DEVICES alone then.)"""
+        return 0.0 if self.engine_bundles else self.gpu_share
+
 
 def role_slots(plan: PlacementPlan, role: Role, bundle_order: Sequence[int]) -> list[WorkerSlot]:
     """The slot of each rank of `role`, rank 0 first.
 
     `bundle_order` lists the pool's bundle indices in rank order (`rank_order`), so the
-    ranks on one node are consecutive. A rank with tensor parallelism t owns t
-    consecutive bundles and is placed in the first; its engine uses the rest.
+    ranks on one node are consecutive (`tp_slots`).
     """
     role_plan = plan.roles[role]
     if role_plan.pool == DRIVER:
@@ -95,12 +116,35 @@ def role_slots(plan: PlacementPlan, role: Role, bundle_order: Sequence[int]) -> 
         raise ValueError(
             f"pool {pool.name} has {pool.total_gpus} bundles, got an order of {len(bundle_order)}"
         )
-    tp = role_plan.tensor_parallel_size
+    return tp_slots(
+        pool, bundle_order, role_plan.data_parallel_size, role_plan.tensor_parallel_size
+    )
+
+
+def tp_slots(
+    pool: PoolPlan, bundle_order: Sequence[int], count: int, tp: int, placement: str = ""
+) -> list[WorkerSlot]:
+    """The slots of `count` ranks of t = `tp` GPUs each, in `bundle_order`: rank r owns
+    bundles `bundle_order[r*t : (r+1)*t]`, of one node (t divides a node's GPUs, and the
+    order groups a node's bundles), and is placed in the first."""
     share = gpu_share(pool)
-    return [
-        WorkerSlot(pool.name, bundle_order[rank * tp], share)
-        for rank in range(role_plan.data_parallel_size)
-    ]
+    slots = []
+    for rank in range(count):
+        bundles = tuple(bundle_order[rank * tp : (rank + 1) * tp])
+        slots.append(WorkerSlot(pool.name, bundles[0], share, placement, bundles if tp > 1 else ()))
+    return slots
+
+
+def engine_environment(slot: WorkerSlot) -> dict[str, str]:
+    """The environment in which a rank's vLLM engine places its tensor-parallel
+    workers on the slot's own bundles, at the pool's GPU share each (read by vLLM's Ray
+    executor, in the engine's process); {} for a slot of one GPU."""
+    if not slot.engine_bundles:
+        return {}
+    return {
+        RAY_BUNDLES_VARIABLE: ",".join(map(str, slot.engine_bundles)),
+        RAY_WORKER_GPUS_VARIABLE: repr(slot.gpu_share),
+    }
 
 
 def rank_order(bundle_nodes: Sequence[str]) -> list[int]:

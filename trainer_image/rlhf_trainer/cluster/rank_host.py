@@ -47,9 +47,11 @@ class RankHost:
         worker_cls: type[Worker],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        environment: dict[str, str] | None = None,
     ) -> None:
         self.info = info
         self._build = (worker_cls, args, kwargs)
+        self.environment = environment or {}  # set before the worker is built
         # by role: this rank's own worker, and those hosted beside it (`host_beside`)
         self.workers: dict[Role, Worker] = {}
         self.calls: list[tuple[Role, str, float, float]] = []  # (role, phase, start, end)
@@ -78,6 +80,8 @@ class RankHost:
         """Join the role's process group at rank 0's `rendezvous` (None: the worker
         needs none), then build the worker."""
         worker_cls, args, kwargs = self._build
+        if self.environment:
+            self._set_environment()
         if not torch.cuda.is_available():
             # On a CPU machine a "GPU" stands for a core: a rank computing on many
             # threads would slow the ranks of other pools that run at the same time.
@@ -85,6 +89,16 @@ class RankHost:
         if rendezvous is not None:
             init_distributed(self.info, *rendezvous)
         self.workers[self.info.role] = worker_cls(self.info, *args, **kwargs)
+
+    def _set_environment(self) -> None:
+        """The placement's environment for this rank's worker (`engine_environment`),
+        and the cluster's address: a tensor-parallel engine's core is a child process
+        that joins this Ray cluster to start its workers, and a child of a Ray worker
+        is not told where the cluster is (OpenRLHF sets it for the same reason)."""
+        import ray
+
+        os.environ.update(self.environment)
+        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
 
     def host_beside(
         self,

