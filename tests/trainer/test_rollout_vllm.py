@@ -212,15 +212,23 @@ def counted_a_batch(engine: RolloutEngine) -> None:
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_an_eager_cpu_engine_starts_its_engine_core_with_no_compile(enforce_eager: bool) -> None:
-    """engine_settings.CPU_EAGER_ENVIRONMENT: an eager engine on CPU starts its engine
-    core (a child, which inherits the environment) with dynamo off, so vLLM's one
-    compiled sampler helper runs eager and no C++ is built as the engine starts; one
-    that compiles keeps dynamo. (The engines of this module are eager: their log-probs
-    match transformers' above. The engine core's own environment cannot be read back:
-    vLLM's process title overwrites it.)"""
-    environment = engine_environment({"TORCHDYNAMO_DISABLE": None}, enforce_eager)
-    assert environment.get("TORCHDYNAMO_DISABLE") == ("1" if enforce_eager else None)
+def test_a_cpu_engine_runs_eager_and_starts_its_engine_core_with_no_compile(
+    enforce_eager: bool,
+) -> None:
+    """On CPU an engine always runs eager, whatever generation.enforceEager says (vLLM's
+    torch.compile of a model takes minutes there; on GPUs the field turns CUDA graphs
+    off). engine_settings.CPU_EAGER_ENVIRONMENT: its engine core (a child, which inherits
+    the environment) starts with dynamo off, so vLLM's one compiled sampler helper runs
+    eager and no C++ is built as the engine starts. (The engines of this module are
+    eager: their log-probs match transformers' above. The engine core's own environment
+    cannot be read back: vLLM's process title overwrites it.)"""
+    with mock.patch.dict(os.environ, clear=False):
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        settings = engine_settings(Path("/unused"), max_model_len=64, gpu_memory_utilization=0.3,
+                                   tensor_parallel_size=1, seed=0, dtype="float32",
+                                   enforce_eager=enforce_eager, transfer_backend=HOST_TRANSFER)  # fmt: skip
+        assert os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+    assert settings["enforce_eager"] is True
 
 
 def engine_environment(before: dict[str, str | None], enforce_eager: bool) -> dict[str, str]:

@@ -11,7 +11,7 @@ and our fan-out of it; our transfer choice.
 
 STAND-INS, for what this machine has not (nothing else is faked):
 - CUDA: vLLM's current platform (the CPU build's) answers `is_cuda()` True,
-  `ray_device_key` "GPU", and `device_count()` with what Ray shows the rank's process:
+  `is_cpu()` False, `ray_device_key` "GPU", and `device_count()` with what Ray shows the rank's process:
   one GPU to a process that asks a share of one, every GPU of its node to a process that
   asks none (Ray 2.60 then leaves CUDA_VISIBLE_DEVICES as it is).
 - Ray, under vLLM's Ray executor: `StandInRay` records the options of each worker actor
@@ -303,6 +303,7 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 
     saved = dict(os.environ)
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(current_platform, "ray_device_key", "GPU")
     yield monkeypatch
     os.environ.clear()
@@ -326,8 +327,8 @@ def build_engine(
     os.environ.update(engine_environment(slot))
     settings = engine_settings(
         model, max_model_len=128, gpu_memory_utilization=0.5, seed=0, dtype="bfloat16",
-        tensor_parallel_size=config.generation.tensor_parallel_size, enforce_eager=True,
-        transfer_backend="nccl",
+        tensor_parallel_size=config.generation.tensor_parallel_size, transfer_backend="nccl",
+        enforce_eager=config.generation.enforce_eager,
     )  # fmt: skip
     vllm_config = EngineArgs(**settings).create_engine_config()
     ray = StandInRay(pool_nodes(config, slot.pool))
@@ -375,6 +376,7 @@ def test_vllm_builds_each_engine_on_its_own_bundles(
     vllm_config, ray = build_engine(engine_model, config, slot, cuda)
     parallel = vllm_config.parallel_config
     assert parallel.world_size == parallel.tensor_parallel_size == tp
+    assert vllm_config.model_config.enforce_eager is False  # CUDA graphs, by default
     if tp == 1:
         assert parallel.distributed_executor_backend == "uni"
         assert ray.workers == []  # the model runs in the engine's own process

@@ -182,6 +182,14 @@ class GenerationConfig(SpecModel):
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="Fraction of GPU memory vLLM may take."
     )
+    enforce_eager: bool = Field(
+        False,
+        description=(
+            "Run vLLM eagerly, without CUDA graphs: no graph capture at start-up and no "
+            "memory held for graphs, but slower decoding. Unset, engines on GPUs capture "
+            "CUDA graphs; engines on CPUs always run eagerly."
+        ),
+    )
     samples_per_prompt: int = Field(
         1,
         ge=1,

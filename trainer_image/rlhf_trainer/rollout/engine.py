@@ -74,6 +74,7 @@ class EngineOptions:
     tensor_parallel_size: int
     seed: int
     dtype: Literal["float32", "bfloat16"]  # follows trainer.precision
+    enforce_eager: bool  # no CUDA graphs (on CPU always: engine_settings)
     transfer_backend: str
     max_lora_rank: int | None  # LoRA RL: the engine serves the actor's adapter
 
@@ -89,6 +90,7 @@ class EngineOptions:
             tensor_parallel_size=config.generation.tensor_parallel_size,
             seed=config.trainer.seed,
             dtype="bfloat16" if config.trainer.precision == "bf16" else "float32",
+            enforce_eager=config.generation.enforce_eager,
             # The job's one decision; the actor takes it from the engines (WeightSync).
             transfer_backend=choose_transfer(config, torch.cuda.is_available()).backend.value,
             max_lora_rank=None if lora is None else engine_max_lora_rank(lora.rank),

@@ -51,7 +51,7 @@ CPU_ENVIRONMENT = {
 # roles that run next to the rollout (measured: split placement lost 20% of its
 # speedup to it). vLLM's CPU platform allows "uni" only with this setting.
 UNI_EXECUTOR_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# On CPU with enforce_eager no torch.compile at all. vLLM still compiles one helper of
+# On CPU (always eager) no torch.compile at all. vLLM still compiles one helper of
 # its sampler (each sampled token's rank among the log-probs, batched_count_greater_than)
 # in every engine process that asks for log-probs: a dynamo trace, then inductor's C++
 # build unless its on-disk cache has it. Measured here: a whole `make test` ran g++ 81
@@ -110,7 +110,9 @@ def engine_settings(
         os.environ.setdefault(key, value)
     from vllm.platforms import current_platform  # after: vLLM may read the environment
 
-    if current_platform.is_cpu() and enforce_eager:
+    # On CPU always eager: vLLM's torch.compile of a model takes minutes there.
+    enforce_eager = enforce_eager or current_platform.is_cpu()
+    if current_platform.is_cpu():
         for key, value in CPU_EAGER_ENVIRONMENT.items():
             os.environ.setdefault(key, value)
 
@@ -128,7 +130,7 @@ def engine_settings(
                 tensor_parallel_size, current_platform.is_cuda()
             ),
             "seed": seed,
-            "enforce_eager": enforce_eager,  # CPU: skip torch.compile (minutes) for a tiny model
+            "enforce_eager": enforce_eager,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": EXTENSION,
             "weight_transfer_config": {"backend": transfer_backend},
