@@ -14,11 +14,14 @@ any mix of futures can say whose they are.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -57,6 +60,12 @@ class NoAnswer(TimeoutError):
 class RankDied(RuntimeError):
     """A rank's process ended during its call (killed, out of memory, its node lost);
     the message names the rank, its pool and the call."""
+
+
+class RankOutOfMemory(RankDied):
+    """A rank's call ended for lack of memory: Ray's memory monitor killed its process
+    (the node's memory), or the call ran out of a GPU's or the host's memory. The
+    message names the rank, its pool, the call and the figure."""
 
 
 class RanksLost(RankDied):
@@ -106,12 +115,64 @@ def no_answer(pending: Sequence[ObjectRef[Any]], waited_s: float) -> NoAnswer:
 
 
 def rank_died(ref: ObjectRef[Any], error: Exception) -> RankDied:
-    """The error for a call whose rank's process died: who it was, and Ray's reason (its
-    first line; the rest is Ray's advice on where to look)."""
+    """The error for a call whose rank's process died or ran out of memory: who it was,
+    and why, in a line (`out_of_memory`, `death_reason`)."""
     call = _issued.get(ref.binary())
     who = str(call) if call is not None else "a rank (a call not issued by a worker group)"
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return RankDied(f"{who} died: {reason}")
+    if (shortage := out_of_memory(error)) is not None:
+        return RankOutOfMemory(f"{who} ran out of memory: {shortage}")
+    return RankDied(f"{who} died: {death_reason(error)}")
+
+
+# Ray's memory monitor, when it kills a worker (ray.exceptions.OutOfMemoryError, Ray 2.60):
+# "... Memory on the node (IP: 10.0.0.5, ID: ...) was 9.23GB used / 23.54GB limit (0.39)"
+RAY_NODE_MEMORY = re.compile(r"Memory on the node \(IP: ([^,]+),[^)]*\) was ([^(\n]+?) \(")
+# torch's allocators: "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total
+# capacity of 79.19 GiB of which 1.06 GiB is free. ..." and, on CPU,
+# "DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes. ..."
+TORCH_OUT_OF_MEMORY = re.compile(
+    r"(CUDA out of memory\..*? is free\.|can't allocate memory: [^.]*)"
+)
+# Ray's word for a worker that ended without a goodbye (a SIGKILL or a crash).
+RAY_EXIT_DETAIL = re.compile(r"Worker exit detail: ([^.]*)")
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """What ran out and the figure, if `error` says the rank ran out of memory: Ray's
+    memory monitor killed its process (the node's memory, used / limit), or its call
+    raised torch's out of memory (a GPU's, or the host's); None otherwise."""
+    import ray
+
+    cause = getattr(error, "cause", None)  # a RayTaskError's: what the call raised
+    if isinstance(error, ray.exceptions.OutOfMemoryError):
+        found = RAY_NODE_MEMORY.search(str(error))
+        figure = f"{found[2]} on node {found[1]}" if found else _first_line(error)
+        return f"Ray's memory monitor killed its process ({figure})"
+    if isinstance(cause, torch.OutOfMemoryError) or (
+        isinstance(cause, RuntimeError) and "can't allocate memory" in str(cause)
+    ):
+        found = TORCH_OUT_OF_MEMORY.search(str(cause))
+        return found[0] if found else _first_line(cause)
+    return None
+
+
+def death_reason(error: BaseException) -> str:
+    """Ray's reason for a rank's death, in a line. A process that ended without a word
+    (SIGKILL, a crash) is said to, with the kernel's OOM killer as its usual cause: Ray
+    cannot tell which, and only the node's kernel log can (its address is given)."""
+    text = str(error)
+    if (detail := RAY_EXIT_DETAIL.search(text)) and "connection error" in detail[1]:
+        node = re.search(r"\tip: (\S+)", text)
+        where = f" on {node[1]}" if node else ""
+        return (
+            f"its process ended abruptly (SIGKILL or a crash; the kernel's OOM killer is "
+            f"the usual cause: see the kernel log{where})"
+        )
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def peer_died(pending: Sequence[ObjectRef[Any]], within_s: float = PEER_DEATH_S) -> RankDied | None:
@@ -126,7 +187,7 @@ def peer_died(pending: Sequence[ObjectRef[Any]], within_s: float = PEER_DEATH_S)
         for ref in done:
             try:
                 ray.get(ref)
-            except ray.exceptions.RayActorError as error:
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
                 return rank_died(ref, error)
             except ray.exceptions.RayError:
                 pass  # failed on its own: the death looked for is another's

@@ -10,7 +10,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rlhf_trainer.cluster.hangs import RankCall, forget, no_answer, peer_died, rank_died, record
+from rlhf_trainer.cluster.hangs import (
+    RankCall,
+    forget,
+    no_answer,
+    out_of_memory,
+    peer_died,
+    rank_died,
+    record,
+)
 from rlhf_trainer.worker import BatchT, concat_batches
 
 if TYPE_CHECKING:
@@ -45,9 +53,11 @@ def join(
             raise no_answer([*pending, *involved], float(timeout_s or 0))
         try:
             ray.get(done)  # raises the failure, if that is what finished
-        except ray.exceptions.RayActorError as error:
+        except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as error:
             raise rank_died(done[0], error) from error
         except ray.exceptions.RayTaskError as error:
+            if out_of_memory(error) is not None:
+                raise rank_died(done[0], error) from error
             if (died := peer_died([*pending, *involved])) is not None:
                 raise died from error  # the cause, not the collective's echo of it
             raise
