@@ -11,7 +11,7 @@ and our fan-out of it; our transfer choice.
 
 STAND-INS, for what this machine has not (nothing else is faked):
 - CUDA: vLLM's current platform (the CPU build's) answers `is_cuda()` True,
-  `is_cpu()` False, `ray_device_key` "GPU", and `device_count()` with what Ray shows the rank's process:
+  `is_cpu()` False, `ray_device_key` "GPU", `get_device_total_memory()` 80 GiB, and `device_count()` with what Ray shows the rank's process:
   one GPU to a process that asks a share of one, every GPU of its node to a process that
   asks none (Ray 2.60 then leaves CUDA_VISIBLE_DEVICES as it is).
 - Ray, under vLLM's Ray executor: `StandInRay` records the options of each worker actor
@@ -42,13 +42,19 @@ from rlhf_trainer.cluster.placement import (
     rank_order,
     role_slots,
 )
-from rlhf_trainer.rollout.engine_settings import engine_settings
+from rlhf_trainer.rollout.engine_settings import (
+    engine_settings,
+    memory_budget,
+    transfer_reserve_bytes,
+)
 from tests.specs import job_config
 from tests.unit.conftest import EXAMPLES, load
 
 TENSOR_PARALLEL = (1, 2, 4, 8)
 PIPELINE_PARALLEL = (1, 2)  # in the transfer's ranks: workers per engine = TP x PP
 TRAINER = {"batchSize": 840, "miniBatchSize": 840}  # divisible by every rank count 1-8
+GPU_BYTES = 80 * 2**30
+GPU_MEMORY_UTILIZATION = 0.5
 
 
 def colocated(gpus: int, tp: int) -> JobConfig:
@@ -305,6 +311,7 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     monkeypatch.setattr(current_platform, "ray_device_key", "GPU")
+    monkeypatch.setattr(current_platform, "get_device_total_memory", lambda: GPU_BYTES)
     yield monkeypatch
     os.environ.clear()
     os.environ.update(saved)
@@ -326,9 +333,11 @@ def build_engine(
     cuda.setattr(current_platform, "device_count", lambda: visible_gpus(config, slot))
     os.environ.update(engine_environment(slot))
     settings = engine_settings(
-        model, max_model_len=128, gpu_memory_utilization=0.5, seed=0, dtype="bfloat16",
-        tensor_parallel_size=config.generation.tensor_parallel_size, transfer_backend="nccl",
+        model, max_model_len=128, gpu_memory_utilization=GPU_MEMORY_UTILIZATION, seed=0,
+        dtype="bfloat16",
+        tensor_parallel_size=config.generation.tensor_parallel_size,
         enforce_eager=config.generation.enforce_eager,
+        transfer_backend=choose_transfer(config, cuda=True).backend.value,
     )  # fmt: skip
     vllm_config = EngineArgs(**settings).create_engine_config()
     ray = StandInRay(pool_nodes(config, slot.pool))
@@ -377,6 +386,10 @@ def test_vllm_builds_each_engine_on_its_own_bundles(
     parallel = vllm_config.parallel_config
     assert parallel.world_size == parallel.tensor_parallel_size == tp
     assert vllm_config.model_config.enforce_eager is False  # CUDA graphs, by default
+    # vLLM's share counts the NCCL receiver's buffers (2 x 1 GiB); IPC maps the sender's
+    buffers = 2 / 80 if choose_transfer(config, cuda=True).backend is Backend.NCCL else 0
+    budget = vllm_config.cache_config.gpu_memory_utilization
+    assert budget == pytest.approx(GPU_MEMORY_UTILIZATION - buffers)
     if tp == 1:
         assert parallel.distributed_executor_backend == "uni"
         assert ray.workers == []  # the model runs in the engine's own process
@@ -385,3 +398,10 @@ def test_vllm_builds_each_engine_on_its_own_bundles(
     placed = [w["scheduling_strategy"].placement_group_bundle_index for w in ray.workers]
     assert placed == list(slot.engine_bundles)
     assert [w["num_gpus"] for w in ray.workers] == [slot.gpu_share] * tp
+
+
+def test_a_budget_that_leaves_vllm_nothing_beside_the_transfers_buffers_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"gpuMemoryUtilization 0.1 leaves vLLM nothing "
+                       r"beside the weight transfer's 2.0 GiB of buffers on a 24.0 GiB GPU"):  # fmt: skip
+        memory_budget(0.1, transfer_reserve_bytes("nccl"), 24 * 2**30)
+    assert memory_budget(0.9, transfer_reserve_bytes("ipc"), 24 * 2**30) == 0.9

@@ -80,6 +80,34 @@ def executor_backend(tensor_parallel_size: int, cuda: bool) -> str:
     return "ray" if cuda and os.environ.get(RAY_BUNDLES_VARIABLE) else "mp"
 
 
+def transfer_reserve_bytes(transfer_backend: str) -> int:
+    """What a weight push holds on each of an engine's GPUs beside vLLM's own memory:
+    vLLM's NCCL receiver packs the broadcast into `num_buffers` buffers of about
+    `buffer_size` each (vLLM's defaults, which our sender keeps). IPC maps the sender's
+    memory, and the host transfer is on CPU: nothing."""
+    if transfer_backend != "nccl":
+        return 0
+    from vllm.distributed.weight_transfer.packed_tensor import (
+        DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        DEFAULT_PACKED_NUM_BUFFERS,
+    )
+
+    return DEFAULT_PACKED_BUFFER_SIZE_BYTES * DEFAULT_PACKED_NUM_BUFFERS
+
+
+def memory_budget(gpu_memory_utilization: float, reserve_bytes: int, gpu_bytes: int) -> float:
+    """vLLM's share of the GPU once the weight transfer's buffers are counted in it: vLLM
+    sizes its KV cache to fill its share, and the buffers come on top, at every push."""
+    left = gpu_memory_utilization - reserve_bytes / gpu_bytes
+    if left <= 0.05:
+        raise ValueError(
+            f"generation.gpuMemoryUtilization {gpu_memory_utilization:g} leaves vLLM nothing "
+            f"beside the weight transfer's {reserve_bytes / 2**30:.1f} GiB of buffers on a "
+            f"{gpu_bytes / 2**30:.1f} GiB GPU: raise it"
+        )
+    return left
+
+
 def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
     """No chunked prefill on CPU: vLLM rewinds the sampler of a request whose prefill
     was cut short, and a seeded request's CPU generator cannot rewind, which kills the
@@ -116,6 +144,11 @@ def engine_settings(
         for key, value in CPU_EAGER_ENVIRONMENT.items():
             os.environ.setdefault(key, value)
 
+    if current_platform.is_cuda():
+        # A LoRA'd policy's adapter travels in Ray calls: no transfer engine, no buffers.
+        reserve = transfer_reserve_bytes(transfer_backend) if max_lora_rank is None else 0
+        total = current_platform.get_device_total_memory()
+        gpu_memory_utilization = memory_budget(gpu_memory_utilization, reserve, total)
     # One adapter at a time: the policy's, replaced in place at each sync.
     lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
     return (
