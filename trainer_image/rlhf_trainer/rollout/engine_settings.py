@@ -92,7 +92,7 @@ def transfer_reserve_bytes(transfer_backend: str) -> int:
         DEFAULT_PACKED_NUM_BUFFERS,
     )
 
-    return DEFAULT_PACKED_BUFFER_SIZE_BYTES * DEFAULT_PACKED_NUM_BUFFERS
+    return int(DEFAULT_PACKED_BUFFER_SIZE_BYTES * DEFAULT_PACKED_NUM_BUFFERS)
 
 
 def memory_budget(gpu_memory_utilization: float, reserve_bytes: int, gpu_bytes: int) -> float:
