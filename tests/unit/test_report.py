@@ -16,6 +16,7 @@ import pytest
 from rlhf_operator.api import crd
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.progress import PoolResize, TrainingProgress
+from rlhf_trainer.cluster.hangs import RankOutOfMemory
 from rlhf_trainer.loop.resize import ResizeWatch
 from rlhf_trainer.telemetry import report
 from rlhf_trainer.telemetry.report import (
@@ -23,6 +24,7 @@ from rlhf_trainer.telemetry.report import (
     ConsoleReporter,
     RateLimit,
     StatusReporter,
+    failure_line,
     reporter_from_env,
     status_url,
 )
@@ -113,11 +115,31 @@ def test_reporter_sends_a_rate_limited_merge_patch_of_status_training(
     assert first["path"] == "/apis/rlhf.dev/v1alpha1/namespaces/ns/rlhfjobs/job/status"
     assert first["headers"]["Content-Type"] == "application/merge-patch+json"
     assert first["headers"]["Authorization"] == f"Bearer {TOKEN}"
-    assert first["body"] == {"status": {"training": PROGRESS.to_dict()}}
+    # failure is always sent: its null removes an earlier attempt's
+    assert first["body"] == {"status": {"training": PROGRESS.to_dict() | {"failure": None}}}
     training = first["body"]["status"]["training"]
     assert training["rewardMean"] == 0.25  # camelCase on the wire
     assert (training["actorGradNorm"], training["criticGradNorm"]) == (1.5, 4.0)
     assert training["truncatedRatio"] == 0.125
+
+
+def test_a_failed_attempt_says_why_in_one_field_and_the_next_attempts_report_clears_it(
+    fake_api: tuple[str, list[dict[str, Any]]],
+) -> None:
+    url, requests = fake_api
+    reporter = StatusReporter("job", "ns", ApiServer(url, lambda: TOKEN))
+    lost = RankOutOfMemory(
+        "actor rank 3 on pool policy (update) ran out of memory: Tried to allocate 2.00 GiB."
+        "\nmore lines of Ray's advice"
+    )
+    assert reporter.report_failure(failure_line(lost))
+    assert requests[-1]["body"] == {"status": {"training": {"failure": (
+        "RankOutOfMemory: actor rank 3 on pool policy (update) ran out of memory: "
+        "Tried to allocate 2.00 GiB."
+    )}}}  # fmt: skip
+    assert requests[-1]["headers"]["Content-Type"] == "application/merge-patch+json"
+    assert reporter.report(PROGRESS)  # the next attempt's first report
+    assert requests[-1]["body"]["status"]["training"]["failure"] is None
 
 
 def test_the_final_report_is_tried_again_while_it_may_pass_and_each_failure_is_logged(

@@ -141,6 +141,21 @@ def test_kuberays_long_failure_keeps_its_first_line_and_the_logs_end() -> None:
     )
 
 
+def test_the_trainers_own_reason_says_why_the_attempt_failed_when_it_gave_one() -> None:
+    """The driver patched status.training.failure before it exited (a rank out of
+    memory, say): the Ready condition, and so the event, give it, not KubeRay's first
+    line of the driver's logs (which stay in lastFailure)."""
+    rayjob = attempt("a", "Failed", reason="AppFailed", message="Job failed, last logs:\n...")
+    said = "RankOutOfMemory: actor rank 3 on pool policy (update) ran out of memory: ..."
+    old = RLHFJobStatus.model_validate({"training": {"step": 7, "failure": said}})
+    policy = RestartPolicy(max_restarts=1, backoff_seconds=0)
+    status = compute_status(SPEC, 1, Observed(rayjob, []), old, T0, decide(policy, rayjob, old, T0))
+    assert ready_message(status) == (
+        f"the job is restarting after its attempt failed (AppFailed: {said})"
+    )
+    assert status.last_failure is not None and status.last_failure.message.startswith("Job failed")
+
+
 # KubeRay's own words when its verdict came late (rayjob_controller.go).
 LATE = {"reason": LATE_VERDICT, "jobStatus": "FAILED",
         "message": "The RayJob submitter finished at 2026-01-01 00:10:00 but the ray job did "

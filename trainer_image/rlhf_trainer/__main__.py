@@ -110,11 +110,7 @@ def train(
     """Run the job to its last step (resuming from a checkpoint); the exit status.
     Bad local settings (the run folder, the metrics port) fail before Ray starts.
     `reward_files`: the directory of a `file:` reward (run_job's default when None)."""
-    from rlhf_trainer.cluster.local import connect_to_cluster
-    from rlhf_trainer.loop.resize import ResizeWatch
-    from rlhf_trainer.loop.run import Interrupted, run_job
     from rlhf_trainer.telemetry.metrics import TrainerMetrics, serve_metrics
-    from rlhf_trainer.telemetry.report import StatusReporter, reporter_from_env
     from rlhf_trainer.telemetry.run_folder import RunFolder, RunFolderError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -143,7 +139,24 @@ def train(
             file=sys.stderr,
         )
         return 2
-    connect_to_cluster()  # the cluster KubeRay started this driver in
+    return train_on_cluster(config, job, metrics, trace, reward_files)
+
+
+def train_on_cluster(
+    config: JobConfig,
+    job: str,
+    metrics: TrainerMetrics,
+    trace: Path | None,
+    reward_files: Path | None,
+) -> int:
+    """The RayJob's driver: train on the cluster KubeRay started it in, reporting into
+    the job's status, and saying there why the attempt failed, if it does."""
+    from rlhf_trainer.cluster.local import connect_to_cluster
+    from rlhf_trainer.loop.resize import ResizeWatch
+    from rlhf_trainer.loop.run import Interrupted, run_job
+    from rlhf_trainer.telemetry.report import StatusReporter, failure_line, reporter_from_env
+
+    connect_to_cluster()
     reporter = reporter_from_env()
     watch = ResizeWatch(config, reporter.resizing) if isinstance(reporter, StatusReporter) else None
     try:
@@ -151,6 +164,10 @@ def train(
         run_job(config, job, reporter, metrics, trace, stop=stop, reward_files=reward_files)
     except Interrupted as stopped:  # only a resize stops a run on the cluster
         logging.info("%s, for a resize; the operator starts the next attempt", stopped)
+    except Exception as error:
+        if isinstance(reporter, StatusReporter):
+            reporter.report_failure(failure_line(error))
+        raise
     return 0
 
 

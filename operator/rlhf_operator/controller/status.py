@@ -267,7 +267,10 @@ def _phase_message(
     phase: Phase, failure: AttemptFailure | None, training: TrainingProgress | None
 ) -> str:
     if failure is not None and phase in (Phase.FAILED, Phase.RESTARTING):
-        said = failure.message.split("\n", 1)[0][:FIRST_LINE]  # the logs stay in lastFailure
+        # The trainer's own word when it said why (a rank out of memory, say), else
+        # KubeRay's first line; the driver's logs stay in lastFailure.
+        said = training.failure if training and training.failure else failure.message
+        said = said.split("\n", 1)[0][:FIRST_LINE]
         what = f"{failure.reason}: {said}" if said else failure.reason
         return f"the job is {phase.value.lower()} after its attempt failed ({what})"
     if phase is Phase.SUCCEEDED and not reported_to_the_end(training):

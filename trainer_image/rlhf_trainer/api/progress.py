@@ -95,6 +95,14 @@ class TrainingProgress(SpecModel):
     eval: EvalProgress | None = Field(
         None, description="The last evaluation on the held-out prompts (data.eval)."
     )
+    failure: str | None = Field(
+        None,
+        description=(
+            "Why the trainer's attempt failed, in a line (its error: a rank out of memory "
+            "names the rank, its pool and the figure); cleared by the next attempt's "
+            "first report."
+        ),
+    )
 
 
 class PoolResize(SpecModel):

@@ -78,8 +78,21 @@ def status_url(server: str, namespace: str, name: str) -> str:
 
 
 def status_patch(progress: TrainingProgress) -> bytes:
-    """A merge patch that sets `status.training` and leaves the operator's fields alone."""
-    return json.dumps({"status": {"training": progress.to_dict()}}).encode()
+    """A merge patch that sets `status.training` and leaves the operator's fields alone.
+    `failure` is always sent: its null removes an earlier attempt's."""
+    training = progress.to_dict() | {"failure": progress.failure}
+    return json.dumps({"status": {"training": training}}).encode()
+
+
+def failure_patch(failure: str) -> bytes:
+    """A merge patch that sets only `status.training.failure`."""
+    return json.dumps({"status": {"training": {"failure": failure}}}).encode()
+
+
+def failure_line(error: BaseException, limit: int = 500) -> str:
+    """An error as the job's status says why its attempt failed: its type and first line."""
+    first = str(error).strip().split("\n", 1)[0]
+    return f"{type(error).__name__}: {first}"[:limit] if first else type(error).__name__
 
 
 class RateLimit:
@@ -141,6 +154,17 @@ class StatusReporter:
                       "its status keeps an earlier step", progress.step, progress.total_steps,
                       self.namespace, self.name)  # fmt: skip
         return False
+
+    def report_failure(self, failure: str) -> bool:
+        """Say in the job's status why this attempt failed (`failure_line`), before the
+        driver exits: the operator's Ready condition and events then give it."""
+        try:
+            self._request("PATCH", failure_patch(failure), "application/merge-patch+json")
+            return True
+        except Exception as error:  # the driver's own error is what matters
+            log.warning("could not report the failure to rlhfjob %s/%s: %s", self.namespace,
+                        self.name, _describe(error))  # fmt: skip
+            return False
 
     def resizing(self) -> list[PoolResize] | None:
         """The pools the operator is resizing (its status.resizing); None when it could
