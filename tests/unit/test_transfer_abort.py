@@ -4,25 +4,21 @@ vLLM's NCCL sender (`NCCLTrainerWeightTransferEngine.send_weights`) runs the eng
 `update_weights` call on a side thread and broadcasts beside it. NCCL's broadcast waits
 for every peer and has no timeout of its own: without an abort, a sender whose engine
 died waits for ever. Our fan-out tells `on_failure` when a call fails, and the actor
-aborts its end of the transfer there (`Actor.abort_weight_transfer`, `abort_sender`).
+aborts its end of the transfer there (`push_verdict.WeightPush.abort`, `abort_sender`).
 vLLM's own `shutdown` would not do: it drops the communicator that the broadcast loop
 still reads (tried here: AttributeError on None in the unpacked loop).
 
 NCCL cannot run here, and a gloo collective cannot stand in: measured with torch 2.13,
 `ProcessGroupGloo.abort()` and `shutdown()` from another thread leave a waiting
-broadcast to its own timeout. So `StandInCommunicator` stands in for vLLM's
-`PyNcclCommunicator` on the sender: a broadcast waits until every engine has taken the
-tensor, and `destroy` (which is ncclCommAbort in PyNccl) ends a waiting broadcast,
-after which broadcasts do nothing, as PyNccl's do once it is disabled. Also patched:
+broadcast to its own timeout. So `tests.nccl_stand_in.StandInCommunicator` stands in
+for vLLM's `PyNcclCommunicator` on the sender (that module says how). Also patched:
 `torch.cuda.current_stream` (there is no CUDA stream). vLLM's sender, its threads and
-its error path, and our fan-out, run unpatched.
+its error path, and our fan-out, run unpatched. With several actor ranks, where the
+other ranks' gathers are at stake: test_push_verdict.py.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -33,54 +29,10 @@ from torch import nn
 
 from rlhf_trainer.rollout.transfer_engines import PolicySource, abort_sender
 from rlhf_trainer.rollout.weight_sync import EngineFanOut
+from tests.nccl_stand_in import EngineLost, StandInCommunicator
 
 LAYERS = 3  # tensors broadcast one by one (packed=False: packing needs CUDA streams)
 STAND_IN_WAIT_S = 5.0  # NCCL waits for ever; the stand-in says so after this long
-
-
-class EngineLost(RuntimeError):
-    pass
-
-
-class StandInCommunicator:
-    """vLLM's PyNcclCommunicator on the sender, as far as the broadcast goes (above)."""
-
-    def __init__(self, engines: int) -> None:
-        self.inboxes: list[queue.Queue[torch.Tensor | None]] = [
-            queue.Queue() for _ in range(engines)
-        ]
-        self.taken = threading.Semaphore(0)
-        self.aborted = threading.Event()
-        self.sent = 0
-
-    def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
-        if self.aborted.is_set():
-            return  # PyNccl's broadcast once destroyed
-        for inbox in self.inboxes:
-            inbox.put(tensor.clone())
-        deadline = time.monotonic() + STAND_IN_WAIT_S
-        for _ in self.inboxes:  # every peer takes it, or the sender waits
-            while not self.taken.acquire(timeout=0.05):
-                if self.aborted.is_set():
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the broadcast would wait for ever (NCCL): no abort came")
-        self.sent += 1
-
-    def receive(self, engine: int) -> torch.Tensor:
-        tensor = self.inboxes[engine].get()
-        if tensor is None:
-            raise EngineLost("the transfer was torn down under this engine")
-        self.taken.release()
-        return tensor
-
-    def destroy(self) -> None:
-        self.aborted.set()
-
-    def release_receivers(self) -> None:
-        """End every engine's wait (in a real cluster: its own abort, or its process)."""
-        for inbox in self.inboxes:
-            inbox.put(None)
 
 
 class ThreadEngines(EngineFanOut):
@@ -130,11 +82,11 @@ def test_a_sender_whose_engine_dies_mid_broadcast_aborts_and_fails_naming_it(
     aborts: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)  # no CUDA here
-    communicator = StandInCommunicator(engines=2)
+    communicator = StandInCommunicator(engines=2, wait_s=STAND_IN_WAIT_S)
     engines = ThreadEngines(communicator, LAYERS)
     transfer = sender(engines, communicator)
     aborted: list[bool] = []
-    if aborts:  # what Actor.open_weight_transfer installs
+    if aborts:  # what push_verdict.open_push installs
 
         def abort() -> None:
             aborted.append(True)

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import PeftModel
@@ -55,6 +55,9 @@ from rlhf_trainer.roles.trainable import (
 )
 from rlhf_trainer.rollout.weight_sync import TransferSetup
 from rlhf_trainer.worker import RankInfo, Worker
+
+if TYPE_CHECKING:  # imports vLLM: only the actor's ranks that send need it
+    from rlhf_trainer.rollout.push_verdict import WeightPush
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ class Actor(Trainable):
             [p for p in self.model.parameters() if p.requires_grad],  # LoRA: the adapter's
             lr=config.trainer.actor_learning_rate,
         )
-        self.transfer: Any = None  # vLLM's TrainerWeightTransferEngine, to the engines
+        self.push: WeightPush | None = None  # this rank's side of the weight transfer
         self.engines: Any = None  # its VLLMWeightSyncClient (cluster.engine_client)
         # The ref beside the policy when it shares the actor's pool (a LoRA base is
         # answered by the model itself): built after the policy, as the ref's own
@@ -169,8 +172,7 @@ class Actor(Trainable):
         `EngineFanOut`). The backend is the one the engines were built with
         (`setup.backend`). Any transfer before is shut down first, on both sides: this
         rank's end, and (rank 0) each engine's. A collective of the actor's ranks."""
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
+        from rlhf_trainer.rollout.push_verdict import open_push
         from rlhf_trainer.rollout.transfer_engines import PolicySource, trainer_init_info
 
         self.close()  # the transfer to the engines before (some since lost), if any
@@ -182,10 +184,7 @@ class Actor(Trainable):
         try:
             if info.is_sender:
                 engines.shutdown_weight_transfer_engine()
-            self.transfer = WeightTransferTrainerFactory.trainer_init(
-                info, client=engines, source=source
-            )
-            engines.on_failure = self.abort_weight_transfer
+            self.push = open_push(info, engines, source)
         except Exception as error:
             raise RuntimeError(
                 f"the {setup.backend} weight transfer from actor rank {self.info.rank} on "
@@ -194,24 +193,13 @@ class Actor(Trainable):
 
     def send_weights(self, version: int) -> None:
         """Hand the policy to every engine as `version`, and return once they serve it.
-        A collective of the actor's ranks (each tensor is gathered whole)."""
+        A collective of the actor's ranks (each tensor is gathered whole); a push that
+        fails raises the same PushFailed on every rank (`rollout.push_verdict`)."""
         if self.lora is not None:
             self.send_adapter(version)
             return
-        assert self.transfer is not None, "open_weight_transfer first"
-        self.engines.version = version
-        self.transfer.send_weights()
-
-    def abort_weight_transfer(self) -> None:
-        """An engine failed a call of the transfer: end this rank's side at once, so
-        that a broadcast still waiting on that engine fails now (vLLM's NCCL sender
-        broadcasts while the calls run on another thread). Open it again to go on."""
-        from rlhf_trainer.rollout.transfer_engines import abort_sender
-
-        if self.transfer is not None:
-            log.warning("actor rank %d: an engine failed in the weight transfer; this "
-                        "rank's end of it is aborted", self.info.rank)  # fmt: skip
-            abort_sender(self.transfer)
+        assert self.push is not None, "open_weight_transfer first"
+        self.push.send(version)
 
     def send_adapter(self, version: int) -> None:
         """Hand only the adapter to every engine (vLLM's LoRA support loads it over the
@@ -235,9 +223,9 @@ class Actor(Trainable):
                             origin, seed=self.config.trainer.seed, adapter=adapter)  # fmt: skip
 
     def close(self) -> None:
-        if self.transfer is not None:
-            self.transfer.shutdown()
-            self.transfer = None
+        if self.push is not None:
+            self.push.shutdown()
+            self.push = None
 
 
 def sequence_log_probs(

@@ -94,12 +94,14 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
     """The policy as the engines load it: checkpoint (Hugging Face) names, the engines'
     dtype, and without the LM head when it is tied to the embeddings (vLLM's loader has
     no parameter of its own for it). Iterating gathers each sharded tensor whole on
-    every rank (`DTensor.full_tensor`, a collective), one tensor at a time."""
+    every rank (`DTensor.full_tensor`, a collective), one tensor at a time: every rank
+    must take part in every gather of a push, in order (`finish_pass`)."""
 
     def __init__(self, model: nn.Module, tied: bool, dtype: torch.dtype) -> None:
         self.model = model
         self.tied = tied
         self.dtype = dtype
+        self.gathering: Iterator[tuple[str, Tensor]] | None = None  # this push's pass
 
     def _named(self) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in self.model.state_dict().items():
@@ -110,9 +112,23 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
         return [ParamMeta(name, self.dtype, tuple(t.shape)) for name, t in self._named()]
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        self.gathering = self._gathered()
+        return self.gathering
+
+    def _gathered(self) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in self._named():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, full.detach().to(self.dtype)
+
+    def finish_pass(self) -> None:
+        """Take part in the gathers of this push that this rank has not (all of them if
+        it has not begun: a sender that failed before it iterated), so that the other
+        ranks' gathers end; the next push begins a pass of its own. Call it once a
+        push has ended, on every rank."""
+        rest = self.gathering if self.gathering is not None else self._gathered()
+        self.gathering = None
+        for _ in rest:
+            pass
 
 
 def abort_sender(transfer: Any) -> None:
