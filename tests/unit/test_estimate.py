@@ -11,7 +11,6 @@ from rlhf_operator.app.cli import main
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.estimate import (
     CostProfile,
-    ModelShape,
     bundled_profiles,
     calibrate,
     estimate,
@@ -22,7 +21,7 @@ from rlhf_trainer.api.estimate import (
 )
 from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.api.sections import TinyModel
+from rlhf_trainer.api.sections import ModelShape, TinyModel
 from tests.specs import job_config
 
 # 240 samples a step (test defaults) of 10 prompt + 30 response tokens: generating them
@@ -207,7 +206,9 @@ def test_plan_estimate_prints_the_step_the_pools_and_a_split(
     assert "profile 'nope': no such file" in capsys.readouterr().err
 
 
-QWEN_7B = ModelShape(layers=28, hidden_size=3584, intermediate_size=18944, kv_size=512)
+QWEN_7B = ModelShape(
+    layers=28, hidden_size=3584, intermediate_size=18944, kv_size=512, vocab_size=152064
+)
 
 
 def lora_job(target_modules: list[str], **models: object) -> JobConfig:
@@ -234,7 +235,7 @@ def peft_adapter_parameters(tiny: TinyModel, targets: list[str]) -> int:
 def test_a_lora_adapter_is_sized_as_peft_builds_it() -> None:
     """The count from the linear shapes against peft's own adapter on the tiny model."""
     tiny = TinyModel(hidden_size=64, num_layers=3, num_heads=2, vocab_size=64)
-    shape = ModelShape(layers=3, hidden_size=64, intermediate_size=4 * 64, kv_size=64)
+    shape = tiny.shape()  # layers=3, hidden_size=64, intermediate_size=4 * 64, kv_size=64
     for targets in (["q_proj", "v_proj"], list(shape.linear_shapes())):
         lora = LoraConfig(rank=8, target_modules=targets)
         assert shape.adapter_parameters(lora) == peft_adapter_parameters(tiny, targets), targets

@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlhf_operator.api.job import RLHFJob, RLHFJobSpec
+from rlhf_trainer.api.memory import memory_errors
 from rlhf_trainer.api.rules import FieldError, field_errors
 
 
@@ -20,24 +21,37 @@ class InvalidJob(ValueError):
         self.errors = errors
 
 
-def parse_job(manifest: Any) -> RLHFJob:
-    """Validate a whole RLHFJob manifest (apiVersion, kind, metadata, spec)."""
+def parse_job(manifest: Any, memory: bool = True) -> RLHFJob:
+    """Validate a whole RLHFJob manifest (apiVersion, kind, metadata, spec); `memory`:
+    with the memory rule (`rlhfjob plan` shows a job that cannot fit, and why)."""
     if not isinstance(manifest, dict):
         raise InvalidJob(
             [FieldError("", f"expected a mapping (an RLHFJob), got {_kind(manifest)}")]
         )
     try:
-        return RLHFJob.model_validate(manifest)
+        job = RLHFJob.model_validate(manifest)
     except ValidationError as error:
         raise InvalidJob(field_errors(error)) from None
+    if memory:
+        check_memory(job.spec)
+    return job
 
 
 def parse_spec(spec: Any) -> RLHFJobSpec:
     """Validate just a spec, as the operator receives it from the API server."""
     try:
-        return RLHFJobSpec.model_validate(spec)
+        parsed = RLHFJobSpec.model_validate(spec)
     except ValidationError as error:
         raise InvalidJob(field_errors(error, prefix=("spec",))) from None
+    check_memory(parsed)
+    return parsed
+
+
+def check_memory(spec: RLHFJobSpec) -> None:
+    """The rules that only Python checks, after the schema's and CEL's: the roles on
+    each pool fit its GPUs' memory (api.memory). CEL could not afford the arithmetic."""
+    if errors := memory_errors(spec):
+        raise InvalidJob([FieldError(f"spec.{e.path}", e.message) for e in errors])
 
 
 def unmounted_paths(spec: RLHFJobSpec) -> list[FieldError]:

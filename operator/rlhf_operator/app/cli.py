@@ -1,7 +1,7 @@
 """`rlhfjob`: check RLHFJob manifests and print the generated CRD.
 
 rlhfjob validate FILE...   print `FILE: ok` or each error with its field path
-rlhfjob plan FILE...       print each job's placement plan
+rlhfjob plan FILE...       print each job's placement plan and memory per GPU
   --estimate [--profile P]   and its step time, pool busy shares and balanced split
 rlhfjob render FILE        print the objects the operator would create
 rlhfjob train FILE         run the job on this machine (a simulated Ray cluster)
@@ -29,11 +29,13 @@ from rlhf_operator.api.validation import InvalidJob, load_documents, parse_job, 
 from rlhf_operator.render.children import JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess
 from rlhf_trainer.api.estimate import describe_estimate, load_profile
+from rlhf_trainer.api.memory import describe_memory
 from rlhf_trainer.api.plan import describe, plan_placement
 
 
-def read_jobs(path: Path) -> tuple[list[RLHFJob], list[str]]:
-    """The valid RLHFJobs in a file, and an error line for each problem found."""
+def read_jobs(path: Path, memory: bool = True) -> tuple[list[RLHFJob], list[str]]:
+    """The valid RLHFJobs in a file, and an error line for each problem found (`memory`:
+    a pool that cannot fit its roles is one)."""
     try:
         docs = list(load_documents(path.read_text()))
     except OSError as error:
@@ -44,7 +46,7 @@ def read_jobs(path: Path) -> tuple[list[RLHFJob], list[str]]:
     for index, doc in enumerate(docs):
         where = f"{path}[{index}]" if len(docs) > 1 else str(path)
         try:
-            jobs.append(parse_job(doc))
+            jobs.append(parse_job(doc, memory))
         except InvalidJob as invalid:
             problems += [f"{where}: {e}" for e in invalid.errors]
     return jobs, problems
@@ -71,7 +73,7 @@ def print_plans(paths: list[Path], profile_name: str | None = None) -> int:
         print(error, file=sys.stderr)
         return 1
     for path in paths:
-        jobs, problems = read_jobs(path)
+        jobs, problems = read_jobs(path, memory=False)  # the table shows what cannot fit
         if problems:
             print("\n".join(problems))
             return 1
@@ -79,6 +81,7 @@ def print_plans(paths: list[Path], profile_name: str | None = None) -> int:
             config = job.spec.job_config(job.metadata.name)  # as in a cluster
             print(f"{job.metadata.name} ({path})")
             print(describe(plan_placement(config)))
+            print(describe_memory(config))
             if profile is not None:
                 share_nodes = job.spec.separation is Separation.GPU
                 try:

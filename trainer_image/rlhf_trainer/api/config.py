@@ -65,6 +65,17 @@ class PoolConfig(SpecModel):
             "roles place and colocate as on GPUs, and compute on CPU (a trial on any cluster)."
         ),
     )
+    gpu_memory_gib: float | None = Field(
+        None,
+        alias="gpuMemoryGiB",
+        gt=0,
+        le=4096,
+        description=(
+            "Memory of each GPU of this pool, in GiB (an 80 GB H100: 79.6, as nvidia-smi "
+            "shows it). Admission refuses a placement whose roles cannot fit it (the memory "
+            "per GPU that `rlhfjob plan` shows); unset: unknown, nothing is refused."
+        ),
+    )
 
     @property
     def total_gpus(self) -> int:

@@ -39,6 +39,7 @@ from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.plan import DRIVER, Phase, PlacementPlan, plan_placement
 from rlhf_trainer.api.rules import SpecModel
+from rlhf_trainer.api.sections import ModelShape
 
 FORWARD_PHASES = (Phase.ACTOR_LOG_PROB, Phase.REF_LOG_PROB, Phase.VALUES, Phase.REWARD)
 TRAIN_PHASES = (Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)
@@ -46,35 +47,6 @@ MAX_CANDIDATE_SPLITS = 20_000  # pool splits tried by suggest_split, at most
 # Bytes of a synced parameter: the engines serve the trainer's compute dtype
 # (trainer.precision; rlhf_trainer.models.COMPUTE_DTYPE).
 SYNC_BYTES = {"fp32": 4, "bf16": 2}
-
-
-class ModelShape(SpecModel):
-    """The decoder's linear layers, which size a LoRA adapter (a config.json's fields)."""
-
-    layers: int = Field(ge=1, description="Decoder layers (num_hidden_layers).")
-    hidden_size: int = Field(ge=1, description="hidden_size.")
-    intermediate_size: int = Field(ge=1, description="The MLP's width (intermediate_size).")
-    kv_size: int = Field(
-        ge=1, description="num_key_value_heads x head_dim: k_proj's and v_proj's outputs."
-    )
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """Each linear layer of a decoder layer by its name: (inputs, outputs)."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_size
-        return {
-            "q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }  # fmt: skip
-
-    def adapter_parameters(self, lora: LoraConfig) -> int:
-        """A LoRA adapter's parameters: A (r x in) and B (out x r) on each target."""
-        shapes = self.linear_shapes()
-        if unknown := sorted(set(lora.target_modules) - set(shapes)):
-            raise ValueError(
-                f"lora.targetModules {unknown}: the estimate sizes only {', '.join(shapes)}"
-            )
-        per_layer = sum(lora.rank * sum(shapes[name]) for name in set(lora.target_modules))
-        return self.layers * per_layer
 
 
 class CostProfile(SpecModel):
@@ -211,16 +183,12 @@ def sync_gigabytes(config: JobConfig, profile: CostProfile) -> float:
     if lora is None:
         return profile.model_gigabytes
     tiny = config.models.actor.tiny
-    shape = profile.model_shape
-    if tiny is not None:  # the tiny model's own shape (rlhf_trainer.models.model_config)
-        h = tiny.hidden_size
-        shape = ModelShape(
-            layers=tiny.num_layers, hidden_size=h, intermediate_size=4 * h, kv_size=h
-        )
+    shape = tiny.shape() if tiny is not None else profile.model_shape
     if shape is None:
         raise ValueError(
             f"profile {profile.source!r}: a LoRA job's sync moves only the adapter, sized "
-            "from the model: set modelShape (layers, hiddenSize, intermediateSize, kvSize)"
+            "from the model: set modelShape (layers, hiddenSize, intermediateSize, kvSize, "
+            "vocabSize)"
         )
     return shape.adapter_parameters(lora) * SYNC_BYTES[config.trainer.precision] / 1e9
 

@@ -16,6 +16,66 @@ from rlhf_trainer.api.rules import Rule, SpecModel
 TINY_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels need head_dim >= 32
 
 
+class ModelShape(SpecModel):
+    """A decoder's shape, from its config.json: what sizes its memory (api.memory) and
+    a LoRA adapter on it (api.estimate). Biases are left out (a few per layer)."""
+
+    layers: int = Field(ge=1, le=1024, description="Decoder layers (num_hidden_layers).")
+    hidden_size: int = Field(ge=1, le=1_000_000, description="hidden_size.")
+    intermediate_size: int = Field(
+        ge=1, le=10_000_000, description="The MLP's width (intermediate_size)."
+    )
+    kv_size: int = Field(
+        ge=1,
+        le=1_000_000,
+        description="num_key_value_heads x head_dim: k_proj's and v_proj's outputs.",
+    )
+    vocab_size: int = Field(ge=1, le=10_000_000, description="vocab_size.")
+    tied_embeddings: bool = Field(
+        False, description="tie_word_embeddings: the LM head is the input embeddings."
+    )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each linear layer of a decoder layer by its name: (inputs, outputs)."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_size
+        return {
+            "q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+
+    def adapter_parameters(self, lora: LoraConfig) -> int:
+        """A LoRA adapter's parameters: A (r x in) and B (out x r) on each target."""
+        shapes = self.linear_shapes()
+        if unknown := sorted(set(lora.target_modules) - set(shapes)):
+            raise ValueError(
+                f"lora.targetModules {unknown}: the estimate sizes only {', '.join(shapes)}"
+            )
+        per_layer = sum(lora.rank * sum(shapes[name]) for name in set(lora.target_modules))
+        return self.layers * per_layer
+
+    @property
+    def layer_parameters(self) -> int:
+        """One decoder layer's: its linear layers and its two norms."""
+        return sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden_size
+
+    @property
+    def embedding_parameters(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def parameters(self, lm_head: bool) -> int:
+        """The whole model's: the layers, the embeddings and the final norm, with an LM
+        head of its own when untied (`lm_head`), else a one-output head (a value head, a
+        reward model's score)."""
+        own_head = self.embedding_parameters if not self.tied_embeddings else 0
+        head = own_head if lm_head else self.hidden_size + 1
+        return (
+            self.layers * self.layer_parameters
+            + self.embedding_parameters
+            + self.hidden_size
+            + head
+        )
+
+
 class TinyModel(SpecModel):
     """A small causal LM built from this config at run time (tests, demos); no download."""
 
@@ -40,6 +100,19 @@ class TinyModel(SpecModel):
         ),
     )
 
+    def shape(self) -> ModelShape:
+        """The tiny model's shape (rlhf_trainer.models.model_config: an MLP 4x wide,
+        as many key-value heads as heads, the LM head tied to the embeddings)."""
+        h = self.hidden_size
+        return ModelShape(
+            layers=self.num_layers,
+            hidden_size=h,
+            intermediate_size=4 * h,
+            kv_size=h,
+            vocab_size=self.vocab_size,
+            tied_embeddings=True,
+        )
+
 
 class ModelSource(SpecModel):
     """Where a model comes from: a checkpoint path, or a tiny model built from a config."""
@@ -50,6 +123,15 @@ class ModelSource(SpecModel):
         description="A Hugging Face-format checkpoint: a local directory or a hub model id.",
     )
     tiny: TinyModel | None = Field(None, description="Build a tiny model from this config.")
+    shape: ModelShape | None = Field(
+        None,
+        description=(
+            "The model's shape (its config.json's fields), with path: `rlhfjob plan` shows "
+            "the memory each role takes of a GPU, and a placement that cannot fit "
+            "pools[].gpuMemoryGiB is refused. Unset: that memory is unknown and nothing is "
+            "refused. A tiny model's shape is known."
+        ),
+    )
 
     rules = (
         Rule(
@@ -58,7 +140,17 @@ class ModelSource(SpecModel):
             "has(self.path) != has(self.tiny)",
             lambda m: (m.path is None) != (m.tiny is None),
         ),
+        Rule(
+            "shape",
+            "goes with path only (a tiny model's shape is its tiny config)",
+            "!has(self.shape) || has(self.path)",
+            lambda m: m.shape is None or m.path is not None,
+        ),
     )
+
+    def model_shape(self) -> ModelShape | None:
+        """The shape of the model: the spec's, or a tiny model's own; None if unknown."""
+        return self.tiny.shape() if self.tiny is not None else self.shape
 
 
 class TrainedModel(ModelSource):
