@@ -182,17 +182,19 @@ TINY = {"hiddenSize": 256, "numLayers": 2, "vocabSize": 2048}
 MEASURED_WITHIN = 0.15
 
 
-def tiny_job(precision: str) -> JobConfig:
+def tiny_job(
+    precision: str, tiny: dict[str, int] = TINY, rows: int = ROWS, length: int = LENGTH
+) -> JobConfig:
     """The local example's actor alone on its one-rank pool (no ref), one micro-batch a
-    mini-batch."""
+    mini-batch of `rows` samples of `length` tokens."""
     spec = local_job(colocated=True, total_steps=1, checkpoint_dir=Path("/unused"), every_steps=1)
     config = spec.model_dump(by_alias=True, exclude_none=True)
-    config["models"]["actor"]["tiny"] |= TINY
+    config["models"]["actor"]["tiny"] |= tiny
     config["roles"].pop("ref")
     config["algorithm"]["klCoef"] = 0.0
-    config["data"] |= {"maxPromptLength": LENGTH // 2, "maxResponseLength": LENGTH // 2}
-    config["trainer"] |= {"precision": precision, "batchSize": ROWS, "miniBatchSize": ROWS,
-                          "microBatchSize": ROWS}  # fmt: skip
+    config["data"] |= {"maxPromptLength": length // 2, "maxResponseLength": length - length // 2}
+    config["trainer"] |= {"precision": precision, "batchSize": rows, "miniBatchSize": rows,
+                          "microBatchSize": rows}  # fmt: skip
     return JobConfig.model_validate(config)
 
 
