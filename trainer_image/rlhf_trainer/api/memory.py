@@ -275,7 +275,7 @@ def memory_plan(config: JobConfig) -> list[PoolMemory]:
                 unknown.append(estimate)
                 continue
             if pool.device is Device.GPU and note != IN_ACTOR and role is not Role.ROLLOUT:
-                estimate = _with(estimate, runtime_bytes=RUNTIME_BYTES)
+                estimate = replace(estimate, runtime_bytes=RUNTIME_BYTES)
             roles.append(estimate)
         if gpu is None and any(r.role is Role.ROLLOUT for r in roles):
             unknown.append(f"rollout: its KV cache, as pools[{index}].gpuMemoryGiB is unset")
@@ -315,14 +315,10 @@ def _role_memory(
     if role in (Role.ACTOR, Role.CRITIC):
         memory = trained_role(config, role, shape, ranks)
         transfer = actor_transfer if role is Role.ACTOR else 0
-        return _with(memory, transfer_bytes=transfer, note=_joined(note, memory.note))
+        return replace(memory, transfer_bytes=transfer, note=_joined(note, memory.note))
     if role is Role.REF:
         return frozen_role(config, role, shape, ranks, note or "a whole copy a rank")
-    return _with(rollout_role(config, shape, gpu_bytes), transfer_bytes=engine_transfer)
-
-
-def _with(memory: RoleMemory, **changes: int | str) -> RoleMemory:
-    return replace(memory, **changes)  # type: ignore[arg-type]
+    return replace(rollout_role(config, shape, gpu_bytes), transfer_bytes=engine_transfer)
 
 
 def _joined(*notes: str) -> str:
@@ -335,7 +331,6 @@ def memory_errors(config: JobConfig) -> list[FieldError]:
     KV cache (vLLM refuses to start). Unknown figures refuse nothing."""
     errors = []
     for pool in memory_plan(config):
-        assert pool.gpu_bytes is not None or not pool.overflows
         if pool.overflows:
             roles = "; ".join(map(_role_sum, pool.roles))
             errors.append(FieldError(
