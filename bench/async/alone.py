@@ -66,7 +66,7 @@ def generate_alone(streaming: AsyncPPOTrainer) -> tuple[float, int]:
     """Tokens/s the engines generate while full, and the samples admitted in all."""
     batch, n = streaming.config.trainer.batch_size, streaming.group_size
     first = streaming.admission.admitted_total  # prompts run.start() admitted
-    streaming.elastic.give(
+    streaming.admissions.give(
         [
             ((first + i) * n + j, p, streaming.prompts.prompts[p].token_ids)
             for i, p in enumerate(streaming.prompts.next_indices(BATCHES * batch))

@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.harness import Measurement, run_bench
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.cluster.local import local_ray_cluster
-from rlhf_trainer.loop.elastic_rollout import ENGINES_JOINED
+from rlhf_trainer.loop.membership import ENGINES_JOINED
 from rlhf_trainer.loop.run import run_job
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.report import ConsoleReporter

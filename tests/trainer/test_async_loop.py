@@ -20,6 +20,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -161,7 +162,7 @@ def test_a_killed_rollout_engine_fails_the_run_rather_than_hanging_it(
     that will never come."""
     from rlhf_trainer.cluster.local import local_ray_cluster
     from rlhf_trainer.loop import fully_async as async_trainer
-    from rlhf_trainer.loop.engine_replacement import EngineRestartsExhausted
+    from rlhf_trainer.loop.membership import EngineRestartsExhausted
     from rlhf_trainer.loop.run import run_job
 
     # Were the loss not found, the run would wait this long (an hour by default).
@@ -223,10 +224,10 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     from rlhf_trainer.cluster.groups import WorkerGroup
     from rlhf_trainer.cluster.local import local_ray_cluster, signal_all
     from rlhf_trainer.cluster.waits import join
-    from rlhf_trainer.loop import elastic_rollout
-    from rlhf_trainer.loop.elastic_rollout import ElasticRollout
+    from rlhf_trainer.loop import background_starts
     from rlhf_trainer.loop.evaluation import Evaluator
     from rlhf_trainer.loop.fully_async import AsyncPPOTrainer, AsyncState
+    from rlhf_trainer.loop.membership import EngineMembership
     from rlhf_trainer.loop.run import run_job
     from rlhf_trainer.loop.weights import WeightSync
 
@@ -238,10 +239,10 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
     config = JobConfig.model_validate(spec)
     metrics = TrainerMetrics(pools=[p.name for p in config.pools])
     push, start_evaluation = WeightSync.push, Evaluator.start
-    elastic_init, elastic_start = ElasticRollout.__init__, ElasticRollout.start
+    elastic_init, elastic_start = EngineMembership.__init__, EngineMembership.start_background
     admit, checkpoint_state = AsyncPPOTrainer.admit, AsyncPPOTrainer.checkpoint_state
-    monkeypatch.setattr(elastic_rollout, "START_RETRY_S", 0.0)  # at the next sync
-    elastic: list[ElasticRollout] = []
+    monkeypatch.setattr(background_starts, "START_RETRY_S", 0.0)  # at the next sync
+    elastic: list[EngineMembership] = []
     events: list[str] = []  # the faults, in the order they landed
     killed_nodes: list[str] = []
     to_three: list[int] = []  # the pushes to three engines
@@ -266,13 +267,13 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
         def evaluation_that_loses_an_engine(evaluator: Evaluator, step: int) -> Any:
             if step != 2:
                 return start_evaluation(evaluator, step)
-            kill = kill_rank(evaluator.trainer.groups[Role.ROLLOUT], 0, "evaluation", True)
+            kill = kill_rank(evaluator.parts.groups[Role.ROLLOUT], 0, "evaluation", True)
             done = start_evaluation(evaluator, step)
             kill()
             return done
 
         def start_that_loses_the_first_on_a_new_node(
-            self: ElasticRollout, groups: list[WorkerGroup]
+            self: EngineMembership, groups: list[WorkerGroup]
         ) -> None:
             elastic_start(self, groups)
             for group in groups:  # placed on GPUs that joined the pool, not in a bundle
@@ -308,7 +309,7 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
         def one_more_lost_while_a_loss_is_handled(ranks: Any) -> None:
             (rollout,) = elastic
             if events[-1].startswith("push"):  # the node's loss: its engine is out
-                kill_rank(rollout.group, 0, "loss")
+                kill_rank(rollout.serving, 0, "loss")
 
         def admit_and_hold_them_on_one(trainer: AsyncPPOTrainer) -> None:
             """The prompts of the step after the checkpoint: the first engine's are frozen
@@ -323,17 +324,20 @@ def test_rollout_engines_come_and_go_and_no_sample_is_lost_or_trained_twice(
             in_checkpoint.append(checkpoint_state(trainer))
             return in_checkpoint[-1]
 
-        def keep(self: ElasticRollout, *args: Any) -> None:
+        def keep(self: EngineMembership, *args: Any) -> None:
             elastic_init(self, *args)
-            self.on_lost.append(one_more_lost_while_a_loss_is_handled)
+            self.listen(SimpleNamespace(forget=one_more_lost_while_a_loss_is_handled,
+                                        rehome=lambda *_: None))  # fmt: skip
             elastic.append(self)
 
         monkeypatch.setattr(Evaluator, "start", evaluation_that_loses_an_engine)
-        monkeypatch.setattr(ElasticRollout, "start", start_that_loses_the_first_on_a_new_node)
+        monkeypatch.setattr(
+            EngineMembership, "start_background", start_that_loses_the_first_on_a_new_node
+        )
         monkeypatch.setattr(WeightSync, "push", push_after_a_node_kill)
         monkeypatch.setattr(AsyncPPOTrainer, "admit", admit_and_hold_them_on_one)
         monkeypatch.setattr(AsyncPPOTrainer, "checkpoint_state", checkpoint_that_loses_an_engine)
-        monkeypatch.setattr(ElasticRollout, "__init__", keep)
+        monkeypatch.setattr(EngineMembership, "__init__", keep)
 
         def on_step(step: StepResult) -> None:
             steps.append(step)

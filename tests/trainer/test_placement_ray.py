@@ -46,7 +46,7 @@ from rlhf_trainer.cluster.placement import (
 from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
 from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
 from rlhf_trainer.data.prompts import Prompt, PromptStream
-from rlhf_trainer.loop.engine_replacement import EngineReplacement
+from rlhf_trainer.loop.membership import EngineMembership, Replacement
 from rlhf_trainer.loop.rewards import Scorer, Tokens
 from rlhf_trainer.loop.setup import RunParts
 from rlhf_trainer.loop.sync import PPOTrainer
@@ -380,10 +380,11 @@ def parts_of(
     """A run's parts around `groups` and `scorer`, its weight transfer not opened."""
     plan = plan_placement(config)
     weights = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
-    engines = EngineReplacement(config, groups, weights, worker)
-    return RunParts(config, plan, TrainerMetrics(pools=[p.name for p in plan.pools]),
-                    scorer.timeline, scorer.tokens, prompts, [], groups, weights, engines,
-                    scorer, None)  # fmt: skip
+    metrics = TrainerMetrics(pools=[p.name for p in plan.pools])
+    engines = EngineMembership(groups, weights, plan, worker, Replacement.of(config),
+                               config.generation.max_engine_restarts, metrics, scorer.timeline)  # fmt: skip
+    return RunParts(config, plan, metrics, scorer.timeline, scorer.tokens, prompts, [], groups,
+                    weights, engines, scorer, None)  # fmt: skip
 
 
 def test_a_synchronous_step_offers_each_sample_to_the_reward_service_as_it_finishes(
@@ -423,3 +424,39 @@ def test_a_synchronous_step_offers_each_sample_to_the_reward_service_as_it_finis
     assert group.world_size == 2  # two ranks, each holding the rest of its samples
     assert [p.token_ids for p in batch.prompts] == [[k] for k in range(4)]
     assert rewards == [k + 100.0 for k in range(4)]
+
+
+def test_a_tensor_parallel_engines_rank_asks_for_no_gpu_and_its_core_gets_each_bundle(
+    ray_pools: RayPools,
+) -> None:
+    """Pool policy's two GPUs as one engine of TP 2 (docs/concepts/placement.md): its
+    rank's process asks Ray for no GPU and is told the engine's bundles, its share and
+    the cluster's address; a child process, as vLLM's engine core is, joins the cluster
+    there and gets a share of a GPU in each of the two bundles, beside the other roles'
+    ranks (tests/unit/test_gpu_shapes.py checks that vLLM's executor asks just this)."""
+    from rlhf_trainer.cluster.placement import (
+        WorkerSlot,
+        engine_environment,
+        gpu_share,
+        placement_group_name,
+    )
+    from tests.trainer.toy_workers import TensorParallelRank
+
+    pool = ray_pools.groups["policy"]
+    share = gpu_share(next(p for p in ray_pools.plan.pools if p.name == "policy"))
+    bundles = tuple(pool.rank_order)
+    slot = WorkerSlot("policy", bundles[0], share, engine_bundles=bundles)
+    group = WorkerGroup.spawn_ranks(Role.ROLLOUT, [slot], [0], pool, TensorParallelRank)
+    try:
+        join(group.ready, READY_TIMEOUT_S)
+        (seen,) = join(group.run("seen"))
+        assert seen["gpus"] == []  # its process asked for none
+        address = ray.get_runtime_context().gcs_address
+        assert seen["environment"] == engine_environment(slot) | {"RAY_ADDRESS": address}
+        name = placement_group_name(job_manifest()["metadata"]["name"], "policy")
+        (workers,) = join(group.run("start_engine_core", name), READY_TIMEOUT_S)
+        # one GPU each, the two bundles' own: one worker on each GPU of the engine
+        assert sorted(len(ids) for ids in workers) == [1, 1]
+        assert len({ids[0] for ids in workers}) == 2
+    finally:
+        group.shutdown()

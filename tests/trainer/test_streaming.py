@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from rlhf_env.rewards import RewardClient, ScoredSample, ScoreRequest, reward_app_for
 from rlhf_trainer.algo.experience import Episode, Rollout
 from rlhf_trainer.cluster.queue import spawn_queue
-from rlhf_trainer.loop.elastic_rollout import EngineLedger, start_retry_delay
-from rlhf_trainer.loop.fully_async import AsyncState
+from rlhf_trainer.loop.background_starts import start_retry_delay
+from rlhf_trainer.loop.fully_async import AsyncState, EngineLedger
 from rlhf_trainer.loop.scores_ahead import QueueArrivals, ScoresAhead
 from rlhf_trainer.rollout.queue import (
     MIN_REMEMBERED_UIDS,

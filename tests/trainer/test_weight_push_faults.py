@@ -11,12 +11,14 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 import ray
+import ray._private.state as ray_state
 import torch
 from ray import cluster_utils
 
@@ -31,14 +33,14 @@ from rlhf_trainer.cluster.placement import WorkerSlot, create_pool_groups, wait_
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
 from rlhf_trainer.cluster.waits import join
-from rlhf_trainer.loop.elastic_rollout import ElasticRollout
-from rlhf_trainer.loop.engine_replacement import EngineReplacement
+from rlhf_trainer.loop.fully_async import Admissions
+from rlhf_trainer.loop.membership import EngineMembership, Event, Replacement
 from rlhf_trainer.loop.setup import RunParts
-from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.loop.weights import WeightSync
+from rlhf_trainer.rollout.weight_sync import Bucket
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
-from rlhf_trainer.worker import Worker
+from rlhf_trainer.worker import RankInfo, Worker
 from tests.trainer.toy_workers import (
     TOY_WEIGHTS,
     LosingReceiver,
@@ -142,39 +144,64 @@ def test_a_rank_that_dies_in_a_weight_sync_fails_it_at_once_by_name() -> None:
 
 @dataclass
 class LosingPush:
-    """Two toy engines (LosingReceiver) in an open weight transfer, and their
-    replacement; `stuck` is rank 1's actor, `slots` the engines' bundles."""
+    """Two toy engines (LosingReceiver, or `worker`) in an open weight transfer, and
+    their membership once `start`ed; `stuck` is rank 1's actor, `slots` the engines'
+    bundles."""
 
+    job: JobConfig
     groups: RoleGroups
     sync: WeightSync
-    engines: EngineReplacement
     stuck: Any
     slots: list[WorkerSlot]
+    worker: WorkerSpec
+    engines: EngineMembership | None = None
+    metrics: TrainerMetrics = field(default_factory=TrainerMetrics)
+
+    def start(self, mode: Replacement) -> EngineMembership:
+        plan = plan_placement(self.job)
+        self.engines = EngineMembership(self.groups, self.sync, plan, self.worker, mode,
+                                        self.job.generation.max_engine_restarts,
+                                        self.metrics, Timeline())  # fmt: skip
+        return self.engines
+
+    @property
+    def serving(self) -> list[int]:
+        return list(self.groups[Role.ROLLOUT].ranks)
+
+    def check_served(self, version: int = 1) -> None:
+        """Every engine that serves has `version` whole."""
+        for served, weights in join(self.groups[Role.ROLLOUT].run("serving")):
+            assert served == version and weights.keys() == TOY_WEIGHTS.keys()
+            for name, tensor in TOY_WEIGHTS.items():
+                assert torch.equal(weights[name], tensor), name
 
     def check_after(self, caplog: pytest.LogCaptureFixture) -> None:
         """Every engine that serves has version 1 whole; only rank 0's bundle counted a
         restart; rank 1 was named stuck, and its process has ended."""
-        for version, weights in join(self.groups[Role.ROLLOUT].run("serving")):
-            assert version == 1 and weights.keys() == TOY_WEIGHTS.keys()
-            for name, tensor in TOY_WEIGHTS.items():
-                assert torch.equal(weights[name], tensor), name
+        self.check_served()
+        assert self.engines is not None
         assert self.engines.replaced == 2 and self.engines.by_bundle == {self.slots[0]: 1}
         assert "rollout rank 1 on pool sync stuck in the weight transfer" in caplog.text
         wait_until_dead(self.stuck)
 
 
-@pytest.fixture
-def losing_push() -> Iterator[LosingPush]:
+@contextmanager
+def engines_in_a_push(worker: WorkerSpec) -> Iterator[LosingPush]:
     job = sync_job()
-    groups = sync_groups(job, LosingReceiver)
+    groups = sync_groups(job, worker.cls, *worker.args)
     try:
         rollout = groups[Role.ROLLOUT]
         sync = WeightSync(groups, SYNC_TIMEOUT_S)
         sync.open()
-        engines = EngineReplacement(job, groups, sync, WorkerSpec(LosingReceiver))
-        yield LosingPush(groups, sync, engines, rollout.hosts[1], list(rollout.slots))
+        yield LosingPush(job, groups, sync, rollout.hosts[1], list(rollout.slots), worker)
     finally:
         groups.shutdown()
+
+
+@pytest.fixture
+def losing_push() -> Iterator[LosingPush]:
+    with engines_in_a_push(WorkerSpec(LosingReceiver)) as push:
+        yield push
 
 
 def test_engines_left_stuck_in_a_push_that_lost_one_are_replaced_too(
@@ -187,7 +214,8 @@ def test_engines_left_stuck_in_a_push_that_lost_one_are_replaced_too(
     version whole; only rank 0's bundle counts a restart, and rank 1's process is
     ended (on a GPU, so are its engine's GPU memory and communicator)."""
     push = losing_push
-    push.engines.surviving(lambda: push.sync.push(version=1), lost_in=Exception)
+    engines = push.start(Replacement.IN_PLACE)
+    engines.surviving(lambda: push.sync.push(version=1), "the push", lost_in=Exception)
     assert list(push.groups[Role.ROLLOUT].ranks) == [2, 3]
     push.check_after(caplog)
 
@@ -195,18 +223,160 @@ def test_engines_left_stuck_in_a_push_that_lost_one_are_replaced_too(
 def test_in_fully_async_engines_left_stuck_by_a_loss_go_with_it(
     losing_push: LosingPush, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The same push in fully async (ElasticRollout.lose): rank 0 is lost, and rank 1,
-    left stuck, goes too. With no engine left the run waits for rank 3, started in
+    """The same push in fully async (EngineMembership.recover): rank 0 is lost, and rank
+    1, left stuck, goes too. With no engine left the run waits for rank 3, started in
     rank 1's bundle, and pushes it the current weights; rank 2, started in rank 0's,
     joins later (it is left starting). Only rank 0's bundle counts a restart."""
     push = losing_push
-    core = SimpleNamespace(groups=push.groups, weight_sync=push.sync, engines=push.engines,
-                           timeline=Timeline(), policy_version=1)  # fmt: skip
-    parts = SimpleNamespace(queue=spawn_queue(), metrics=TrainerMetrics(), engines=push.engines)
-    elastic = ElasticRollout(cast(PPOTrainer, core), cast(RunParts, parts))
+    push.sync.actor_version = 1
+    engines = push.start(Replacement.ELASTIC)
+    parts = SimpleNamespace(queue=spawn_queue(), metrics=push.metrics, groups=push.groups)
+    engines.listen(Admissions(cast(RunParts, parts)))
     with pytest.raises(TransferFailed):
         push.sync.push(version=1)
-    assert elastic.lose(RanksLost(Role.ROLLOUT, "sync", [0])) == []  # it owed nothing
+    engines.recover(Event.LOST, RanksLost(Role.ROLLOUT, "sync", [0]))
+    readmitted = push.metrics.registry.get_sample_value("rlhf_samples_readmitted_total")
+    assert readmitted == 0  # it owed nothing
     assert list(push.groups[Role.ROLLOUT].ranks) == [3]
-    assert [list(group.ranks) for group in elastic.joining] == [[2]]
+    assert [list(group.ranks) for group in engines.joining] == [[2]]
     push.check_after(caplog)
+
+
+# Losses that the machine meets while it mends another. Each fault lands on an event:
+# a rank dies at the n-th call of one of its methods (FaultyReceiver).
+
+
+class FaultyReceiver(LosingReceiver):
+    """A toy engine that dies (its process exits, as a crashed engine's does) where
+    `faults` says for its rank: "start" (as it starts), "update" (at a push's first
+    bucket), or "abandon N" (at its N-th close of a push's update, which each setting
+    up of the transfer begins with). Otherwise it takes every push."""
+
+    def __init__(self, info: RankInfo, faults: dict[int, str]) -> None:
+        if faults.get(info.rank) == "start":
+            os._exit(1)
+        super().__init__(info)
+        self.fault = faults.get(info.rank, "")
+        self.abandons = 0
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        if self.fault == "update":
+            os._exit(1)
+        bucket = Bucket.from_dict(update_info)
+        if self.relay is not None:
+            bucket = self.relay.receive(bucket)
+        self.loaded |= {name: view.clone() for name, view in self.segments.read(bucket)}
+
+    def abandon_weight_update(self) -> None:
+        self.abandons += 1
+        if self.fault == f"abandon {self.abandons}":
+            os._exit(1)
+        super().abandon_weight_update()
+
+
+def faulty(**faults: str) -> Iterator[LosingPush]:
+    """Two FaultyReceivers with `faults` by rank (r0=..., r2=...)."""
+    by_rank = {int(rank[1:]): fault for rank, fault in faults.items()}
+    return engines_in_a_push(WorkerSpec(FaultyReceiver, (by_rank,)))
+
+
+MODES = pytest.mark.parametrize("mode", list(Replacement))
+
+
+@MODES
+def test_a_second_loss_while_a_loss_is_mended_is_mended_too(mode: Replacement) -> None:
+    """Rank 0 dies in a push; rank 1 dies as the transfer is set up again without it
+    (synchronous: once rank 0's replacement is up). Both are replaced, each counted
+    in its own bundle, and the push is made again: every engine serves it whole."""
+    with faulty(r0="update", r1="abandon 1") as push:
+        engines = push.start(mode)
+        engines.surviving(lambda: push.sync.push(version=1), "the push", lost_in=Exception)
+        assert engines.by_bundle == {push.slots[0]: 1, push.slots[1]: 1}
+        if mode is Replacement.IN_PLACE:
+            assert push.serving == [2, 3]
+        else:  # none left once rank 1 went: rank 3 is waited for; rank 2 joins later
+            assert push.serving == [3] and [list(g.ranks) for g in engines.joining] == [[2]]
+        push.check_served()
+
+
+@MODES
+def test_a_replacement_that_dies_as_it_starts_is_replaced_in_its_slot(mode: Replacement) -> None:
+    """Rank 0 dies in a push, and the replacement the run waits for dies as it starts
+    (synchronous: rank 2, in rank 0's bundle; fully async, once rank 1 is lost too and
+    none is left: rank 3, in rank 1's). It is replaced in its slot, counted there."""
+    sync = mode is Replacement.IN_PLACE
+    faults = (
+        {"r0": "update", "r2": "start"}
+        if sync
+        else {"r0": "update", "r1": "abandon 1", "r3": "start"}
+    )
+    with faulty(**faults) as push:
+        engines = push.start(mode)
+        engines.surviving(lambda: push.sync.push(version=1), "the push", lost_in=Exception)
+        if sync:
+            assert push.serving == [3, 1] and engines.by_bundle == {push.slots[0]: 2}
+        else:
+            assert push.serving == [4] and engines.by_bundle == {push.slots[0]: 1, push.slots[1]: 2}
+        push.check_served()
+
+
+def test_an_engine_lost_as_others_join_is_dropped_and_the_joiners_serve() -> None:
+    """Fully async: rank 0 is lost (killed) and dropped; rank 2 starts in its bundle,
+    and once it is up, joins. As the transfer is set up again for the three, rank 1
+    dies: it is dropped in turn, and rank 2 serves (rank 3 starts in rank 1's bundle)."""
+    with faulty(r1="abandon 2") as push:
+        engines = push.start(Replacement.ELASTIC)
+        ray.kill(push.groups[Role.ROLLOUT].hosts[0])
+        wait_until_dead(push.groups[Role.ROLLOUT].hosts[0])
+        engines.drop_dead()
+        (starting,) = engines.joining
+        join(starting.ready)  # up: the event the join waits for
+        joining = engines.ready_to_join()
+        assert joining is not None and list(joining.ranks) == [2]
+        engines.join(joining)
+        assert push.serving == [2] and [list(g.ranks) for g in engines.joining] == [[3]]
+        assert engines.by_bundle == {push.slots[0]: 1, push.slots[1]: 1}
+        push.sync.actor_version = 1
+        push.sync.push(version=1)
+        push.check_served()
+
+
+def test_a_close_that_raises_at_the_end_of_a_run_leaves_no_actor_or_placement_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run's parts, of toy roles (a fully-async job: its queue too), closed after
+    the engines' stats poller fails to stop: the error is raised, and every close after
+    it ran: Ray's tables hold no live actor and no placement group not removed."""
+    from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
+    from rlhf_trainer.loop import setup
+
+    config = sync_job()
+    monkeypatch.setattr(setup, "sample_queue", lambda _: spawn_queue())  # as fully async's
+    monkeypatch.setattr(setup.RoleGroups, "start", lambda *_: sync_groups(config, LosingReceiver))
+    stop = EngineStatsPoller.stop
+
+    def stop_that_fails(poller: EngineStatsPoller) -> None:
+        stop(poller)
+        raise RuntimeError("the poller would not stop")
+
+    monkeypatch.setattr(EngineStatsPoller, "stop", stop_that_fails)
+    actors_before, groups_before = live_actors(), placed_groups()
+    with (
+        pytest.raises(RuntimeError, match="would not stop"),
+        setup.open_parts(config, "end") as parts,
+    ):
+        assert parts.queue is not None and parts.groups[Role.ROLLOUT].world_size == 2
+        assert live_actors() - actors_before and placed_groups() - groups_before
+    assert live_actors() - actors_before == set()
+    assert placed_groups() - groups_before == set()
+
+
+def live_actors() -> set[str]:
+    """The actors Ray's state tables (the GCS's) hold alive or starting."""
+    return {key for key, actor in ray_state.actors().items() if actor["State"] != "DEAD"}
+
+
+def placed_groups() -> set[str]:
+    """The placement groups Ray's state tables hold, not removed."""
+    table = ray.util.placement_group_table()
+    return {key for key, group in table.items() if group["state"] != "REMOVED"}

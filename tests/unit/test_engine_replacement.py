@@ -1,4 +1,4 @@
-"""Rollout engines lost are replaced in their bundles (`loop.engine_replacement`): how
+"""Rollout engines lost are replaced in their bundles (`loop.membership`): how
 many times a bundle's engine may be replaced, and where a replacement goes. The
 replacement itself, with Ray and vLLM, is test_ppo_loop.py's split run."""
 
@@ -10,7 +10,7 @@ from rlhf_trainer.api.config import Role
 from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.placement import WorkerSlot
-from rlhf_trainer.loop.engine_replacement import EngineRestartsExhausted, check_replacements
+from rlhf_trainer.loop.membership import EngineRestartsExhausted, check_replacements
 
 
 def lost(*ranks: int) -> RanksLost:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,11 @@ from rlhf_trainer.telemetry.progress import eval_text
 log = logging.getLogger(__name__)
 
 ANSWER_TIMEOUT_S = 3600.0  # engines that take longer to answer are stuck: named, and fail
+
+
+class EvaluationLost(RuntimeError):
+    """Engines lost the answers of an evaluation that no engine can give again: those
+    that serve hold other weights than the ones it was asked on."""
 
 
 def eval_due(config: JobConfig, step: int) -> bool:
@@ -71,33 +76,48 @@ class Evaluator:
         shards = split_list(asked, rollout.world_size)
         answers = rollout.run_each("evaluate", shards, step)
         self.parts.weights.wait_before_next_push(answers, ANSWER_TIMEOUT_S)
-        self.pending = PendingEvaluation(step, shards, list(rollout.ranks), [[a] for a in answers])
+        version = self.parts.weights.served  # a push waits for the answers
+        self.pending = PendingEvaluation(
+            step, version, shards, list(rollout.ranks), [[a] for a in answers]
+        )
         return done
 
-    def ask_again(self, lost_ranks: Sequence[int]) -> None:
-        """Fully async, engines lost: the shards they had not answered go to the engines
-        that serve now, which hold the same weights (a push waits for the evaluation)."""
+    def forget(self, ranks: Sequence[int]) -> None:
+        """Engines lost: the next push waits no more for the shards they had not
+        answered (they never will); `rehome` asks them again."""
         pending = self.pending
         if pending is None:
             return
-        lost = [
-            i for i, rank in enumerate(pending.ranks)
-            if rank in lost_ranks and not answered(pending.answers[i])
-        ]  # fmt: skip
-        if not lost:
+        lost = [i for i, rank in enumerate(pending.ranks)
+                if rank in ranks and not answered(pending.answers[i])]  # fmt: skip
+        self.parts.weights.forget_busy([call for i in lost for call in pending.answers[i]])
+        pending.orphaned += [i for i in lost if i not in pending.orphaned]
+
+    def rehome(self, ranks: Sequence[int], version: int) -> None:
+        """The engines serve again, on policy `version`: the shards the lost ones had not
+        answered go to those that serve, if they hold the version the evaluation was
+        asked on (a push waits for an evaluation, so they do unless the loss was found
+        in a push that brought new engines the weights since); else EvaluationLost."""
+        pending = self.pending
+        if pending is None or not pending.orphaned:
             return
+        if version != pending.version:
+            raise EvaluationLost(
+                f"the evaluation after step {pending.step} lost the answers of rollout "
+                f"rank(s) {list(ranks)}, and the engines now serve v{version}, not the "
+                f"v{pending.version} it was asked on"
+            )
         serving = self.parts.groups[Role.ROLLOUT]
-        weight_sync = self.parts.weights
-        weight_sync.forget_busy([call for index in lost for call in pending.answers[index]])
-        for index in lost:
+        for index in pending.orphaned:
             engine = index % serving.world_size
             shards: list[list[Any]] = [[] for _ in serving.ranks]  # one answers it
             shards[engine] = pending.shards[index]
             pending.answers[index] = serving.run_each("evaluate", shards, pending.step)
             pending.ranks[index] = serving.ranks[engine]
-            weight_sync.wait_before_next_push(pending.answers[index], ANSWER_TIMEOUT_S)
+            self.parts.weights.wait_before_next_push(pending.answers[index], ANSWER_TIMEOUT_S)
+        pending.orphaned = []
         log.warning("the held-out prompts of rollout rank(s) %s are answered again by the "
-                    "engines that serve", list(lost_ranks))  # fmt: skip
+                    "engines that serve", list(ranks))  # fmt: skip
 
     def finish(self, wait: bool) -> list[EvalProgress]:
         """The evaluation under way, scored, once its answers are in (at once with
@@ -125,9 +145,11 @@ class PendingEvaluation:
     shard's."""
 
     step: int
+    version: int  # the policy the engines served as it was asked
     shards: list[list[Any]]
     ranks: list[int]
     answers: list[list[Any]]
+    orphaned: list[int] = field(default_factory=list)  # shards of lost engines, to ask again
 
 
 def evaluation_of(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -28,14 +28,12 @@ import torch
 from rlhf_env.rewards import ScoredSample
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.cluster.groups import WorkerGroup, join_watching
-from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
-from rlhf_trainer.loop.elastic_rollout import ElasticRollout
 from rlhf_trainer.loop.scores_ahead import QueueArrivals
 from rlhf_trainer.loop.setup import RunParts
-from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input
+from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input, split_list
 from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
 
 log = logging.getLogger(__name__)
@@ -94,12 +92,14 @@ class AsyncPPOTrainer:
         # Groups taken from the queue (to train, or dropped): admitted ones not taken
         # are outstanding, queued or in flight, which no engine needs asking.
         self.groups_taken = 0
-        self.elastic = ElasticRollout(core, parts)
+        self.engines = parts.engines
+        self.admissions = Admissions(parts)
+        self.engines.listen(self.admissions)
 
     @property
     def rollout(self) -> WorkerGroup:
         """The rollout engines that serve (those lost are gone from it)."""
-        return self.elastic.group
+        return self.engines.serving
 
     @property
     def prompts(self) -> PromptStream:
@@ -111,7 +111,7 @@ class AsyncPPOTrainer:
             self.push_weights()  # the engines start from the initial weights
             self.admission.restore(resumed.admission)
             join([self.queue.restore.remote(resumed.queued)])
-            self.elastic.give(resumed.in_flight)
+            self.admissions.give(resumed.in_flight)
             outstanding = (len(resumed.queued) + len(resumed.in_flight)) // self.group_size
             self.groups_taken = self.admission.admitted_total - outstanding
             self.admission.on_weight_sync(outstanding)
@@ -177,46 +177,22 @@ class AsyncPPOTrainer:
         reproducible, and a resumed one replays by value)."""
         taken = self.queue.get_batch.remote(groups * self.group_size, QUEUE_TIMEOUT_S)
         # An engine that dies fills the queue no more: go on without it at once.
-        samples = self.surviving(lambda: join_watching(taken, self.rollout), "the batch's wait")
+        samples = self.engines.surviving(
+            lambda: join_watching(taken, self.rollout), "the batch's wait"
+        )
         if samples is None:
             raise TimeoutError(f"no batch of samples within {QUEUE_TIMEOUT_S:g} s")
         self.groups_taken += groups
-        self.elastic.ledger.taken(s.uid for s in samples)
+        self.admissions.ledger.taken(s.uid for s in samples)
         return sorted(samples, key=lambda sample: sample.uid)
-
-    def surviving(
-        self, calls: Callable[[], T], what: str, lost_in: type[Exception] = RankDied
-    ) -> T:
-        """`calls` to the engines, made again after each loss of engines they meet: an
-        engine whose process died (RankDied; with `lost_in`, any failure while an
-        engine is found dead) is dropped and what it owed given to the others
-        (`lose_engines`). A failure with every engine alive is raised, and so is the
-        loss of the last one. `what` names the calls in the log."""
-        while True:
-            try:
-                return calls()
-            except lost_in as error:
-                # Engines found lost already (silent for a minute, say) need no new look.
-                lost = error if isinstance(error, RanksLost) else self.elastic.dead()
-                if lost is None or lost.role != Role.ROLLOUT:
-                    raise
-                self.lose_engines(lost)
-            log.warning("%s failed on the engine(s) lost; again on those that serve", what)
-
-    def lose_engines(self, lost: RanksLost) -> None:
-        """Go on with the engines that live, and admit what the lost ones owed to them
-        (`ElasticRollout.lose`, which also takes any that die meanwhile); raises
-        RanksLost when no engine is left."""
-        self.elastic.give(self.elastic.lose(lost))
 
     def change_engines(self) -> None:
         """Between the trainer's calls to the engines: drop those that died since, and
         take in those started on GPUs that joined the pool once they are up."""
-        if (lost := self.elastic.dead()) is not None:
-            self.lose_engines(lost)
-        if (joining := self.elastic.ready_to_join()) is not None:
+        self.engines.drop_dead()
+        if (joining := self.engines.ready_to_join()) is not None:
             self.wait_for_rollout()  # its admissions are one per engine
-            self.elastic.join(joining)
+            self.engines.join(joining)
 
     def prompts_of(self, samples: Sequence[Sample]) -> list[Prompt]:
         return [self.prompts.prompts[s.prompt_index] for s in samples]
@@ -229,7 +205,7 @@ class AsyncPPOTrainer:
         while self.admission.try_admit():
             count += 1
         n = self.group_size
-        self.elastic.give(
+        self.admissions.give(
             [
                 ((first + i) * n + j, p, rollout_input(self.config, self.prompts.prompts[p]))
                 for i, p in enumerate(self.prompts.next_indices(count))
@@ -241,7 +217,9 @@ class AsyncPPOTrainer:
         """Wait for the admissions since the last wait; an engine that died in one is
         lost, and what it owed admitted again."""
         timeout_s = self.core.weight_sync.timeout_s
-        self.surviving(lambda: self.elastic.wait_for_admissions(timeout_s), "the admissions")
+        self.engines.surviving(
+            lambda: self.admissions.wait_for_admissions(timeout_s), "the admissions"
+        )
 
     def sync_weights(self) -> None:
         """Hand the new policy to the engines; in-flight requests continue on it
@@ -252,7 +230,7 @@ class AsyncPPOTrainer:
         assert self.config.async_ is not None
         if not self.config.async_.partial_rollout:
             self.wait_for_rollout()
-            self.surviving(lambda: join(self.rollout.run("drain")), "the drain")
+            self.engines.surviving(lambda: join(self.rollout.run("drain")), "the drain")
         self.push_weights()
         self.metrics.weight_sync_seconds.observe(time.time() - started)
         self.admission.on_weight_sync(self.admission.admitted_total - self.groups_taken)
@@ -268,7 +246,7 @@ class AsyncPPOTrainer:
             self.wait_for_rollout()  # with the admissions of what lost ones owed
             self.core.weight_sync.push(self.core.policy_version)
 
-        self.surviving(push, f"the weight push to v{self.core.policy_version}", Exception)
+        self.engines.surviving(push, f"the weight push to v{self.core.policy_version}", Exception)
 
     def checkpoint_state(self) -> AsyncState:
         """Pause, and take the queue and the prompts in flight (call between steps). An
@@ -280,7 +258,82 @@ class AsyncPPOTrainer:
             join(self.rollout.run("pause"))
             return [a for rank in join(self.rollout.run("snapshot")) for a in rank]
 
-        in_flight = self.surviving(paused_in_flight, "the checkpoint's pause")
+        in_flight = self.engines.surviving(paused_in_flight, "the checkpoint's pause")
         queued = join([self.queue.snapshot.remote()])[0]
-        self.surviving(lambda: join(self.rollout.run("resume")), "the resume after a checkpoint")
+        self.engines.surviving(
+            lambda: join(self.rollout.run("resume")), "the resume after a checkpoint"
+        )
         return AsyncState(self.admission.state(), queued, in_flight)
+
+
+class Admissions:
+    """What each engine was given and has not handed back: the ledger (by uid) and the
+    admissions not yet acknowledged (by engine). Told of engines lost, it stops waiting
+    on theirs, and gives what they owed to those that serve once they serve again."""
+
+    def __init__(self, parts: RunParts) -> None:
+        self.parts = parts
+        self.queue = parts.queue
+        self.ledger = EngineLedger()
+        # The admissions given since the last wait, by engine rank: the trainer goes on
+        # without waiting for them, and waits before its next sync.
+        self.admissions: list[tuple[int, Any]] = []
+
+    def give(self, admitted: list[Admitted]) -> None:
+        """Give `admitted` to the engines that serve, in even shards, noting which
+        engine holds which. An engine runs its calls in order, so no admission waits
+        for another."""
+        if not admitted:
+            return
+        group = self.parts.groups[Role.ROLLOUT]
+        shards = split_list(admitted, group.world_size)
+        self.ledger.assign(group.ranks, shards)
+        self.admissions += zip(group.ranks, group.run_each("admit", shards), strict=True)
+
+    def wait_for_admissions(self, timeout_s: float) -> None:
+        """Wait for the admissions since the last wait (they return at once); raises
+        what an engine that died in one raised, keeping the others to wait for."""
+        join([call for _, call in self.admissions], timeout_s)
+        self.admissions = []
+
+    def forget(self, ranks: Sequence[int]) -> None:
+        self.admissions = [(rank, call) for rank, call in self.admissions if rank not in ranks]
+
+    def rehome(self, ranks: Sequence[int], version: int) -> None:
+        """What the engines of `ranks` owed, and the queue has not received, admitted
+        again to those that serve (the queue keeps a uid once: a late answer from a lost
+        engine is not trained twice)."""
+        owed = join([self.queue.not_received.remote(self.ledger.held_by(ranks))])[0]
+        log.warning("rollout rank(s) %s lost: %d sample(s) they owed are generated again "
+                    "on the engines that serve", list(ranks), len(owed))  # fmt: skip
+        self.parts.metrics.samples_readmitted.inc(len(owed))
+        self.give(self.ledger.admitted(owed))
+
+
+class EngineLedger:
+    """Which engine (by its rank) was given which prompt, until the trainer takes it."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[int, Admitted]] = {}  # uid -> (engine rank, admitted)
+
+    def assign(self, ranks: Sequence[int], shards: Sequence[Sequence[Admitted]]) -> None:
+        """Engine ranks[i] was given shards[i]."""
+        for rank, shard in zip(ranks, shards, strict=True):
+            for admitted in shard:
+                self._held[admitted[0]] = (rank, admitted)
+
+    def taken(self, uids: Iterable[int]) -> None:
+        for uid in uids:
+            self._held.pop(uid, None)
+
+    def held_by(self, ranks: Iterable[int]) -> list[int]:
+        """The uids given to the engines of `ranks` and not taken yet, in order."""
+        lost = set(ranks)
+        return sorted(uid for uid, (rank, _) in self._held.items() if rank in lost)
+
+    def admitted(self, uids: Iterable[int]) -> list[Admitted]:
+        """What admitted `uids`, to give them to other engines."""
+        return [self._held[uid][1] for uid in uids]
+
+    def __len__(self) -> int:
+        return len(self._held)

@@ -9,7 +9,7 @@ operator then starts the next attempt on the new sizes, which resumes from that
 checkpoint (checkpoints load on any number of ranks), not counted as a restart.
 
 Fully async's own rollout pool never shows here: its engines come and go in place
-(loop.elastic_rollout).
+(loop.membership).
 """
 
 from __future__ import annotations

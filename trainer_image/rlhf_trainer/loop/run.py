@@ -63,7 +63,7 @@ class Run:
             self.streaming.start(resumed)
         elif latest is not None:
             # The engines start from the initial weights.
-            self.trainer.sync_weights(self.trainer.policy_version)
+            self.trainer.sync_weights()
         if self.evaluator is not None and self.evaluator.owed(self.step):
             self.evaluator.start(self.step)
 
@@ -178,8 +178,6 @@ class Run:
         if result.episodes is not None:
             m.observe_episodes(result.episodes)
             self.trainer.timeline.add_episodes(rollout.pool, result.episodes.episodes)
-        if self.streaming is None:  # fully async counts its engines as they come and go
-            m.observe_engines(rollout.pool, rollout.world_size, self.trainer.engines.replaced)
         for evaluation in result.evaluations:
             m.observe_eval(evaluation)
         progress = self.progress(result)
@@ -323,6 +321,6 @@ def open_run(
         core = PPOTrainer(parts)
         streaming = AsyncPPOTrainer(core, parts) if parts.queue is not None else None
         evaluator = Evaluator(parts) if parts.held_out else None
-        if streaming is not None and evaluator is not None:
-            streaming.elastic.on_lost.append(evaluator.ask_again)
+        if evaluator is not None:  # it asks again what lost engines were answering
+            parts.engines.listen(evaluator)
         yield Run(config, core, parts.metrics, reporter, streaming, evaluator)

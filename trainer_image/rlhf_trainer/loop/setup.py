@@ -26,7 +26,7 @@ from rlhf_trainer.cluster.queue import close_queue, spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
 from rlhf_trainer.data.prompts import Prompt, PromptStream, load_prompts, prompt_tokenizer
 from rlhf_trainer.data.tasks import RewardFunction, check_reward_arguments, reward_function
-from rlhf_trainer.loop.engine_replacement import EngineReplacement
+from rlhf_trainer.loop.membership import EngineMembership, Replacement
 from rlhf_trainer.loop.rewards import Scorer, Tokens
 from rlhf_trainer.loop.scores_ahead import scores_ahead
 from rlhf_trainer.loop.weights import WeightSync
@@ -66,7 +66,7 @@ class RunParts:
     held_out: list[Prompt]
     groups: RoleGroups
     weights: WeightSync  # open
-    engines: EngineReplacement
+    engines: EngineMembership
     scorer: Scorer
     queue: Any  # fully async's SampleQueue actor (None in synchronous mode)
 
@@ -101,7 +101,10 @@ def open_parts(
         close.callback(poller.start().stop)
         weights = WeightSync(groups, config.trainer.weight_sync_timeout_seconds)
         weights.open()
-        engines = EngineReplacement(config, groups, weights, rollout)
+        engines = EngineMembership(
+            groups, weights, plan, rollout, Replacement.of(config),
+            config.generation.max_engine_restarts, metrics, timeline,
+        )  # fmt: skip
         reward = config.models.reward
         ahead = scores_ahead(config)
         scorer = close.enter_context(

@@ -110,15 +110,24 @@ class PPOTrainer:
         self.engines = parts.engines
         self.sample_keys = itertools.count()  # the samples' keys (Batch.keys)
         self.group_size = parts.config.generation.samples_per_prompt
-        self.policy_version = 0  # the actor's weights: bumped by every update
         self.kl_coef = parts.config.algorithm.kl_coef  # moved by an adaptive klController
+
+    @property
+    def policy_version(self) -> int:
+        """The actor's weights: bumped by every update (the weight sync's to push)."""
+        return self.weight_sync.actor_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self.weight_sync.actor_version = version
 
     def step(self, step: int) -> StepResult:
         """One synchronous PPO step: generate, train on it, hand the weights over."""
         started = time.time()
         batch = self.sample(step)
         result = self.train_on(step, batch)
-        self.sync_weights(self.policy_version + 1)
+        self.policy_version += 1
+        self.sync_weights()
         return replace(
             result, seconds=time.time() - started, phase_seconds=self.record_spans(since=started)
         )
@@ -151,7 +160,7 @@ class PPOTrainer:
 
     def train_on(self, step: int, sampled: Batch) -> StepResult:
         """Score the batch, compute advantages and update the actor and the critic
-        (the policy version is bumped by the caller's weight sync). Without timings."""
+        (the caller bumps the policy version). Without timings."""
         batch = pack_rollouts(sampled.rollouts, self.parts.tokens.pad_id)
 
         # Score: every pool at once; the rule-based reward runs here meanwhile.
@@ -213,7 +222,7 @@ class PPOTrainer:
         generation.multiTurn, an episode per sample, which the prompt's row starts. Each
         sample comes from its engine as it finishes, and a reward service is given it
         then (`scores_ahead`). An engine lost meanwhile is replaced, and the batch
-        generated again: the same samples (`engine_replacement`)."""
+        generated again: the same samples (`membership`)."""
         method = PHASE_METHOD[Phase.GENERATE] if self.config.multi_turn is None else "run_episodes"
         grouped = self.grouped(prompts)
         inputs = [rollout_input(self.config, p) for p in grouped]
@@ -232,7 +241,7 @@ class PPOTrainer:
                 self.scorer.offer([keys[at]], [grouped[at]], [finished])
             return Batch(grouped, [rollouts[at] for at in range(len(inputs))], keys)
 
-        return self.engines.surviving(on_the_engines, reload=lambda: self.policy_version)
+        return self.engines.surviving(on_the_engines, f"the generation of step {step}")
 
     def run_stage(
         self, name: str, batch: Sequences, *args: Any, skip: Sequence[Phase] = ()
@@ -254,11 +263,13 @@ class PPOTrainer:
                 )
         return calls
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self) -> None:
         """Hand the actor's weights to every rollout engine, and wait until they have
         them (those that replace engines lost in it too)."""
-        self.engines.surviving(lambda: self.weight_sync.push(version), lost_in=Exception)
-        self.policy_version = version
+        version = self.policy_version
+        self.engines.surviving(
+            lambda: self.weight_sync.push(version), f"the weight push of v{version}", Exception
+        )
 
     def record_spans(self, since: float) -> dict[str, float]:
         """Put every rank's timed calls on the timeline; returns each phase's busy

@@ -51,7 +51,7 @@ class EnginesStuck(RanksLost):
     worker waiting in an NCCL receive whose sender aborted waits for ever (NCCL tells
     no peer of an abort, and nothing outside its process can end the receive), so such
     an engine can only be replaced, as a lost one is; it is not counted against
-    generation.maxEngineRestarts (`EngineReplacement.count`)."""
+    generation.maxEngineRestarts (`EngineMembership.count_lost`)."""
 
     def __init__(self, pool: str, ranks: Sequence[int], timeout_s: float) -> None:
         super().__init__(Role.ROLLOUT, pool, ranks)
@@ -75,6 +75,8 @@ class WeightSync:
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.opened = False
+        self.actor_version = 0  # the actor's weights: bumped after each of its updates
+        self.served = 0  # the version the last push that completed handed the engines
         # Engine calls the next push waits for (an evaluation): an engine busy in one
         # would take the push's calls only after it, and be taken for a hung rank.
         self.engines_busy: list[tuple[list[Any], float]] = []  # (calls, their timeout)
@@ -123,6 +125,7 @@ class WeightSync:
         self.wait_for_engines()
         sends = self.actor.run("send_weights", version, phase=Phase.SYNC_WEIGHTS)
         join(sends, self.driver_wait_s)
+        self.served = version
 
     def wait_for_engines(self) -> None:
         """Wait for the calls the engines are busy in (an evaluation): the transfer's
@@ -131,7 +134,7 @@ class WeightSync:
         started = time.monotonic()
         for calls, timeout_s in self.engines_busy:
             join(calls, timeout_s)
-        self.engines_busy = []  # only now: one lost in them is asked again (ask_again)
+        self.engines_busy = []  # only now: one lost in them is forgotten (Evaluator.forget)
         if time.monotonic() - started > 1.0:
             log.info("the weight transfer waited %.1f s for the engines' evaluation",
                      time.monotonic() - started)  # fmt: skip
