@@ -339,3 +339,46 @@ def test_an_update_with_nothing_counted_leaves_the_weights_as_they_were(tmp_path
     assert any(not torch.equal(trained[n], start[n]) for n in start)
     for name in trained:
         assert torch.equal(after_nothing[name], trained[name]), name
+
+
+def frozen_models(
+    rank: int, job: JobConfig, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """On this rank: the ref's log-probs and the reward model's scores of one batch (every
+    rank the whole of it), and the share of the ref's weights the rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    from rlhf_trainer.roles.policy import load_ref, sequence_log_probs
+
+    cpu = torch.device("cpu")
+    batch = experience()
+    ref = load_ref(job, cpu)
+    scorer = RewardModel(RankInfo(Role.REWARD, "policy", rank, world_size), job)
+    with torch.no_grad():
+        log_probs = sequence_log_probs(ref, batch, job, cpu)
+        scores = scorer.score(batch)
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+               for p in ref.parameters())  # fmt: skip
+    return log_probs, scores, held / sum(p.numel() for p in ref.parameters())
+
+
+def test_the_ref_and_a_reward_model_are_sharded_over_their_ranks_and_answer_as_whole(
+    tmp_path: Path,
+) -> None:
+    """A frozen model over two ranks holds half of its weights on each (FSDP2, as the
+    actor), and answers what the whole model answers on one."""
+    torch.manual_seed(0)
+    reward = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         num_labels=1, pad_token_id=0)  # fmt: skip
+    Qwen2ForSequenceClassification(reward).save_pretrained(tmp_path / "rm")
+    spec = config(None, 2, tmp_path).model_dump(by_alias=True, exclude_none=True)
+    spec["models"]["reward"] = {"path": str(tmp_path / "rm")}
+    spec["roles"]["reward"] = "policy"
+    job = JobConfig.model_validate(spec)
+    whole_log_probs, whole_scores, whole_held = frozen_models(0, job, 1)  # no process group
+    assert whole_held == 1
+    for log_probs, scores, held in run_ranks(frozen_models, 2, job, 2):
+        assert 0.45 < held < 0.55
+        torch.testing.assert_close(log_probs, whole_log_probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(scores, whole_scores, rtol=0, atol=1e-5)

@@ -50,6 +50,7 @@ from rlhf_trainer.roles.trainable import (
     Trainable,
     load_policy,
     per_token,
+    prepare_frozen,
     prepare_trainable,
     scalar,
 )
@@ -240,13 +241,12 @@ def sequence_log_probs(
     )
 
 
-def load_ref(config: JobConfig, device: torch.device) -> PreTrainedModel:
+def load_ref(config: JobConfig, device: torch.device) -> nn.Module:
     """The frozen ref: models.ref, or the actor's initial model, in the compute dtype (it
-    never trains: no fp32 master needed)."""
+    never trains: no fp32 master needed), sharded over its ranks (`prepare_frozen`)."""
     source = config.models.ref or config.models.actor
     dtype = COMPUTE_DTYPE[config.trainer.precision]
-    model: PreTrainedModel = load_policy(source, config.trainer.seed, dtype).to(device).eval()
-    return model
+    return prepare_frozen(partial(load_policy, source, config.trainer.seed, dtype), dtype, device)
 
 
 class Ref(Worker):

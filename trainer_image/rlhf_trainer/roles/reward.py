@@ -8,18 +8,19 @@ the reward model's (special tokens dropped: the actor's mean nothing to it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf_trainer.algo.experience import Sequences
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import ModelSource
 from rlhf_trainer.models import load_tokenizer, position_ids
-from rlhf_trainer.roles.trainable import micro_batches
+from rlhf_trainer.roles.trainable import micro_batches, prepare_frozen
 from rlhf_trainer.worker import RankInfo, Worker
 
 
@@ -28,13 +29,11 @@ class RewardModel(Worker):
 
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info)
-        assert config.models.reward.path is not None  # else the reward is a function
-        model: Any = AutoModelForSequenceClassification.from_pretrained(
-            config.models.reward.path, num_labels=1, dtype=torch.float32
-        )
-        self.model = model.to(info.device).eval()
+        path = config.models.reward.path
+        assert path is not None  # else the reward is a function
+        self.model = prepare_frozen(partial(load_reward_model, path), torch.float32, info.device)
         self.micro_size = config.trainer.micro_batch_size
-        self.retokenize = retokenizer(config.models.actor, config.models.reward.path)
+        self.retokenize = retokenizer(config.models.actor, path)
 
     @torch.no_grad()
     def score(self, batch: Sequences) -> Tensor:
@@ -55,6 +54,17 @@ class RewardModel(Worker):
         ).logits  # (B, 1): read at the last non-padding token
         scores: Tensor = logits[:, 0].float()
         return scores
+
+
+def load_reward_model(path: str, weights: bool = True) -> Any:
+    """A sequence classifier with one label, in fp32; weights=False: the architecture
+    only, its initial weights (for the meta device)."""
+    if not weights:
+        architecture = AutoConfig.from_pretrained(path, num_labels=1)
+        return AutoModelForSequenceClassification.from_config(architecture, dtype=torch.float32)
+    return AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32
+    )
 
 
 Retokenize = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]

@@ -55,25 +55,54 @@ def load_value_model(source: ModelSource, seed: int, weights: bool = True) -> Va
 def prepare_trainable(
     load: Callable[[bool], nn.Module], config: JobConfig, device: torch.device
 ) -> nn.Module:
-    """A trained role's model as it trains: sharded with FSDP2 in the spec's precision,
-    on its device, with activation checkpointing if the spec asks for it.
+    """A trained role's model as it trains: sharded with FSDP2 in the spec's precision
+    (`sharded_from_rank0`), on its device, with activation checkpointing if the spec
+    asks for it."""
 
-    `load(weights)` builds the model, with its weights or as architecture only. Only
-    rank 0 holds a whole copy (on the CPU, while it loads): every rank builds the model
-    on the meta device (no memory), shards it, allocates its own shard on its device,
-    and rank 0 broadcasts the weights into the shards (`load_from_rank0`). A node of 8
-    ranks thus reads a 7B checkpoint once, not 8 times into 8 fp32 copies."""
-    loaded = load(True) if dist.get_rank() == 0 else None
-    with torch.device("meta"):
-        model = load(False)
-    if config.trainer.gradient_checkpointing:
+    def checkpointing(model: nn.Module) -> None:
         transformer = model.backbone if isinstance(model, ValueModel) else model
         if isinstance(transformer, PeftModel):  # LoRA: the transformer under the adapter
             transformer = transformer.get_base_model()
         assert isinstance(transformer, PreTrainedModel), type(transformer)
         # Non-reentrant: the variant that works under FSDP2 and with frozen inputs.
         transformer.gradient_checkpointing_enable({"use_reentrant": False})
-    model = shard_model(model, COMPUTE_DTYPE[config.trainer.precision])
+
+    compute_dtype = COMPUTE_DTYPE[config.trainer.precision]
+    before = checkpointing if config.trainer.gradient_checkpointing else None
+    return sharded_from_rank0(load, compute_dtype, device, before)
+
+
+def prepare_frozen(
+    load: Callable[[bool], nn.Module], compute_dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """A model that never trains (the ref, a reward model), on its device, in eval
+    mode. Over several ranks it is sharded as the actor is (`sharded_from_rank0`): each
+    GPU holds its shard and one layer gathered at a time, not a whole copy (a 70B ref in
+    bf16 is 140 GB). Its ranks then run each forward together, as they run the actor's
+    (equal shards of a batch: the spec's rules). On one rank: whole, unsharded."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return load(True).to(device).eval()
+    return sharded_from_rank0(load, compute_dtype, device).eval()
+
+
+def sharded_from_rank0(
+    load: Callable[[bool], nn.Module],
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    before_sharding: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """`load(weights)`'s model (with its weights, or as architecture only) sharded with
+    FSDP2 over the default process group, computing in `compute_dtype`. Only rank 0
+    holds a whole copy (on the CPU, while it loads): every rank builds the model on the
+    meta device (no memory), shards it, allocates its own shard on its device, and rank
+    0 broadcasts the weights into the shards (`load_from_rank0`). A node of 8 ranks
+    thus reads a 7B checkpoint once, not 8 times into 8 copies. A collective."""
+    loaded = load(True) if dist.get_rank() == 0 else None
+    with torch.device("meta"):
+        model = load(False)
+    if before_sharding is not None:
+        before_sharding(model)
+    model = shard_model(model, compute_dtype)
     model.to_empty(device=device)
     load_from_rank0(model, loaded)
     return model
