@@ -8,9 +8,9 @@ model's parameters, c the bytes of trainer.precision's compute dtype (fp32 4, bf
     actor, critic   FSDP2 shards over N:  weights 4P/N (fp32 masters; LoRA: the frozen base
                     too), gradients 4T/N and AdamW's two states 8T/N for the T parameters
                     that train; while it steps, 4T/N more (foreach AdamW's sqrt temporaries)
-    ref             a whole copy on every rank, in c (on the actor's ranks when it shares
-                    their pool, none when it is a LoRA actor's own base)
-    reward model    a whole fp32 copy on every rank
+    ref             FSDP2 shards over N as well, in c: cP/N (over the actor's ranks when it
+                    shares their pool, none when it is a LoRA actor's own base)
+    reward model    likewise, in fp32: 4P/N
     rollout         vLLM takes gpuMemoryUtilization of each GPU: its weights cP/TP, and the
                     rest for the KV cache (2 x layers x kvSize x c bytes a token, / TP)
     runtime         1 GiB a process on a GPU (CUDA context, cuBLAS, NCCL); vLLM's is in
@@ -203,12 +203,13 @@ def frozen_role(
     config: JobConfig, role: Role, shape: ModelShape, ranks: int, note: str
 ) -> RoleMemory:
     """The ref (a causal LM in the compute dtype) or a reward model (a classifier in
-    fp32): a whole copy on every rank, scoring without gradients."""
+    fp32), scoring without gradients: sharded over `ranks` (roles.trainable.prepare_frozen;
+    whole on one)."""
     lm_head = role is Role.REF
     dtype_bytes = COMPUTE_BYTES[config.trainer.precision] if lm_head else FP32_BYTES
     return RoleMemory(
         role,
-        weights_bytes=dtype_bytes * shape.parameters(lm_head),
+        weights_bytes=dtype_bytes * _shard(shape.parameters(lm_head), ranks),
         activation_bytes=scoring_bytes(config, shape, dtype_bytes, ranks, lm_head),
         note=note,
     )
@@ -317,7 +318,7 @@ def _role_memory(
         transfer = actor_transfer if role is Role.ACTOR else 0
         return replace(memory, transfer_bytes=transfer, note=_joined(note, memory.note))
     if role is Role.REF:
-        return frozen_role(config, role, shape, ranks, note or "a whole copy a rank")
+        return frozen_role(config, role, shape, ranks, note or f"sharded over {ranks} rank(s)")
     return replace(rollout_role(config, shape, gpu_bytes), transfer_bytes=engine_transfer)
 
 
