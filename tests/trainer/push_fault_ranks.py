@@ -8,8 +8,10 @@ or a count of tensors taken), never on a timer.
 STAND-INS (no GPU here): for NCCL the communicator (`tests.nccl_stand_in`: the engines
 take each broadcast tensor from it) and `torch.cuda.current_stream`; for IPC the CUDA
 IPC handles (`reduce_tensor`: the stand-in handle carries a copy of the tensor), the
-GPU's UUID, and `torch.cuda.synchronize` / `ipc_collect`. vLLM's senders (their
-threads, collectives and error paths), our fan-out, source and push run unpatched.
+GPU's UUID, and `torch.cuda.synchronize` / `ipc_collect`; both unpacked (vLLM's packing
+needs CUDA streams: `transfer_engines.IPC_PACKED` is turned off here). vLLM's senders
+(their threads, collectives and error paths), our fan-out, source and push run
+unpatched.
 """
 
 from __future__ import annotations
@@ -169,8 +171,11 @@ def stand_ins(case: Case, rank: int, communicator: StandInCommunicator | None) -
         if case.backend == "ipc":
             from vllm.distributed.weight_transfer import ipc_engine
 
+            from rlhf_trainer.rollout import transfer_engines
+
             gpu = SimpleNamespace(uuid=f"GPU-stand-in-{rank}")
             for target, name, value in [
+                (transfer_engines, "IPC_PACKED", False),  # packing needs CUDA streams
                 (torch.accelerator, "current_device_index", lambda: 0),
                 (torch.cuda, "get_device_properties", lambda index: gpu),
                 (torch.cuda, "synchronize", lambda: None),

@@ -78,7 +78,7 @@ def test_the_parameters_of_a_shape_are_the_model_s_own() -> None:
 def test_70b_full_fine_tune_colocated_on_8x80gib_is_refused_naming_the_pool() -> None:
     """FSDP2 over 8 GPUs: fp32 masters, gradients and AdamW's two states are 16 bytes a
     parameter, 16 x 70.55e9 / 8 = 131 GiB a GPU before anything else; and the ref beside
-    it, sharded over the same ranks in bf16, 2 x 70.55e9 / 8 = 16.4 GiB. Refused: 308 GiB."""
+    it, sharded over the same ranks in bf16, 2 x 70.55e9 / 8 = 16.4 GiB. Refused: 218 GiB."""
     manifest = job_70b(lora=False, utilization=0.35, checkpointing=False)
     (pool,) = memory_plan(parse_job(manifest, memory=False).spec)
     actor = role(pool, Role.ACTOR)
@@ -161,7 +161,7 @@ def test_validate_prints_the_refusal_and_plan_shows_why(
     assert main(["validate", str(path)]) == 1
     assert f"{path}: spec.pools[0]: pool 'all' cannot fit its roles" in capsys.readouterr().out
     assert main(["plan", str(path)]) == 0
-    assert "  pool all: 308 needed (177 stays, the rest comes and goes) of 80: does not fit" in (
+    assert "  pool all: 218 needed (177 stays, the rest comes and goes) of 80: does not fit" in (
         capsys.readouterr().out
     )
 

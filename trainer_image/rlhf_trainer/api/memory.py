@@ -46,8 +46,12 @@ COMPUTE_BYTES = {"fp32": 4, "bf16": 2}  # trainer.precision's compute dtype
 ADAM_STATE_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq, fp32, per trained parameter
 RUNTIME_BYTES = GIB  # a process's CUDA context, cuBLAS workspace and NCCL buffers
 # vLLM's packed NCCL transfer: two 1 GiB buffers on the sender (actor rank 0) and on every
-# engine worker (its receive buffers, outside gpuMemoryUtilization): packed_tensor.py.
+# engine worker (its receive buffers, counted in gpuMemoryUtilization's share:
+# rollout.engine_settings.memory_budget): packed_tensor.py.
 NCCL_PACKED_BYTES = 2 * GIB
+# vLLM's packed IPC transfer: one reusable buffer on each actor rank's GPU, of at least
+# the largest tensor (rollout.transfer_engines.IPC_CHUNK_BYTES).
+IPC_CHUNK_BYTES = GIB
 FSDP_GATHERED_LAYERS = 2  # the layer being computed and the one FSDP2 prefetches
 
 
@@ -224,11 +228,12 @@ def rollout_role(config: JobConfig, shape: ModelShape, gpu_bytes: int | None) ->
         note = f"gpuMemoryUtilization {generation.gpu_memory_utilization} of a GPU"
         return RoleMemory(Role.ROLLOUT, weights_bytes=weights, note=note)
     share = int(generation.gpu_memory_utilization * gpu_bytes)
-    kv_tokens = max(share - weights, 0) // kv_bytes_per_token(config, shape)
+    kv_cache = max(share - weights - nccl_receive_bytes(config), 0)
+    kv_tokens = kv_cache // kv_bytes_per_token(config, shape)
     note = f"gpuMemoryUtilization {generation.gpu_memory_utilization}: {kv_tokens:,} tokens"
-    return RoleMemory(
-        Role.ROLLOUT, weights_bytes=weights, kv_cache_bytes=max(share - weights, 0), note=note
-    )
+    if nccl_receive_bytes(config):
+        note += f", NCCL buffers {nccl_receive_bytes(config) / GIB:g} GiB in the share"
+    return RoleMemory(Role.ROLLOUT, weights_bytes=weights, kv_cache_bytes=kv_cache, note=note)
 
 
 def _engine_weight_bytes(config: JobConfig, shape: ModelShape) -> int:
@@ -244,22 +249,27 @@ def kv_bytes_per_token(config: JobConfig, shape: ModelShape) -> int:
     )
 
 
-def transfer_bytes(config: JobConfig, shape: ModelShape) -> tuple[int, int]:
-    """A weight sync's buffers: (on an actor rank's GPU, on an engine worker's GPU).
-    A LoRA adapter is gathered whole and sent in Ray calls; vLLM's IPC runs unpacked (each
-    rank keeps every gathered tensor until the engines have loaded them); its NCCL runs
-    packed, a gathered tensor at a time; CPU pools use host memory."""
+def transfer_bytes(config: JobConfig, shape: ModelShape) -> int:
+    """A weight sync's buffers on an actor rank's GPU: a LoRA adapter is gathered whole
+    and sent in Ray calls; vLLM's IPC and NCCL run packed, a gathered tensor at a time
+    into their buffers; CPU pools use host memory. (An engine's NCCL receive buffers are
+    counted in its share of the GPU: `nccl_receive_bytes`.)"""
     compute = COMPUTE_BYTES[config.trainer.precision]
     lora = config.models.actor.lora
     if lora is not None:
-        return compute * shape.adapter_parameters(lora), 0
+        return compute * shape.adapter_parameters(lora)
     backend = choose_transfer(config, cuda=True).backend
-    if backend is Backend.HOST:
-        return 0, 0
-    if backend is Backend.IPC:
-        return compute * shape.parameters(lm_head=True), 0
     largest = compute * shape.embedding_parameters
-    return largest + NCCL_PACKED_BYTES, NCCL_PACKED_BYTES
+    if backend is Backend.IPC:
+        return largest + max(IPC_CHUNK_BYTES, largest)
+    return largest + NCCL_PACKED_BYTES if backend is Backend.NCCL else 0
+
+
+def nccl_receive_bytes(config: JobConfig) -> int:
+    """An engine worker's NCCL receive buffers, inside its share of the GPU (LoRA: none,
+    the adapter travels in Ray calls)."""
+    nccl = choose_transfer(config, cuda=True).backend is Backend.NCCL
+    return NCCL_PACKED_BYTES if nccl and config.models.actor.lora is None else 0
 
 
 def memory_plan(config: JobConfig) -> list[PoolMemory]:
@@ -312,14 +322,13 @@ def _role_memory(
         field = f"models.{source}" if getattr(config.models, source) else "models.actor"
         return f"{role}: {field} has a path and no shape"
     ranks = plan.roles[Role.ACTOR if note == IN_ACTOR else role].gpus
-    actor_transfer, engine_transfer = transfer_bytes(config, shape)
     if role in (Role.ACTOR, Role.CRITIC):
         memory = trained_role(config, role, shape, ranks)
-        transfer = actor_transfer if role is Role.ACTOR else 0
+        transfer = transfer_bytes(config, shape) if role is Role.ACTOR else 0
         return replace(memory, transfer_bytes=transfer, note=_joined(note, memory.note))
     if role is Role.REF:
         return frozen_role(config, role, shape, ranks, note or f"sharded over {ranks} rank(s)")
-    return replace(rollout_role(config, shape, gpu_bytes), transfer_bytes=engine_transfer)
+    return rollout_role(config, shape, gpu_bytes)
 
 
 def _joined(*notes: str) -> str:
@@ -351,12 +360,14 @@ def _engine_errors(config: JobConfig, pool: PoolMemory) -> list[FieldError]:
         return []
     share = int(config.generation.gpu_memory_utilization * pool.gpu_bytes)
     sequence = sequence_tokens(config) * kv_bytes_per_token(config, shape)
-    if share - rollout.weights_bytes >= sequence:
+    if rollout.kv_cache_bytes >= sequence:  # the share less its weights and NCCL buffers
         return []
+    buffers = nccl_receive_bytes(config)
+    also = f", the NCCL buffers ({_gib(buffers)} GiB)" if buffers else ""
     return [FieldError(
         "generation.gpuMemoryUtilization",
         f"gives each engine GPU of pool {pool.name!r} {_gib(share)} GiB, which cannot hold "
-        f"its weights ({_gib(rollout.weights_bytes)} GiB) and the KV cache of one "
+        f"its weights ({_gib(rollout.weights_bytes)} GiB){also} and the KV cache of one "
         f"{sequence_tokens(config)}-token sequence ({_gib(sequence)} GiB)",
     )]  # fmt: skip
 

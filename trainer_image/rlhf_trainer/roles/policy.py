@@ -180,8 +180,8 @@ class Actor(Trainable):
         self.engines = engines
         if self.lora is not None:
             return  # the adapter travels in Ray calls (send_weights): no transfer engine
-        info = trainer_init_info(self.info.rank, setup)
         source = PolicySource(self.model, self.tied, self.engine_dtype)
+        info = trainer_init_info(self.info.rank, setup, source.largest_tensor_bytes())
         try:
             if info.is_sender:
                 engines.shutdown_weight_transfer_engine()

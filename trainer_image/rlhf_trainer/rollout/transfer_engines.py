@@ -68,9 +68,20 @@ from rlhf_trainer.rollout.weight_sync import (
     slot_bytes,
 )
 
+# vLLM's IPC sender packs the policy into one reusable GPU buffer, a chunk at a time,
+# rather than keeping every gathered tensor alive until the push ends (a whole copy of
+# the model on each GPU during a sync). Packing needs CUDA streams: the CPU tests' stand-
+# in for CUDA IPC sets this False.
+IPC_PACKED = True
+IPC_CHUNK_BYTES = 2**30  # vLLM's default; at least the largest tensor (its sender's rule)
 
-def trainer_init_info(rank: int, setup: TransferSetup) -> TrainerInitInfo:
-    """The trainer side's init info for `setup.backend`, on actor rank `rank` (0 sends)."""
+
+def trainer_init_info(
+    rank: int, setup: TransferSetup, largest_tensor_bytes: int = 0
+) -> TrainerInitInfo:
+    """The trainer side's init info for `setup.backend`, on actor rank `rank` (0 sends).
+    `largest_tensor_bytes`: the policy's largest tensor as the engines get it (IPC's
+    chunk must hold it)."""
     backend = setup.backend
     if backend == HOST_TRANSFER:
         return HostTrainerInitInfo(
@@ -86,7 +97,8 @@ def trainer_init_info(rank: int, setup: TransferSetup) -> TrainerInitInfo:
     if backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        return IPCTrainerInitInfo(rank=rank)
+        chunk = max(IPC_CHUNK_BYTES, largest_tensor_bytes)
+        return IPCTrainerInitInfo(rank=rank, packed=IPC_PACKED, packed_buffer_size_bytes=chunk)
     raise ValueError(f"no weight-transfer backend {backend!r}: nccl, ipc or {HOST_TRANSFER}")
 
 
@@ -110,6 +122,11 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, self.dtype, tuple(t.shape)) for name, t in self._named()]
+
+    def largest_tensor_bytes(self) -> int:
+        """The bytes of the largest tensor the engines get (in their dtype)."""
+        size = self.dtype.itemsize
+        return max((t.numel() * size for _, t in self._named()), default=0)
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         self.gathering = self._gathered()
