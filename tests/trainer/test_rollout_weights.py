@@ -41,6 +41,23 @@ def test_the_policy_source_declares_and_sends_what_the_engine_loads_in_its_dtype
     assert sorted(grouped) == sorted(expected), "vLLM's layer groups cover every weight"
 
 
+def test_a_push_waits_for_the_optimizer_step_before_its_first_gather(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU the optimizer step is queued on the rank's stream, and vLLM's packed NCCL
+    sender gathers on side streams of its own that wait for nothing: the source syncs the
+    device before it yields (and so gathers) its first tensor. STAND-IN: torch.cuda's
+    is_available and synchronize (no GPU here)."""
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("synchronize"))
+    source = PolicySource(build_tiny_model(TINY), tied=True, dtype=torch.float32)
+    for name, _ in source:
+        events.append(name)
+    assert events[0] == "synchronize" and events.count("synchronize") == 1
+    assert len(events) == 1 + len(source.metadata())
+
+
 class FakeVllmModel(nn.Module):
     """vLLM's layout: model.embed_tokens, and an lm_head with a quant_method."""
 

@@ -129,6 +129,11 @@ class PolicySource(WeightSource):  # type: ignore[misc]  # vLLM is untyped here
         return max((t.numel() * size for _, t in self._named()), default=0)
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        if torch.cuda.is_available():
+            # vLLM's packed NCCL sender iterates (and so gathers) on side streams of its
+            # own, which wait for nothing queued on this rank's stream: the optimizer
+            # step must be done before the first gather reads the shards.
+            torch.cuda.synchronize()
         self.gathering = self._gathered()
         return self.gathering
 
