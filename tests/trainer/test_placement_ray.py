@@ -257,7 +257,7 @@ def test_a_rank_dying_mid_collective_fails_the_call_instead_of_hanging(
     join(group.ready)
     seen_first = str(tmp_path / "peer-failed") if peer_fails_first else ""
     try:
-        died = r"^actor rank 1 on pool policy \(die_in_all_reduce\) died: The actor died"
+        died = r"^actor rank 1 on pool policy \(die_in_all_reduce\) died: its process ended"
         with pytest.raises(RankDied, match=died):
             join(group.run("die_in_all_reduce", 1, seen_first))
     finally:
@@ -320,7 +320,9 @@ def test_a_streaming_call_hands_each_result_over_as_it_comes_and_names_a_rank_th
         assert firsts == {(place, (shard[0], place)) for place, shard in enumerate(shards)}
         go_ahead.touch()
         if dying_rank is not None:
-            died = rf"^rollout rank {dying_rank} on pool policy \(count_up\) died: The actor died"
+            died = (
+                rf"^rollout rank {dying_rank} on pool policy \(count_up\) died: its process ended"
+            )
             with pytest.raises(RankDied, match=died):
                 list(results)
             return

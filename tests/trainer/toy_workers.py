@@ -253,3 +253,55 @@ def wait_until_dead(host: Any, timeout_s: float = 60) -> None:
             return
         time.sleep(0.1)
     raise AssertionError("the killed rank still answers")
+
+
+# What a tensor-parallel engine's core (a child of its rank's process) does on the
+# cluster, as vLLM's Ray executor does it: join the cluster at RAY_ADDRESS, and run one
+# worker in each of the engine's bundles (VLLM_RAY_BUNDLE_INDICES) at its GPU share
+# (VLLM_RAY_PER_WORKER_GPUS). Prints the GPU ids Ray gave each worker.
+ENGINE_CORE_STAND_IN = """
+import json, os, sys
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+# vLLM hands its core the placement group itself; this looks it up by name, in the
+# rank's namespace.
+ray.init(address=os.environ["RAY_ADDRESS"], namespace=sys.argv[2], logging_level="ERROR")
+group = ray.util.get_placement_group(sys.argv[1])
+bundles = [int(b) for b in os.environ["VLLM_RAY_BUNDLE_INDICES"].split(",")]
+share = float(os.environ["VLLM_RAY_PER_WORKER_GPUS"])
+
+@ray.remote
+def gpu_ids():
+    return ray.get_runtime_context().get_accelerator_ids()["GPU"]
+
+placed = [gpu_ids.options(num_cpus=0, num_gpus=share,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(group, b)).remote()
+          for b in bundles]
+print(json.dumps(ray.get(placed, timeout=60)))
+"""
+
+
+class TensorParallelRank(Worker):
+    """Stands in for a rollout rank whose engine has tensor parallelism: what its
+    process sees, and what its engine's core (`ENGINE_CORE_STAND_IN`) gets of Ray."""
+
+    needs_process_group = False
+
+    def seen(self) -> dict[str, Any]:
+        keys = ("VLLM_RAY_BUNDLE_INDICES", "VLLM_RAY_PER_WORKER_GPUS", "RAY_ADDRESS")
+        gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        return {"environment": {k: os.environ.get(k) for k in keys}, "gpus": gpus}
+
+    def start_engine_core(self, placement_group: str) -> list[list[str]]:
+        import json
+        import subprocess
+        import sys
+
+        namespace = ray.get_runtime_context().namespace
+        done = subprocess.run([sys.executable, "-c", ENGINE_CORE_STAND_IN, placement_group,
+                               namespace], capture_output=True, text=True, timeout=120)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"the engine core's stand-in failed: {done.stderr[-2000:]}")
+        ids: list[list[str]] = json.loads(done.stdout.strip().splitlines()[-1])
+        return ids

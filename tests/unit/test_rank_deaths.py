@@ -98,8 +98,9 @@ def test_a_rank_killed_without_a_word_is_said_to_have_ended_abruptly_naming_its_
     error = rank_died(a_call("update"), ray.exceptions.ActorDiedError(context))
     assert type(error).__name__ == "RankDied"
     assert str(error) == (
-        "actor rank 3 on pool policy (update) died: its process ended abruptly (SIGKILL or "
-        "a crash; the kernel's OOM killer is the usual cause: see the kernel log on 10.1.2.3)"
+        "actor rank 3 on pool policy (update) died: its process ended abruptly (killed, "
+        "crashed or exited; if killed, the kernel's OOM killer is the usual cause: see the "
+        "kernel log on 10.1.2.3)"
     )
 
 

@@ -157,16 +157,16 @@ def out_of_memory(error: BaseException) -> str | None:
 
 
 def death_reason(error: BaseException) -> str:
-    """Ray's reason for a rank's death, in a line. A process that ended without a word
-    (SIGKILL, a crash) is said to, with the kernel's OOM killer as its usual cause: Ray
-    cannot tell which, and only the node's kernel log can (its address is given)."""
+    """Ray's reason for a rank's death, in a line. Of a process that ended without a word
+    to Ray (a signal, a crash, an exit) Ray cannot tell why; the kernel's OOM killer is
+    the usual cause, and only the node's kernel log says (its address is given)."""
     text = str(error)
     if (detail := RAY_EXIT_DETAIL.search(text)) and "connection error" in detail[1]:
         node = re.search(r"\tip: (\S+)", text)
         where = f" on {node[1]}" if node else ""
         return (
-            f"its process ended abruptly (SIGKILL or a crash; the kernel's OOM killer is "
-            f"the usual cause: see the kernel log{where})"
+            f"its process ended abruptly (killed, crashed or exited; if killed, the "
+            f"kernel's OOM killer is the usual cause: see the kernel log{where})"
         )
     return _first_line(error)
 
