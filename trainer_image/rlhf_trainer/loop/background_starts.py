@@ -74,25 +74,31 @@ class BackgroundStarts:
         starting = sum(group.world_size for group in self.joining)
         return starting + sum(len(retry.slots) for retry in self.retries)
 
-    def ready(self) -> WorkerGroup | None:
-        """The engines whose start ended well, as one group (None if none did). Starts
-        engines on the pool's free GPUs first, if there are any, and again in the slots
-        of those that could not start, once their wait is over."""
+    def more(self) -> list[WorkerGroup]:
+        """Engines started on the pool's free GPUs, if there are any (not yet added)."""
         try:
             more = self.pool.start_more(self.plan, Role.ROLLOUT, self.worker)
         except PlacementTimeout as error:  # Ray gave them to a lost engine's bundle first
             log.warning("%s: the free GPUs were taken meanwhile", error)
-            more = None
-        self.add([more] if more is not None else [])
-        up = [group for group in self.joining if self.pool.start_ended(group)]
-        self.joining = [group for group in self.joining if group not in up]
-        started = [group for group in up if self.started(group)]
+            return []
+        return [more] if more is not None else []
+
+    def up(self) -> WorkerGroup | None:
+        """The engines whose start ended well, as one group (None if none did); those
+        whose start failed wait to start again (`StartRetry`)."""
+        ended = [group for group in self.joining if self.pool.start_ended(group)]
+        self.joining = [group for group in self.joining if group not in ended]
+        started = [group for group in ended if self.started(group)]
+        return functools.reduce(WorkerGroup.joined, started) if started else None
+
+    def retried(self) -> list[WorkerGroup]:
+        """Engines started again in the slots of those whose wait is over (not yet
+        added)."""
         now = time.monotonic()
         due = [retry for retry in self.retries if retry.due <= now]
         self.retries = [retry for retry in self.retries if retry.due > now]
-        for retry in due:
-            self.add(self.pool.respawn(Role.ROLLOUT, retry.slots, self.worker))
-        return functools.reduce(WorkerGroup.joined, started) if started else None
+        return [group for retry in due
+                for group in self.pool.respawn(Role.ROLLOUT, retry.slots, self.worker)]  # fmt: skip
 
     def started(self, group: WorkerGroup) -> bool:
         """Whether the engines of `group` (whose start has ended) are up. If not, they

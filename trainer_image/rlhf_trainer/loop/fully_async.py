@@ -28,6 +28,7 @@ import torch
 from rlhf_env.rewards import ScoredSample
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.cluster.groups import WorkerGroup, join_watching
+from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.data.prompts import Prompt, PromptStream
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
@@ -304,8 +305,10 @@ class Admissions:
         again to those that serve (the queue keeps a uid once: a late answer from a lost
         engine is not trained twice)."""
         owed = join([self.queue.not_received.remote(self.ledger.held_by(ranks))])[0]
-        log.warning("rollout rank(s) %s lost: %d sample(s) they owed are generated again "
-                    "on the engines that serve", list(ranks), len(owed))  # fmt: skip
+        serving = self.parts.groups[Role.ROLLOUT]
+        log.warning("%s: going on with %d engine(s); %d sample(s) they owed are generated "
+                    "again on them", RanksLost(Role.ROLLOUT, serving.pool, ranks),
+                    serving.world_size, len(owed))  # fmt: skip
         self.parts.metrics.samples_readmitted.inc(len(owed))
         self.give(self.ledger.admitted(owed))
 

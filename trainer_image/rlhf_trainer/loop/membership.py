@@ -1,22 +1,20 @@
 """The rollout engines that serve, as they are lost and replaced, or join: one state
 machine for both modes.
 
-A rollout rank whose vLLM engine dies ends its process (`rollout.worker.end_rank`), so
-every way an engine goes (its engine, its process, its node) reaches the driver as a
-rank lost. Between its calls to the engines, the trainer hands any error of theirs to
-`surviving`: `classify` names it an engine lost, one stuck in a failed push's receive
-(NCCL's, which nothing ends from outside), or the call's own. Every loss, in every
-state, takes one action, DROP: count it against `generation.maxEngineRestarts` in its
-bundle (a stuck engine is not counted), shut the engine down for good, start a new one
-in its bundle, and tell the listeners to stop waiting on it. Then the states of
-`TRANSITIONS` run until the engines serve again; a loss met on the way is one more DROP.
+Every way an engine goes (its vLLM engine, its process, its node) reaches the driver as
+a rank lost (`rollout.worker.end_rank`). Between its calls to the engines, the trainer
+hands any error of theirs to `surviving`: `classify` names it an engine lost, one stuck
+in a failed push's receive (NCCL's, which nothing ends from outside), or the call's own.
+Every loss, in every state, takes one action, DROP: count it against
+`generation.maxEngineRestarts` in its bundle (not a stuck engine), shut the engine down
+for good, start a new one in its bundle, and tell the listeners to stop waiting on it.
+Then the states of `TRANSITIONS` run until the engines serve again.
 
 The modes differ in where a DROP goes. Synchronous (IN_PLACE) waits for the new engine
 in the lost one's slot: it takes its predecessor's part of the batch and its seeds, so
 the step's samples are the ones the lost engine would have made. Fully async (ELASTIC)
-goes on with the others, the new engine joining at a later weight sync once it is up,
-and waits only when no engine is left. Fully async also takes in engines on GPUs that
-join the pool, and starts again, after a wait, those that could not start.
+goes on with the others, the new engine joining at a later weight sync once up
+(`background_starts`), and waits only when no engine is left.
 """
 
 from __future__ import annotations
@@ -216,7 +214,7 @@ class EngineMembership:
         self.awaiting: list[WorkerGroup] = []
         self.lost: list[int] = []
         self.unloaded: list[int] = []
-        self.trail: list[tuple[State, Event]] = []  # the rows taken, newest last
+        self.trail: list[tuple[State, Event]] = []  # the rows the last run took
         self.count()
 
     @property
@@ -262,7 +260,7 @@ class EngineMembership:
 
     def run(self, event: Event, detail: Any) -> None:
         """TRANSITIONS from SERVING on `event`, until SERVING again (or an error)."""
-        self.awaiting, self.lost, self.unloaded = [], [], []
+        self.awaiting, self.lost, self.unloaded, self.trail = [], [], [], []
         state = State.SERVING
         while True:
             self.trail.append((state, event))
@@ -388,9 +386,11 @@ class EngineMembership:
 
     def ready_to_join(self) -> WorkerGroup | None:
         """ELASTIC: the engines started in the background that are up, as one group (None
-        if none is); more start on the pool's free GPUs, and again where they failed."""
-        up = self.starts.ready()
-        self.count()
+        if none is). Starts engines on the pool's free GPUs first, if there are any, and
+        again in the slots of those that could not start, once their wait is over."""
+        self.start_background(self.starts.more())
+        up = self.starts.up()
+        self.start_background(self.starts.retried())
         return up
 
     def count(self) -> None:
