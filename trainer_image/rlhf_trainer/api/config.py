@@ -433,7 +433,7 @@ class JobConfig(SpecModel):
     @property
     def elastic_pools(self) -> frozenset[str]:
         """The pools whose size may change while the job trains: fully async's rollout
-        pool when nothing else runs on it (its engines come and go, loop.elastic_rollout).
+        pool when nothing else runs on it (its engines come and go, loop.membership).
         A pool with a trained or scoring role changes size by a new attempt instead."""
         rollout = self.roles.rollout
         others = {pool for role, pool in self.roles.pools_in_use().items() if role != Role.ROLLOUT}

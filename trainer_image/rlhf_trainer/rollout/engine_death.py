@@ -8,7 +8,7 @@ An engine is never rebuilt in place. Its rollout rank's process ends
 (`rollout.worker.end_rank`), so that the driver sees a rank lost, as it sees one whose
 node is gone, and replaces it in its bundle: a new engine, given the current weights by
 the actor's next push through the same weight transfer, on every backend
-(`loop.engine_replacement`, and fully async's `loop.elastic_rollout`).
+(`loop.membership`, in both modes).
 
 vLLM is imported only where an engine exists (`engine_died`).
 """

@@ -202,7 +202,7 @@ class EngineWorker(Worker):
 class BatchShard:
     """A rollout rank's part of a step's batch. Its seeds follow `index`, which part it
     is, not the rank that generates it: an engine that replaces a lost one makes the
-    samples the lost one would have (`loop.engine_replacement`)."""
+    samples the lost one would have (`loop.membership`)."""
 
     index: int
     inputs: list[Any]  # prompts' token ids, or environment rows (generation.multiTurn)
