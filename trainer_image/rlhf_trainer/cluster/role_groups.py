@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_trainer.api.config import JobConfig, Role
-from rlhf_trainer.api.plan import DRIVER, PlacementPlan, in_actor_processes
+from rlhf_trainer.api.plan import PlacementPlan, in_actor_processes, roles_with_processes
 from rlhf_trainer.cluster.groups import WorkerGroup, started_up
 from rlhf_trainer.cluster.hangs import RankDied, RanksLost
 from rlhf_trainer.cluster.placement import (
@@ -89,15 +89,13 @@ class RoleGroups:
         pools = wait_ready(create_pool_groups(plan, job), timeout_s)
         chosen = {role: WorkerSpec(cls, (config,)) for role, cls in WORKERS.items()}
         chosen |= workers or {}
-        beside_actor = in_actor_processes(plan)
         groups = {
             role: WorkerGroup.spawn(
-                plan, role, pools[role_plan.pool], chosen[role].cls, *chosen[role].args
+                plan, role, pools[plan.roles[role].pool], chosen[role].cls, *chosen[role].args
             )
-            for role, role_plan in plan.roles.items()
-            if role_plan.pool != DRIVER and role not in beside_actor
+            for role in roles_with_processes(plan)
         }
-        for role in beside_actor:
+        for role in in_actor_processes(plan):
             spec = chosen[role]
             groups[role] = WorkerGroup.beside(groups[Role.ACTOR], role, spec.cls, *spec.args)
         started = cls(groups, pools)
