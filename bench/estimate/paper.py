@@ -32,16 +32,14 @@ def main() -> None:
         for job in map(parse_job, load_documents(JOBS.read_text()))
     }
     rows = {name: estimate(config, profile).step_seconds for name, config in jobs.items()}
-    record = {"bench": "estimate_paper", "rows": []}
+    table: list[dict[str, object]] = []
     print(f"{'job':<36} {'published s':>11} {'estimated s':>11} {'error':>7}")
     for name, estimated in rows.items():
         published = PUBLISHED_STEP_S[name]
         error = estimated / published - 1
         print(f"{name:<36} {published:>11.2f} {estimated:>11.2f} {error:>+7.1%}")
-        record["rows"].append(
-            {"job": name, "published_s": published, "estimated_s": round(estimated, 2)}
-        )
-    print(json.dumps(record))
+        table.append({"job": name, "published_s": published, "estimated_s": round(estimated, 2)})
+    print(json.dumps({"bench": "estimate_paper", "rows": table}))
 
 
 if __name__ == "__main__":

@@ -44,13 +44,14 @@ def copy_seconds(source: torch.Tensor, target: torch.Tensor) -> float:
     """The median seconds of one copy of `source` into `target`, over COPIES."""
     times = []
     for _ in range(COPIES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
         target.copy_(source)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 def receive(kind: str, shared: tuple[Any, ...] | None, expected: int) -> Measurement:
@@ -83,7 +84,7 @@ class Sender:
     def __init__(self) -> None:
         self.receiver = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
         self.kept = self.new_buffer()
-        self.kept_handle = reduce_tensor(self.kept)
+        self.kept_handle = reduce_tensor(self.kept)  # type: ignore[no-untyped-call]
         self.fresh: list[torch.Tensor] = []  # alive while the receiver may hold them
 
     @staticmethod
@@ -100,7 +101,7 @@ class Sender:
         buffer = self.new_buffer()
         self.fresh = [buffer]
         started = time.perf_counter()
-        handle = reduce_tensor(buffer)  # cudaIpcGetMemHandle
+        handle = reduce_tensor(buffer)  # type: ignore[no-untyped-call]  # cudaIpcGetMemHandle
         share_s = time.perf_counter() - started
         figures = self.receiver.submit(receive, kind, handle, checksum(buffer)).result()
         return figures | {"share_s": share_s}

@@ -174,7 +174,8 @@ def autocast_seconds(shape: Shape, compiled: bool = False) -> tuple[float, int]:
                 new, _ = policy_outputs(model, micro, temperature)
             loss = clipped_policy_loss(new.float(), micro.old_log_probs, micro.advantages,
                                        0.2, 0.2, None).loss  # fmt: skip
-            (loss * micro.response_mask).sum().div(micro.response_mask.sum()).backward()
+            normalized = (loss * micro.response_mask).sum().div(micro.response_mask.sum())
+            normalized.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

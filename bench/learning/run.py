@@ -33,10 +33,10 @@ import math
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 from bench.harness import Measurement, run_bench
 from bench.learning.chart import save_learning_chart
@@ -55,7 +55,15 @@ CHART = Path(__file__).parents[2] / "docs" / "bench-learning.png"
 if len(sys.argv) > 4:  # a subset of the modes: its chart is not the docs' one
     CHART = Path(tempfile.gettempdir()) / "bench-learning-subset.png"
 
-Build = Callable[[Path], JobConfig]
+
+class Build(Protocol):
+    """A mode's job, for a number of steps and a checkpoint folder (tests.specs.local_job)."""
+
+    def __call__(
+        self, *, total_steps: int, checkpoint_dir: Path, every_steps: int
+    ) -> JobConfig: ...
+
+
 MODES: dict[str, Build] = {
     "sync-colocated": partial(local_job, colocated=True),
     "split": partial(local_job, colocated=False),

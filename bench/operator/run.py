@@ -88,10 +88,10 @@ class Appearances:
         from kubernetes import client
 
         api = client.CustomObjectsApi(kube.api)
-        stream = watch.Watch()
+        stream = watch.Watch()  # type: ignore[no-untyped-call]
         self._ready.set()
         group, version, plural = kind
-        events = stream.stream(
+        events = stream.stream(  # type: ignore[no-untyped-call]
             api.list_namespaced_custom_object, group, version, namespace, plural,
             timeout_seconds=900,
         )  # fmt: skip
@@ -101,7 +101,7 @@ class Appearances:
                 if name is not None:
                     self.seen.setdefault(name, time.monotonic())
                 if self._stop.is_set():
-                    stream.stop()
+                    stream.stop()  # type: ignore[no-untyped-call]
         except ProtocolError:
             if not self._stop.is_set():
                 raise  # else the control plane stopped under a watch no longer needed
@@ -203,7 +203,7 @@ def main() -> None:
     with ControlPlane() as cp:
         op = OperatorProcess(cp, "bench-operator").start()
         try:
-            kube = Kube(cp.api_client())
+            kube = Kube(cp.api_client())  # type: ignore[no-untyped-call]
             results = []
             for run, n in enumerate(SIZES):
                 results.append(measure(cp, op, kube, n, run))

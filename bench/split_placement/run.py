@@ -32,7 +32,7 @@ from bench.estimate import predicted_step
 from bench.harness import Measurement, run_bench
 from bench.runs import measure_run
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.api.plan import plan_placement
+from rlhf_trainer.api.plan import Phase, plan_placement
 
 WARMUP_STEPS = 3  # vLLM's first generations and the allocators warm up
 MEASURED_STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 15
@@ -81,7 +81,9 @@ def compare(run: dict[str, Measurement]) -> Measurement:
     """Within one repeat: the speedup, its ideal from the colocated phases, each phase's
     slowdown beside the other pool."""
     colocated, split = run["colocated"], run["split"]
-    phases = {k.removeprefix("phase."): v for k, v in colocated.items() if k.startswith("phase.")}
+    phases = {
+        Phase(k.removeprefix("phase.")): v for k, v in colocated.items() if k.startswith("phase.")
+    }
     unused = Path("unused")  # the plan needs no checkpoint
     serial = plan_placement(job(False, unused)).step_seconds(phases)
     overlapped = plan_placement(job(True, unused)).step_seconds(phases)

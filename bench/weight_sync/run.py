@@ -151,7 +151,7 @@ class Sender:
 
         from rlhf_trainer.rollout.transfer_engines import trainer_init_info
 
-        address = ray.util.get_node_ip_address()
+        address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         setup = TransferSetup(address, free_port(), len(engines), remote, BUCKET_BYTES, 600.0)
         client = self.clients[name] = Client(engines)
         source = PolicySource(self.model, self.tied, torch.float32)
@@ -287,7 +287,7 @@ def main() -> None:
         )  # fmt: skip
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        cluster.shutdown()  # type: ignore[no-untyped-call]
 
 
 if __name__ == "__main__":
