@@ -21,7 +21,8 @@ from rlhf_trainer.api.estimate import (
 )
 from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.api.sections import ModelShape, TinyModel
+from rlhf_trainer.api.sections import TinyModel
+from rlhf_trainer.api.shape import ModelShape
 from tests.specs import job_config
 
 # 240 samples a step (test defaults) of 10 prompt + 30 response tokens: generating them

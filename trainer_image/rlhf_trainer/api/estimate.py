@@ -39,7 +39,7 @@ from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.plan import DRIVER, Phase, PlacementPlan, plan_placement
 from rlhf_trainer.api.rules import SpecModel
-from rlhf_trainer.api.sections import ModelShape
+from rlhf_trainer.api.shape import ModelShape
 
 FORWARD_PHASES = (Phase.ACTOR_LOG_PROB, Phase.REF_LOG_PROB, Phase.VALUES, Phase.REWARD)
 TRAIN_PHASES = (Phase.UPDATE_ACTOR, Phase.UPDATE_CRITIC)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from rlhf_trainer.api.config import Device, JobConfig, Role
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement, ref_answered_by_actor
 from rlhf_trainer.api.rules import FieldError
-from rlhf_trainer.api.sections import ModelShape
+from rlhf_trainer.api.shape import ModelShape
 from rlhf_trainer.api.transfer import Backend, choose_transfer
 
 GIB = 2**30

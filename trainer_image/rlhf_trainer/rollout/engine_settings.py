@@ -118,6 +118,20 @@ def cpu_scheduling(max_model_len: int) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
 
 
+def platform_in_environment(tensor_parallel_size: int) -> Any:
+    """vLLM's platform, once the environment an engine of `tensor_parallel_size` workers
+    needs is set (vLLM may read it as it detects the platform)."""
+    uni = tensor_parallel_size == 1
+    for key, value in (CPU_ENVIRONMENT | (UNI_EXECUTOR_ENVIRONMENT if uni else {})).items():
+        os.environ.setdefault(key, value)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # always eager there (engine_settings)
+        for key, value in CPU_EAGER_ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+    return current_platform
+
+
 def engine_settings(
     model_dir: Path | str,
     *,
@@ -132,23 +146,15 @@ def engine_settings(
 ) -> dict[str, Any]:
     """The vLLM engine arguments, and the environment the engine needs (set here).
     `max_lora_rank`: serve one LoRA adapter of up to that rank (LoRA RL); None: none."""
-    uni = tensor_parallel_size == 1
-    environment = CPU_ENVIRONMENT | (UNI_EXECUTOR_ENVIRONMENT if uni else {})
-    for key, value in environment.items():
-        os.environ.setdefault(key, value)
-    from vllm.platforms import current_platform  # after: vLLM may read the environment
-
+    current_platform = platform_in_environment(tensor_parallel_size)
     # On CPU always eager: vLLM's torch.compile of a model takes minutes there.
     enforce_eager = enforce_eager or current_platform.is_cpu()
-    if current_platform.is_cpu():
-        for key, value in CPU_EAGER_ENVIRONMENT.items():
-            os.environ.setdefault(key, value)
-
     if current_platform.is_cuda():
         # A LoRA'd policy's adapter travels in Ray calls: no transfer engine, no buffers.
         reserve = transfer_reserve_bytes(transfer_backend) if max_lora_rank is None else 0
-        total = current_platform.get_device_total_memory()
-        gpu_memory_utilization = memory_budget(gpu_memory_utilization, reserve, total)
+        gpu_memory_utilization = memory_budget(
+            gpu_memory_utilization, reserve, current_platform.get_device_total_memory()
+        )
     # One adapter at a time: the policy's, replaced in place at each sync.
     lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
     return (
