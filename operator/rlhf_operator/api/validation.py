@@ -9,7 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlhf_operator.api.job import RLHFJob, RLHFJobSpec
-from rlhf_trainer.api.memory import memory_errors
+from rlhf_trainer.api.memory_report import memory_errors
 from rlhf_trainer.api.rules import FieldError, field_errors
 
 
@@ -49,7 +49,7 @@ def parse_spec(spec: Any) -> RLHFJobSpec:
 
 def check_memory(spec: RLHFJobSpec) -> None:
     """The rules that only Python checks, after the schema's and CEL's: the roles on
-    each pool fit its GPUs' memory (api.memory). CEL could not afford the arithmetic."""
+    each pool fit its GPUs' memory (api.memory_report). CEL could not afford the arithmetic."""
     if errors := memory_errors(spec):
         raise InvalidJob([FieldError(f"spec.{e.path}", e.message) for e in errors])
 

@@ -29,7 +29,7 @@ from rlhf_operator.api.validation import InvalidJob, load_documents, parse_job, 
 from rlhf_operator.render.children import JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess
 from rlhf_trainer.api.estimate import describe_estimate, load_profile
-from rlhf_trainer.api.memory import describe_memory
+from rlhf_trainer.api.memory_report import describe_memory
 from rlhf_trainer.api.plan import describe, plan_placement
 
 
