@@ -44,6 +44,7 @@ from rlhf_trainer.cluster.placement import (
 )
 from rlhf_trainer.rollout.engine_settings import (
     engine_settings,
+    executor_backend,
     memory_budget,
     transfer_reserve_bytes,
 )
@@ -405,3 +406,15 @@ def test_a_budget_that_leaves_vllm_nothing_beside_the_transfers_buffers_is_refus
                        r"beside the weight transfer's 2.0 GiB of buffers on a 24.0 GiB GPU"):  # fmt: skip
         memory_budget(0.1, transfer_reserve_bytes("nccl"), 24 * 2**30)
     assert memory_budget(0.9, transfer_reserve_bytes("ipc"), 24 * 2**30) == 0.9
+
+
+def test_an_engine_outside_a_placement_leaves_the_executor_to_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the bundles a rank is given, vLLM chooses (and checks the node's devices)."""
+    monkeypatch.delenv("VLLM_RAY_BUNDLE_INDICES", raising=False)
+    assert executor_backend(2, cuda=True) is None
+    assert executor_backend(2, cuda=False) == "mp"
+    assert executor_backend(1, cuda=True) == "uni"
+    monkeypatch.setenv("VLLM_RAY_BUNDLE_INDICES", "2,3")
+    assert executor_backend(2, cuda=True) == "ray"

@@ -67,17 +67,20 @@ RAY_BUNDLES_VARIABLE = "VLLM_RAY_BUNDLE_INDICES"
 RAY_WORKER_GPUS_VARIABLE = "VLLM_RAY_PER_WORKER_GPUS"
 
 
-def executor_backend(tensor_parallel_size: int, cuda: bool) -> str:
+def executor_backend(tensor_parallel_size: int, cuda: bool) -> str | None:
     """vLLM's executor for an engine of `tensor_parallel_size` workers:
     - "uni" for one: the model runs in the engine-core process;
     - "ray" on CUDA once the rank's process was given the engine's bundles: a worker
       actor on each (vLLM would otherwise take the pool's first bundles, at a whole GPU
       each, or refuse a world larger than the one device a GPU share shows);
-    - "mp" otherwise: one process per worker on this node's devices (vLLM's CPU
-      platform has no Ray executor)."""
+    - "mp" on CPU: one process per worker (vLLM's CPU platform has no Ray executor);
+    - None on CUDA outside a placement (an engine built on its own): vLLM's choice,
+      with its check that the node has the devices."""
     if tensor_parallel_size == 1:
         return "uni"
-    return "ray" if cuda and os.environ.get(RAY_BUNDLES_VARIABLE) else "mp"
+    if not cuda:
+        return "mp"
+    return "ray" if os.environ.get(RAY_BUNDLES_VARIABLE) else None
 
 
 def transfer_reserve_bytes(transfer_backend: str) -> int:
