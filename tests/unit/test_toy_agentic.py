@@ -150,7 +150,7 @@ def test_a_call_is_a_turn_whose_first_word_is_call(
     message = parser.parse(text, turn=2)
     assert message.content is None
     assert [(c.id, c.function.name, c.function.parsed_arguments()) for c in message.tool_calls] == [
-        ("call-2-0", "lookup", {"key": key})
+        ("call00200", "lookup", {"key": key})
     ]
 
 

@@ -150,30 +150,34 @@ def test_the_appended_tokens_read_as_the_template_renders_the_whole_conversation
     assert tokenizer.decode(trajectory.token_ids, skip_special_tokens=False) + "\n" == whole
 
     # The tool turn alone: the glue after <|im_end|>, the tool message, the next prompt.
-    answer = Message(role="tool", tool_call_id="call-0-0", content="green")
+    answer = Message(role="tool", tool_call_id="call00000", content="green")
     assert renderer.observation_text([answer]) == (
         "\n<|im_start|>tool\ngreen<|im_end|>\n<|im_start|>assistant\n"
     )
     assert renderer.observation_text([answer], closed=False).startswith("<|im_end|>\n")
 
 
+# ChatML that drops an assistant turn's content once messages follow it, as templates
+# that drop old reasoning do: appending tool results would give a conversation it never
+# renders.
+DROPPING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and not loop.last %}(dropped){% else %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer: Any) -> None:
-    class Rewriting:
-        """Stands in for a template that renders the last assistant turn differently."""
-
-        eos_token_id = tokenizer.eos_token_id
-
-        def decode(self, ids: list[int], **_: Any) -> str:
-            return str(tokenizer.decode(ids))
-
-        def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-            last = messages[-1]["role"] == "assistant" and not kwargs["add_generation_prompt"]
-            text = "".join(f"{m['role']}: {m['content']}<|im_end|>\n" for m in messages)
-            return text + ("(last)" if last else "")
-
-    renderer = ChatRenderer(Rewriting(), "rewriter")  # type: ignore[arg-type]
+    renderer = ChatRenderer(tokenizer, "rewriter", template=DROPPING)
+    assert renderer.end_of_turn == "<|im_end|>"  # read from the template
     with pytest.raises(TemplateNotIncremental, match="rewriter"):
         renderer.observation_ids([Message(role="tool", tool_call_id="c", content="x")])
+    # The same template, keeping the content, is accepted: the check is not the refusal.
+    keeping = DROPPING.replace("(dropped)", "{{ m.content }}")
+    text = ChatRenderer(tokenizer, "keeper", template=keeping).observation_text(
+        [Message(role="tool", tool_call_id="c", content="x")]
+    )
+    assert text == "\n<|im_start|>tool\nx<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_hermes_parses_one_call_and_keeps_the_content_before_it(hermes: ToolCallParser) -> None:
@@ -181,7 +185,7 @@ def test_hermes_parses_one_call_and_keeps_the_content_before_it(hermes: ToolCall
     assert message.role == "assistant"
     assert message.content == "Let me look.\n"
     (call,) = message.tool_calls
-    assert (call.id, call.function.name) == ("call-2-0", "lookup")
+    assert (call.id, call.function.name) == ("call00200", "lookup")
     assert call.function.parsed_arguments() == {"key": "lime"}
 
 
@@ -189,7 +193,7 @@ def test_hermes_parses_two_calls(hermes: ToolCallParser) -> None:
     second = CALL_TEXT.replace("lime", "apple")
     message = hermes.parse(CALL_TEXT + "\n" + second, turn=0)
     assert message.content is None
-    assert [c.id for c in message.tool_calls] == ["call-0-0", "call-0-1"]
+    assert [c.id for c in message.tool_calls] == ["call00000", "call00001"]
     keys = [c.function.parsed_arguments()["key"] for c in message.tool_calls]
     assert keys == ["lime", "apple"]
 
@@ -236,8 +240,10 @@ def test_a_cut_trajectory_is_not_trained_on(reason: str) -> None:
     trajectory.cut_short("a later reason")  # the first stands
     assert not trajectory.trainable
     assert trajectory.cut == reason
-    assert trajectory.loss_mask == [0] * 7
-    assert trajectory.token_ids == [1, 2, 3, 4, 5, 6, 7]  # kept, to be counted and shown
+    # Its sampled tokens are kept, to be counted and shown; the environment's last
+    # answer, after which nothing was sampled, goes (it may be what overflowed).
+    assert trajectory.token_ids == [1, 2, 3, 4]
+    assert trajectory.loss_mask == [0] * 4
     with pytest.raises(ValueError, match="cut"):
         trajectory.add_sampled([8], [-0.3], version=0)
 

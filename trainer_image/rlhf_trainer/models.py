@@ -128,12 +128,13 @@ TINY_CHAT_TEMPLATE = """\
 """
 
 
-def chat_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+def chat_tokenizer(source: ModelSource, template: str | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of multi-turn rollouts: `load_tokenizer`'s, with a chat template.
 
     A tiny model gets TINY_CHAT_TEMPLATE here only, not in `load_tokenizer`: prompts
     are rendered through a tokenizer's template whenever it has one, which would change
-    the single-turn toy tasks. A real model keeps its own template and must have one.
+    the single-turn toy tasks. A real model keeps its own template and must have one,
+    unless the job gives one (`template`, multiTurn.chatTemplate, which the renderer uses).
     """
     tokenizer = load_tokenizer(source)
     if source.tiny is not None:
@@ -145,7 +146,7 @@ def chat_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
                 f"{missing}; multi-turn rollouts need vocabSize >= {size}"
             )
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    elif not getattr(tokenizer, "chat_template", None):
+    elif template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"model {source.path}: its tokenizer has no chat template, and multi-turn "
             "rollouts need one to render tool calls and results"

@@ -3,9 +3,9 @@ use one (`generation.multiTurn`). See docs/concepts/environments.md."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from rlhf_trainer.api.rules import Rule, SpecModel
 
@@ -13,6 +13,14 @@ from rlhf_trainer.api.rules import Rule, SpecModel
 ENVIRONMENT_NAME = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
 URL = r"^https?://[^\s/]+(/\S*)?$"
 CLASS_PATH = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+
+# A chat template's keyword arguments: names to plain values (booleans, numbers, strings).
+# The CRD keeps the map open (a structural schema has no union of types); the trainer's
+# validation refuses anything but such values, with the field's path.
+TemplateKwargs = Annotated[
+    dict[str, bool | int | float | str],
+    WithJsonSchema({"type": "object", "additionalProperties": True, "maxProperties": 32}),
+]
 
 
 class EnvironmentConfig(SpecModel):
@@ -67,6 +75,26 @@ class MultiTurnConfig(SpecModel):
             "models' `call X`)."
         ),
     )
+    chat_template: str | None = Field(
+        None,
+        min_length=1,
+        max_length=262_144,
+        description=(
+            "A Jinja chat template for the episodes, in place of the tokenizer's own (as "
+            "vllm serve --chat-template takes one): e.g. a template with tool support for a "
+            "model whose own has none. Unset: the tokenizer's. Its end-of-turn token is "
+            "read from it (the special token after an assistant's answer)."
+        ),
+    )
+    chat_template_kwargs: TemplateKwargs = Field(
+        default_factory=dict,
+        description=(
+            "Keyword arguments of the chat template, as vLLM's chat_template_kwargs: "
+            "{enable_thinking: false} for Qwen3 without thinking, {date_string: 26 Jul "
+            "2024} for Llama 3's date. The date a template reads from strftime_now is the "
+            "job's start, fixed for the whole run."
+        ),
+    )
     max_turns: int = Field(8, ge=1, le=256, description="Assistant turns per episode, at most.")
     max_tokens: int = Field(
         2048,
@@ -75,6 +103,16 @@ class MultiTurnConfig(SpecModel):
         description=(
             "The episode's token budget: its prompt, every turn and every tool result. A turn "
             "samples at most data.maxResponseLength tokens of it."
+        ),
+    )
+    max_observation_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1_048_576,
+        description=(
+            "Each message the environment returns (a tool result) keeps at most this many "
+            "tokens of its content, and says how many it left out. Unset: whole, within "
+            "maxTokens (an episode whose messages overflow it is cut, without them)."
         ),
     )
     tool_call_timeout_seconds: float = Field(

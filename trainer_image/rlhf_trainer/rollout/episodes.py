@@ -9,7 +9,9 @@ The trainer owns the tokens (trajectory.py): every turn is the engine's ids as s
 with their log-probs; what the environment says is appended through the chat template,
 never by re-tokenising the conversation. Limits end an episode early: `maxTurns`, the
 token budget, and deadlines per environment call, per turn and per episode. An
-environment that fails or breaks the protocol ends it too. Such an episode is "cut":
+environment that fails or breaks the protocol ends it too, and so does a chat template
+or tokenizer that fails on its messages (`template_error`: an environment's role the
+template refuses). Such an episode is "cut":
 its loss mask is all 0, its score 0, and its reason is counted, so nothing is trained
 on an episode that did not finish. The session is always closed.
 
@@ -33,9 +35,10 @@ from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_trainer.algo.experience import Episode, EpisodePhase, PhaseKind, Rollout
 from rlhf_trainer.api.agentic import EnvironmentConfig
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.rollout.chat_template import ChatRenderer, RenderFailed
 from rlhf_trainer.rollout.trajectory import (
-    ChatRenderer,
     ToolCallParser,
+    ToolParseFailed,
     Trajectory,
     TrajectoryLimits,
     limit_before_next_turn,
@@ -61,6 +64,7 @@ class EpisodeLimits:
     call_seconds: float  # each environment call
     turn_seconds: float  # each turn's generation
     episode_seconds: float
+    observation_tokens: int | None = None  # each environment message's content, at most
 
     @classmethod
     def of(cls, config: JobConfig) -> EpisodeLimits:
@@ -73,6 +77,7 @@ class EpisodeLimits:
             call_seconds=multi_turn.tool_call_timeout_seconds,
             turn_seconds=multi_turn.turn_timeout_seconds,
             episode_seconds=multi_turn.episode_timeout_seconds,
+            observation_tokens=multi_turn.max_observation_tokens,
         )
 
 
@@ -153,6 +158,10 @@ class EpisodeRunner:
             episode.trajectory.cut_short("episode_timeout")
         except EnvironmentCallFailed as failed:
             episode.trajectory.cut_short(f"environment_{failed.kind}: {failed}")
+        except RenderFailed as failed:  # the template refused what the episode holds
+            episode.trajectory.cut_short(_reason("template_error", failed))
+        except ToolParseFailed as failed:
+            episode.trajectory.cut_short(_reason("tool_parser_error", failed))
         return episode.rollout()
 
     async def _play_on_a_replica(
@@ -190,13 +199,13 @@ class EpisodeRunner:
         with episode.timed("start"):
             started = await environment.start(row, timeout=limits.call_seconds)
         episode.session = started.session
-        trajectory = episode.trajectory = Trajectory(
-            prompt_ids=renderer.prompt_ids(started.messages, started.tools)
-        )
+        prompt = renderer.prompt_ids(started.messages, started.tools)
+        # A prompt over the budget is kept only up to it: the row is never wider.
+        trajectory = episode.trajectory = Trajectory(prompt_ids=prompt[: limits.max_tokens])
         parser = ToolCallParser(self.tool_parser, renderer.tokenizer, started.tools)
         while True:
             room = limits.max_tokens - len(trajectory.token_ids)
-            if room <= 0:
+            if room <= 0:  # the environment's last messages filled it: they go with the cut
                 return trajectory.cut_short("token_budget")
             try:
                 with episode.timed("turn"):
@@ -225,9 +234,9 @@ class EpisodeRunner:
             )
             if reason is not None:
                 return trajectory.cut_short(reason)
-            trajectory.add_observed(
-                renderer.observation_ids(stepped.messages, closed=turn.finished)
-            )
+            answers = renderer.bounded(stepped.messages, limits.observation_tokens)
+            closed = renderer.closes(turn.response_token_ids)
+            trajectory.add_observed(renderer.observation_ids(answers, closed=closed))
 
     async def _close(self, environment: EnvironmentClient, session: str) -> None:
         """Close the session, whatever happened to the episode; a failure is logged,
@@ -299,6 +308,12 @@ class _Progress:
                 restarts=self.restarts,
             ),
         )
+
+
+def _reason(kind: str, failed: Exception, length: int = 300) -> str:
+    """A cut's reason: its kind, counted (EpisodeStats.cuts), then what failed."""
+    text = str(failed)
+    return f"{kind}: {text if len(text) <= length else text[: length - 3] + '...'}"
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

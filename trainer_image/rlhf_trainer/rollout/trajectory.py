@@ -13,8 +13,8 @@ log-probs of tokens the engine never produced.
 
 Tool calls are read from a turn's text by vLLM's own tool parsers (`ToolCallParser`);
 tool results become tokens through the model's chat template, rendered incrementally
-(`ChatRenderer`). vLLM and transformers are imported inside functions, so this module
-imports without them.
+(`ChatRenderer`, in chat_template.py). vLLM and transformers are imported inside
+functions, so this module imports without them.
 """
 
 from __future__ import annotations
@@ -22,9 +22,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlhf_env.protocol import FunctionCall, Message, Tool, ToolCall
+
+# Re-exported: the renderer lived here, and callers import it from here.
+from rlhf_trainer.rollout.chat_template import ChatRenderer as ChatRenderer
+from rlhf_trainer.rollout.chat_template import RenderFailed as RenderFailed
+from rlhf_trainer.rollout.chat_template import TemplateNotIncremental as TemplateNotIncremental
+from rlhf_trainer.rollout.chat_template import template_message as template_message
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -84,8 +90,12 @@ class Trajectory:
         self.segments.append(Observed(list(ids)))
 
     def cut_short(self, reason: str) -> None:
-        """End the trajectory early; the first reason stands."""
+        """End the trajectory early; the first reason stands. Observed tokens after its
+        last sampled turn go: nothing was sampled after them, and a cut trajectory is
+        never wider than its budget for what the environment added last."""
         self.cut = self.cut or reason
+        while self.segments and isinstance(self.segments[-1], Observed):
+            self.segments.pop()
 
     def _refuse_if_cut(self) -> None:
         if self.cut is not None:
@@ -182,12 +192,15 @@ class ToolCallParser:
         self._parser = parser_class(tokenizer, list(self._request.tools or []))
 
     def parse(self, text: str, turn: int) -> Message:
-        """The assistant message of `text`; its calls get ids `call-<turn>-<index>`, unique
-        in a trajectory. Text the parser cannot read stays content, with no calls."""
-        extracted = self._parser.extract_tool_calls(text, self._request)
+        """The assistant message of `text`; its calls get ids `tool_call_id(turn, index)`,
+        unique in a trajectory. Text the parser cannot read stays content, with no calls."""
+        try:
+            extracted = self._parser.extract_tool_calls(text, self._request)
+        except Exception as failed:  # a parser's own error, whatever its type
+            raise ToolParseFailed(f"turn {turn}: {failed}") from failed
         calls = [
             ToolCall(
-                id=f"call-{turn}-{index}",
+                id=tool_call_id(turn, index),
                 function=FunctionCall(name=call.function.name, arguments=call.function.arguments),
             )
             for index, call in enumerate(extracted.tool_calls if extracted.tools_called else [])
@@ -195,141 +208,18 @@ class ToolCallParser:
         return Message(role="assistant", content=extracted.content, tool_calls=calls)
 
 
-class TemplateNotIncremental(ValueError):
+class ToolParseFailed(ValueError):
     pass
 
 
-# The conversation the environment's messages are rendered after. Only the text they
-# add to it is kept, so what it says does not matter; it must only be a valid chat.
-STAND_IN = [
-    {"role": "user", "content": "stand-in question"},
-    {"role": "assistant", "content": "stand-in answer"},
-]
+ID_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
-class ChatRenderer:
-    """The ids to append after a sampled assistant turn for the messages an environment
-    returned, ending with the next assistant turn's generation prompt, rendered through
-    the model's chat template without re-tokenising the conversation so far.
-
-    It renders a fixed stand-in conversation with and without the new messages and
-    tokenises only the text they add, plus the template's glue after the assistant's
-    end-of-turn token (ChatML's "\\n" after `<|im_end|>`): the sampled ids stop at that
-    token, so the glue is observed, not sampled. This assumes the rendering of a message
-    does not depend on the messages after it (a template that rewrites earlier turns,
-    e.g. dropping old reasoning, breaks it); each render checks that the stand-in's text
-    is a prefix of the longer one and raises `TemplateNotIncremental` when it is not.
-    The added text starts right after a special token, so no BPE merge crosses into it.
-    """
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        model: str,
-        end_of_turn_id: int | None = None,
-    ):
-        self.tokenizer, self.model = tokenizer, model
-        eot_id = tokenizer.eos_token_id if end_of_turn_id is None else end_of_turn_id
-        if not isinstance(eot_id, int):
-            raise ValueError(f"{model}: the tokenizer names no end-of-turn (eos) token")
-        self.end_of_turn_id = eot_id
-        self.end_of_turn = tokenizer.decode([eot_id])
-        self._before = self._render(STAND_IN, generation_prompt=False)
-        self._warned_about_tools = False  # checked once, on the first prompt with tools
-        self._glue = self._glue_after_end_of_turn()
-
-    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[Tool]) -> list[int]:
-        """An episode's first prompt: its messages and tools through the chat template,
-        ending with the assistant's generation prompt. Encoded without special tokens, as
-        for single-turn chat prompts (data/prompts.py): a template writes its own."""
-        rendered = [template_message(m) for m in messages]
-        text = self._render(rendered, generation_prompt=True, tools=tools)
-        if tools and not self._warned_about_tools:
-            self._warned_about_tools = True
-            if text == self._render(rendered, generation_prompt=True):
-                log.warning(
-                    "%s: its chat template does not render tools, so the model sees the "
-                    "environment's tools (%s) only where its messages describe them",
-                    self.model,
-                    ", ".join(t.function.name for t in tools),
-                )
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids
-
-    def _render(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        generation_prompt: bool,
-        tools: Sequence[Tool] = (),
-    ) -> str:
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=[t.model_dump(exclude_none=True) for t in tools] or None,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-        )
-        if not isinstance(text, str):
-            raise TypeError(f"{self.model}: the chat template rendered {type(text).__name__}")
-        return text
-
-    def _glue_after_end_of_turn(self) -> str:
-        answer_end = self._before.rindex(STAND_IN[-1]["content"]) + len(STAND_IN[-1]["content"])
-        after_answer = self._before[answer_end:]
-        if not after_answer.startswith(self.end_of_turn):
-            raise TemplateNotIncremental(
-                f"{self.model}: its chat template ends an assistant turn with "
-                f"{after_answer!r}, not with the end-of-turn token {self.end_of_turn!r}"
-            )
-        return after_answer[len(self.end_of_turn) :]
-
-    def observation_text(self, messages: Sequence[Message], *, closed: bool = True) -> str:
-        """The text to append; `closed`: the sampled turn ended with the end-of-turn
-        token (False when generation stopped before it, e.g. on a stop string)."""
-        messages_after = STAND_IN + [template_message(m) for m in messages]
-        after = self._render(messages_after, generation_prompt=True)
-        if not after.startswith(self._before):
-            raise TemplateNotIncremental(
-                f"{self.model}: its chat template renders a conversation differently once "
-                f"messages follow it, so tool results cannot be appended as tokens; "
-                f"without them it ends {self._before[-80:]!r}, with them that part reads "
-                f"{after[len(self._before) - 80 : len(self._before)]!r}"
-            )
-        closing = "" if closed else self.end_of_turn
-        return closing + self._glue + after[len(self._before) :]
-
-    def observation_ids(self, messages: Sequence[Message], *, closed: bool = True) -> list[int]:
-        text = self.observation_text(messages, closed=closed)
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids
-
-    def assistant_text(self, ids: Sequence[int]) -> str:
-        """A sampled turn's text for the tool parser: special tokens kept (some models'
-        `<tool_call>` is one), the closing end-of-turn token left out."""
-        if ids and ids[-1] == self.end_of_turn_id:
-            ids = ids[:-1]
-        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=False)
-        return text
-
-
-def template_message(message: Message) -> dict[str, Any]:
-    """A message as chat templates take it: content always a string (templates
-    concatenate it), a call's arguments as an object where they parse (as transformers
-    documents them and vLLM hands them to templates)."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message.content or ""}
-    if message.tool_calls:
-        rendered["tool_calls"] = [
-            {"id": c.id, "type": c.type, "function": _template_function(c.function)}
-            for c in message.tool_calls
-        ]
-    if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
-    return rendered
-
-
-def _template_function(function: FunctionCall) -> dict[str, Any]:
-    try:
-        arguments: Any = function.parsed_arguments()
-    except ValueError:
-        arguments = function.arguments
-    return {"name": function.name, "arguments": arguments}
+def tool_call_id(turn: int, index: int) -> str:
+    """The id of a turn's `index`-th call: 9 alphanumeric characters, the only ids that
+    Mistral's templates accept (any other template takes them too), the same in every
+    episode for the same turn and call: `call` + the turn (3 digits) + the index (2, base
+    36). A turn with more calls than that cannot be rendered."""
+    if not (0 <= turn < 1000 and 0 <= index < 36 * 36):
+        raise ToolParseFailed(f"turn {turn}: no tool call id for call {index}")
+    return f"call{turn:03d}{ID_DIGITS[index // 36]}{ID_DIGITS[index % 36]}"

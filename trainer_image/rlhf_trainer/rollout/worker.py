@@ -273,5 +273,10 @@ def episode_runner(config: JobConfig) -> EpisodeRunner | None:
     url = config.environment(multi_turn.environment).url
     assert url is not None, "the driver checked that the environment has a url"
     replicas = EnvironmentReplicas(url)  # sessions spread over the environment's pods
-    renderer = ChatRenderer(chat_tokenizer(actor), actor.path or "the tiny model")
+    renderer = ChatRenderer(
+        chat_tokenizer(actor, multi_turn.chat_template),
+        actor.path or "the tiny model",
+        template=multi_turn.chat_template,
+        template_kwargs=multi_turn.chat_template_kwargs,
+    )
     return EpisodeRunner(replicas, renderer, multi_turn.tool_parser, EpisodeLimits.of(config))
