@@ -92,13 +92,14 @@ unit: install  ## run the unit tests only (tiers: -m unit, trainer, controlplane
 	$(PY) -m pytest -p no:randomly -m unit
 
 # The run folder, runs/local-cpu/, holds its checkpoints: the demo starts afresh rather
-# than resume. After a Ctrl-C, `.venv/bin/rlhfjob train examples/local-cpu.yaml` resumes.
-# On CPUs even where there is CUDA: a local run gives each of the example's two pools a
-# GPU of its own, and a laptop may have one.
+# than resume. After a Ctrl-C, `.venv/bin/rlhfjob train --cpu examples/local-cpu.yaml`
+# resumes. On CPUs even where there is CUDA (--cpu): a local run gives each of the
+# example's two pools a GPU of its own, and a laptop may have one. DEMO_STEPS=N trains N
+# steps, not the example's 200 (CI runs it so: tests/trainer/test_demo.py).
 demo: install  ## validate the examples, then train the local one on this machine (a few minutes)
 	$(VENV)/bin/rlhfjob validate examples/*.yaml
 	rm -rf runs/local-cpu
-	CUDA_VISIBLE_DEVICES= $(VENV)/bin/rlhfjob train examples/local-cpu.yaml
+	$(VENV)/bin/rlhfjob train --cpu $(if $(DEMO_STEPS),--steps $(DEMO_STEPS)) examples/local-cpu.yaml
 	@echo "Timeline of the pools: open runs/local-cpu/trace.json in https://ui.perfetto.dev"
 
 crds: install  ## regenerate crds/ from the API models (and the chart's copy, and the docs' field reference)

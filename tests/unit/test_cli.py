@@ -139,3 +139,42 @@ def test_train_waits_for_the_trainer_through_ctrl_c(default_sigint: None) -> Non
 def test_train_reports_a_trainer_killed_by_a_signal_as_a_shell_does() -> None:
     child = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
     assert run_in_foreground([sys.executable, "-c", child]) == 128 + signal.SIGTERM
+
+
+def test_train_cpu_hides_every_device_and_steps_replaces_total_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`rlhfjob train --cpu --steps 3`: the trainer process is shown no CUDA device (an
+    empty CUDA_VISIBLE_DEVICES, which the local cluster starts under) and trains 3 steps;
+    without --cpu the environment is passed on as it is."""
+    import json
+
+    import rlhf_operator.app.cli as cli
+
+    seen: list[tuple[dict[str, object], dict[str, str] | None]] = []
+
+    def trainer(command: list[str], env: dict[str, str] | None = None) -> int:
+        spec = json.loads(Path(command[command.index("--spec") + 1]).read_text())
+        seen.append((spec["trainer"], env))
+        return 0
+
+    monkeypatch.setattr(cli, "run_in_foreground", trainer)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    example = str(EXAMPLES[0].parent / "local-cpu.yaml")
+    assert main(["train", "--cpu", "--steps", "3", example]) == 0
+    assert main(["train", example]) == 0
+    (cpu_trainer, cpu_env), (trainer_spec, env) = seen
+    assert cpu_trainer["totalSteps"] == 3 and cpu_env is not None
+    assert cpu_env["CUDA_VISIBLE_DEVICES"] == ""
+    assert trainer_spec["totalSteps"] == 200 and env is not None
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+@pytest.mark.parametrize("steps", ["0", "-2", "two"])
+def test_train_refuses_steps_that_are_not_a_positive_count(
+    steps: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "--steps", steps, str(EXAMPLES[0].parent / "local-cpu.yaml")])
+    assert exited.value.code == 2
+    assert "--steps: expected a whole number of 1 or more" in capsys.readouterr().err

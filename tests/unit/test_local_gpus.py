@@ -52,13 +52,24 @@ def test_a_visible_devices_setting_is_put_back_after_a_node_starts(
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
 
 
-def test_without_cuda_nodes_start_as_they_are() -> None:
+@pytest.mark.parametrize("visible", [None, "", "0", "5,7"])
+def test_without_cuda_nodes_start_without_the_setting_and_workers_see_no_device(
+    visible: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray refuses a node with more GPUs than CUDA_VISIBLE_DEVICES lists: without CUDA the
+    nodes' GPUs are logical, so they start without it (tests/trainer/test_local_cluster.py
+    starts the example's cluster under each value)."""
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     gpus = MachineGpus([])
     assert [visible_while_starting(gpus, job(gpusPerNode=16), "value") for _ in range(3)] == [
         None
     ] * 3
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible
+    assert gpus.worker_environment() == {"CUDA_VISIBLE_DEVICES": ""}
+    assert MachineGpus(["0"]).worker_environment() == {}
 
 
 def test_a_cpu_pool_on_a_cuda_machine_is_refused_naming_the_field_and_the_way_out() -> None:
-    with pytest.raises(ValueError, match=r"pools\[value\]\.device is cpu.*CUDA_VISIBLE_DEVICES="):
+    with pytest.raises(ValueError, match=r"pools\[value\]\.device is cpu.*rlhfjob train --cpu"):
         visible_while_starting(MachineGpus(["0"]), job(device="cpu"), "value")

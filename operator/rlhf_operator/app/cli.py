@@ -5,6 +5,7 @@ rlhfjob plan FILE...       print each job's placement plan and memory per GPU
   --estimate [--profile P]   and its step time, pool busy shares and balanced split
 rlhfjob render FILE        print the objects the operator would create
 rlhfjob train FILE         run the job on this machine (a simulated Ray cluster)
+  --cpu [--steps N]          on CPUs even where there is CUDA; N steps, not totalSteps
 rlhfjob export CHECKPOINT DIR [--dtype bf16|fp32] [--adapter]
                            write a checkpoint's policy as a Hugging Face directory
 rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
@@ -14,10 +15,12 @@ rlhfjob crd                print the CustomResourceDefinition (what `make crds` 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -31,6 +34,13 @@ from rlhf_operator.render.network import NetworkAccess
 from rlhf_trainer.api.estimate import describe_estimate, load_profile
 from rlhf_trainer.api.memory_report import describe_memory
 from rlhf_trainer.api.plan import describe, plan_placement
+
+
+def positive_int(text: str) -> int:
+    """argparse's type for a count of one or more."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    return int(text)
 
 
 def read_jobs(path: Path, memory: bool = True) -> tuple[list[RLHFJob], list[str]]:
@@ -107,12 +117,17 @@ def print_children(path: Path, namespace: str) -> int:
     return 0
 
 
-def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
+def train_locally(
+    path: Path, trace: Path | None, run_dir: Path | None, cpu: bool = False,
+    steps: int | None = None,
+) -> int:  # fmt: skip
     """Run a one-job file on this machine; needs the trainer stack (make install).
 
     The trainer runs as its own process, `python -m rlhf_trainer --local`, on the spec the
     operator would hand over: the operator package imports only the trainer's API. A
     `file:` reward is read from the manifest's directory (there is no ConfigMap).
+    `cpu`: every pool computes on CPUs even where the machine has CUDA (the trainer is
+    shown no device). `steps`: train this many steps instead of trainer.totalSteps.
     """
     jobs, problems = read_jobs(path)
     if problems or len(jobs) != 1:
@@ -126,6 +141,9 @@ def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
         except ValueError as error:
             print(f"{path}: {error}")
             return 1
+        if steps is not None:
+            trainer = config.trainer.model_copy(update={"total_steps": steps})
+            config = config.model_copy(update={"trainer": trainer})
         spec.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
         command = [sys.executable, "-m", "rlhf_trainer", "--spec", str(spec), "--local"]
         # No ConfigMap here: a file: reward is read from beside the manifest.
@@ -134,7 +152,10 @@ def train_locally(path: Path, trace: Path | None, run_dir: Path | None) -> int:
             command += ["--trace", str(trace)]
         if run_dir is not None:
             command += ["--run-dir", str(run_dir)]
-        return run_in_foreground(command)
+        # An empty CUDA_VISIBLE_DEVICES hides every device from torch, vLLM and the
+        # simulated cluster's workers (cluster.local.MachineGpus).
+        hidden = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
+        return run_in_foreground(command, os.environ | hidden)
 
 
 def export_checkpoint(
@@ -162,7 +183,7 @@ def export_checkpoint(
         return run_in_foreground([*command, "--spec", str(config)])
 
 
-def run_in_foreground(command: list[str]) -> int:
+def run_in_foreground(command: list[str], env: Mapping[str, str] | None = None) -> int:
     """Run the command and return its exit status, as a shell would (128 + the signal).
 
     Ctrl-C reaches the terminal's whole process group, the child too: the child handles
@@ -171,7 +192,7 @@ def run_in_foreground(command: list[str]) -> int:
     """
     previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
     try:
-        status = subprocess.run(command, check=False).returncode
+        status = subprocess.run(command, check=False, env=env).returncode
     finally:
         signal.signal(signal.SIGINT, previous)
     return 128 - status if status < 0 else status
@@ -216,6 +237,18 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="the run folder: metrics, trace, charts, checkpoints (default: runs/<job name>)",
     )
+    train.add_argument(
+        "--cpu",
+        action="store_true",
+        help="compute on CPUs even where this machine has CUDA (its GPUs stay unused; "
+        "the pools' GPUs are simulated)",
+    )
+    train.add_argument(
+        "--steps",
+        type=positive_int,
+        metavar="N",
+        help="train N steps instead of the spec's trainer.totalSteps",
+    )
     export = commands.add_parser(
         "export", help="write a checkpoint's policy as a Hugging Face directory (no Ray)"
     )
@@ -249,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "render":
         return print_children(args.file, args.namespace)
     if args.command == "train":
-        return train_locally(args.file, args.trace, args.run_dir)
+        return train_locally(args.file, args.trace, args.run_dir, args.cpu, args.steps)
     if args.command == "export":
         return export_checkpoint(
             args.checkpoint, args.directory, args.dtype, args.spec, args.adapter

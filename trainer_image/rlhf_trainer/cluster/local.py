@@ -76,11 +76,18 @@ def pool_node(config: JobConfig, pool: str) -> dict[str, Any]:
     }
 
 
+# Ray reads this variable when a node starts and refuses a node with more GPUs than it
+# lists, so an empty one ("hide the GPUs") would refuse every simulated node.
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
 class MachineGpus:
     """This machine's CUDA devices, handed out to the simulated nodes: each node of a GPU
     pool starts with devices of its own in CUDA_VISIBLE_DEVICES, from which Ray gives its
     workers theirs, so two nodes never share a GPU. Without CUDA (`ids` empty) the nodes'
-    GPUs are logical, Ray's resources alone, and the roles compute on CPU."""
+    GPUs are logical, Ray's resources alone, and the roles compute on CPU: whatever
+    CUDA_VISIBLE_DEVICES says (unset, empty, or ids that are not there), the nodes start
+    without it and their workers are given it empty (`worker_environment`)."""
 
     def __init__(self, ids: list[str]) -> None:
         self.cuda = bool(ids)
@@ -88,43 +95,63 @@ class MachineGpus:
 
     @classmethod
     def of_this_machine(cls) -> MachineGpus:
+        """The devices torch sees: none where CUDA_VISIBLE_DEVICES hides them (`rlhfjob
+        train --cpu` sets it empty) or names none that exist."""
         import torch
 
         if not torch.cuda.is_available():
             return cls([])
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = os.environ.get(VISIBLE_DEVICES)
         ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        return cls(ids)
+        return cls(ids[: torch.cuda.device_count()])
+
+    def worker_environment(self) -> dict[str, str]:
+        """What every worker of the cluster is started with: on CPUs, no device visible,
+        so torch and vLLM in a worker never take a GPU the machine may have (Ray keeps a
+        worker's own CUDA_VISIBLE_DEVICES, narrowing the logical GPU it assigns to none)."""
+        return {} if self.cuda else {VISIBLE_DEVICES: ""}
 
     @contextmanager
     def for_node(self, config: JobConfig, pool: str) -> Iterator[None]:
-        """CUDA_VISIBLE_DEVICES set, while a node of `pool` starts, to the devices it takes."""
+        """CUDA_VISIBLE_DEVICES set, while a node of `pool` starts, to the devices it
+        takes; without CUDA, unset while it starts (the node's GPUs are logical)."""
         if not self.cuda:
-            yield
+            with environment_variable(VISIBLE_DEVICES, None):
+                yield
             return
         spec = config.pool(pool)
         if spec.device == Device.CPU:
             raise ValueError(
                 f"pools[{pool}].device is cpu, but this machine has CUDA: a local run cannot "
-                "keep a pool off its GPUs; run it with CUDA_VISIBLE_DEVICES= (no GPU) or "
-                "give the pool device: gpu"
+                "keep one pool off its GPUs; run every pool on CPUs with `rlhfjob train "
+                "--cpu`, or give the pool device: gpu"
             )
         if spec.gpus_per_node > len(self.free):
             raise ValueError(
                 f"pools[{pool}] needs {spec.gpus_per_node} GPUs for a node, and this "
                 f"machine has {len(self.free)} left of its CUDA devices: a local run gives "
-                "every node GPUs of its own (CUDA_VISIBLE_DEVICES= runs it on CPUs)"
+                "every node GPUs of its own (`rlhfjob train --cpu` runs it on CPUs)"
             )
         taken, self.free = self.free[: spec.gpus_per_node], self.free[spec.gpus_per_node :]
-        before = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(taken)
-        try:
+        with environment_variable(VISIBLE_DEVICES, ",".join(taken)):
             yield
-        finally:
-            if before is None:
-                del os.environ["CUDA_VISIBLE_DEVICES"]
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+@contextmanager
+def environment_variable(name: str, value: str | None) -> Iterator[None]:
+    """`name` set to `value` (None: unset) until the block ends, then put back."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def signal_all(processes: list[Any], how: str) -> None:
@@ -201,6 +228,7 @@ def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
             include_dashboard=False,
             log_to_driver=False,
             logging_level=logging.WARNING,
+            runtime_env={"env_vars": workers} if (workers := gpus.worker_environment()) else None,
         )
         yield local
     finally:
