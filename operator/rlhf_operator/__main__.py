@@ -1,10 +1,13 @@
 """`python -m rlhf_operator`: run the operator.
 
-With --peering NAME several replicas may run; the one with the highest --priority is
-active and the others wait (kopf peering; needs the KopfPeering CRDs from the chart).
-A replica that stops cleanly leaves the peering at once; one that dies (SIGKILL, a lost
-node) is replaced once its record expires, --peering-lifetime seconds after its last
-keep-alive.
+With --lease NAME several replicas may run (what the chart does): the one holding the
+coordination.k8s.io Lease NAME reconciles, the others wait to take it
+(controller/leader.py). A leader that stops cleanly gives the Lease up at once; one that
+dies (SIGKILL, a lost node) is replaced once the Lease expires, --lease-duration seconds
+after its last renewal. Each replica names itself by $POD_NAME (the chart sets it).
+
+With --peering NAME, kopf's own peering instead: the replica with the highest
+--priority is active and the others pause (replicas of equal priority all pause).
 """
 
 from __future__ import annotations
@@ -12,10 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
+import uuid
 
 import kopf
 
 import rlhf_operator.app.handlers  # noqa: F401  (registers the handlers)
+from rlhf_operator.controller.kube import Kube, load_config
+from rlhf_operator.controller.leader import LeaderElector, LeaseLock, LeaseTiming
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,6 +36,20 @@ def main(argv: list[str] | None = None) -> None:
         "--peering", metavar="NAME", help="coordinate replicas through this peering"
     )
     peering.add_argument("--standalone", action="store_true", help="run alone, no peering")
+    peering.add_argument("--lease", metavar="NAME", help="elect a leader through this Lease")
+    parser.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="the Lease's namespace (default: $POD_NAMESPACE, else default)",
+    )
+    parser.add_argument(
+        "--lease-duration",
+        type=float,
+        default=15,
+        metavar="SECONDS",
+        help="how long a standby waits for a Lease its holder stopped renewing: about the "
+        "longest a leader that died is waited for (default 15, controller-runtime's)",
+    )
     parser.add_argument(
         "--priority", type=int, default=0, help="peering priority (highest is active)"
     )
@@ -43,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.peering_lifetime < 1:
         parser.error("--peering-lifetime must be at least 1 second")
+    if args.lease_duration < 2:
+        parser.error("--lease-duration must be at least 2 seconds")
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
@@ -58,8 +82,17 @@ def main(argv: list[str] | None = None) -> None:
             standalone=args.standalone or not args.peering,
             priority=args.priority,
             settings=settings,
+            memo=kopf.Memo(elector=elector(args.lease, args.lease_namespace, args.lease_duration)),
         )
     )
+
+
+def elector(lease: str | None, namespace: str, duration: float) -> LeaderElector | None:
+    if lease is None:
+        return None
+    identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    kube = Kube(load_config(connections=2))
+    return LeaderElector(LeaseLock(kube, namespace, lease, identity, LeaseTiming.scaled(duration)))
 
 
 if __name__ == "__main__":

@@ -139,8 +139,9 @@ def crd_read_only(manifests: list[dict[str, Any]]) -> bool:
 def test_by_default_one_cluster_role_without_wildcards_or_secrets() -> None:
     manifests = render()
     kinds = sorted(m["kind"] for m in manifests if "Role" in m["kind"])
-    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding"]
-    assert crd_read_only(manifests)
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding",
+                     "Role", "RoleBinding"]  # fmt: skip
+    assert crd_read_only(manifests) and lease_only(manifests)
     for rule in rules_of(manifests):
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[field], rule
@@ -153,16 +154,36 @@ def test_by_default_one_cluster_role_without_wildcards_or_secrets() -> None:
     assert "--all-namespaces" in deployment(manifests)["containers"][0]["args"]
 
 
+def lease_only(manifests: list[Manifest], namespace: str = "rlhf-system") -> bool:
+    """The Role that may create Leases and get or update the release's own (leader
+    election), in the release's namespace, and its binding."""
+    (role,) = [r for r in of_kind(manifests, "Role") if r["metadata"]["namespace"] == namespace]
+    (binding,) = [b for b in of_kind(manifests, "RoleBinding")
+                  if b["metadata"]["namespace"] == namespace]  # fmt: skip
+    lease = {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"]}
+    return bool(
+        role["rules"] == [lease | {"verbs": ["create"]},
+                          lease | {"resourceNames": [LEASE], "verbs": ["get", "update"]}]
+        and binding["roleRef"]["name"] == role["metadata"]["name"] and binding["subjects"]
+    )  # fmt: skip
+
+
+LEASE = "rlhf-rlhf-operator"  # the release's full name, as render() names it
+
+
 def test_watched_namespaces_get_a_role_each_and_nothing_cluster_wide() -> None:
     manifests = render("--set-json", 'watchNamespaces=["a","b"]')
     assert crd_read_only(manifests)  # the one cluster-wide grant
+    assert lease_only(manifests)  # and in the release's namespace, its Lease
     assert (
         len(of_kind(manifests, "ClusterRole")) == len(of_kind(manifests, "ClusterRoleBinding")) == 1
     )
     for kind in ("Role", "RoleBinding"):
-        assert sorted(r["metadata"]["namespace"] for r in of_kind(manifests, kind)) == ["a", "b"]
+        namespaces = sorted(r["metadata"]["namespace"] for r in of_kind(manifests, kind))
+        assert namespaces == ["a", "b", "rlhf-system"]
     args = deployment(manifests)["containers"][0]["args"]
-    assert args == ["--namespace=a", "--namespace=b", "--standalone"]
+    assert args == ["--namespace=a", "--namespace=b", f"--lease={LEASE}",
+                    "--lease-namespace=rlhf-system", "--lease-duration=15"]  # fmt: skip
 
 
 def test_the_rules_cover_every_kind_the_operator_touches() -> None:
@@ -174,13 +195,18 @@ def test_the_rules_cover_every_kind_the_operator_touches() -> None:
     assert used | watched <= granted, f"not granted: {(used | watched) - granted}"
 
 
-def test_more_replicas_bring_peering_and_a_disruption_budget() -> None:
-    one, three = render(), render("--set", "replicas=3")
-    assert not of_kind(one, "PodDisruptionBudget") and not of_kind(one, "ClusterKopfPeering")
+def test_every_replica_elects_through_the_lease_and_more_bring_a_disruption_budget() -> None:
+    """One replica too: a rolling update starts the new pod beside the old one."""
+    one, three = render(), render("--set", "replicas=3", "--set", "leaseDurationSeconds=9")
+    assert not of_kind(one, "PodDisruptionBudget")
     assert of_kind(three, "PodDisruptionBudget")[0]["spec"]["minAvailable"] == 1
-    (peering,) = of_kind(three, "ClusterKopfPeering")
-    args = deployment(three)["containers"][0]["args"]
-    assert f"--peering={peering['metadata']['name']}" in args
+    for manifests, seconds in ((one, 15), (three, 9)):
+        (container,) = deployment(manifests)["containers"]
+        assert {f"--lease={LEASE}", f"--lease-duration={seconds}"} <= set(container["args"])
+        assert not [a for a in container["args"] if "peering" in a or "standalone" in a]
+        assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in (
+            container["env"]
+        )
 
 
 def deployment(manifests: list[Manifest]) -> Manifest:
@@ -272,6 +298,13 @@ def release(controlplane: ControlPlane) -> Iterator[Release]:
     cp.kubectl("delete", "pods", "--all", "-n", jobs, "--grace-period=0", "--force")
 
 
+def chart_env(container: Manifest, pod_name: str) -> dict[str, str]:
+    """The container's environment, as the kubelet gives it to the pod `pod_name`."""
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert [e["name"] for e in container["env"] if "value" not in e] == ["POD_NAME"]
+    return env | {"POD_NAME": pod_name}
+
+
 @pytest.fixture(scope="module")
 def chart_operator(
     controlplane: ControlPlane, release: Release, tmp_path_factory: pytest.TempPathFactory
@@ -290,7 +323,7 @@ def chart_operator(
     manifest = cp.helm("get", "manifest", release.name, "-n", release.namespace).stdout
     (deployment,) = of_kind([d for d in yaml.safe_load_all(manifest) if d], "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = chart_env(container, pod_name="chart-operator")
     op = OperatorProcess(cp, "chart-operator", *container["args"], kubeconfig=kubeconfig, env=env)
     yield op.start()
     op.stop()
@@ -407,14 +440,17 @@ def test_upgrade_follows_the_values_and_uninstall_leaves_no_orphans(
         "clusterrole.rbac.authorization.k8s.io",  # the RayJob CRD's, in both modes
         "clusterrolebinding.rbac.authorization.k8s.io",
         "clusterrolebinding.rbac.authorization.k8s.io",
+        "role.rbac.authorization.k8s.io",  # the Lease's, in both modes
+        "rolebinding.rbac.authorization.k8s.io",
     ]
     cp.helm("upgrade", name, str(CHART), "-n", namespace, "--set", "replicas=2",
             "--set-json", f'watchNamespaces=["{release.other}"]')  # fmt: skip
     now = released(cp, name)
     cluster_wide = [k for k in now if k.startswith("clusterrole")]
     assert all(k.endswith("-kuberay-crd") for k in cluster_wide), now  # narrowed to a Role
-    for kind in ("role.", "rolebinding.", "poddisruptionbudget.", "kopfpeering."):
+    for kind in ("role.", "rolebinding.", "poddisruptionbudget."):
         assert any(k.startswith(kind) for k in now), (kind, now)
+    assert len([k for k in now if k.startswith("role.")]) == 2, now  # the namespace's, the Lease's
     cp.helm("uninstall", name, "-n", namespace, "--wait")
     assert released(cp, name) == []
 

@@ -26,8 +26,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 
-{{/* The peering of the replicas (kopf): named after the release. */}}
-{{- define "rlhf-operator.peering" -}}
+{{/* The Lease the replicas elect their leader by: named after the release. */}}
+{{- define "rlhf-operator.lease" -}}
 {{- include "rlhf-operator.fullname" . -}}
 {{- end -}}
 

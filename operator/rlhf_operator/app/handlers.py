@@ -24,6 +24,7 @@ from rlhf_operator.api import job as api
 from rlhf_operator.app import metrics
 from rlhf_operator.controller.cache import CachedKube, ObjectCache
 from rlhf_operator.controller.kube import KINDS, load_config
+from rlhf_operator.controller.leader import LeaderElector
 from rlhf_operator.controller.reconcile import CHILD_REQUESTS, Reconciler
 from rlhf_operator.controller.workqueue import Key, WorkQueue
 from rlhf_operator.render.children import JOB_LABEL
@@ -73,6 +74,8 @@ class NoDiffBase(kopf.DiffBaseStorage):
 
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """kopf starts its watches only once this returns: a replica that waits to lead
+    (memo.elector, leader.py) waits here, serving its probes and metrics meanwhile."""
     settings.posting.level = logging.WARNING  # our own Events say what users need
     # No watching of CRDs and namespaces for changes: that would need cluster-wide read
     # access to both, which least privilege does not give (KubeRay comes first anyway).
@@ -88,6 +91,11 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo.gauges = metrics.JobGauges()
     memo.failures = {}
     memo.executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="reconcile")
+    await _serve_probes(memo)
+    elector: LeaderElector | None = memo.get("elector")
+    if elector is not None:
+        await elector.acquire()
+        memo.lease_watch = asyncio.create_task(_exit_when_lost(elector))
     # KubeRay's version, said at once; each job's own fields are checked before its RayJob.
     loop = asyncio.get_running_loop()
     problem = await loop.run_in_executor(memo.executor, memo.reconciler.kuberay.problem, {})
@@ -95,8 +103,13 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         log.warning("%s; jobs wait (Pending, KubeRayIncompatible) until it is", problem)
     memo.workers = [asyncio.create_task(_work(memo)) for _ in range(WORKERS)]
 
+
+async def _serve_probes(memo: kopf.Memo) -> None:
+    """/healthz: the workers (none while a standby waits to lead) are alive; /readyz: and
+    the API server answers (a standby is ready to take over)."""
+
     async def alive() -> bool:
-        return not any(worker.done() for worker in memo.workers)
+        return not any(worker.done() for worker in memo.get("workers", []))
 
     async def ready() -> bool:
         loop = asyncio.get_running_loop()
@@ -109,14 +122,40 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     await web.TCPSite(memo.http, "0.0.0.0", HEALTH_PORT).start()
 
 
+async def _exit_when_lost(elector: LeaderElector) -> None:
+    """A leader that cannot renew its Lease stops at once, before a standby may take it
+    (controller-runtime exits too): reconciles under way in threads would go on through
+    a graceful stop. The Deployment starts it again, as a standby."""
+    await elector.lost.wait()
+    logging.shutdown()
+    os._exit(1)
+
+
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
     for worker in memo.get("workers", []):
         worker.cancel()
     if "executor" in memo:
         memo.executor.shutdown(wait=False, cancel_futures=True)
+    elector: LeaderElector | None = memo.get("elector")
+    if elector is not None and await _reconciles_ended(memo):
+        await elector.release()  # the standby takes over at once, not a Lease later
     if "http" in memo:
         await memo.http.cleanup()
+
+
+async def _reconciles_ended(memo: kopf.Memo, timeout: float = 10) -> bool:
+    """Whether the reconciles under way ended within `timeout` seconds: until they do,
+    the Lease stays held (it expires if they never do)."""
+    executors = [memo.executor, memo.reconciler.fanout]
+    try:
+        async with asyncio.timeout(timeout):
+            for executor in executors:
+                await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
+    except TimeoutError:
+        log.warning("reconciles still under way after %ss: the Lease is left to expire", timeout)
+        return False
+    return True
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)  # type: ignore[arg-type]

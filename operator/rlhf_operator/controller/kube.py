@@ -47,6 +47,7 @@ KINDS = {
     "RLHFJob": Kind(API_VERSION, PLURAL),
     "Workload": Kind("kueue.x-k8s.io/v1beta2", "workloads"),
     "CustomResourceDefinition": Kind("apiextensions.k8s.io/v1", "customresourcedefinitions"),
+    "Lease": Kind("coordination.k8s.io/v1", "leases"),  # leader election (leader.py)
 }
 
 # What the operator asks of the API server, by verb and kind: reads are answered from the
@@ -134,6 +135,18 @@ class Kube:
             return self._call("POST", path, body=obj)
         except ApiException as error:
             if error.status == 409 or _namespace_terminating(error):
+                return None
+            raise
+
+    def replace(self, obj: Obj) -> Obj | None:
+        """PUT the whole object; None if it changed since it was read (409: its
+        resourceVersion is not the latest), so the caller reads it again."""
+        REQUESTS.labels("update", obj["kind"]).inc()
+        meta = obj["metadata"]
+        try:
+            return self._call("PUT", KINDS[obj["kind"]].path(meta["namespace"], meta["name"]), obj)
+        except ApiException as error:
+            if error.status == 409:
                 return None
             raise
 

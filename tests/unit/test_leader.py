@@ -1,0 +1,101 @@
+"""Leader election through a Lease (controller/leader.py), against an in-memory API
+server that keeps resourceVersions as the real one does (a stale write is a 409)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from rlhf_operator.controller import leader
+from rlhf_operator.controller.leader import LeaseLock, LeaseTiming
+
+Obj = dict[str, Any]
+TIMING = LeaseTiming.scaled(15)
+
+
+class FakeKube:
+    def __init__(self) -> None:
+        self.lease: Obj | None = None
+        self.version = 0
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        return copy.deepcopy(self.lease)
+
+    def create(self, obj: Obj) -> Obj | None:
+        if self.lease is not None:
+            return None  # 409
+        return self._store(obj)
+
+    def replace(self, obj: Obj) -> Obj | None:
+        assert self.lease is not None
+        if obj["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]:
+            return None  # 409: written since it was read
+        return self._store(obj)
+
+    def _store(self, obj: Obj) -> Obj:
+        self.version += 1
+        self.lease = copy.deepcopy(obj)
+        self.lease["metadata"]["resourceVersion"] = str(self.version)
+        return copy.deepcopy(self.lease)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The replicas' monotonic clock, moved by hand."""
+    now = [1000.0]
+    monkeypatch.setattr(leader.time, "monotonic", lambda: now[0])
+    return now
+
+
+def lock(kube: FakeKube, identity: str) -> LeaseLock:
+    return LeaseLock(kube, "rlhf-system", "rlhf-operator", identity, TIMING)  # type: ignore[arg-type]
+
+
+def test_one_replica_leads_and_the_other_waits_until_the_lease_expires(clock: list[float]) -> None:
+    kube = FakeKube()
+    a, b = lock(kube, "pod-a"), lock(kube, "pod-b")
+    assert a.try_acquire_or_renew() and not b.try_acquire_or_renew()
+    assert a.holder() == "pod-a"
+    # Renewed in time: b keeps waiting, however long it has waited in all.
+    for _ in range(10):
+        clock[0] += TIMING.retry
+        assert a.try_acquire_or_renew() and not b.try_acquire_or_renew()
+    # a dies: b waits out the duration from when it last saw a renewal, on its own clock.
+    clock[0] += TIMING.duration - 0.1
+    assert not b.try_acquire_or_renew()
+    clock[0] += 0.2
+    assert b.try_acquire_or_renew() and a.holder() == "pod-b"
+    assert kube.lease is not None and kube.lease["spec"]["leaseTransitions"] == 1
+    # a back (a stale view): it cannot take the Lease back while b renews.
+    assert not a.try_acquire_or_renew()
+
+
+def test_a_released_lease_is_taken_at_once(clock: list[float]) -> None:
+    kube = FakeKube()
+    a, b = lock(kube, "pod-a"), lock(kube, "pod-b")
+    assert a.try_acquire_or_renew() and not b.try_acquire_or_renew()
+    b.release()  # not b's to give up: nothing changes
+    assert a.holder() == "pod-a"
+    a.release()
+    assert a.holder() == "" and b.try_acquire_or_renew() and b.holder() == "pod-b"
+
+
+def test_of_two_writes_from_one_read_only_one_wins(clock: list[float]) -> None:
+    kube = FakeKube()
+    assert lock(kube, "pod-a").try_acquire_or_renew()
+    b, c = lock(kube, "pod-b"), lock(kube, "pod-c")
+    assert not b.try_acquire_or_renew() and not c.try_acquire_or_renew()
+    clock[0] += TIMING.duration + 1  # a died; b and c both see it expired...
+    stale = kube.get("Lease", "", "")
+    assert b.try_acquire_or_renew()
+    kube.get = lambda *_: copy.deepcopy(stale)  # type: ignore[method-assign]
+    assert not c.try_acquire_or_renew()  # ...c read before b wrote: 409
+    assert kube.lease is not None and kube.lease["spec"]["holderIdentity"] == "pod-b"
+
+
+def test_the_timing_keeps_controller_runtimes_proportions() -> None:
+    assert LeaseTiming.scaled(15) == LeaseTiming(15, 10, 2)
+    timing = LeaseTiming.scaled(6)
+    assert timing.retry < timing.renew_deadline < timing.duration
