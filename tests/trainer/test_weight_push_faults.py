@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from rlhf_trainer.api.plan import plan_placement
 from rlhf_trainer.cluster.engine_client import TransferFailed
 from rlhf_trainer.cluster.groups import WorkerGroup
-from rlhf_trainer.cluster.hangs import NoAnswer, RanksLost
+from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.placement import WorkerSlot, create_pool_groups, wait_ready
 from rlhf_trainer.cluster.queue import spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
@@ -36,7 +37,8 @@ from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.loop.fully_async import Admissions
 from rlhf_trainer.loop.membership import EngineMembership, Event, Replacement
 from rlhf_trainer.loop.setup import RunParts
-from rlhf_trainer.loop.weights import WeightSync
+from rlhf_trainer.loop.weights import EnginesStalled, SyncFailure, WeightSync
+from rlhf_trainer.rollout.sync_deadlines import Stall
 from rlhf_trainer.rollout.weight_sync import Bucket
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
@@ -100,7 +102,7 @@ def sync_groups(job: JobConfig, receiver: type[Worker], *args: Any) -> RoleGroup
     return groups
 
 
-def sync_with_a_failing_engine(error: type[Exception], dies: bool) -> tuple[str, float]:
+def sync_with_a_failing_engine(error: type[Exception], dies: bool) -> tuple[Exception, float]:
     """One weight push to two toy engines on one pool, rank 0 of which stops or dies in
     it; the error the driver gets, and how long it took."""
     groups = sync_groups(sync_job(), StoppingReceiver, 0, dies)
@@ -112,24 +114,28 @@ def sync_with_a_failing_engine(error: type[Exception], dies: bool) -> tuple[str,
         started = time.monotonic()
         with pytest.raises(error) as failure:
             sync.push(version=1)
-        return str(failure.value), time.monotonic() - started
+        return failure.value, time.monotonic() - started
     finally:
         if frozen is not None and not dies:
             os.kill(frozen, signal.SIGKILL)  # a stopped process ends only this way
         groups.shutdown()
 
 
-def test_a_rank_stopped_in_a_weight_sync_is_named_once_the_timeout_passes() -> None:
+def test_a_rank_stopped_in_a_weight_sync_is_named_once_the_start_deadline_passes() -> None:
     """Rollout rank 0 freezes (SIGSTOP) as an update starts. The transfer does not hang:
-    after the timeout the actor's rank 0, which drives it, fails naming that rank as the
-    one not answering (not rank 1, which answered), before the transfer's own
-    collectives would time out (NoAnswer is the engine calls' wait; the collectives'
-    would be a gloo error), and the driver gets that error."""
-    message, waited = sync_with_a_failing_engine(NoAnswer, dies=False)
-    assert "weight transfer, start_weight_update on every engine" in message
-    silent = message.partition("not answering (stopped, hung, dead or lost):")[2]
-    assert "rollout rank 0 on pool sync (start_weight_update)" in silent, message
-    assert "rollout rank 1" not in message and "actor rank" not in silent, message
+    past the start's deadline (the floor: it moves no bytes) the actor's rank 0, which
+    drives it, fails naming that rank as the one not answering (not rank 1, which
+    answered), the phase and the bytes, before the transfer's own collectives would time
+    out; the driver raises it as EnginesStalled, rank 0 to replace."""
+    error, waited = sync_with_a_failing_engine(EnginesStalled, dies=False)
+    assert isinstance(error, EnginesStalled)
+    # No bucket sent yet, of one: embed's 48 bytes (aligned to 64), then head's 16.
+    assert error.stall == Stall("sync", (0,), "start", 0, 80)
+    cause = str(error.__cause__)
+    assert "weight transfer, start_weight_update on every engine" in cause
+    silent = cause.partition("not answering (stopped, hung, dead or lost):")[2]
+    assert "rollout rank 0 on pool sync (start_weight_update)" in silent, cause
+    assert "rollout rank 1" not in cause and "actor rank" not in silent, cause
     assert waited >= SYNC_TIMEOUT_S
 
 
@@ -137,7 +143,8 @@ def test_a_rank_that_dies_in_a_weight_sync_fails_it_at_once_by_name() -> None:
     """Rollout rank 0's process exits at the first bucket: the push fails as the death
     is seen, naming that rank (and not rank 1). Not by a clock: had the push waited out
     the timeout, the error would be NoAnswer (the test above), not TransferFailed."""
-    message, _ = sync_with_a_failing_engine(TransferFailed, dies=True)
+    error, _ = sync_with_a_failing_engine(TransferFailed, dies=True)
+    message = str(error)
     assert "weight transfer, update_weights: rollout rank 0 on pool sync failed" in message
     assert "rollout rank 1" not in message, message
 
@@ -250,7 +257,8 @@ class FaultyReceiver(LosingReceiver):
     """A toy engine that dies (its process exits, as a crashed engine's does) where
     `faults` says for its rank: "start" (as it starts), "update" (at a push's first
     bucket), or "abandon N" (at its N-th close of a push's update, which each setting
-    up of the transfer begins with). Otherwise it takes every push."""
+    up of the transfer begins with); or stalls, alive, in a push's "stall bucket" or
+    "stall finish". Otherwise it takes every push."""
 
     def __init__(self, info: RankInfo, faults: dict[int, str]) -> None:
         if faults.get(info.rank) == "start":
@@ -262,10 +270,20 @@ class FaultyReceiver(LosingReceiver):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if self.fault == "update":
             os._exit(1)
+        self.stall_if("stall bucket")
         bucket = Bucket.from_dict(update_info)
         if self.relay is not None:
             bucket = self.relay.receive(bucket)
         self.loaded |= {name: view.clone() for name, view in self.segments.read(bucket)}
+
+    def finish_weight_update(self, weight_version: int) -> None:
+        self.stall_if("stall finish")
+        super().finish_weight_update(weight_version)
+
+    def stall_if(self, fault: str) -> None:
+        """Alive (it answers pings) but never done: only its process's end ends it."""
+        if self.fault == fault:
+            threading.Event().wait()
 
     def abandon_weight_update(self) -> None:
         self.abandons += 1
@@ -318,6 +336,28 @@ def test_a_replacement_that_dies_as_it_starts_is_replaced_in_its_slot(mode: Repl
         else:
             assert push.serving == [4] and engines.by_bundle == {push.slots[0]: 1, push.slots[1]: 2}
         push.check_served()
+
+
+@pytest.mark.parametrize(("phase", "moved"), [("bucket", 0), ("finish", 80)])
+def test_an_engine_that_stalls_in_a_phase_is_named_and_replaced(
+    phase: str, moved: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rollout rank 0 stops making progress (alive: it answers pings) as the push's
+    `phase` begins: on that event. Past the phase's deadline the push fails naming rank
+    0, the phase and the bytes moved of the push's 80 (one bucket: embed's 48 bytes,
+    aligned to 64, then head's 16). The membership takes it as lost: it is shut down and
+    replaced in its bundle (counted there), the push made again, and every engine
+    serves the version whole. The failed sync is counted by its phase."""
+    with faulty(r0=f"stall {phase}") as push:
+        engines = push.start(Replacement.IN_PLACE)
+        engines.surviving(lambda: push.sync.push(version=1), "the push", lost_in=Exception)
+        assert push.serving == [2, 1] and engines.by_bundle == {push.slots[0]: 1}
+        push.check_served()
+        stall = Stall("sync", (0,), phase, moved, 80)
+        assert engines.last_failed_sync == SyncFailure(phase, str(stall))
+        assert f"{stall}: replaced as lost" in caplog.text
+        registry = push.metrics.registry
+        assert registry.get_sample_value("rlhf_weight_sync_failures_total", {"phase": phase}) == 1
 
 
 def test_an_engine_lost_as_others_join_is_dropped_and_the_joiners_serve() -> None:

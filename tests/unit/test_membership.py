@@ -17,7 +17,7 @@ from rlhf_trainer.api.plan import PlacementPlan
 from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import NoAnswer, RankDied, RanksLost
 from rlhf_trainer.cluster.placement import WorkerSlot
-from rlhf_trainer.cluster.role_groups import WorkerSpec
+from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
 from rlhf_trainer.loop.evaluation import EvaluationLost
 from rlhf_trainer.loop.membership import (
     TRANSITIONS,
@@ -29,7 +29,9 @@ from rlhf_trainer.loop.membership import (
     State,
     classify,
 )
-from rlhf_trainer.loop.weights import EnginesStuck
+from rlhf_trainer.loop.weights import EnginesStuck, SyncFailure, WeightSync
+from rlhf_trainer.rollout.push_verdict import PushFailed
+from rlhf_trainer.rollout.sync_deadlines import Stall
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
 from rlhf_trainer.worker import Worker
@@ -148,18 +150,27 @@ class FakePool:
 
 @dataclass
 class FakeWeights:
+    """Scripted reopens and pushes; their failures go through WeightSync's own
+    `failing` (a missed deadline raised as EnginesStalled, each failure recorded)."""
+
     world: World
     actor_version: int = 3
     served: int = 2
     pushed: list[int] = field(default_factory=list)
+    sync: WeightSync = field(default_factory=lambda: WeightSync(cast(RoleGroups, None), 10))
 
     def reopen(self) -> None:
-        self.world.call("reopen")
+        with self.sync.failing():
+            self.world.call("reopen")
 
     def push(self, version: int) -> None:
-        self.world.call("push")
+        with self.sync.failing():
+            self.world.call("push")
         self.pushed.append(version)
         self.served = version
+
+    def take_failures(self) -> list[SyncFailure]:
+        return self.sync.take_failures()
 
 
 @dataclass
@@ -455,6 +466,43 @@ def test_both_modes_count_a_loss_alike(mode: Replacement) -> None:
     m = machine(mode)
     m.lose(0)
     assert (m.engines.replaced, m.engines.by_bundle) == (1, {slot(0): 1})
+
+
+def stalled(*ranks: int, phase: str = "bucket") -> PushFailed:
+    """A push past a phase's deadline, as every actor rank raises it (push_verdict)."""
+    stall = Stall(POOL, ranks, phase, 64, 256)
+    return PushFailed(f"the weight push of version 3 failed: actor rank 0: {stall}")
+
+
+@BOTH
+def test_a_push_past_a_phases_deadline_replaces_the_engine_and_goes_on(mode: Replacement) -> None:
+    """The stalled engine is taken as lost (counted in its bundle, shut down, replaced),
+    the push made again, and the failed sync counted by its phase."""
+    m = machine(mode)
+    m.world.on("push", stalled(1))
+    m.engines.surviving(lambda: m.weights.push(4), "the push", Exception)
+    assert m.engines.trail[0] == (State.SERVING, Event.LOST)
+    assert m.world.shut == [1] and m.engines.by_bundle == {slot(1): 1}
+    assert m.weights.served == 4 and 1 not in m.serving
+    failures = m.engines.metrics.registry.get_sample_value(
+        "rlhf_weight_sync_failures_total", {"phase": "bucket"}
+    )
+    assert failures == 1
+    assert m.engines.last_failed_sync == SyncFailure("bucket", str(Stall(POOL, (1,), "bucket",
+                                                                         64, 256)))  # fmt: skip
+
+
+def test_a_stall_while_a_loss_is_mended_is_dropped_too() -> None:
+    """As the transfer is set up again after engine 0's loss, engine 1 misses the init
+    deadline: it is dropped (counted) and replaced in turn; the sync counted as failed
+    in its init phase."""
+    m = machine(Replacement.IN_PLACE)
+    m.world.on("reopen", stalled(1, phase="init"))
+    m.lose(0)
+    assert (State.REOPENING, Event.LOST) in m.engines.trail
+    assert m.serving == (2, 3) and m.engines.by_bundle == {slot(0): 1, slot(1): 1}
+    registry = m.engines.metrics.registry
+    assert registry.get_sample_value("rlhf_weight_sync_failures_total", {"phase": "init"}) == 1
 
 
 def test_the_table_has_a_row_for_every_event_each_state_can_meet() -> None:

@@ -1,49 +1,93 @@
 """The rollout engines as vLLM's trainer-side weight-transfer engines see them: a
 `VLLMWeightSyncClient` whose four calls go to every engine through Ray and must come
-back within a timeout. It lives in the actor's rank 0, which drives the transfer; a
-call that runs out fails the transfer, naming the engines that did not answer and
-those still waiting (`cluster.hangs`), rank and pool."""
+back by a deadline of its phase, sized from the bytes it moves
+(`rollout.sync_deadlines`). It lives in the actor's rank 0, which drives the transfer;
+a call past its deadline fails the transfer with SyncDeadlineMissed, naming the engines
+still in it (rank and pool), the phase and the bytes moved, and which engines do not
+answer at all and which wait for them (`cluster.hangs`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import NoAnswer
 from rlhf_trainer.cluster.waits import join
+from rlhf_trainer.rollout.sync_deadlines import SyncClock
 from rlhf_trainer.rollout.weight_sync import EngineFanOut
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A call sent to every engine: its futures, the bytes it moves, when it was sent."""
+
+    method: str
+    calls: list[Any]
+    nbytes: int
+    at: float
 
 
 class EngineGroupClient(EngineFanOut):
     """vLLM's `VLLMWeightSyncClient`, fanned out to the rollout group's engines."""
 
-    def __init__(self, engines: WorkerGroup, timeout_s: float, workers_per_engine: int) -> None:
+    def __init__(
+        self, engines: WorkerGroup, timeout_s: float, workers_per_engine: int, ceiling_s: float
+    ) -> None:
         # Without the driver's futures of the group (`ready`): only the handles travel.
         self.engines = WorkerGroup(engines.role, engines.slots, engines.hosts, [], engines.ranks)
         self.timeout_s = timeout_s
         self.workers_per_engine = workers_per_engine
+        self.clock = SyncClock(floor_s=timeout_s, ceiling_s=ceiling_s)
 
     @property
     def engine_count(self) -> int:
         return self.engines.world_size
 
-    def submit(self, method: str, *args: Any) -> tuple[str, list[Any]]:
-        return method, self.engines.run(method, *args, phase=Phase.SYNC_WEIGHTS)
+    def submit(self, method: str, *args: Any) -> Sent:
+        calls = self.engines.run(method, *args, phase=Phase.SYNC_WEIGHTS)
+        return self._sent(method, args, calls)
 
-    def submit_each(self, method: str, firsts: Sequence[Any]) -> tuple[str, list[Any]]:
-        return method, self.engines.run_each(method, firsts, phase=Phase.SYNC_WEIGHTS)
+    def submit_each(self, method: str, firsts: Sequence[Any]) -> Sent:
+        calls = self.engines.run_each(method, firsts, phase=Phase.SYNC_WEIGHTS)
+        return self._sent(method, (firsts[0],) if firsts else (), calls)
 
-    def answers(self, sent: tuple[str, list[Any]]) -> None:
-        method, calls = sent
+    def _sent(self, method: str, args: tuple[Any, ...], calls: list[Any]) -> Sent:
+        nbytes = self.clock.sent(method, args, self.push_bytes)
+        return Sent(method, calls, nbytes, time.monotonic())
+
+    def answers(self, sent: Sent) -> None:
+        """Every engine's answer, by the call's deadline (from when the engines could
+        begin it: calls are answered in the order sent)."""
+        began = self.clock.begins(sent.at)
+        deadline_s = self.clock.deadline_s(sent.method, sent.nbytes)
         try:
-            join(calls, self.timeout_s)
+            join(sent.calls, max(0.0, began + deadline_s - time.monotonic()))
         except NoAnswer as error:
-            raise NoAnswer(f"weight transfer, {method} on every engine: {error}") from None
+            raise self._missed(sent, deadline_s, error) from None
         except Exception as error:
-            failed = ", ".join(self._failed(calls)) or "an engine"
-            raise TransferFailed(f"weight transfer, {method}: {failed} failed: {error}") from error
+            failed = ", ".join(self._failed(sent.calls)) or "an engine"
+            raise TransferFailed(
+                f"weight transfer, {sent.method}: {failed} failed: {error}"
+            ) from error
+        self.clock.answered(sent.method, sent.nbytes, began, time.monotonic())
+
+    def _missed(self, sent: Sent, deadline_s: float, error: NoAnswer) -> SyncDeadlineMissed:
+        """The engines still in `sent` past its deadline, the phase and the bytes."""
+        import ray
+
+        pending = {ref.binary() for ref in ray.wait(sent.calls, num_returns=len(sent.calls),
+                                                    timeout=0)[1]}  # fmt: skip
+        ranks = [rank for rank, call in zip(self.engines.ranks, sent.calls, strict=True)
+                 if call.binary() in pending] or list(self.engines.ranks)  # fmt: skip
+        stall = self.clock.stall(self.engines.pool, ranks, sent.method)
+        return SyncDeadlineMissed(
+            f"weight transfer, {sent.method} on every engine: {stall} (its deadline "
+            f"{deadline_s:g} s, for {sent.nbytes} bytes). {error}"
+        )
 
     def _failed(self, calls: list[Any]) -> list[str]:
         """The engines whose call has ended in an error, as 'rollout rank R on pool P'."""
@@ -63,3 +107,8 @@ class EngineGroupClient(EngineFanOut):
 
 class TransferFailed(RuntimeError):
     """An engine's part of a weight transfer failed (its process died, say)."""
+
+
+class SyncDeadlineMissed(NoAnswer):
+    """Engines did not finish a phase of a weight sync by its deadline; the message
+    names them (rank, pool), the phase and the bytes moved (`sync_deadlines.Stall`)."""

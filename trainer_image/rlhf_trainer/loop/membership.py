@@ -32,7 +32,7 @@ from rlhf_trainer.cluster.hangs import NoAnswer, RankDied, RanksLost
 from rlhf_trainer.cluster.placement import WorkerSlot
 from rlhf_trainer.cluster.role_groups import PLACEMENT_TIMEOUT_S, WorkerSpec
 from rlhf_trainer.loop.background_starts import BackgroundStarts, StartingPool
-from rlhf_trainer.loop.weights import EnginesStuck
+from rlhf_trainer.loop.weights import EnginesStuck, SyncFailure
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
 
@@ -160,6 +160,7 @@ class Weights(Protocol):
 
     def reopen(self) -> None: ...
     def push(self, version: int) -> None: ...
+    def take_failures(self) -> list[SyncFailure]: ...
 
 
 def classify(
@@ -176,7 +177,8 @@ def classify(
             return Event.ERROR, None
         if isinstance(error, EnginesStuck):  # DROP skips those dropped already
             return Event.STUCK, error
-        return Event.LOST, RanksLost(Role.ROLLOUT, error.pool, ranks)
+        whole = len(ranks) == len(error.ranks)  # then its own words (EnginesStalled's)
+        return Event.LOST, error if whole else RanksLost(Role.ROLLOUT, error.pool, ranks)
     dead = [rank for rank in serving.dead_ranks() if rank not in dropped]
     if isinstance(error, Exception) and dead:
         return Event.LOST, RanksLost(Role.ROLLOUT, serving.pool, dead)
@@ -215,6 +217,7 @@ class EngineMembership:
         self.lost: list[int] = []
         self.unloaded: list[int] = []
         self.trail: list[tuple[State, Event]] = []  # the rows the last run took
+        self.last_failed_sync: SyncFailure | None = None
         self.count()
 
     @property
@@ -235,6 +238,7 @@ class EngineMembership:
             try:
                 return call()
             except lost_in as error:
+                self.count_failed_syncs()
                 event, lost = classify(error, self.serving)
                 if TRANSITIONS[(State.SERVING, event)][0] is Action.RAISE:
                     raise
@@ -265,11 +269,22 @@ class EngineMembership:
         while True:
             self.trail.append((state, event))
             action, target = TRANSITIONS[(state, event)]
-            routed = self.act(action, detail)
+            try:
+                routed = self.act(action, detail)
+            finally:
+                self.count_failed_syncs()  # those of the last state's call
             state = routed if target is Route.BY_ACTION else target
             if state is State.SERVING:
                 return
             event, detail = self.enter(state)
+
+    def count_failed_syncs(self) -> None:
+        """rlhf_weight_sync_failures_total{phase}: the syncs that failed; the last one
+        is `last_failed_sync`, and logged."""
+        for failure in self.weights.take_failures():
+            self.metrics.observe_sync_failure(failure.phase)
+            self.last_failed_sync = failure
+            log.warning("%s", failure.line)
 
     def enter(self, state: State) -> tuple[Event, Any]:
         """The state's one call to the engines, and what came of it."""

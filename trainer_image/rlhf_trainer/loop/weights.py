@@ -9,19 +9,24 @@ update with the new version; the engines pause meanwhile and resume on the new w
 The transfer is set up once, at the start of a run. The actor's other ranks take part
 only in gathering each tensor whole (an FSDP collective).
 
-No silent hangs: each call to the engines waits `timeout_s`, then fails naming the
-engines that did not answer. The transfer's own collectives wait longer
-(`group_timeout_s`), so that the calls, which can tell a stopped rank from its waiting
-peers, are what report; the driver waits longer still. After a push that failed (an
-engine lost in it), an engine that cannot close the update is stuck in the push's
-receive, as NCCL's is for ever: it is handed back as lost (EnginesStuck), to replace.
+No silent hangs: each phase of a sync (init, start, each bucket, finish) has a deadline
+sized from the bytes it moves, at least `timeout_s` (`rollout.sync_deadlines`); past it
+the actor's rank 0 fails the push naming the engines still in it, the phase and the
+bytes moved, and the driver hands those engines back as lost (EnginesStalled), to
+replace. The transfer's own collectives wait longer (`group_timeout_s`), so that the
+calls, which can tell a stopped rank from its waiting peers, are what report; the
+driver waits longer still. After a push that failed (an engine lost in it), an engine
+that cannot close the update is stuck in the push's receive, as NCCL's is for ever: it
+is handed back as lost (EnginesStuck), to replace.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from rlhf_trainer.api.config import Role
@@ -31,6 +36,7 @@ from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import RanksLost
 from rlhf_trainer.cluster.role_groups import RoleGroups
 from rlhf_trainer.cluster.waits import join, unfinished_after
+from rlhf_trainer.rollout.sync_deadlines import PHASES, Stall
 from rlhf_trainer.rollout.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     TransferSetup,
@@ -43,6 +49,44 @@ log = logging.getLogger(__name__)
 def group_timeout_s(timeout_s: float) -> float:
     """How long the transfer's collectives wait: well past the engine calls' own wait."""
     return 2 * timeout_s + 60
+
+
+def phase_ceiling_s(timeout_s: float) -> float:
+    """The longest a phase of a sync may take: a minute inside the collectives' wait."""
+    return group_timeout_s(timeout_s) - 60
+
+
+class EnginesStalled(RanksLost):
+    """Rollout engines that did not finish a phase of a weight sync by its deadline
+    (`sync_deadlines.Stall`): hung, or too slow to serve. They are replaced as lost
+    ones are, and counted against generation.maxEngineRestarts (a stall that comes
+    back in the same bundle ends the run rather than loop)."""
+
+    def __init__(self, stall: Stall) -> None:
+        super().__init__(Role.ROLLOUT, stall.pool, stall.ranks)
+        self.stall = stall
+        self.args = (f"{stall}: replaced as lost",)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EnginesStalled, (self.stall,))
+
+
+@dataclass(frozen=True)
+class SyncFailure:
+    """A weight sync that failed: its phase (init, start, bucket, finish; "other" when
+    the error does not say) and a line for the log, built from names and counts only."""
+
+    phase: str
+    line: str
+
+    @classmethod
+    def of(cls, error: BaseException) -> SyncFailure:
+        if (stall := Stall.found_in(error)) is not None:
+            return cls(stall.phase, str(stall))
+        text = str(error)
+        said = [(text.find(method), phase) for method, phase in PHASES.items() if method in text]
+        phase = min(said)[1] if said else "other"
+        return cls(phase, f"a weight sync failed in its {phase} phase ({type(error).__name__})")
 
 
 class EnginesStuck(RanksLost):
@@ -80,6 +124,7 @@ class WeightSync:
         # Engine calls the next push waits for (an evaluation): an engine busy in one
         # would take the push's calls only after it, and be taken for a hung rank.
         self.engines_busy: list[tuple[list[Any], float]] = []  # (calls, their timeout)
+        self.failures: list[SyncFailure] = []  # since `take_failures`
 
     @property
     def actor(self) -> WorkerGroup:
@@ -94,6 +139,10 @@ class WeightSync:
         """Set up the transfer: the actor's rank 0 and every engine, on the backend the
         engines were built with (`api.transfer.choose_transfer`); a transfer open
         before is shut down first, on both sides (`Actor.open_weight_transfer`)."""
+        with self.failing():
+            self._open()
+
+    def _open(self) -> None:
         sender = self.actor.hosts[0]
         (host, port), where = join(
             [sender.rendezvous_address.remote(), sender.whereabouts.remote()]
@@ -108,7 +157,9 @@ class WeightSync:
             host, port, self.rollout.world_size, remote, self.bucket_bytes,
             group_timeout_s(self.timeout_s), built.backend, built.workers,
         )  # fmt: skip
-        client = EngineGroupClient(self.rollout, self.timeout_s, built.workers)
+        client = EngineGroupClient(
+            self.rollout, self.timeout_s, built.workers, phase_ceiling_s(self.timeout_s)
+        )
         join(self.actor.run("open_weight_transfer", setup, client), self.driver_wait_s)
         self.opened = True
 
@@ -123,9 +174,27 @@ class WeightSync:
         if not self.opened:
             raise RuntimeError("the weight sync is not open (call open first)")
         self.wait_for_engines()
-        sends = self.actor.run("send_weights", version, phase=Phase.SYNC_WEIGHTS)
-        join(sends, self.driver_wait_s)
+        with self.failing():
+            sends = self.actor.run("send_weights", version, phase=Phase.SYNC_WEIGHTS)
+            join(sends, self.driver_wait_s)
         self.served = version
+
+    @contextmanager
+    def failing(self) -> Iterator[None]:
+        """A sync's failure is recorded (`take_failures`); a missed deadline is raised
+        as EnginesStalled, naming the engines to replace, the phase and the bytes."""
+        try:
+            yield
+        except Exception as error:
+            self.failures.append(SyncFailure.of(error))
+            if (stall := Stall.found_in(error)) is not None:
+                raise EnginesStalled(stall) from error
+            raise
+
+    def take_failures(self) -> list[SyncFailure]:
+        """The syncs that failed since the last call."""
+        failures, self.failures = self.failures, []
+        return failures
 
     def wait_for_engines(self) -> None:
         """Wait for the calls the engines are busy in (an evaluation): the transfer's

@@ -29,6 +29,7 @@ that succeeds one all-gather of a None per rank.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,9 @@ class WeightPush:
         """Hand the policy to every engine as `version`. A collective of the actor's
         ranks; if it fails anywhere, every rank raises the same PushFailed."""
         self.engines.version = version
+        if self.calls is not None:  # vLLM's senders (ours says what its buckets hold)
+            meta = self.source.metadata()
+            self.engines.push_bytes = sum(math.prod(m.shape) * m.dtype.itemsize for m in meta)
         failure = self._send()
         verdict = agreed_verdict(failure, self.rank)
         if verdict is not None:

@@ -331,6 +331,7 @@ class HostTrainerWeightTransferEngine(TrainerWeightTransferEngine[HostTrainerIni
 
     def _send(self, client: EngineFanOut, layers: Iterator[Layer]) -> None:
         assert self.ring is not None
+        client.push_bytes = sum(bucket.nbytes for bucket in self.plan)
         client.start_weight_update()
         # Up to RING_SLOTS buckets in the engines' hands at once: each engine has the
         # next one queued when it finishes one (its calls run in the order sent).

@@ -103,9 +103,11 @@ class EngineFanOut:
     (`submit`, `submit_each`, `wait`, `engine_count`: the subclass's business); each
     engine runs the calls in the order they were sent. `version` is what the next
     `finish_weight_update` labels the weights: vLLM's NCCL and IPC engines finish
-    without one, so the sender sets it before each send."""
+    without one, so the sender sets it before each send, and `push_bytes` the bytes the
+    push moves (its phases' deadlines are sized from them: `sync_deadlines`)."""
 
     version = 0
+    push_bytes = 0
     workers_per_engine = 1  # vLLM workers of each engine: TP x PP
     # Told, on the thread that waited, when a call fails on an engine. The sender
     # aborts its end of the transfer there: vLLM's NCCL sender broadcasts while its

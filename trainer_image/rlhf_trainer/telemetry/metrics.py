@@ -196,6 +196,18 @@ class TrainerMetrics:
             buckets=WEIGHT_SYNC_BUCKETS,
             registry=r,
         )
+        self.weight_sync_failures = Counter(
+            "rlhf_weight_sync_failures",
+            "Weight syncs to the rollout engines that failed, by the phase they failed in "
+            "(init, start, bucket, finish; other): an engine lost, or past the phase's deadline",
+            ["phase"],
+            registry=r,
+        )
+        self.weight_sync_last_failure = Gauge(
+            "rlhf_weight_sync_last_failure_timestamp_seconds",
+            "When the last weight sync that failed failed (Unix time)",
+            registry=r,
+        )
 
     def observe_span(self, span: Span) -> None:
         """A Timeline listener: count the span's time for its role and pool."""
@@ -210,6 +222,11 @@ class TrainerMetrics:
         """rlhf_rollout_engines of `pool`: those serving, lost (in the run) and joining."""
         for state, count in (("serving", serving), ("lost", lost), ("joining", joining)):
             self.rollout_engines.labels(pool, state).set(count)
+
+    def observe_sync_failure(self, phase: str) -> None:
+        """rlhf_weight_sync_failures_total{phase} and the last failure's time."""
+        self.weight_sync_failures.labels(phase).inc()
+        self.weight_sync_last_failure.set_to_current_time()
 
     def observe_progress(self, progress: TrainingProgress) -> None:
         self.policy_version.set(progress.policy_version)
