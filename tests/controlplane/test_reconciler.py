@@ -5,13 +5,16 @@ operator fixture lives and dies with the module that asks for it (test_operator)
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
 import yaml
 
-from rlhf_operator.api.job import Phase
 from rlhf_operator.api.validation import parse_spec
 from rlhf_operator.controller.cache import CachedKube, ObjectCache
 from rlhf_operator.controller.events import EventRecorder
@@ -146,38 +149,89 @@ def test_a_new_job_collected_between_its_passes_gets_no_children_again(
     assert cache.get("RayJob", namespace, "gone") is None  # it would hold one it made
 
 
-def test_kuberays_late_failure_of_an_attempt_whose_submitter_exited_0_is_a_success(
-    controlplane: ControlPlane, namespace: str
+@contextlib.contextmanager
+def ray_head(said: str | None) -> Iterator[str]:
+    """A Ray head's job API on loopback that says the job's status is `said` (None: an
+    address where nothing listens); yields its host:port, as KubeRay's dashboardURL."""
+
+    class JobAPI(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"status": said, "message": f"the job is {said}"}).encode()
+            self.send_response(200 if self.path == f"/api/jobs/{RAY_JOB_ID}" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), JobAPI)
+    port = server.server_address[1]
+    if said is None:
+        server.server_close()  # the port is free: nothing answers there
+        yield f"127.0.0.1:{port}"
+        return
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+RAY_JOB_ID = "colocated-x7k2p"
+
+
+def submitter_pods(cp: ControlPlane, namespace: str, name: str) -> None:
+    """The attempt's submitter as KubeRay's Job leaves it when the head was lost once:
+    its first pod failed, the retry (`ray job logs --follow`) exited 0."""
+    labels = {JOB_LABEL: name, COMPONENT_LABEL: "submitter"}
+    for pod_name, phase in (
+        (f"{name}-submitter-1", "Failed"),
+        (f"{name}-submitter-2", "Succeeded"),
+    ):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name, "labels": labels},
+               # No scheduler takes it: only its status matters, written as its kubelet would.
+               "spec": {"schedulerName": "nobody", "restartPolicy": "Never",
+                        "containers": [{"name": "ray-job-submitter", "image": "unused"}]}}  # fmt: skip
+        cp.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(pod))
+        cp.kubectl("patch", "pod", pod_name, "-n", namespace, "--subresource=status",
+                   "--type=merge", "-p", json.dumps({"status": {"phase": phase}}))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("said", "reason"),
+    [("SUCCEEDED", None), ("FAILED", "AppFailed"), (None, LATE_VERDICT)],
+    ids=["the job succeeded", "the job failed", "no head to ask"],
+)
+def test_kuberays_late_failure_is_decided_by_what_the_head_says_of_the_ray_job(
+    controlplane: ControlPlane, namespace: str, said: str | None, reason: str | None
 ) -> None:
     """KubeRay marks a RayJob Failed (LATE_VERDICT) when it reconciles it over 30 s after
     its submitter ended, without asking the head: here, as KubeRay would write it, after
-    a submitter pod of the attempt that ended Succeeded (`ray job submit` exits 0 unless
-    the Ray job failed). The job has succeeded: no restart, no new attempt. A reconciler
-    that reads live (no watch to lag behind: a real one heard of the pod 30 s before)."""
+    a retried submitter whose last pod exited 0 (which says nothing of the Ray job). The
+    operator asks the head (its job API, where KubeRay's status points): a job that
+    succeeded is Succeeded, with no restart and the same attempt; one that failed, or
+    with no head to ask, is a failed attempt. A reconciler that reads live (no watch)."""
     cp, name = controlplane, "colocated"
     apply_with_checkpoints(cp, namespace, "colocated.yaml")
     reconciler = Reconciler(Kube(cp.api_client()))
     assert reconciler.reconcile(namespace, name).report_later  # its RayJob; then its report
     assert not reconciler.reconcile(namespace, name).report_later
     attempt = get(cp, "rayjob", name, namespace)
-    labels = {JOB_LABEL: name, COMPONENT_LABEL: "submitter"}
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": f"{name}-submitter", "labels": labels},
-           # No scheduler takes it: only its status matters, written as its kubelet would.
-           "spec": {"schedulerName": "nobody", "restartPolicy": "Never",
-                    "containers": [{"name": "ray-job-submitter", "image": "unused"}]}}  # fmt: skip
-    cp.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(pod))
-    for kind, obj, status in (
-        ("pod", pod["metadata"]["name"], {"phase": "Succeeded"}),
-        ("rayjob", name, {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED",
-                          "reason": LATE_VERDICT, "message": "The RayJob submitter finished "
-                          "at 2026-11-30 21:20:40 but the ray job did not reach terminal "
-                          "state within 30s"}),
-    ):  # fmt: skip
-        cp.kubectl("patch", kind, obj, "-n", namespace, "--subresource=status",
-                   "--type=merge", "-p", json.dumps({"status": status}))  # fmt: skip
-    assert reconciler.reconcile(namespace, name).status.phase is Phase.SUCCEEDED  # type: ignore[union-attr]
+    assert attempt is not None
+    submitter_pods(cp, namespace, name)
+    with ray_head(said) as head:
+        late = {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": LATE_VERDICT,
+                "message": "The RayJob submitter finished at 2026-11-30 21:20:40 but the ray "
+                "job did not reach terminal state within 30s", "dashboardURL": head,
+                "jobId": RAY_JOB_ID}  # fmt: skip
+        cp.kubectl("patch", "rayjob", name, "-n", namespace, "--subresource=status",
+                   "--type=merge", "-p", json.dumps({"status": late}))  # fmt: skip
+        reconciled = reconciler.reconcile(namespace, name).status
     status = job_status(cp, name, namespace)
-    assert (status["phase"], status.get("restarts", 0)) == ("Succeeded", 0), status
-    assert "lastFailure" not in status, status
+    assert reconciled is not None and reconciled.to_dict()["phase"] == status["phase"]
+    if reason is None:
+        assert (status["phase"], status.get("restarts", 0)) == ("Succeeded", 0), status
+        assert "lastFailure" not in status, status
+    else:
+        assert status["phase"] in ("Restarting", "Failed"), status
+        failure = status["lastFailure"]
+        assert (failure["reason"], failure["rayJobUID"]) == (reason, attempt["metadata"]["uid"])
     assert get(cp, "rayjob", name, namespace)["metadata"]["uid"] == attempt["metadata"]["uid"]  # type: ignore[index]

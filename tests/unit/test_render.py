@@ -314,11 +314,27 @@ def test_with_network_access_a_job_admits_its_own_pods_prometheus_and_kuberay_on
     assert "NetworkPolicy" not in render("fully-async.yaml")
 
 
+OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "rlhf"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "rlhf-operator"}}}  # fmt: skip
+
+
+def test_the_operator_named_by_the_chart_may_ask_the_head_how_the_job_ended() -> None:
+    """Beside KubeRay, on the dashboard port only (its job API, restarts.head_job_url)."""
+    access = NetworkAccess(PROMETHEUS, KUBERAY, OPERATOR)
+    policy = render("fully-async.yaml", network=access)["NetworkPolicy"]
+    (dashboard,) = [r for r in policy["spec"]["ingress"] if r["from"][0] == KUBERAY]
+    assert dashboard == {"from": [KUBERAY, OPERATOR], "ports": [{"protocol": "TCP", "port": 8265}]}
+
+
 def test_network_access_comes_from_the_environment_the_chart_sets() -> None:
     assert NetworkAccess.from_env({}) is None
     raw = json.dumps({"prometheus": PROMETHEUS, "kuberay": KUBERAY})
     assert NetworkAccess.from_env({"RLHF_NETWORK_POLICY": raw}) == NetworkAccess(
         PROMETHEUS, KUBERAY
+    )
+    raw = json.dumps({"prometheus": PROMETHEUS, "kuberay": KUBERAY, "operator": OPERATOR})
+    assert NetworkAccess.from_env({"RLHF_NETWORK_POLICY": raw}) == NetworkAccess(
+        PROMETHEUS, KUBERAY, OPERATOR
     )
     with pytest.raises(ValueError, match="RLHF_NETWORK_POLICY must be a JSON object with"):
         NetworkAccess.from_env({"RLHF_NETWORK_POLICY": '{"prometheus": {}}'})

@@ -13,13 +13,14 @@ from rlhf_operator.controller.resizes import STOP_ASKED, ResizeAction, decide_re
 from rlhf_operator.controller.restarts import (
     LATE_VERDICT,
     Action,
-    as_its_submitter_ended,
+    as_the_ray_job_ended,
     attempt_failure,
+    counted,
     decide,
+    head_job_url,
     late_verdict,
 )
 from rlhf_operator.controller.status import Observed, compute_status, finished
-from rlhf_operator.render.meta import COMPONENT_LABEL
 from tests.unit.conftest import EXAMPLES, load
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -167,42 +168,72 @@ def made_at(obj: dict[str, Any], at: str) -> dict[str, Any]:
     return obj
 
 
-def submitter(phase: str, at: str = "2026-01-01T00:01:00Z") -> dict[str, Any]:
-    labels = {COMPONENT_LABEL: "submitter"}
-    return {"metadata": {"name": "colocated-x", "labels": labels, "creationTimestamp": at},
-            "status": {"phase": phase}}  # fmt: skip
+# As KubeRay leaves it: it asked the head while the job ran (the URL and the job's id).
+HEAD = {"dashboardURL": "colocated-abcde-head-svc.ns.svc.cluster.local:8265",
+        "jobId": "colocated-x7k2p"}  # fmt: skip
+LATE_ATTEMPT = made_at(attempt("a", "Failed", **LATE, **HEAD), "2026-01-01T00:00:00Z")
 
 
-LATE_ATTEMPT = made_at(attempt("a", "Failed", **LATE), "2026-01-01T00:00:00Z")
+def test_the_head_is_asked_where_kuberay_asked_it() -> None:
+    assert head_job_url(LATE_ATTEMPT) == (
+        "http://colocated-abcde-head-svc.ns.svc.cluster.local:8265/api/jobs/colocated-x7k2p"
+    )
+    assert head_job_url(attempt("a", "Failed", **LATE)) is None  # never got that far
 
 
 @pytest.mark.parametrize(
-    ("pods", "succeeded"),
+    ("answer", "succeeded"),
     [
-        ([submitter("Succeeded")], True),
-        ([submitter("Failed"), submitter("Succeeded")], True),  # the Job's retry exited 0
-        ([submitter("Failed")], False),
-        ([submitter("Running")], False),
-        ([], False),
-        # The previous attempt's submitter, not yet collected: not this attempt's word.
-        ([submitter("Succeeded", at="2025-12-31T23:50:00Z")], False),
+        ({"status": "SUCCEEDED", "message": "Job finished successfully."}, True),
+        ({"status": "FAILED", "message": "Job entrypoint command failed with exit code 1"}, False),
+        # A retried submitter (its first pod failed when the head was lost) runs `ray job
+        # logs --follow`, which exits 0 whatever the job did: its exit 0 is no verdict.
+        # The Ray job itself failed, and the attempt with it.
+        ({"status": "FAILED", "message": "retried submitter exited 0"}, False),
+        ({"status": "RUNNING"}, False),  # not ended: KubeRay's Failed stands
+        (None, False),  # the head could not be asked (gone, unreachable)
     ],
-    ids=["exited 0", "retried, then 0", "exited 1", "running", "none", "an older attempt's"],
+    ids=["succeeded", "failed", "retried submitter, failed job", "running", "no answer"],
 )
-def test_kuberays_late_failure_is_a_success_when_the_attempts_submitter_exited_0(
-    pods: list[dict[str, Any]], succeeded: bool
+def test_kuberays_late_failure_is_decided_by_the_ray_jobs_own_status(
+    answer: dict[str, Any] | None, succeeded: bool
 ) -> None:
     """KubeRay marks an attempt Failed, without asking the head, when it reconciles over
-    30 s after the submitter ended (a loaded control plane). `ray job submit` exits 0
-    only if the Ray job did not fail, so its pod's phase is the attempt's outcome."""
+    30 s after the submitter ended (a loaded control plane). How the submitter exited
+    does not say how the Ray job ended; the head's job API does, and without it the
+    attempt is failed."""
     assert late_verdict(LATE_ATTEMPT)
-    ended = as_its_submitter_ended(LATE_ATTEMPT, pods)
+    ended = as_the_ray_job_ended(LATE_ATTEMPT, answer)
     assert (attempt_failure(ended, T0) is None) is succeeded
-    assert (ended is LATE_ATTEMPT) is not succeeded
+    assert (ended is LATE_ATTEMPT) is (answer is None or answer["status"] == "RUNNING")
     _, status = reconcile(ended, RLHFJobStatus(), T0)
     assert (status.phase, status.restarts) == (
         (Phase.SUCCEEDED, 0) if succeeded else (Phase.RESTARTING, 1)
     )
+    if answer is not None and answer["status"] == "FAILED":
+        assert status.last_failure is not None
+        assert (status.last_failure.reason, status.last_failure.message) == (
+            "AppFailed", answer["message"]
+        )  # fmt: skip
+
+
+def test_a_ray_job_stopped_reads_as_kuberay_reads_it() -> None:
+    """STOPPED (`ray job stop`): Complete, not SUCCEEDED, so the job is Failed, and no
+    restart is counted, as when KubeRay's verdict comes in time."""
+    ended = as_the_ray_job_ended(LATE_ATTEMPT, {"status": "STOPPED"})
+    assert ended["status"]["jobDeploymentStatus"] == "Complete"
+    on_time = attempt("a", "Complete", jobStatus="STOPPED")
+    assert (
+        reconcile(ended, RLHFJobStatus(), T0)[1].phase
+        is reconcile(on_time, RLHFJobStatus(), T0)[1].phase
+    )
+
+
+def test_a_counted_late_failure_is_not_asked_about_again() -> None:
+    _, status = reconcile(LATE_ATTEMPT, RLHFJobStatus(), T0)
+    assert status.phase is Phase.RESTARTING and counted(status, LATE_ATTEMPT)
+    assert not counted(RLHFJobStatus(), LATE_ATTEMPT)
+    assert not counted(status, attempt("b", "Failed", **LATE))
 
 
 @pytest.mark.parametrize(
@@ -210,7 +241,7 @@ def test_kuberays_late_failure_is_a_success_when_the_attempts_submitter_exited_0
     [None, failed("a"), attempt("a", "Complete", jobStatus="SUCCEEDED", reason=LATE_VERDICT)],
     ids=["none", "another reason", "its grace-period sibling"],
 )
-def test_only_kuberays_late_failure_is_read_against_the_submitter(
+def test_only_kuberays_late_failure_is_asked_about(
     rayjob: dict[str, Any] | None,
 ) -> None:
     """The other path to the same reason (the Ray job ended but the deployment stayed
@@ -221,10 +252,10 @@ def test_only_kuberays_late_failure_is_read_against_the_submitter(
 def test_a_driver_stopped_for_a_resize_under_a_late_verdict_is_replaced_not_restarted() -> None:
     """The stop for a resize exits 0 too: the attempt is replaced on the new sizes, and
     no restart is counted (what the walk-through saw fail on a loaded machine)."""
-    asked = made_at(attempt("a", "Failed", **LATE), "2026-01-01T00:00:00Z")
+    asked = made_at(attempt("a", "Failed", **LATE, **HEAD), "2026-01-01T00:00:00Z")
     asked["metadata"]["annotations"] = {STOP_ASKED: "value: 1 to 2"}
     asked["spec"] = {"rayClusterSpec": {"workerGroupSpecs": [
         {"groupName": pool.name, "replicas": pool.replicas} for pool in SPEC.pools]}}  # fmt: skip
-    ended = as_its_submitter_ended(asked, [submitter("Succeeded")])
+    ended = as_the_ray_job_ended(asked, {"status": "SUCCEEDED"})
     assert decide(POLICY, ended, RLHFJobStatus(), T0).action is Action.NONE
     assert decide_resize(SPEC, ended, None).action is ResizeAction.REPLACE

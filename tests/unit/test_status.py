@@ -9,13 +9,13 @@ import pytest
 
 from rlhf_operator.api.job import Phase, RLHFJobStatus
 from rlhf_operator.api.validation import parse_job
+from rlhf_operator.controller.heads import HEAD_ANNOTATION, observe_head, workers_of_a_lost_head
 from rlhf_operator.controller.reconcile import status_patch
 from rlhf_operator.controller.status import (
     Observed,
     compute_status,
     finished,
     invalid_status,
-    workers_of_a_lost_head,
 )
 from rlhf_trainer.api.progress import TrainingProgress
 from tests.unit.conftest import EXAMPLES, load
@@ -292,33 +292,111 @@ def head(
     terminating: bool = False,
     made: str = "2026-01-01T00:00:00Z",
     node_type: str = "head",
+    uid: str | None = None,
 ) -> Any:
     """A Ray pod as KubeRay labels it: a head, or a worker."""
     ray_pod = pod("head" if node_type == "head" else "policy", terminating=terminating)
-    ray_pod["metadata"] |= {"name": name, "creationTimestamp": made}
+    ray_pod["metadata"] |= {"name": name, "creationTimestamp": made, "uid": uid or f"u-{name}"}
     ray_pod["metadata"]["labels"] |= {"ray.io/node-type": node_type, "ray.io/cluster": cluster}
     return ray_pod
 
 
-def test_a_head_lost_and_made_again_in_the_same_cluster_is_a_driver_restart() -> None:
-    """KubeRay makes a new head pod for the same Ray cluster: the driver starts again
-    there. A head going away is not yet one; a new attempt's cluster is not one."""
-    first = status(Observed(rayjob(), [head("h-1")]))
-    assert (first.ray_head, first.driver_restarts) == ("h-1", 0)
-    going = status(Observed(rayjob(), [head("h-1", terminating=True)]), first)
-    gone = status(Observed(rayjob(), []), going)
-    assert (gone.ray_head, gone.driver_restarts) == ("h-1", 0)
-    again = status(Observed(rayjob(), [head("h-2")]), gone)
-    assert (again.ray_head, again.driver_restarts) == ("h-2", 1)
-    assert status(Observed(rayjob(), [head("h-2")]), again) == again
+HEAD = "asymmetric-6-2-abcde-head"  # KubeRay's deterministic head name: the same each time
+
+
+def reconciled(
+    job: dict[str, Any], pods: list[dict[str, Any]], old: RLHFJobStatus, now: datetime = T0
+) -> RLHFJobStatus:
+    """What the reconciler does with the head: record it on the RayJob (`job`, changed
+    in place as the API server would), then compute the status."""
+    cluster = job["status"]["rayClusterName"]
+    view = observe_head(job, pods, cluster, old, now)
+    if view.record is not None:
+        job["metadata"].setdefault("annotations", {})[HEAD_ANNOTATION] = view.record
+    return compute_status(SPEC, 3, Observed(job, pods, head=view), old, now)
+
+
+def test_a_head_made_again_under_its_name_is_a_driver_restart_told_by_its_uid() -> None:
+    """KubeRay makes a lost head again under the same name: its uid tells. A head going
+    away is not yet one; a status write lost after the record, or a repeated reconcile,
+    counts it once; a new attempt's cluster is not one."""
+    job = rayjob()
+    first = reconciled(job, [head(HEAD, uid="u1")], RLHFJobStatus())
+    assert (first.ray_head, first.driver_restarts) == (HEAD, 0)
+    going = reconciled(job, [head(HEAD, terminating=True, uid="u1")], first)
+    gone = reconciled(job, [], going)
+    assert (gone.ray_head, gone.driver_restarts) == (HEAD, 0)
+    again = reconciled(job, [head(HEAD, uid="u2")], gone)
+    assert (again.ray_head, again.driver_restarts) == (HEAD, 1)
+    assert reconciled(job, [head(HEAD, uid="u2")], again) == again
+    # The status patch lost after the record was written: the next reconcile counts it.
+    assert reconciled(job, [head(HEAD, uid="u2")], gone).driver_restarts == 1
     next_attempt = rayjob()
     next_attempt["status"]["rayClusterName"] = "asymmetric-6-2-fghij"
-    other = status(Observed(next_attempt, [head("h-3", "asymmetric-6-2-fghij")]), again)
+    other = reconciled(next_attempt, [head("h-3", "asymmetric-6-2-fghij")], again)
     assert (other.ray_cluster, other.ray_head, other.driver_restarts) == (
         "asymmetric-6-2-fghij", "h-3", 1
     )  # fmt: skip
-    another_clusters_head = status(Observed(rayjob(), [head("h-9", "someone-else")]), again)
-    assert another_clusters_head.ray_head == "h-2"
+    another_clusters_head = reconciled(job, [head("h-9", "someone-else")], again)
+    assert another_clusters_head.ray_head == HEAD
+
+
+def lost(**status: Any) -> Any:
+    """The head u1 as the kubelet or the API server leaves it when it is lost."""
+    terminating = status.pop("terminating", False)
+    found = head(HEAD, uid="u1", terminating=terminating)
+    found["status"] |= status
+    return found
+
+
+OOM = {"phase": "Failed", "containerStatuses": [{"name": "ray-head", "state": {"terminated": {
+    "reason": "OOMKilled", "exitCode": 137}}}]}  # fmt: skip
+EVICTED = {"phase": "Failed", "reason": "Evicted",
+           "message": "The node was low on resource: memory."}  # fmt: skip
+NODE_LOST = {"terminating": True, "conditions": [{"type": "DisruptionTarget", "status": "True",
+             "reason": "DeletionByTaintManager"}]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "said"),
+    [(OOM, "OOMKilled", ""), (EVICTED, "Evicted", ": The node was low on resource: memory."),
+     (NODE_LOST, "NodeLost", ""), ({"terminating": True}, "Deleted", "")],
+    ids=["OOMKilled", "evicted", "node lost", "deleted"],
+)  # fmt: skip
+def test_a_lost_head_is_the_last_failure_with_its_pods_reason(
+    state: dict[str, Any], reason: str, said: str
+) -> None:
+    job = rayjob()
+    job["metadata"]["uid"] = "attempt-1"
+    running = reconciled(job, [head(HEAD, uid="u1")], RLHFJobStatus())
+    failing = reconciled(job, [lost(**dict(state))], running, T0 + timedelta(seconds=5))
+    failure = failing.last_failure
+    assert failure is not None and (failure.reason, failure.ray_job_uid) == (reason, "attempt-1")
+    assert failure.message == f"the Ray head pod {HEAD} (uid u1) was lost{said}"
+    # Seen again later, and once the new head is up: the same failure, first seen at +5 s.
+    later = T0 + timedelta(seconds=9)
+    assert reconciled(job, [lost(**dict(state))], failing, later).last_failure == failure
+    replaced = reconciled(job, [head(HEAD, uid="u2")], failing, later)
+    assert (replaced.last_failure, replaced.driver_restarts) == (failure, 1)
+
+
+def test_a_head_gone_before_its_reason_was_seen_is_still_the_last_failure() -> None:
+    job = rayjob()
+    running = reconciled(job, [head(HEAD, uid="u1")], RLHFJobStatus())
+    replaced = reconciled(job, [head(HEAD, uid="u2")], running)
+    failure = replaced.last_failure
+    assert failure is not None and failure.reason == "RayHeadLost" and "u1" in failure.message
+    assert replaced.driver_restarts == 1
+
+
+@pytest.mark.parametrize("deployment", ["Complete", "Failed", "Suspending"])
+def test_a_head_torn_down_after_the_attempt_is_not_a_lost_head(deployment: str) -> None:
+    job = rayjob()
+    running = reconciled(job, [head(HEAD, uid="u1")], RLHFJobStatus())
+    job["status"]["jobDeploymentStatus"] = deployment
+    assert reconciled(job, [lost(terminating=True)], running).last_failure is None
+    job["status"]["jobDeploymentStatus"] = "Running"  # the control: while it runs, it is
+    assert reconciled(job, [lost(terminating=True)], running).last_failure is not None
 
 
 def merge_patch(target: Any, patch: Any) -> Any:

@@ -80,3 +80,12 @@ in the chart's README. No wildcards, no Secrets, and no delete but of a failed R
   resources: [workloads]
   verbs: [list, patch]
 {{- end -}}
+
+{{/* The operator's own pods, as a NetworkPolicy peer (the jobs' policies admit it to
+the Ray head's dashboard port, where it asks how a Ray job ended). */}}
+{{- define "rlhf-operator.operatorPeer" -}}
+namespaceSelector:
+  matchLabels: {kubernetes.io/metadata.name: {{ .Release.Namespace }}}
+podSelector:
+  matchLabels: {{- include "rlhf-operator.selectorLabels" . | nindent 4 }}
+{{- end -}}

@@ -6,12 +6,17 @@ server drop them without a word, and the trainer then waits for pools that no Ra
 carries. KubeRay 1.5 declares them but probes pods with wget, which the trainer image
 lacks. So the operator reads the installed RayJob CRD and, rather than start a job it
 would break, says why in the job's status and events.
+
+And, where KubeRay's verdict on an attempt came late, the operator asks the attempt's
+head how its Ray job ended, as KubeRay does (`ask_head`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +27,8 @@ from rlhf_operator.controller.kube import Kube, Obj
 log = logging.getLogger(__name__)
 
 MINIMUM_VERSION = "1.6"
+# How long a reconcile waits for a Ray head's answer (how a Ray job ended): one worker's.
+HEAD_TIMEOUT_SECONDS = 3
 RAYJOB_CRD = "rayjobs.ray.io"
 RAYJOB_VERSION = "v1"
 # A field KubeRay added to the RayJob CRD in 1.6 (1.5 and older lack it): the CRD carries
@@ -123,3 +130,13 @@ class KubeRayCheck:
         if self._read_at is None or self.clock() - self._read_at >= RECHECK_SECONDS:
             self.refresh()
         return None if self._unreadable else incompatibility(self._crd, rayjob)
+
+
+def ask_head(url: str) -> dict[str, Any]:
+    """GET `url` of a Ray head's job API (what KubeRay asks how a Ray job ended): its
+    JSON answer. OSError when the head cannot be reached, ValueError if not JSON."""
+    with urllib.request.urlopen(url, timeout=HEAD_TIMEOUT_SECONDS) as response:
+        answer = json.loads(response.read())
+    if not isinstance(answer, dict):
+        raise ValueError(f"{url} answered {answer!r}")
+    return answer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from kubernetes.client.exceptions import ApiException
@@ -20,8 +20,15 @@ from rlhf_operator.api.job import Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.api.validation import InvalidJob, parse_spec
 from rlhf_operator.controller.drift import OWNED_FIELDS, drifted, replica_ops
 from rlhf_operator.controller.events import EventRecorder
+from rlhf_operator.controller.heads import observe_head, record_patch, workers_of_a_lost_head
 from rlhf_operator.controller.kube import JSON_PATCH, Kube, Obj
-from rlhf_operator.controller.kuberay import RECHECK_SECONDS, KubeRayCheck
+from rlhf_operator.controller.kuberay import RECHECK_SECONDS, KubeRayCheck, ask_head
+from rlhf_operator.controller.report import (
+    driver_restart_message,
+    invalid_message,
+    phase_message,
+    status_patch,
+)
 from rlhf_operator.controller.resizes import (
     ResizeAction,
     decide_resize,
@@ -31,8 +38,10 @@ from rlhf_operator.controller.resizes import (
 from rlhf_operator.controller.restarts import (
     LATE_VERDICT,
     Action,
-    as_its_submitter_ended,
+    as_the_ray_job_ended,
+    counted,
     decide,
+    head_job_url,
     late_verdict,
 )
 from rlhf_operator.controller.status import (
@@ -44,7 +53,6 @@ from rlhf_operator.controller.status import (
     invalid_status,
     reported_to_the_end,
     warnings,
-    workers_of_a_lost_head,
 )
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render.environments import render_stopped_environments
@@ -88,8 +96,10 @@ class Reconciler:
         kube: Kube,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         network: NetworkAccess | None = None,
+        ask_head: Callable[[str], Obj] = ask_head,
     ):
         self.kube = kube
+        self.ask_head = ask_head  # GET a Ray head's job API (a URL) -> its JSON answer
         self.now = now
         self.network = network  # give each job a NetworkPolicy (the chart's choice)
         self.kuberay = KubeRayCheck(kube)
@@ -132,8 +142,8 @@ class Reconciler:
         new_job = not job.get("status") and (namespace, name) not in self._unreported
         get_rayjob = self.kube.known if new_job else self.kube.get
         rayjob = get_rayjob("RayJob", namespace, ref.rayjob)
-        if late_verdict(rayjob) and not finished(old):
-            rayjob = self._as_its_submitter_ended(ref, rayjob)
+        if late_verdict(rayjob) and not finished(old) and not counted(old, rayjob):
+            rayjob = self._as_the_ray_job_ended(ref, rayjob)
         # A finished job is not started again; a failed attempt may be (restarts.py), and
         # one whose pools changed size is replaced (resizes.py).
         restart = None if finished(old) else decide(spec.restart_policy, rayjob, old, now)
@@ -171,7 +181,7 @@ class Reconciler:
         elif restart is not None and restart.action is Action.DELETE and restart.failure:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
-        observed = self._observe(ref, spec, rayjob, workload, live)
+        observed = self._observe(ref, spec, rayjob, workload, live, old)
         new = compute_status(spec, generation, observed, old, now, restart, resize)
         if new_job and rayjob is not None:
             # Its RayJob first: in a burst of new jobs, the API server makes the other
@@ -186,15 +196,21 @@ class Reconciler:
             wait = QUEUED_RECHECK_SECONDS
         return Reconciled(new, requeue_after=wait)
 
-    def _as_its_submitter_ended(self, ref: JobRef, rayjob: Obj) -> Obj:
-        """KubeRay's late verdict (restarts.LATE_VERDICT) read against the submitter pods:
-        an attempt whose driver exited 0 succeeded, whatever KubeRay concluded."""
-        pods = self.kube.list("Pod", ref.namespace, f"{JOB_LABEL}={ref.name}")
-        ended = as_its_submitter_ended(rayjob, pods)
-        if ended is not rayjob:
-            log.info("%s/%s: KubeRay marked RayJob %s Failed (%s) over 30 s after its "
-                     "submitter ended; the submitter exited 0, so the attempt succeeded",
-                     ref.namespace, ref.name, ref.rayjob, LATE_VERDICT)  # fmt: skip
+    def _as_the_ray_job_ended(self, ref: JobRef, rayjob: Obj) -> Obj:
+        """KubeRay's late verdict (restarts.LATE_VERDICT) read against the Ray job's own
+        status, asked of the head; Failed, as KubeRay said, when the head cannot say."""
+        url, answer = head_job_url(rayjob), None
+        try:
+            answer = self.ask_head(url) if url else None
+        except (OSError, ValueError) as error:  # unreachable, gone, or not JSON
+            log.warning("%s/%s: could not ask the Ray head at %s how the job ended: %s",
+                        ref.namespace, ref.name, url, error)  # fmt: skip
+        ended = as_the_ray_job_ended(rayjob, answer)
+        said = (answer or {}).get("status")
+        log.info("%s/%s: KubeRay marked RayJob %s Failed (%s) over 30 s after its submitter "
+                 "ended; the head says the Ray job is %s: %s", ref.namespace, ref.name,
+                 ref.rayjob, LATE_VERDICT, said or "(no answer)",
+                 "Failed" if ended is rayjob else ended["status"]["jobStatus"])  # fmt: skip
         return ended
 
     def _replace_workers_of_the_lost_head(
@@ -214,12 +230,23 @@ class Reconciler:
 
     def _observe(
         self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj | None, workload: Obj | None,
-        live: list[Obj] | None,
+        live: list[Obj] | None, old: RLHFJobStatus,
     ) -> Observed:  # fmt: skip
         """What the status is computed from. `live`: the children as _ensure_children
-        left them (None where this reconcile ensured none: it looks for itself)."""
+        left them (None where this reconcile ensured none: it looks for itself). A new
+        Ray head is recorded on the RayJob before the status says so (heads.py)."""
         selector = f"{JOB_LABEL}={ref.name}"
         pods = self.kube.list("Pod", ref.namespace, selector)  # head, pools, submitter, envs
+        cluster = ((rayjob or {}).get("status") or {}).get("rayClusterName") or old.ray_cluster
+        head = observe_head(rayjob, pods, cluster, old, self.now())
+        if head.record is not None and rayjob is not None:
+            if "deletionTimestamp" not in rayjob["metadata"]:
+                patched = self.kube.patch("RayJob", ref.namespace, ref.rayjob,
+                                          record_patch(head.record))  # fmt: skip
+                # Its metadata only: the status may be read against the head (a late verdict).
+                rayjob = rayjob | {"metadata": patched["metadata"]}
+            else:  # going: its next attempt records its own head
+                head = replace(head, driver_restarts=old.driver_restarts, record=None)
         if live is not None:
             deployments = [c for c in live if c["kind"] == "Deployment"]
         elif any(env.operator_run for env in spec.environments):
@@ -227,7 +254,7 @@ class Reconciler:
             deployments = self.kube.list("Deployment", ref.namespace, selector)
         else:
             deployments = []
-        return Observed(rayjob, pods, workload, deployments)
+        return Observed(rayjob, pods, workload, deployments, head)
 
     def _ensure_children(
         self, ref: JobRef, spec: RLHFJobSpec, children: list[Obj], rayjob: Obj | None
@@ -373,14 +400,14 @@ class Reconciler:
         patch = status_patch(old, new)
         if patch is None:
             return
-        invalid = _invalid_message(new)
-        if new.phase != old.phase or invalid != _invalid_message(old):
+        invalid = invalid_message(new)
+        if new.phase != old.phase or invalid != invalid_message(old):
             warning = bool(invalid) or new.phase in WARNING_PHASES
             warning |= new.phase is Phase.SUCCEEDED and not reported_to_the_end(new.training)
             reason = "InvalidSpec" if invalid else new.phase.value
-            self.events.post(job, reason, invalid or _phase_message(new), warning)
+            self.events.post(job, reason, invalid or phase_message(new), warning)
         if new.driver_restarts > old.driver_restarts:
-            self.events.post(job, DRIVER_RESTARTED, _driver_restart_message(old, new), warning=True)
+            self.events.post(job, DRIVER_RESTARTED, driver_restart_message(old, new), warning=True)
         said = warnings(old)
         for (kind, reason), message in warnings(new).items():
             if said.get((kind, reason)) != message:
@@ -388,45 +415,3 @@ class Reconciler:
         meta = job["metadata"]
         self.kube.patch("RLHFJob", meta["namespace"], meta["name"], {"status": patch},
                         subresource="status")  # fmt: skip
-
-
-def _driver_restart_message(old: RLHFJobStatus, new: RLHFJobStatus) -> str:
-    return (
-        f"the Ray head {old.ray_head} of cluster {new.ray_cluster} was lost and KubeRay made "
-        f"{new.ray_head}: the trainer's driver starts again there and resumes from the "
-        f"newest checkpoint; the workers of the lost head are replaced "
-        f"({new.driver_restarts} time(s) in this job)"
-    )
-
-
-def status_patch(old: RLHFJobStatus, new: RLHFJobStatus) -> Obj | None:
-    """The merge patch of the status from `old` to `new`, None if nothing changed. The
-    trainer's `training` is left alone. A merge patch removes a field only given null:
-    a field `new` no longer has (no head while a new attempt's is made, no resize) is
-    sent as null, or the stale value would stay."""
-    mine, before = new.to_dict(), old.to_dict()
-    mine.pop("training", None)
-    before.pop("training", None)
-    if mine == before:
-        return None
-    return mine | dict.fromkeys(before.keys() - mine.keys())
-
-
-def _phase_message(status: RLHFJobStatus) -> str:
-    """The Ready condition's message; a restart also says where the next attempt starts."""
-    ready = next((c.message for c in status.conditions if c.type == "Ready"), None)
-    message = ready or f"the job is {status.phase.value.lower()}"
-    if status.phase is Phase.RESTARTING:
-        checkpoint = status.training.last_checkpoint if status.training else None
-        start = (
-            f"resumes from {checkpoint}"
-            if checkpoint
-            else "starts from scratch (no checkpoint yet)"
-        )
-        message += f"; restart {status.restarts}: the next attempt {start}"
-    return message
-
-
-def _invalid_message(status: RLHFJobStatus) -> str | None:
-    invalid = next((c for c in status.conditions if c.type == "Invalid"), None)
-    return invalid.message if invalid and invalid.status == "True" else None

@@ -15,7 +15,6 @@ from enum import StrEnum
 from typing import Any, TypeGuard
 
 from rlhf_operator.api.job import AttemptFailure, Phase, RestartPolicy, RLHFJobStatus
-from rlhf_operator.render.meta import COMPONENT_LABEL
 
 FAILED_DEPLOYMENTS = ("Failed", "ValidationFailed")  # KubeRay's jobDeploymentStatus
 # KubeRay's reason when it first reconciles a RayJob over 30 s after its submitter ended
@@ -23,6 +22,8 @@ FAILED_DEPLOYMENTS = ("Failed", "ValidationFailed")  # KubeRay's jobDeploymentSt
 # without asking the head how the Ray job ended. On a loaded control plane a driver that
 # exited 0 (the end, or a stop for a resize) so became a failed attempt, and a restart.
 LATE_VERDICT = "JobDeploymentStatusTransitionGracePeriodExceeded"
+# The Ray job's terminal statuses (the head's job API) -> KubeRay's jobDeploymentStatus.
+RAY_JOB_ENDED = {"SUCCEEDED": "Complete", "STOPPED": "Complete", "FAILED": "Failed"}
 MAX_FAILURE_MESSAGE = 1024  # of an attempt's failure, kept in status.lastFailure
 FIRST_LINE = 300  # of it, in the Ready condition and the Restarting event
 
@@ -63,21 +64,37 @@ def late_verdict(rayjob: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     return (status.get("jobDeploymentStatus"), status.get("reason")) == ("Failed", LATE_VERDICT)
 
 
-def as_its_submitter_ended(rayjob: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any]:
-    """`rayjob` (a `late_verdict`), Complete and SUCCEEDED if a submitter pod of this
-    attempt (made since its RayJob) ended Succeeded: `ray job submit` follows the Ray job
-    to its end and exits 1 if it failed (Ray's job CLI). `pods`: the job's."""
-    made = rayjob["metadata"].get("creationTimestamp") or ""
-    exited_0 = any(
-        pod["metadata"].get("labels", {}).get(COMPONENT_LABEL) == "submitter"
-        and pod["metadata"].get("creationTimestamp", "") >= made  # RFC 3339 in UTC: sortable
-        and (pod.get("status") or {}).get("phase") == "Succeeded"
-        for pod in pods
-    )
-    if not exited_0:
+def head_job_url(rayjob: dict[str, Any]) -> str | None:
+    """Where the attempt's head answers about its Ray job (Ray's job API, what KubeRay
+    itself asks), None if KubeRay has not said."""
+    status = rayjob.get("status") or {}
+    url, job_id = status.get("dashboardURL"), status.get("jobId")
+    return f"http://{url}/api/jobs/{job_id}" if url and job_id else None
+
+
+def as_the_ray_job_ended(rayjob: dict[str, Any], ray_job: dict[str, Any] | None) -> dict[str, Any]:
+    """`rayjob` (a `late_verdict`) as KubeRay writes it when it asks the head in time:
+    `ray_job` is the head's answer about the Ray job (None: none could be had). The
+    submitter's exit says nothing: a retried submitter (a lost head) runs `ray job logs
+    --follow`, which exits 0 however the job ended, and `ray job submit` exits 0 on
+    STOPPED. Without a terminal answer, KubeRay's Failed stands."""
+    state = (ray_job or {}).get("status")
+    if state not in RAY_JOB_ENDED:
         return rayjob
-    ended = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"}
+    ended = {
+        "jobDeploymentStatus": RAY_JOB_ENDED[state],
+        "jobStatus": state,
+        "reason": "AppFailed" if state == "FAILED" else "",
+        "message": str((ray_job or {}).get("message") or ""),
+    }
     return rayjob | {"status": rayjob["status"] | ended}
+
+
+def counted(old: RLHFJobStatus, rayjob: dict[str, Any]) -> bool:
+    """Whether the attempt's failure is counted already (a restart under way)."""
+    failure = old.last_failure
+    uid = rayjob["metadata"].get("uid")
+    return old.phase is Phase.RESTARTING and failure is not None and failure.ray_job_uid == uid
 
 
 def head_and_tail(text: str, limit: int = MAX_FAILURE_MESSAGE) -> str:

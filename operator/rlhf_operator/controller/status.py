@@ -20,6 +20,7 @@ from rlhf_operator.api.job import (
 )
 from rlhf_operator.controller.environments import CONDITION as ENVIRONMENTS_READY
 from rlhf_operator.controller.environments import environments_ready, is_environment_pod
+from rlhf_operator.controller.heads import HeadView, observe_head
 from rlhf_operator.controller.pods import (
     PODS_FAILING,
     UNSCHEDULABLE,
@@ -34,8 +35,6 @@ from rlhf_trainer.api.names import POOL_LABEL
 from rlhf_trainer.api.progress import TrainingProgress
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
-# KubeRay's labels of a Ray cluster's pods: which cluster, and head or worker.
-RAY_CLUSTER_LABEL, RAY_NODE_TYPE_LABEL = "ray.io/cluster", "ray.io/node-type"
 # PoolsReady's reasons: pods.UNSCHEDULABLE while the scheduler cannot place a pool's pod,
 # pods.PODS_FAILING while a container cannot start or ends in error, and this while
 # Kueue has not admitted the job (its message: Kueue's reason).
@@ -71,6 +70,8 @@ class Observed:
     workload: dict[str, Any] | None = None  # Kueue's, for a queued job (spec.queueName)
     # The Deployments of the environments the operator runs.
     deployments: list[dict[str, Any]] = field(default_factory=list)
+    # The attempt's Ray head as the reconciler recorded it (heads.py); None: from the above.
+    head: HeadView | None = None
 
 
 def finished(status: RLHFJobStatus) -> bool:
@@ -131,7 +132,10 @@ def compute_status(
         phase = Phase.RESTARTING
     else:
         phase = Phase.RESIZING if resizing else _phase(spec, observed.rayjob)
-    failure = restart.failure if restart and restart.failure else old.last_failure
+    rayjob_status = (observed.rayjob or {}).get("status") or {}
+    cluster = rayjob_status.get("rayClusterName") or old.ray_cluster
+    head = observed.head or observe_head(observed.rayjob, observed.pods, cluster, old, now)
+    failure = restart.failure if restart and restart.failure else head.failure
     recorded = restart is not None and restart.action is Action.RECORD
 
     if phase is Phase.QUEUED:
@@ -152,12 +156,6 @@ def compute_status(
     ):  # fmt: skip
         conditions = _set_condition(conditions, kind, ok, reason, message, now, generation)
 
-    rayjob_status = (observed.rayjob or {}).get("status") or {}
-    cluster = rayjob_status.get("rayClusterName") or old.ray_cluster
-    # A head being replaced: the one before is kept until the new one shows.
-    head = ray_head(observed.pods, cluster) or (
-        old.ray_head if cluster == old.ray_cluster else None
-    )
     return RLHFJobStatus(
         phase=phase,
         observed_generation=generation,
@@ -170,50 +168,11 @@ def compute_status(
         start_time=old.start_time or (now if phase is Phase.RUNNING else None),
         completion_time=old.completion_time or (now if phase in TERMINAL else None),
         restarts=old.restarts + recorded,
-        ray_head=head,
-        driver_restarts=old.driver_restarts + head_replaced(old, cluster, head),
+        ray_head=head.name,
+        driver_restarts=head.driver_restarts,
         last_failure=failure,
         resizing=list(resize.resizes) if resize is not None and resizing else None,
     )
-
-
-def ray_head(pods: list[dict[str, Any]], cluster: str | None) -> str | None:
-    """The name of Ray cluster `cluster`'s head pod, unless it is going away."""
-    heads = [
-        pod["metadata"]["name"]
-        for pod in pods
-        if (labels := pod["metadata"].get("labels") or {}).get(RAY_NODE_TYPE_LABEL) == "head"
-        and labels.get(RAY_CLUSTER_LABEL) == cluster
-        and not terminating(pod)
-    ]
-    return heads[0] if cluster is not None and heads else None
-
-
-def workers_of_a_lost_head(
-    pods: list[dict[str, Any]], cluster: str | None, head: str | None
-) -> list[dict[str, Any]]:
-    """The worker pods of Ray cluster `cluster` made before its head pod `head`: they
-    joined the head that was lost. Without GCS fault tolerance the new head does not take
-    them back: their containers exit and restart until it is up, in a crash loop whose
-    backoff grows to minutes. New pods wait for the new head (KubeRay's init container)."""
-    made = {p["metadata"]["name"]: p["metadata"].get("creationTimestamp", "") for p in pods}
-    if cluster is None or head not in made:
-        return []
-    return [
-        pod
-        for pod in pods
-        if (labels := pod["metadata"].get("labels") or {}).get(RAY_NODE_TYPE_LABEL) == "worker"
-        and labels.get(RAY_CLUSTER_LABEL) == cluster
-        and not terminating(pod)
-        and pod["metadata"].get("creationTimestamp", "") < made[head]  # RFC 3339, UTC
-    ]
-
-
-def head_replaced(old: RLHFJobStatus, cluster: str | None, head: str | None) -> bool:
-    """Whether the Ray cluster seen before has another head pod now: the head was lost
-    and KubeRay made a new one, where its submitter starts the driver again. A new
-    attempt is a new cluster, and not this."""
-    return None not in (head, old.ray_head) and cluster == old.ray_cluster and head != old.ray_head
 
 
 def _pools_ready(

@@ -1,9 +1,9 @@
 """Who may reach a job's pods, when the platform asks for NetworkPolicies.
 
 The chart's `networkPolicy` values reach the operator as JSON in RLHF_NETWORK_POLICY:
-where Prometheus runs and where KubeRay's operator runs. Each job then gets a policy
-that admits its own pods (Ray's GCS, object transfers and NCCL use many ports), and
-those two to the few ports they need, and nothing else.
+where Prometheus runs, where KubeRay's operator runs, and where this operator runs. Each
+job then gets a policy that admits its own pods (Ray's GCS, object transfers and NCCL
+use many ports), and the others to the few ports they need, and nothing else.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ RAY_METRICS_PORT = 8080  # Ray's own metrics on every pod (KubeRay's --metrics-e
 class NetworkAccess:
     prometheus: Obj  # a NetworkPolicyPeer: {namespaceSelector, podSelector}
     kuberay: Obj  # a NetworkPolicyPeer
+    # The operator's own pods: they ask the head how a Ray job ended when KubeRay's
+    # verdict came late (controller/restarts.py), on the dashboard port as KubeRay does.
+    operator: Obj | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> NetworkAccess | None:
@@ -34,7 +37,8 @@ class NetworkAccess:
             return None
         try:
             peers = json.loads(raw)
-            return cls(prometheus=dict(peers["prometheus"]), kuberay=dict(peers["kuberay"]))
+            operator = dict(peers["operator"]) if peers.get("operator") else None
+            return cls(dict(peers["prometheus"]), dict(peers["kuberay"]), operator)
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(
                 f"{ENV} must be a JSON object with NetworkPolicy peers 'prometheus' and "
@@ -50,6 +54,8 @@ def render_network_policy(
     def tcp(*ports: int) -> list[Obj]:
         return [{"protocol": "TCP", "port": port} for port in ports]
 
+    dashboard_peers = [access.kuberay, *([access.operator] if access.operator else [])]
+
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -60,7 +66,7 @@ def render_network_policy(
             "ingress": [
                 {"from": [{"podSelector": job_pods}]},
                 {"from": [access.prometheus], "ports": tcp(trainer_metrics_port, RAY_METRICS_PORT)},
-                {"from": [access.kuberay], "ports": tcp(RAY_DASHBOARD_PORT)},
+                {"from": dashboard_peers, "ports": tcp(RAY_DASHBOARD_PORT)},
             ],
         },
     }
