@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar
 
-from pydantic import Field, WithJsonSchema
+from pydantic import AfterValidator, Field, WithJsonSchema
 
 from rlhf_trainer.api.rules import Rule, SpecModel
 
@@ -14,11 +14,43 @@ ENVIRONMENT_NAME = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
 URL = r"^https?://[^\s/]+(/\S*)?$"
 CLASS_PATH = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 
+# What the renderer passes to transformers' apply_chat_template itself.
+RENDERER_ARGUMENTS = frozenset(
+    [
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "strftime_now",
+    ]
+)
+
+
+def _not_the_renderers(
+    kwargs: dict[str, bool | int | float | str],
+) -> dict[str, bool | int | float | str]:
+    taken = sorted(RENDERER_ARGUMENTS & kwargs.keys())
+    if taken:
+        raise ValueError(f"{', '.join(taken)}: set by the trainer, not a template argument")
+    return kwargs
+
+
 # A chat template's keyword arguments: names to plain values (booleans, numbers, strings).
 # The CRD keeps the map open (a structural schema has no union of types); the trainer's
 # validation refuses anything but such values, with the field's path.
 TemplateKwargs = Annotated[
     dict[str, bool | int | float | str],
+    AfterValidator(_not_the_renderers),
     WithJsonSchema({"type": "object", "additionalProperties": True, "maxProperties": 32}),
 ]
 
