@@ -13,13 +13,10 @@ import itertools
 import json
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
-
-import yaml
-
-from rlhf_operator.api.crd import PEERING_NAME
 
 from .harness import REPO_ROOT, ControlPlane
 from .jobs import apply, apply_example, get, job_status, load, status_when
@@ -29,7 +26,7 @@ from .util import eventually, get_json
 JOB = "colocated"
 RECONCILES = "rlhf_operator_reconcile_duration_seconds_count"
 ERRORS = "rlhf_operator_reconcile_errors_total"
-LIFETIME = 10  # the replicas' --peering-lifetime: how long a dead active one blocks the standby
+LIFETIME = 10  # the replicas' --lease-duration: how long a dead active one blocks the standby
 CHILD_KINDS = ("configmaps", "serviceaccounts", "roles", "rolebindings")
 
 
@@ -58,9 +55,10 @@ def fail_attempt(cp: ControlPlane, namespace: str) -> None:
                "--type=merge", "-p", json.dumps({"status": failure}))  # fmt: skip
 
 
-def peer_priorities(cp: ControlPlane) -> list[int]:
-    peering = get(cp, "clusterkopfpeering", PEERING_NAME, "") or {}
-    return sorted(peer["priority"] for peer in (peering.get("status") or {}).values())
+def lease_holder(cp: ControlPlane, lease: str) -> str:
+    found = cp.kubectl("get", "lease", lease, "-n", "default", "-o",
+                       "jsonpath={.spec.holderIdentity}", check=False)  # fmt: skip
+    return found.stdout.strip()
 
 
 def caught_up(cp: ControlPlane, namespace: str) -> dict[str, Any]:
@@ -101,23 +99,19 @@ def failed_reconciles(log: str, namespace: str = r"\S+") -> list[tuple[datetime,
 def two_replicas(
     cp: ControlPlane, operator: OperatorProcess
 ) -> Iterator[tuple[OperatorProcess, OperatorProcess]]:
-    """An active replica (priority 10) and a standby (1) in one peering, in place of the
-    module's standalone operator, which comes back after."""
+    """An active replica and a standby electing through a Lease of their own (as the
+    chart runs them), in place of the module's standalone operator, which comes back
+    after."""
     operator.stop()
-    # A fresh peering: a record left by an earlier test's killed replica would block both.
-    cp.kubectl("delete", "clusterkopfpeering", PEERING_NAME, "--ignore-not-found")
-    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(
-        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING_NAME}}))  # fmt: skip
-    args = ("--peering", PEERING_NAME, "--peering-lifetime", str(LIFETIME), "-A")
-    active = OperatorProcess(cp, "operator-active", *args, "--priority", "10")
-    standby = OperatorProcess(cp, "operator-standby", *args, "--priority", "1")
+    lease = f"rlhf-operator-{uuid.uuid4().hex[:6]}"  # fresh: no holder left by a killed one
+    args = ("--lease", lease, "--lease-namespace", "default", "--lease-duration", str(LIFETIME),
+            "-A")  # fmt: skip
+    active = OperatorProcess(cp, "operator-active", *args, env={"POD_NAME": "operator-active"})
+    standby = OperatorProcess(cp, "operator-standby", *args, env={"POD_NAME": "operator-standby"})
     try:
-        # Ready (the HTTP probe) comes before the peering: a standby started before the
-        # active replica's record was written would run too, until it saw it.
         active.start()
-        eventually(lambda: peer_priorities(cp) == [10], "the active replica's peering record")
-        standby.start()
-        eventually(lambda: peer_priorities(cp) == [1, 10], "the standby's peering record")
+        eventually(lambda: lease_holder(cp, lease) == "operator-active", "the Lease taken")
+        standby.start()  # ready, waiting to lead
         yield active, standby
     finally:
         active.stop()
@@ -125,7 +119,7 @@ def two_replicas(
         operator.start()
 
 
-def test_two_replicas_with_peering_one_active_then_failover(
+def test_two_replicas_with_a_lease_one_active_then_failover(
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
     cp = controlplane
@@ -135,7 +129,7 @@ def test_two_replicas_with_peering_one_active_then_failover(
         eventually(lambda: job_status(cp, JOB, namespace).get("rayJob"), "its status")
         assert standby.metric(RECONCILES) == 0
 
-        active.stop()  # a clean exit leaves the peering at once
+        active.stop()  # a clean exit gives the Lease up at once
         apply_example(cp, namespace, "asymmetric-6-2.yaml")
         eventually(
             lambda: job_status(cp, "asymmetric-6-2", namespace).get("rayJob"),
@@ -148,7 +142,7 @@ def test_a_killed_active_replica_is_replaced_and_its_failed_attempt_counted_once
     controlplane: ControlPlane, operator: OperatorProcess, namespace: str
 ) -> None:
     """The active replica counts an attempt's failure and is SIGKILLed during the
-    backoff: the standby takes over once the dead replica's record expires (LIFETIME),
+    backoff: the standby takes over once the dead replica's Lease expires (LIFETIME),
     counts nothing again, and starts the next attempt once; no other child is made anew."""
     cp = controlplane
     with two_replicas(cp, operator) as (active, standby):
