@@ -37,7 +37,17 @@ class LoraConfig(SpecModel):
     alpha: int = Field(
         32, ge=1, le=100_000, description="LoRA's alpha: the update is scaled by alpha / rank."
     )
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description=(
+            "Dropout on the adapter's input, for the critic's adapter. The actor runs "
+            "without dropout (PPO's ratio compares the loss's forward with pi_old's, the "
+            "ref's and the engines', none of which drop out): on models.actor.lora it is "
+            "not applied (the job logs so)."
+        ),
+    )
     target_modules: list[ModuleName] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,

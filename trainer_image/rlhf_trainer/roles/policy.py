@@ -90,6 +90,34 @@ def policy_outputs(
     return log_probs, nn.functional.pad(entropy_from_logits(entropy_logits), (1, 0))
 
 
+def without_dropout(model: nn.Module) -> nn.Module:
+    """`model` with every dropout off, in train mode as in eval mode. PPO's ratio
+    π_θ / π_old compares the loss's forward (train mode: gradient checkpointing runs
+    only there) with π_old's, and π_old, the ref and the engines drop nothing out: the
+    two must compute the same π, or the ratio is not 1 at identical weights and the clip
+    acts on noise. So neither the adapter's dropout (models.actor.lora.dropout) nor a
+    model's own (its config's attention_dropout, its nn.Dropout layers) applies to the
+    actor."""
+    for module in model.modules():
+        if isinstance(module, DROPOUTS):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            # HF attention reads it in training (a float: nn.Module's typing says Module)
+            module.attention_dropout = 0.0  # type: ignore[assignment]
+    return model
+
+
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+            nn.FeatureAlphaDropout)  # fmt: skip
+
+
+def compose(
+    after: Callable[[nn.Module], nn.Module], load: Callable[[bool], nn.Module]
+) -> Callable[[bool], nn.Module]:
+    """`load` (see `trainable.prepare_trainable`) with `after` applied to what it builds."""
+    return lambda weights: after(load(weights))
+
+
 class Actor(Trainable):
     def __init__(self, info: RankInfo, config: JobConfig) -> None:
         super().__init__(info, config)
@@ -98,7 +126,13 @@ class Actor(Trainable):
         load = partial(load_policy, config.models.actor, config.trainer.seed, torch.float32)
         if self.lora is not None:
             load = adapted(load, self.lora)  # wrapped before sharding: FSDP2 shards both
-        self.model = prepare_trainable(load, config, info.device)
+            if self.lora.dropout > 0:
+                log.warning(
+                    "models.actor.lora.dropout %g is not applied: PPO's ratio needs the "
+                    "loss's π without dropout, as π_old's",
+                    self.lora.dropout,
+                )
+        self.model = prepare_trainable(compose(without_dropout, load), config, info.device)
         # FSDP2 subclasses the model's class
         assert isinstance(self.model, PreTrainedModel | PeftModel), type(self.model)
         self.tied = bool(self.model.config.tie_word_embeddings)
