@@ -239,6 +239,25 @@ def test_the_readme_explains_every_permission() -> None:
             assert all(verb in row for verb in rule["verbs"]), (row, rule["verbs"])
 
 
+def test_with_network_policies_the_operator_reaches_the_heads_job_api_and_is_admitted() -> None:
+    """Out of the operator's pod: DNS, the API server, and the Ray heads' dashboard port in
+    the watched namespaces (how a Ray job ended, where KubeRay's verdict came late); the
+    jobs' policies admit the operator's pods there (RLHF_NETWORK_POLICY's "operator")."""
+    manifests = render("--set", "networkPolicy.enabled=true", "--set-json", 'watchNamespaces=["a"]')
+    (policy,) = of_kind(manifests, "NetworkPolicy")
+    *_, heads = policy["spec"]["egress"]
+    assert heads["ports"] == [{"protocol": "TCP", "port": 8265}]
+    (peer,) = heads["to"]
+    assert peer["podSelector"] == {"matchLabels": {"ray.io/node-type": "head"}}
+    assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == ["a"]
+    env = {e["name"]: e.get("value") for e in deployment(manifests)["containers"][0]["env"]}
+    operator = json.loads(env["RLHF_NETWORK_POLICY"])["operator"]
+    assert operator["podSelector"] == policy["spec"]["podSelector"]
+    assert operator["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "rlhf-system"}
+    }
+
+
 def test_the_manifest_scan_reports_what_is_not_excepted() -> None:
     """`make lint` passes its scan because nothing is wrong, not because nothing is seen:
     the operator's pod without its security context, and a job's pods without their

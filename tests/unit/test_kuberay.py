@@ -7,15 +7,20 @@ field by field with those releases' config/crd/bases/ray.io_rayjobs.yaml)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import http.server
 import json
+import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from rlhf_operator.api.validation import parse_job
-from rlhf_operator.controller.kuberay import KubeRayCheck, incompatibility
+from rlhf_operator.controller.kuberay import KubeRayCheck, ask_head, incompatibility
 from rlhf_operator.render.children import JobRef, render_children
 from tests.unit.conftest import EXAMPLES, load
 
@@ -104,3 +109,37 @@ def test_the_crd_is_read_again_once_a_minute_old_both_ways() -> None:
     reader.crd = crd(kuberay_1_4())  # the CRD replaced by an older one
     now[0] = 122.0
     assert check.problem(rayjob()) is not None and reader.reads == 3
+
+
+def test_a_head_that_cannot_say_is_an_error_the_reconcile_catches() -> None:
+    """ask_head raises OSError (nothing listens) or ValueError (no JSON object): the
+    reconcile takes either as no answer, and KubeRay's late Failed stands."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed on leaving: nothing listens there
+    with pytest.raises(OSError):
+        ask_head(f"http://127.0.0.1:{port}/api/jobs/x")
+    with _serving(b"[1, 2]") as url, pytest.raises(ValueError, match="answered"):
+        ask_head(url)
+    with _serving(b'{"status": "FAILED"}') as url:
+        assert ask_head(url) == {"status": "FAILED"}
+
+
+@contextlib.contextmanager
+def _serving(body: bytes) -> Iterator[str]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/api/jobs/x"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -3,6 +3,7 @@ server that keeps resourceVersions as the real one does (a stale write is a 409)
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -99,3 +100,49 @@ def test_the_timing_keeps_controller_runtimes_proportions() -> None:
     assert LeaseTiming.scaled(15) == LeaseTiming(15, 10, 2)
     timing = LeaseTiming.scaled(6)
     assert timing.retry < timing.renew_deadline < timing.duration
+
+
+class ScriptedLock:
+    """try_acquire_or_renew answers from a script: True, False, or an exception."""
+
+    def __init__(self, *answers: bool | Exception) -> None:
+        self.answers = list(answers)
+        self.timing = LeaseTiming(duration=0.3, renew_deadline=0.2, retry=0.01)
+        self.namespace, self.name, self.identity = "ns", "lease", "me"
+        self.released = False
+
+    def try_acquire_or_renew(self) -> bool:
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def release(self) -> None:
+        self.released = True
+
+
+@pytest.mark.parametrize(
+    ("script", "lost"),
+    [
+        ((False, False, True, True), False),  # waited, then leads and keeps renewing
+        ((True, True, False), True),  # another replica took it: lost at once
+        ((True, OSError("refused")), True),  # no renewal for renew_deadline: lost
+        ((True, OSError("refused"), True), False),  # one failed renewal is not a loss
+    ],
+    ids=["renewing", "taken", "unreachable", "one miss"],
+)
+def test_a_leader_that_cannot_renew_says_it_lost_the_lease(
+    script: tuple[bool | Exception, ...], lost: bool
+) -> None:
+    lock = ScriptedLock(*script)
+    elector = leader.LeaderElector(lock)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        await asyncio.wait_for(elector.acquire(), timeout=5)
+        assert elector.leading
+        await asyncio.sleep(0.5)  # past renew_deadline, many retries
+        assert elector.lost.is_set() is lost and elector.leading is not lost
+        await elector.release()
+
+    asyncio.run(scenario())
+    assert lock.released is not lost  # a lost Lease is not given up: it is not ours
