@@ -2,8 +2,9 @@
 chat template fails, or whose environment answers more than the budget holds: a
 template's error is a cut with its reason, counted like the others, never an exception
 out of the episode (a failed step, or a failed run in fully-async mode); a tool result
-is cut to multiTurn.maxObservationTokens; and no episode's row is wider than its
-token budget (multiTurn.maxTokens), whatever the environment sent.
+is cut to multiTurn.maxObservationTokens; no episode's row is wider than its token
+budget (multiTurn.maxTokens), whatever the environment sent; and the client reads an
+answer only up to its bound.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rlhf_env.protocol import Message, Start, Step
+import pytest
+
+from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
+from rlhf_env.protocol import FunctionCall, Message, Start, Step, ToolCall
 from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_env.server import app_for
 from rlhf_trainer.algo.diagnostics import EpisodeStats
@@ -150,3 +154,25 @@ def test_a_prompt_over_the_budget_is_cut_to_it() -> None:
     rollout = play(renderer, "hermes", HERMES_CALL, row, limits(64))
     assert rollout.episode is not None and rollout.episode.cut == "token_budget"
     assert width(rollout) <= 64
+
+
+def test_an_answer_over_the_clients_bound_fails_its_call_unread() -> None:
+    """The client reads an answer up to max_answer_bytes: a bigger tool result fails the
+    step as a protocol error (an episode's `environment_protocol` cut), not memory."""
+    call = ToolCall(id="call00000", function=FunctionCall(name="lookup", arguments="{}"))
+
+    async def step(size: int) -> Step:
+        with served({"answers": app_for(Answers)}) as url:
+            async with EnvironmentClient(f"{url}/answers", max_answer_bytes=64_000) as client:
+                started = await client.start({"content": "g" * size})
+                try:
+                    return await client.step(
+                        started.session, Message(role="assistant", tool_calls=[call])
+                    )
+                finally:
+                    await client.close(started.session)
+
+    assert asyncio.run(step(60_000)).messages[0].content == "g" * 60_000
+    with pytest.raises(EnvironmentCallFailed, match="its answer is over 64000 bytes") as failed:
+        asyncio.run(step(70_000))
+    assert failed.value.kind == "protocol"

@@ -39,6 +39,10 @@ Answer = TypeVar("Answer", bound=BaseModel)
 # lost (httpx.ReadError; measured against uvicorn after 4.997-4.999 s idle), and the
 # server's loop closes it later the busier it is.
 KEEPALIVE_SECONDS = 1.0
+# An answer is read at most this far: an environment that sends more (a tool result of
+# gigabytes) fails its call, as one that breaks the protocol, before it fills memory.
+MAX_ANSWER_BYTES = 32 * 2**20
+ENCODING = {"content-encoding", "content-length", "transfer-encoding"}  # of a body as sent
 
 
 # How a call failed: the connection failed or broke (the server is gone), no answer in
@@ -74,10 +78,16 @@ class EnvironmentClient:
     (connecting, sending, the environment's work, the answer); each call can override it."""
 
     def __init__(
-        self, url: str, *, timeout: float = 60.0, headers: dict[str, str] | None = None
+        self,
+        url: str,
+        *,
+        timeout: float = 60.0,
+        headers: dict[str, str] | None = None,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.max_answer_bytes = max_answer_bytes
         # httpx's own timeouts are per read or write; the deadline is ours (asyncio.timeout).
         self._http = httpx.AsyncClient(
             base_url=self.url,
@@ -156,7 +166,8 @@ class EnvironmentClient:
         deadline = self.timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(deadline):
-                response = await self._http.request(method, path, json=body)
+                request = self._http.build_request(method, path, json=body)
+                response = await self._read(call, await self._http.send(request, stream=True))
         except TimeoutError as error:
             reason = f"no answer within {deadline:g} s"
             raise EnvironmentCallFailed(call, url, reason, kind="timeout") from error
@@ -169,6 +180,30 @@ class EnvironmentClient:
         if not response.is_success:
             raise EnvironmentCallFailed(call, url, server_reason(response), response.status_code)
         return response
+
+    async def _read(self, call: str, response: httpx.Response) -> httpx.Response:
+        """The streamed `response`, read whole if it is at most max_answer_bytes."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > self.max_answer_bytes:
+                    reason = f"its answer is over {self.max_answer_bytes} bytes"
+                    raise EnvironmentCallFailed(
+                        call, str(response.url), reason, response.status_code, kind="protocol"
+                    )
+                chunks.append(chunk)
+        finally:
+            await response.aclose()
+        # Decoded already: the headers that describe the encoded body go.
+        headers = [(k, v) for k, v in response.headers.items() if k.lower() not in ENCODING]
+        return httpx.Response(
+            response.status_code,
+            headers=headers,
+            content=b"".join(chunks),
+            request=response.request,
+        )
 
 
 def server_reason(response: httpx.Response) -> str:
