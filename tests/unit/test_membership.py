@@ -33,6 +33,7 @@ from rlhf_trainer.loop.weights import EnginesStuck, SyncFailure, WeightSync
 from rlhf_trainer.rollout.push_verdict import PushFailed
 from rlhf_trainer.rollout.sync_deadlines import Stall
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
+from rlhf_trainer.telemetry.report import failure_line
 from rlhf_trainer.telemetry.timeline import Timeline
 from rlhf_trainer.worker import Worker
 
@@ -503,6 +504,23 @@ def test_a_stall_while_a_loss_is_mended_is_dropped_too() -> None:
     assert m.serving == (2, 3) and m.engines.by_bundle == {slot(0): 1, slot(1): 1}
     registry = m.engines.metrics.registry
     assert registry.get_sample_value("rlhf_weight_sync_failures_total", {"phase": "init"}) == 1
+
+
+def test_a_stall_that_comes_back_in_its_bundle_fails_the_run_naming_it() -> None:
+    """Engine 0 stalls in a push, and so does its replacement (rank 1, the same bundle)
+    as it is given the weights: past maxEngineRestarts, the run fails, and the line the
+    job's status gives (failure_line) names the engine, the phase and the bytes."""
+    m = machine(Replacement.IN_PLACE, engines=1, max_restarts=1)
+    m.world.on("push", stalled(0), stalled(1, phase="finish"))
+    with pytest.raises(EngineRestartsExhausted) as failed:
+        m.engines.surviving(lambda: m.weights.push(4), "the push", Exception)
+    assert failure_line(failed.value).startswith(
+        "EngineRestartsExhausted: rollout rank(s) 1 on pool gen missed the finish deadline "
+        "of a weight sync with 64 of 256 bytes moved"
+    )
+    registry = m.engines.metrics.registry
+    for phase in ("bucket", "finish"):
+        assert registry.get_sample_value("rlhf_weight_sync_failures_total", {"phase": phase}) == 1
 
 
 def test_the_table_has_a_row_for_every_event_each_state_can_meet() -> None:

@@ -329,8 +329,9 @@ class EngineMembership:
         where = self.slots_of(lost.ranks)
         if not where:  # none of them serves or starts: not the membership's to mend
             raise RuntimeError(f"{lost}, but none of them serves or starts")
-        self.count_lost(RanksLost(Role.ROLLOUT, lost.pool, list(where)), list(where.values()),
-                        counted)  # fmt: skip
+        if set(where) != set(lost.ranks):  # else in its own words (EnginesStalled's)
+            lost = RanksLost(Role.ROLLOUT, lost.pool, list(where))
+        self.count_lost(lost, [where[rank] for rank in lost.ranks], counted)
         gone = serving.without(serving.without(list(where)).ranks)
         starting = [group for group in self.awaiting if set(group.ranks) & set(where)]
         for group in [gone, *starting]:
