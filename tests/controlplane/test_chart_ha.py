@@ -101,11 +101,12 @@ def test_two_replicas_from_the_chart_elect_one_leader_and_hand_over_when_its_pod
     manifest = cp.helm("get", "manifest", release.name, "-n", release.namespace).stdout
     (deployment,) = of_kind([d for d in yaml.safe_load_all(manifest) if d], "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    replicas = {
-        pod: OperatorProcess(cp, f"{release.name}-{pod}", *container["args"],
-                             kubeconfig=release.kubeconfig, env=chart_env(container, pod))
-        for pod in pods
-    }  # fmt: skip
+
+    def replica_for(pod: str) -> OperatorProcess:
+        return OperatorProcess(cp, f"{release.name}-{pod}", *container["args"],
+                               kubeconfig=release.kubeconfig, env=chart_env(container, pod))  # fmt: skip
+
+    replicas = {pod: replica_for(pod) for pod in pods}
     try:
         for replica in replicas.values():
             replica.start()  # ready: a standby is ready to take over
@@ -141,6 +142,20 @@ def test_two_replicas_from_the_chart_elect_one_leader_and_hand_over_when_its_pod
         assert all(len(now[kind]) == 2 * len(children[kind]) for kind in CHILD_KINDS), now
         assert made_by_leader == creates(standby), (made_by_leader, creates(standby))
         assert made_by_leader["create RayJob"] == 1
+
+        # The pod the ReplicaSet made in place of the deleted one: a standby now, which a
+        # SIGTERM stops at once (it leaves kopf's startup, holding nothing).
+        (new_pod,) = eventually(
+            lambda: [p for p in operator_pods(cp, release) if p not in pods] or None,
+            "the deleted pod's replacement",
+        )
+        replicas[new_pod] = third = replica_for(new_pod).start()
+        eventually(lambda: "waiting to lead" in third.log(), "the new pod to wait")
+        assert holder(cp, release) == standby_pod and third.metric(RECONCILES) == 0
+        stopping = time.monotonic()
+        third.stop()
+        assert third.proc is not None and third.proc.returncode != -signal.SIGKILL
+        assert time.monotonic() - stopping < 10, third.log()[-2000:]
     finally:
         for replica in replicas.values():
             replica.stop()
