@@ -40,6 +40,8 @@ from tests.chat_families import (
     template_text,
     tokenizer_of,
 )
+from tests.conftest import needs
+from tests.real_model import real_model_dir
 
 NOW = datetime(2026, 12, 6, 23, 59, 59)  # the job's start, a second before midnight
 QUESTION = [Message(role="user", content="What is the value of the key 'lime'?")]
@@ -93,7 +95,7 @@ def play(family: Family, renderer: ChatRenderer) -> tuple[Trajectory, list[int],
     return trajectory, tool_ids, assistant
 
 
-def whole_conversation(family: Family, assistant: Message) -> str:
+def whole_conversation(family: Family, assistant: Message, tokenizer: Any = None) -> str:
     """The conversation rendered whole, as vLLM renders a request from its messages."""
     if family.calls_as_content:  # SmolLM2's template renders an assistant's content only
         assistant = Message(role="assistant", content=family.call)
@@ -104,7 +106,7 @@ def whole_conversation(family: Family, assistant: Message) -> str:
         Message(role="tool", tool_call_id=call_id, content="green"),
         Message(role="assistant", content=family.answer),
     ]
-    text: str = tokenizer_of(family).apply_chat_template(
+    text: str = (tokenizer or tokenizer_of(family)).apply_chat_template(
         [template_message(m) for m in messages],
         tools=[LOOKUP.model_dump(exclude_none=True)],
         chat_template=template_text(family.template),
@@ -249,3 +251,32 @@ def test_gemma_ends_a_turn_with_end_of_turn_not_eos() -> None:
 def test_a_role_the_template_refuses_is_a_render_failure_naming_it() -> None:
     with pytest.raises(RenderFailed, match=r"gemma2: its chat template failed: .*alternate"):
         gemma2().observation_ids([Message(role="tool", tool_call_id="call00000", content="x")])
+
+
+@needs(
+    None
+    if (real_model_dir() / "tokenizer.json").exists()
+    else f"no SmolLM2 tokenizer at {real_model_dir()} (make real-model)"
+)
+def test_a_real_instruct_models_tokenizer_takes_another_familys_template() -> None:
+    """multiTurn.chatTemplate on a real model: SmolLM2's own BPE (ChatML's tokens, a
+    template that renders no tools) with Qwen3's template, thinking off. The appended
+    text is what the template renders for the whole conversation, and the appended ids
+    are that text's. (Encoding the whole render at once gives other ids at the seams
+    where a turn follows the generation prompt's "\n\n": the drift the trainer avoids
+    by never re-tokenising.)"""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir())
+    family = qwen(kwargs={"enable_thinking": False})
+    renderer = ChatRenderer(tokenizer, "SmolLM2 with Qwen3's template",
+                            template=template_text("qwen3"), template_kwargs=family.kwargs)  # fmt: skip
+    assert "<tools>" in tokenizer.decode(renderer.prompt_ids(QUESTION, [LOOKUP]))
+    trajectory, tool_ids, assistant = play(family, renderer)
+    whole = whole_conversation(family, assistant, tokenizer)
+    text = tokenizer.decode(trajectory.token_ids, skip_special_tokens=False)
+    assert as_served(family, text, assistant.tool_calls[0].id) + "\n" == whole
+    observed = tokenizer.decode(tool_ids, skip_special_tokens=False)
+    start = whole.rindex("</tool_call><|im_end|>") + len("</tool_call><|im_end|>")
+    assert whole[start : start + len(observed)] == observed
+    assert tool_ids == encode(tokenizer, observed)
