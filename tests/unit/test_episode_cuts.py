@@ -22,6 +22,7 @@ from rlhf_trainer.algo.diagnostics import EpisodeStats
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.rollout.chat_template import ChatRenderer
 from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
+from rlhf_trainer.rollout.trajectory import UnknownToolParser
 from tests.chat_families import (
     GEMMA,
     HERMES_CALL,
@@ -176,3 +177,9 @@ def test_an_answer_over_the_clients_bound_fails_its_call_unread() -> None:
     with pytest.raises(EnvironmentCallFailed, match="its answer is over 64000 bytes") as failed:
         asyncio.run(step(70_000))
     assert failed.value.kind == "protocol"
+
+
+def test_a_parser_name_vllm_does_not_know_fails_the_runner_not_each_episode() -> None:
+    replicas = EnvironmentReplicas("http://127.0.0.1:9")
+    with pytest.raises(UnknownToolParser, match=r"'hermez'.*hermes"):
+        EpisodeRunner(replicas, qwen2_5(), "hermez", limits(64))

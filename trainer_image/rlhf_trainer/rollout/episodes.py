@@ -134,6 +134,9 @@ class EpisodeRunner:
         self.renderer = renderer
         self.tool_parser = tool_parser
         self.limits = limits
+        # A parser name vLLM does not know, or one the tokenizer cannot serve, fails the
+        # job here, once, rather than every episode later.
+        ToolCallParser(tool_parser, renderer.tokenizer, [])
 
     async def run(self, row: dict[str, Any], generate: GenerateTurn, version: int) -> Rollout:
         """One episode of `row`, to its end or its cut (never raises for the

@@ -185,9 +185,13 @@ class ToolCallParser:
             raise UnknownToolParser(f"no tool parser {name!r}; vLLM knows {', '.join(known)}")
         # Parsers read the request's tools (some check names against them); a request
         # with no messages is the smallest one vLLM accepts.
-        self._request = ChatCompletionRequest.model_validate(
-            {"messages": [], "tools": [t.model_dump(exclude_none=True) for t in tools] or None}
-        )
+        described = [t.model_dump(exclude_none=True) for t in tools] or None
+        try:
+            self._request = ChatCompletionRequest.model_validate(
+                {"messages": [], "tools": described}
+            )
+        except ValueError as failed:  # pydantic's ValidationError: tools vLLM refuses
+            raise ToolParseFailed(f"the environment's tools: {failed}") from failed
         parser_class = ToolParserManager.get_tool_parser(name)
         self._parser = parser_class(tokenizer, list(self._request.tools or []))
 
