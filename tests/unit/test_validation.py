@@ -433,7 +433,7 @@ def test_an_output_on_a_claim_every_pod_mounts_is_accepted_and_handed_to_the_tra
     config = parse_job(local_job).spec.job_config()
     assert cel_errors(local_job) == []
     assert config.output is not None and config.output.path == output["path"]
-    assert config.output.dtype == output.get("dtype", "bf16")
+    assert config.output.dtype == output.get("dtype")  # unset: the export's default
     assert config.trainer.export.every_steps == 5
     assert "claim" not in config.model_dump(by_alias=True)["output"]  # the operator's part
 

@@ -4,7 +4,8 @@
 `export_checkpoint` converts a committed checkpoint's actor (torch.distributed.checkpoint
 shards, written by any number of ranks) into safetensors weights, config.json,
 generation_config.json and the tokenizer (with its chat template where the model has
-one), in bf16 or fp32. It reads the shards in this one process, with no process group,
+one), in bf16 or fp32 (the default: fp32 for a LoRA adapter merged into its base, bf16
+otherwise). It reads the shards in this one process, with no process group,
 no Ray and no GPU: on a laptop or in a pod.
 
 The architecture and the tokenizer come from the job's actor model (`models.actor`): a
@@ -43,6 +44,7 @@ from rlhf_trainer.roles.hf_export import (
     Export,
     ExportError,
     check_target,
+    export_dtype,
     write_policy,
 )
 
@@ -52,23 +54,26 @@ MODEL_KEY = "model."  # the role's state is {"model": …, "optimizer": …} (sa
 def export_checkpoint(
     source: Path,
     target: Path,
-    dtype: str = DEFAULT_DTYPE,
+    dtype: str | None = None,
     config: JobConfig | None = None,
     adapter: bool = False,
 ) -> Export:
     """Write the actor of the committed checkpoint `source` as a Hugging Face directory
     at `target`, replacing a previous export there whole. `config`: the job's config,
     for a checkpoint that does not hold it. A LoRA'd actor's checkpoint holds its
-    adapter: merged into the base the spec names, or (`adapter`) written alone."""
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    adapter: merged into the base the spec names, or (`adapter`) written alone. `dtype`
+    None: fp32 for a merged adapter, else bf16 (`hf_export.export_dtype`)."""
     step = committed_step(source)
     job = job_config(source, config)
     actor, seed = job.models.actor, job.trainer.seed
+    dtype = export_dtype(dtype, actor, adapter)
     check_target(target)  # an unwritable target fails before the long part
     weights = read_actor_weights(source / Role.ACTOR)
     origin = str(source / Role.ACTOR)
-    return write_policy(weights, actor, target, dtype, step, origin, seed=seed, adapter=adapter)
+    return write_policy(
+        weights, actor, target, dtype, step, origin, seed=seed, adapter=adapter,
+        dtype_field="--dtype",
+    )  # fmt: skip
 
 
 def committed_step(source: Path) -> int:
@@ -131,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlhf_trainer.export", description=__doc__)
     parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT")
     parser.add_argument("directory", type=Path, metavar="DIR")
-    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE)
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help=f"default: fp32 for a LoRA adapter merged into its base, else {DEFAULT_DTYPE}",
+    )
     parser.add_argument(
         "--adapter", action="store_true", help="a LoRA'd actor's adapter alone, not merged"
     )

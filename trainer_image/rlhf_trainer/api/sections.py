@@ -302,7 +302,15 @@ class OutputConfig(SpecModel):
             "replacing the previous export only once complete."
         ),
     )
-    dtype: Literal["bf16", "fp32"] = Field("bf16", description="The weights' dtype.")
+    dtype: Literal["bf16", "fp32"] | None = Field(
+        None,
+        description=(
+            "The weights' dtype. Unset: fp32 for a LoRA adapter merged into its base "
+            "(models.actor.lora with lora: merged; bf16 rounds W + BA back toward W and "
+            "loses most of a small update, and the export logs how much when asked for "
+            "it), bf16 otherwise."
+        ),
+    )
     lora: Literal["merged", "adapter"] = Field(
         "merged",
         description=(

@@ -32,10 +32,11 @@ from rlhf_trainer.api.sections import ModelSource, TrainedModel
 from rlhf_trainer.models import COMPUTE_DTYPE, load_tokenizer, model_config
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.lora import adapter_of, with_trained_adapter
+from rlhf_trainer.roles.lora_merge import merged_policy
 from rlhf_trainer.roles.trainable import load_policy
 
 DTYPES = tuple(COMPUTE_DTYPE)  # "fp32", "bf16"
-DEFAULT_DTYPE = "bf16"
+DEFAULT_DTYPE = "bf16"  # but fp32 for a merged LoRA adapter (see export_dtype)
 STAGING_PREFIX = ".tmp-"  # + the export's name: being written
 REPLACED_PREFIX = ".old-"  # + the export's name: the previous export, being replaced
 
@@ -58,23 +59,24 @@ def write_policy(
     weights: dict[str, Tensor],
     actor: TrainedModel,
     target: Path,
-    dtype: str,
+    dtype: str | None,
     step: int,
     origin: str,
     *,
     seed: int,
     adapter: bool = False,
+    dtype_field: str = "output.dtype",
 ) -> Export:
     """Write `weights` (the whole actor, by their model names) as a Hugging Face
-    directory at `target`, replacing a previous export there whole. `origin` names where
-    the weights came from, in errors.
+    directory at `target`, replacing a previous export there whole, in `dtype` (None:
+    `export_dtype`'s default). `origin` names where the weights came from, in errors;
+    `dtype_field` where the dtype was asked for, in the warning of a bf16 merge.
 
     With `actor.lora`, `weights` are the adapter's alone (what trains): the base is
     built again from the spec's model (a tiny one from `seed`) and the adapter merged
-    into it, or, `adapter`, written alone in peft's format for `vllm serve BASE
-    --enable-lora` (no base, no tokenizer: the base's are those)."""
-    if dtype not in COMPUTE_DTYPE:
-        raise ExportError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    into it in fp32 (roles.lora_merge), or, `adapter`, written alone in peft's format
+    for `vllm serve BASE --enable-lora` (no base, no tokenizer: the base's are those)."""
+    dtype = export_dtype(dtype, actor, adapter)
     if adapter and actor.lora is None:
         raise ExportError(f"{origin}: only a LoRA'd actor (models.actor.lora) has an adapter")
     staging = start_export(target)
@@ -88,13 +90,25 @@ def write_policy(
             if adapter:
                 adapter_of(lora_policy, weights, COMPUTE_DTYPE[dtype]).write(staging)
             else:
-                merged = lora_policy.merge_and_unload()
+                merged = merged_policy(lora_policy, COMPUTE_DTYPE[dtype], f"{dtype_field} {dtype}")
                 write_hf_directory(merged, actor, COMPUTE_DTYPE[dtype], staging)
         finish_export(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Export(target, step, dtype, adapter)
+
+
+def export_dtype(dtype: str | None, actor: TrainedModel, adapter: bool) -> str:
+    """The dtype asked for, else the default: fp32 for a LoRA adapter merged into its
+    base (in bf16, W + BA rounds back toward W and a small update is lost:
+    roles.lora_merge), bf16 for anything else (a whole model that trained all its
+    weights, an adapter written alone)."""
+    if dtype is None:
+        return "fp32" if actor.lora is not None and not adapter else DEFAULT_DTYPE
+    if dtype not in COMPUTE_DTYPE:
+        raise ExportError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return dtype
 
 
 def adapted_policy(

@@ -245,7 +245,9 @@ class Actor(Trainable):
         if files is not None:
             self.engines.wait(self.engines.submit("load_adapter", files, version))
 
-    def export(self, directory: str, dtype: str, step: int, adapter: bool = False) -> Export | None:
+    def export(
+        self, directory: str, dtype: str | None, step: int, adapter: bool = False
+    ) -> Export | None:
         """Write the policy as a Hugging Face directory at `directory` (roles.hf_export):
         every rank's shards of what trains (LoRA: the adapter) are gathered to rank 0,
         which writes them. A collective of the actor's ranks; rank 0 returns the export,
