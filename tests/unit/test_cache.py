@@ -143,3 +143,47 @@ def test_an_object_deleted_at_once_leaves_the_cache_but_a_newer_one_by_its_name_
     kube.delete("Pod", "ns", "new", uid="u1")  # the newer pod "new" is not the one asked
     assert not cache.holds("Pod", "ns", "old")
     assert cache.holds("Pod", "ns", "new")
+
+
+def test_an_answer_older_than_a_deletion_does_not_bring_the_object_back() -> None:
+    """A write's answer (version 5) that returns after the watch said the object was
+    deleted (at 6) is older than the deletion's tombstone: the object stays gone. One
+    made again by the same name (version 9) is newer and is held."""
+    cache = ObjectCache(frozenset({"Pod"}))
+    cache.observe("Pod", "ADDED", pod("p", 4))
+    assert cache.observe("Pod", "DELETED", pod("p", 6))
+    assert not cache.observe("Pod", None, pod("p", 5))  # the write's answer, late
+    assert not cache.observe("Pod", "MODIFIED", pod("p", 6))
+    assert not cache.holds("Pod", "ns", "p")
+    assert cache.observe("Pod", "ADDED", pod("p", 9, uid="new"))
+    assert (cache.get("Pod", "ns", "p") or {})["metadata"]["uid"] == "new"
+    cache.forget("Pod", "ns", "p")  # the API server said 404: buried at what was held
+    assert not cache.observe("Pod", "MODIFIED", pod("p", 9, uid="new"))
+
+
+def test_a_listing_replaces_what_the_cache_holds_in_its_namespace() -> None:
+    """A re-list at version 20: `gone` (deleted in the watch's gap) is dropped, `changed`
+    is updated, `fresh` (seen after the listing, at 21) and the other namespace's pod are
+    kept; an event of the gap about `gone` arriving late cannot bring it back. The
+    changes are returned: they name the jobs to reconcile."""
+    cache = ObjectCache(frozenset({"Pod"}))
+    for obj in (pod("same", 3), pod("gone", 4, job="b"), pod("changed", 5), pod("fresh", 21),
+                pod("elsewhere", 2, namespace="other")):  # fmt: skip
+        cache.observe("Pod", "ADDED", obj)
+    changed = cache.replace("Pod", "ns", [pod("same", 3), pod("changed", 12)], version=20)
+    assert sorted((o["metadata"]["name"], o["metadata"]["resourceVersion"]) for o in changed) == [
+        ("changed", "12"),
+        ("gone", "4"),
+    ]
+    assert sorted(o["metadata"]["name"] for o in cache.list("Pod", "ns", "rlhf.dev/job=a")) == [
+        "changed",
+        "fresh",
+        "same",
+    ]
+    assert cache.holds("Pod", "other", "elsewhere")
+    assert not cache.observe("Pod", "MODIFIED", pod("gone", 7, job="b"))
+    assert cache.replace("Pod", "ns", [pod("same", 3), pod("changed", 12)], 20) == []
+    assert cache.replace("Pod", "ns", [pod("same", 3), pod("changed", 12)], 30) == [
+        pod("fresh", 21) | {"kind": "Pod"}
+    ]  # not in a listing newer than it: gone too, by then
+    assert sorted(cache.namespaces("Pod")) == ["ns", "other"]

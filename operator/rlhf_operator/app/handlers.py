@@ -26,6 +26,7 @@ from rlhf_operator.controller.cache import CachedKube, ObjectCache
 from rlhf_operator.controller.kube import KINDS, load_config
 from rlhf_operator.controller.leader import LeaderElector
 from rlhf_operator.controller.reconcile import CHILD_REQUESTS, Reconciler
+from rlhf_operator.controller.relist import Relister, Relists
 from rlhf_operator.controller.workqueue import Key, WorkQueue
 from rlhf_operator.render.children import JOB_LABEL
 from rlhf_operator.render.network import NetworkAccess
@@ -53,6 +54,8 @@ CHILD_KINDS = [
 ]
 KIND_OF = {kind.plural: name for name, kind in KINDS.items()}  # "pods" -> "Pod"
 CACHED_KINDS = frozenset({"RLHFJob", *(KIND_OF[plural] for _, _, plural in CHILD_KINDS)})
+# What each kind's watch handler takes, as a label selector (relist.py lists the same).
+SELECTORS = {"RLHFJob": "", **{KIND_OF[plural]: JOB_LABEL for _, _, plural in CHILD_KINDS}}
 NETWORK = NetworkAccess.from_env()  # the chart's networkPolicy values, if enabled
 
 
@@ -102,6 +105,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     if problem is not None:
         log.warning("%s; jobs wait (Pending, KubeRayIncompatible) until it is", problem)
     memo.workers = [asyncio.create_task(_work(memo)) for _ in range(WORKERS)]
+    relister = Relister(kube, memo.cache, SELECTORS)
+    memo.relists = Relists(relister, memo.executor, memo.queue.add)
+    memo.relist_period = asyncio.create_task(memo.relists.every())
 
 
 async def _serve_probes(memo: kopf.Memo) -> None:
@@ -133,8 +139,11 @@ async def _exit_when_lost(elector: LeaderElector) -> None:
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    for worker in memo.get("workers", []):
-        worker.cancel()
+    for task in [*memo.get("workers", []), memo.get("relist_period")]:
+        if task is not None:
+            task.cancel()
+    if "relists" in memo:
+        memo.relists.close()
     if "executor" in memo:
         memo.executor.shutdown(wait=False, cancel_futures=True)
     elector: LeaderElector | None = memo.get("elector")
@@ -162,6 +171,8 @@ async def _reconciles_ended(memo: kopf.Memo, timeout: float = 10) -> bool:
 async def job_changed(event: kopf.RawEvent, name: str, namespace: str, memo: kopf.Memo,
                       **_: Any) -> None:  # fmt: skip
     memo.cache.observe("RLHFJob", event["type"], event["object"])
+    if event["type"] is None:  # a listing's: it says nothing of what went in a gap
+        memo.relists.ask_all()
     if event["type"] == "DELETED":
         memo.gauges.observe(namespace, name, None)
     else:  # a job with no status yet is new: its RayJob is still to be made
@@ -172,6 +183,8 @@ def child_changed(kind: str) -> Any:
     async def changed(event: kopf.RawEvent, labels: kopf.Labels, namespace: str,
                       memo: kopf.Memo, **_: Any) -> None:  # fmt: skip
         memo.cache.observe(kind, event["type"], event["object"])
+        if event["type"] is None:  # a listing's: it says nothing of what went in a gap
+            memo.relists.ask_all()
         # Only a job the cache holds: its own events bring the rest (its listing at
         # start-up, its creation), and once it is deleted its children's going needs
         # no reconcile (each would ask the API server for the job again).

@@ -12,6 +12,12 @@ A get that misses asks the API server: an object made since the last event, or n
 listed while the operator starts. A list is answered from memory alone: at start-up,
 before kopf has listed everything, it may see fewer pods for a moment, and the events
 that follow bring the reconcile that sees them.
+
+A watch can miss deletions: after a 410 Gone (or an API server restart) kopf lists
+again and sends every object that exists, but no DELETED for what went in the gap.
+`replace` takes an authoritative listing (relist.py) and drops what it lacks. A deletion
+leaves a tombstone at its resourceVersion, so an older event or write answer that
+arrives after it cannot bring the object back.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from typing import Any
 from rlhf_operator.controller.kube import MERGE_PATCH, Kube, Obj
 
 DELETED = "DELETED"
+# Tombstones kept per kind (the oldest go first): enough for every deletion of a burst
+# of jobs to outlive the stale answers in flight about it.
+MAX_TOMBSTONES = 10_000
 
 
 @dataclass(frozen=True)
@@ -31,15 +40,25 @@ class _Stored:
     """One object as JSON: a tenth of the memory of its dicts, and each read parses a
     fresh copy (the reconcile may change what it reads)."""
 
+    namespace: str
+    name: str
     version: int  # its resourceVersion as a number (etcd's revision); -1 if none
     labels: dict[str, str]
     json: str
 
     @classmethod
-    def of(cls, obj: Obj) -> _Stored:
-        version = str(obj["metadata"].get("resourceVersion") or "")
-        labels = dict(obj["metadata"].get("labels") or {})
-        return cls(int(version) if version.isdigit() else -1, labels, json.dumps(obj))
+    def of(cls, kind: str, obj: Obj) -> _Stored:
+        # A list's items carry no kind. managedFields (who set which field) are often an
+        # object's largest part, and never read.
+        meta = {k: v for k, v in obj["metadata"].items() if k != "managedFields"}
+        version = str(meta.get("resourceVersion") or "")
+        return cls(
+            meta["namespace"],
+            meta["name"],
+            int(version) if version.isdigit() else -1,
+            dict(meta.get("labels") or {}),
+            json.dumps({**obj, "kind": kind, "metadata": meta}),
+        )
 
     def object(self) -> Obj:
         obj: Obj = json.loads(self.json)
@@ -66,26 +85,66 @@ class ObjectCache:
         self._lock = threading.Lock()
         # kind -> namespace -> name -> object
         self._objects: dict[str, dict[str, dict[str, _Stored]]] = {kind: {} for kind in kinds}
+        # kind -> (namespace, name) -> the resourceVersion it was deleted at, or after
+        self._tombstones: dict[str, dict[tuple[str, str], int]] = {kind: {} for kind in kinds}
 
-    def observe(self, kind: str, event_type: str | None, obj: Obj) -> None:
-        """A watch event (`event_type` None: kopf's initial listing) or a write's answer."""
-        # A list's items carry no kind. managedFields (who set which field) are often an
-        # object's largest part, and never read.
-        meta = {k: v for k, v in obj["metadata"].items() if k != "managedFields"}
-        stored = _Stored.of({**obj, "kind": kind, "metadata": meta})
+    def observe(self, kind: str, event_type: str | None, obj: Obj) -> bool:
+        """A watch event (`event_type` None: a listing's) or a write's answer; whether it
+        changed what the cache holds."""
         with self._lock:
-            names = self._objects[kind].setdefault(meta["namespace"], {})
-            known = names.get(meta["name"])
-            if known is not None and stored.version < known.version:
-                return  # older than what a write already stored
-            if event_type == DELETED:
-                names.pop(meta["name"], None)
-            else:
-                names[meta["name"]] = stored
+            return self._observe(kind, event_type, _Stored.of(kind, obj))
+
+    def _observe(self, kind: str, event_type: str | None, stored: _Stored) -> bool:
+        namespace, name = stored.namespace, stored.name
+        names = self._objects[kind].setdefault(namespace, {})
+        known = names.get(name)
+        if known is not None and stored.version < known.version:
+            return False  # older than what a write already stored
+        if event_type == DELETED:
+            self._bury(kind, namespace, name, stored.version)
+            return names.pop(name, None) is not None
+        buried = self._tombstones[kind].get((namespace, name))
+        if buried is not None:
+            if stored.version <= buried:
+                return False  # an answer about the object before it was deleted
+            del self._tombstones[kind][(namespace, name)]  # a newer one by its name
+        names[name] = stored
+        return known is None or known.version != stored.version
+
+    def _bury(self, kind: str, namespace: str, name: str, version: int) -> None:
+        graves = self._tombstones[kind]
+        graves[(namespace, name)] = max(version, graves.pop((namespace, name), -1))
+        if len(graves) > MAX_TOMBSTONES:
+            del graves[next(iter(graves))]
 
     def forget(self, kind: str, namespace: str, name: str) -> None:
+        """The API server said the object is gone: what the cache held is buried."""
         with self._lock:
-            self._objects[kind].get(namespace, {}).pop(name, None)
+            known = self._objects[kind].get(namespace, {}).pop(name, None)
+            if known is not None:
+                self._bury(kind, namespace, name, known.version)
+
+    def replace(self, kind: str, namespace: str, listed: list[Obj], version: int) -> list[Obj]:
+        """An authoritative listing of `kind` in `namespace`, taken at resourceVersion
+        `version`: what the cache holds there and the listing lacks is dropped (unless
+        seen after the listing), and what it has is observed. Returns what changed: the
+        objects dropped, as they were, and those new or newer."""
+        changed = []
+        with self._lock:
+            for stored in (_Stored.of(kind, obj) for obj in listed):
+                if self._observe(kind, None, stored):
+                    changed.append(stored.object())
+            names = self._objects[kind].get(namespace, {})
+            present = {obj["metadata"]["name"] for obj in listed}
+            for name in [n for n, s in names.items() if n not in present and s.version <= version]:
+                changed.append(names.pop(name).object())
+                self._bury(kind, namespace, name, version)
+        return changed
+
+    def namespaces(self, kind: str) -> list[str]:
+        """The namespaces the cache holds objects of `kind` in."""
+        with self._lock:
+            return [namespace for namespace, names in self._objects[kind].items() if names]
 
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         with self._lock:

@@ -17,6 +17,7 @@ from prometheus_client import Counter
 from rlhf_operator.api.job import API_VERSION, PLURAL
 
 Obj = dict[str, Any]
+Objs = list[Obj]  # named out here: inside Kube, `list` is its method
 
 
 @dataclass(frozen=True)
@@ -173,12 +174,17 @@ class Kube:
         return left if "deletionTimestamp" in left.get("metadata", {}) else None
 
     def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        return self.listing(kind, namespace, label_selector)[0]
+
+    def listing(self, kind: str, namespace: str, label_selector: str) -> tuple[Objs, int]:
+        """From the API server: the objects, and the resourceVersion the list was taken
+        at (etcd's revision; every object in it is at or below it)."""
         REQUESTS.labels("list", kind).inc()
         found = self._call(
             "GET", KINDS[kind].path(namespace), query=[("labelSelector", label_selector)]
         )
-        items: list[Obj] = found.get("items", [])
-        return items
+        items: Objs = found.get("items", [])
+        return items, int(found["metadata"]["resourceVersion"])
 
 
 def _namespace_terminating(error: ApiException) -> bool:
