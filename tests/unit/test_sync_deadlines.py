@@ -15,6 +15,7 @@ from rlhf_trainer.loop.weights import EnginesStalled, SyncFailure, WeightSync
 from rlhf_trainer.rollout.push_verdict import PushFailed
 from rlhf_trainer.rollout.sync_deadlines import (
     ASSUMED_BYTES_PER_S,
+    PHASE_FLOOR_S,
     SLACK,
     Stall,
     SyncClock,
@@ -76,8 +77,17 @@ def test_the_bytes_of_an_update_come_from_our_bucket_or_vllms_names_dtypes_and_s
     assert call_bytes("start_weight_update", ()) == 0
 
 
+def test_a_phase_that_moves_little_waits_the_floor_not_the_jobs_timeout() -> None:
+    """The job's timeout is the ceiling: a stalled start is seen after PHASE_FLOOR_S,
+    not 600 s; a timeout under the floor is the floor too."""
+    assert SyncClock(ceiling_s=600).deadline_s("start_weight_update", 0) == PHASE_FLOOR_S
+    assert SyncClock(ceiling_s=5).deadline_s("start_weight_update", 0) == 5
+    huge = 10**15  # a whole model in one NCCL update, at the assumed rate: the ceiling
+    assert SyncClock(ceiling_s=600).deadline_s("update_weights", huge) == 600
+
+
 def test_the_clock_sizes_buckets_by_their_bytes_and_the_finish_by_the_push() -> None:
-    clock = SyncClock(floor_s=10, ceiling_s=1000)
+    clock = SyncClock(ceiling_s=1000, floor_s=10)
     bucket = {"nbytes": 400 * MB, "model_bytes": 800 * MB}
     assert clock.sent("start_weight_update", (), push_bytes=0) == 0
     assert clock.deadline_s("start_weight_update", 0) == 10  # the floor

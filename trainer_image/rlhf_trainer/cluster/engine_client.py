@@ -34,14 +34,12 @@ class Sent:
 class EngineGroupClient(EngineFanOut):
     """vLLM's `VLLMWeightSyncClient`, fanned out to the rollout group's engines."""
 
-    def __init__(
-        self, engines: WorkerGroup, timeout_s: float, workers_per_engine: int, ceiling_s: float
-    ) -> None:
+    def __init__(self, engines: WorkerGroup, timeout_s: float, workers_per_engine: int) -> None:
         # Without the driver's futures of the group (`ready`): only the handles travel.
         self.engines = WorkerGroup(engines.role, engines.slots, engines.hosts, [], engines.ranks)
         self.timeout_s = timeout_s
         self.workers_per_engine = workers_per_engine
-        self.clock = SyncClock(floor_s=timeout_s, ceiling_s=ceiling_s)
+        self.clock = SyncClock(ceiling_s=timeout_s)  # each phase within the timeout
 
     @property
     def engine_count(self) -> int:

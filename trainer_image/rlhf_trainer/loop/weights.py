@@ -10,7 +10,7 @@ The transfer is set up once, at the start of a run. The actor's other ranks take
 only in gathering each tensor whole (an FSDP collective).
 
 No silent hangs: each phase of a sync (init, start, each bucket, finish) has a deadline
-sized from the bytes it moves, at least `timeout_s` (`rollout.sync_deadlines`); past it
+sized from the bytes it moves, at most `timeout_s` (`rollout.sync_deadlines`); past it
 the actor's rank 0 fails the push naming the engines still in it, the phase and the
 bytes moved, and the driver hands those engines back as lost (EnginesStalled), to
 replace. The transfer's own collectives wait longer (`group_timeout_s`), so that the
@@ -49,11 +49,6 @@ log = logging.getLogger(__name__)
 def group_timeout_s(timeout_s: float) -> float:
     """How long the transfer's collectives wait: well past the engine calls' own wait."""
     return 2 * timeout_s + 60
-
-
-def phase_ceiling_s(timeout_s: float) -> float:
-    """The longest a phase of a sync may take: a minute inside the collectives' wait."""
-    return group_timeout_s(timeout_s) - 60
 
 
 class EnginesStalled(RanksLost):
@@ -157,9 +152,7 @@ class WeightSync:
             host, port, self.rollout.world_size, remote, self.bucket_bytes,
             group_timeout_s(self.timeout_s), built.backend, built.workers,
         )  # fmt: skip
-        client = EngineGroupClient(
-            self.rollout, self.timeout_s, built.workers, phase_ceiling_s(self.timeout_s)
-        )
+        client = EngineGroupClient(self.rollout, self.timeout_s, built.workers)
         join(self.actor.run("open_weight_transfer", setup, client), self.driver_wait_s)
         self.opened = True
 

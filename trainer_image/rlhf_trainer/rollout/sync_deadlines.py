@@ -6,13 +6,14 @@ per transfer), `start`, one `bucket` per update call, and `finish`. Each phase m
     min(ceiling, max(floor, SLACK x bytes / rate))
 
 where `rate` is the bytes per second the engines' bucket calls have taken so far (an
-assumed rate counts as PRIOR_S of them, before any is measured), `floor` is the job's
-`trainer.weightSyncTimeoutSeconds` (a phase that moves little still gets all of it) and
-`ceiling` keeps every phase inside the transfer's own collectives' wait
-(`loop.weights.group_timeout_s`), so that the engine calls, which can name the engine,
-are what report. `finish` is sized from the whole push (vLLM's layerwise reload
-finishes every layer there). A phase past its deadline is a `Stall`: the engines (rank,
-pool) still in it, the phase, and the bytes moved so far out of the push's total.
+assumed rate counts as PRIOR_S of them, before any is measured), `floor` is PHASE_FLOOR_S
+(a phase that moves little: a stall is seen in a minute, not at the flat timeout) and
+`ceiling` is the job's `trainer.weightSyncTimeoutSeconds`, which keeps every phase
+inside the waits of the actor's and the transfer's collectives, so that the engine
+calls, which can name the engine, are what report. `finish` is sized from the whole
+push (vLLM's layerwise reload finishes every layer there). A phase past its deadline
+is a `Stall`: the engines (rank, pool) still in it, the phase, and the bytes moved so
+far out of the push's total.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+# The least a phase may take (less where the job's timeout is less): setting a transfer
+# up, or a start, on a loaded node. A constant: the spec's one knob is the ceiling.
+PHASE_FLOOR_S = 60.0
 SLACK = 4.0  # a phase may take this many times what its bytes took at the measured rate
 ASSUMED_BYTES_PER_S = 100e6  # before a bucket is measured: a slow host link
 PRIOR_S = 1.0  # how many seconds of measurement the assumed rate weighs
@@ -112,8 +116,8 @@ class SyncClock:
     push in progress (bytes moved of its total). Calls are answered in the order sent,
     so a call's phase begins when it was sent or when the one before was answered."""
 
-    def __init__(self, floor_s: float, ceiling_s: float) -> None:
-        self.floor_s, self.ceiling_s = floor_s, ceiling_s
+    def __init__(self, ceiling_s: float, floor_s: float = PHASE_FLOOR_S) -> None:
+        self.floor_s, self.ceiling_s = min(floor_s, ceiling_s), ceiling_s
         self.samples: list[tuple[float, float]] = []  # (bytes, seconds) of buckets
         self.moved = 0
         self.total = 0
