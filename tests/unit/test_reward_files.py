@@ -112,7 +112,7 @@ def test_a_local_run_reads_the_file_from_the_manifests_directory(
     manifest = local_manifest(tmp_path / "team")
     handed: dict[str, Any] = {}
 
-    def run_driver(command: list[str]) -> int:  # python -m rlhf_trainer ARGS, here
+    def run_driver(command: list[str], env: object = None) -> int:  # python -m rlhf_trainer ARGS
         assert command[1:3] == ["-m", "rlhf_trainer"]
         return driver.main(command[3:])
 
