@@ -480,3 +480,86 @@ def test_a_local_run_serves_serve_itself_and_refuses_a_command_only_environment(
     local_job["spec"]["environments"] = [{"name": "tools", "command": ["serve-it"]}]
     with pytest.raises(ValueError, match="tools gives only a command, which runs in a cluster"):
         parse_job(local_job).spec.job_config()
+
+
+# output.path beside the job's other paths (api.output_path): an export replaces its
+# directory whole, so a path that holds or lies in the checkpoints, a model or the data
+# is refused at admission, naming spec.output.path and the other field. Python only.
+_SHARED = {"name": "s", "mountPath": "/shared", "persistentVolumeClaim": {"claimName": "s"}}
+
+
+def _output_beside(output: str, *settings: tuple[str, Any]) -> Callable[[Job], None]:
+    """output.path set to `output`, the checkpoints at /shared/run/ckpt on a claim of
+    the pods' (mounted at /shared), and `settings` (dotted path, value) after."""
+
+    def apply(job: Job) -> None:
+        job["spec"]["pods"] = {"volumes": [_SHARED]}
+        job["spec"]["trainer"]["checkpoint"]["path"] = "/shared/run/ckpt"
+        job["spec"]["output"] = {"path": output}
+        for path, value in settings:
+            _set(path, value)(job)
+
+    return apply
+
+
+_ACTOR = ("spec.models.actor", {"path": "/shared/models/qwen"})
+
+
+@pytest.mark.parametrize(
+    ("mutate", "words"),
+    [
+        (_output_beside("/shared/run/ckpt"), "is the checkpoint root spec.trainer.checkpoint."
+         "path (/shared/run/ckpt): an export replaces its directory whole, and would delete "
+         "the checkpoints (got /shared/run/ckpt)"),
+        (_output_beside("/shared/run/ckpt/"), "is the checkpoint root"),
+        (_output_beside("/shared/run"), "holds the checkpoint root"),
+        (_output_beside("/shared/run/ckpt/x/.."), "is the checkpoint root"),
+        (_output_beside("/shared/run/ckpt/step-00000050"), "lies in a checkpoint's directory"),
+        (_output_beside("/shared/run/ckpt/.tmp-step-00000050/model"), "lies in a checkpoint's"),
+        (_output_beside("/shared/models/qwen", _ACTOR),
+         "is spec.models.actor.path (/shared/models/qwen): an export replaces its directory "
+         "whole, and would delete it (got /shared/models/qwen)"),
+        (_output_beside("/shared/models", _ACTOR), "holds spec.models.actor.path"),
+        (_output_beside("/shared/models/qwen/out", _ACTOR), "lies inside spec.models.actor.path"),
+        (_output_beside("/shared/models", ("spec.models.ref", {"path": "/shared/models/ref"})),
+         "holds spec.models.ref.path (/shared/models/ref)"),
+        (_output_beside("/shared/data", ("spec.data.train", "/shared/data/train.jsonl")),
+         "holds spec.data.train (/shared/data/train.jsonl)"),
+    ],
+    ids=["the-root", "the-root-slash", "above-the-root", "the-root-dotted", "a-checkpoint",
+         "in-a-staged-one", "the-model", "above-the-model", "in-the-model", "above-the-ref",
+         "above-the-data"],
+)  # fmt: skip
+def test_an_output_path_that_would_delete_what_the_job_reads_or_keeps_is_refused(
+    local_job: Job, mutate: Callable[[Job], None], words: str
+) -> None:
+    mutate(local_job)
+    for parse in (parse_job, lambda job: parse_spec(job["spec"])):
+        with pytest.raises(InvalidJob) as raised:
+            parse(local_job)
+        assert [e.path for e in raised.value.errors] == ["spec.output.path"]
+        assert words in raised.value.errors[0].message
+
+
+def test_an_output_beside_the_checkpoints_or_the_models_is_accepted(local_job: Job) -> None:
+    """The examples' layout (/checkpoints/model beside the step-N directories), and
+    siblings whose names only start alike."""
+    local_job["spec"] |= {"checkpointClaim": "ckpt", "output": {"path": "/checkpoints/model"}}
+    parse_job(local_job)
+    for output in ("/shared/run/ckpt/model", "/shared/run/ckpt/step-model", "/shared/models/qwen2"):
+        _output_beside(output, _ACTOR)(local_job)
+        parse_job(local_job)
+
+
+def test_rlhfjob_validate_names_the_output_path_that_holds_the_checkpoints(
+    local_job: Job, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    from rlhf_operator.app.cli import main
+
+    _output_beside("/shared/run")(local_job)
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(local_job))
+    assert main(["validate", str(manifest)]) == 1
+    assert f"{manifest}: spec.output.path: holds the checkpoint root" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from rlhf_operator.api.job import RLHFJob, RLHFJobSpec
 from rlhf_trainer.api.memory_report import memory_errors
+from rlhf_trainer.api.output_path import output_path_errors
 from rlhf_trainer.api.rules import FieldError, field_errors
 
 
@@ -32,6 +33,7 @@ def parse_job(manifest: Any, memory: bool = True) -> RLHFJob:
         job = RLHFJob.model_validate(manifest)
     except ValidationError as error:
         raise InvalidJob(field_errors(error)) from None
+    check_output_path(job.spec)
     if memory:
         check_memory(job.spec)
     return job
@@ -43,6 +45,7 @@ def parse_spec(spec: Any) -> RLHFJobSpec:
         parsed = RLHFJobSpec.model_validate(spec)
     except ValidationError as error:
         raise InvalidJob(field_errors(error, prefix=("spec",))) from None
+    check_output_path(parsed)
     check_memory(parsed)
     return parsed
 
@@ -52,6 +55,14 @@ def check_memory(spec: RLHFJobSpec) -> None:
     each pool fit its GPUs' memory (api.memory_report). CEL could not afford the arithmetic."""
     if errors := memory_errors(spec):
         raise InvalidJob([FieldError(f"spec.{e.path}", e.message) for e in errors])
+
+
+def check_output_path(spec: RLHFJobSpec) -> None:
+    """output.path away from what an export would delete: the checkpoints (on the
+    claim's mount by default), the models and the data (api.output_path). Python only:
+    CEL cannot normalise paths."""
+    if errors := output_path_errors(spec, spec.checkpoint_path, prefix="spec."):
+        raise InvalidJob(errors)
 
 
 def unmounted_paths(spec: RLHFJobSpec) -> list[FieldError]:
