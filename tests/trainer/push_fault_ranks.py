@@ -17,7 +17,9 @@ unpatched.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,7 +33,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rlhf_trainer.api.config import JobConfig, Role
+from rlhf_trainer.cluster.engine_client import deadline_missed
 from rlhf_trainer.roles.policy import Actor
+from rlhf_trainer.rollout.sync_deadlines import SyncClock
 from rlhf_trainer.rollout.transfer_engines import PolicySource
 from rlhf_trainer.rollout.transfer_memory import Segments
 from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, Bucket, EngineFanOut, TransferSetup
@@ -49,12 +53,16 @@ FAULTS = {  # where rollout rank 1 dies: (the call, tensors or buckets taken bef
     "after 1 of n": ("update_weights", 1),
     "at the finish": ("finish_weight_update", 0),
 }
+# Each phase's deadline in a case where rollout rank 1 stalls (alive, never done) at one
+# of those points instead; none in the others (the group's timeout is theirs).
+STALL_DEADLINE_S = 5.0
 
 
 @dataclass(frozen=True)
 class Case:
     backend: str
     fault: str | None  # a key of FAULTS; None: a push that succeeds
+    stalls: bool = False  # rollout rank 1 stalls at the fault, rather than die
 
     @property
     def method(self) -> str | None:
@@ -70,19 +78,27 @@ class Case:
         return FAULTS[self.fault][1]
 
     def __str__(self) -> str:
-        return f"{self.backend}, {self.fault or 'no fault'}"
+        return f"{self.backend}, {'stalls' if self.stalls else 'dies'} {self.fault or 'no fault'}"
 
 
 def fault_matrix() -> list[Case]:
-    """Each backend: the engine dies at each point, then a push that succeeds (the
-    actor's group and source go on after a failed push)."""
-    return [Case(b, f) for b in BACKENDS for f in [*FAULTS, None]]
+    """Each backend: the engine dies at each point, stalls at each point, then a push
+    that succeeds (the actor's group and source go on after a failed push)."""
+    return [
+        *(Case(b, f, stalls) for b in BACKENDS for stalls in (False, True) for f in FAULTS),
+        *(Case(b, None) for b in BACKENDS),
+    ]
+
+
+Sent = tuple[str, int, list[Future[None]]]  # a call: its method, bytes and futures
 
 
 class DyingEngines(EngineFanOut):
     """Rollout ranks 0 and 1 as threads of the sender's process, each taking its calls
     in the order sent (as a Ray actor does); rank 1 dies at the case's fault and stays
-    dead, as a killed engine would. Engine 0 keeps what it loads."""
+    dead, as a killed engine would, or stalls there until `close`. Engine 0 keeps what
+    it loads. Each call is waited for by its phase's deadline (the production clock and
+    error: `EngineGroupClient`'s, with futures for Ray's)."""
 
     def __init__(self, case: Case, communicator: StandInCommunicator | None) -> None:
         self.case, self.communicator = case, communicator
@@ -91,18 +107,28 @@ class DyingEngines(EngineFanOut):
         self.taken = 0  # tensors (NCCL) or update calls, by rollout rank 1
         self.dead = False
         self.loaded: dict[str, Tensor] = {}  # by rollout rank 0
+        self.released = threading.Event()  # ends a stall
+        self.clock = SyncClock(ceiling_s=STALL_DEADLINE_S if case.stalls else 3600.0)
 
     @property
     def engine_count(self) -> int:
         return 2
 
-    def submit(self, method: str, *args: Any) -> list[Future[None]]:
-        return [t.submit(self._call, e, method, args) for e, t in enumerate(self.threads)]
+    def submit(self, method: str, *args: Any) -> Sent:
+        futures = [t.submit(self._call, e, method, args) for e, t in enumerate(self.threads)]
+        return method, self.clock.sent(method, args, self.push_bytes), futures
 
-    def answers(self, sent: Sequence[Future[None]]) -> None:
-        done, _ = wait(sent, return_when=FIRST_EXCEPTION)
+    def answers(self, sent: Sent) -> None:
+        method, nbytes, futures = sent
+        began, deadline_s = time.monotonic(), self.clock.deadline_s(method, nbytes)
+        done, pending = wait(futures, timeout=deadline_s, return_when=FIRST_EXCEPTION)
         for future in done:
             future.result()  # the first failure, as cluster.waits.join raises it
+        if pending:
+            ranks = [rank for rank, future in enumerate(futures) if future in pending]
+            stall = self.clock.stall("rollout", ranks, method)
+            raise deadline_missed(method, stall, deadline_s, nbytes, "(stand-in: no probe)")
+        self.clock.answered(method, nbytes, began, time.monotonic())
 
     def _call(self, engine: int, method: str, args: tuple[Any, ...]) -> None:
         if method != "update_weights":
@@ -116,10 +142,12 @@ class DyingEngines(EngineFanOut):
             self._took(engine, self._read(engine, args[0]))
 
     def _survive(self, engine: int, method: str) -> None:
-        """Rollout rank 1 dies here at the case's point (or died already)."""
+        """Rollout rank 1 dies (or stalls) here at the case's point (or died already)."""
         case = self.case
         if engine == 1 and method == case.method:
             self.dead = self.dead or method != "update_weights" or self.taken == case.taken_before
+        if engine == 1 and self.dead and case.stalls:
+            self.released.wait()  # alive, never done: until the case is closed
         if engine == 1 and self.dead:
             raise EngineLost(f"rollout rank 1 on pool rollout died in {method}")
 
@@ -141,6 +169,7 @@ class DyingEngines(EngineFanOut):
         return self.communicator
 
     def close(self) -> None:
+        self.released.set()
         if self.communicator is not None:
             self.communicator.release_receivers()  # an engine left in a receive
         for thread in self.threads:

@@ -3,8 +3,10 @@
 Each item of the policy's weight source is an FSDP all-gather over every actor rank,
 and only rank 0 talks to the engines. With 2 and 4 actor ranks (real gloo processes),
 rollout rank 1 dies at each point of a push (before the start, after 1 of n tensors or
-buckets, at the finish) on vLLM's NCCL and IPC senders and on ours; every rank must
-leave the push with the same verdict, naming the engine and the call it failed in. A
+buckets, at the finish) on vLLM's NCCL and IPC senders and on ours, or stalls there
+(alive, never done) until its phase's deadline; every rank must leave the push with the
+same verdict, naming the engine and the call it failed in (a stall: the phase, and the
+bytes moved of the push's). A
 rank that waited in a gather or a barrier for a peer that had left ends in gloo's
 timeout error instead (`push_fault_ranks.GROUP_TIMEOUT`), which fails the case. After
 each backend's faults, a push that succeeds hands rollout rank 0 the policy whole, by
@@ -22,6 +24,8 @@ import pytest
 import torch.multiprocessing
 
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.rollout.sync_deadlines import PHASES, Stall
+from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER
 from tests.specs import local_job
 from tests.trainer import distributed, push_fault_ranks
 from tests.trainer.push_fault_ranks import Case, fault_matrix, push_cases
@@ -69,5 +73,24 @@ def test_every_actor_rank_leaves_the_push_with_the_same_verdict(
     )
     assert verdicts[0].startswith("PushFailed: "), verdicts[0]
     # Where it failed: the sender, on the engine's call (the other ranks did not fail).
-    assert "failed: actor rank 0: rollout rank 1 on pool rollout died in " in verdicts[0]
-    assert verdicts[0].endswith(f"died in {case.method}"), verdicts[0]
+    if not case.stalls:
+        assert "failed: actor rank 0: rollout rank 1 on pool rollout died in " in verdicts[0]
+        assert verdicts[0].endswith(f"died in {case.method}"), verdicts[0]
+        return
+    assert f"failed: actor rank 0: weight transfer, {case.method} on every engine: " in verdicts[0]
+    stall = Stall.found_in(RuntimeError(verdicts[0]))
+    assert stall is not None and stall.phase == PHASES[case.method], verdicts[0]
+    # An NCCL broadcast waits for every receiver: rank 0 then waits for the next tensor,
+    # in the same update, and is named with rank 1 (it is stuck in the receive as well).
+    in_broadcast = case.backend == "nccl" and stall.phase == "bucket"
+    assert stall.ranks == ((0, 1) if in_broadcast else (1,)), verdicts[0]
+    assert stall.total > 0, verdicts[0]  # the push's bytes, known from its start
+    # Bytes moved: none before the start; all before the finish; after 1 of n, the
+    # first of the host transfer's buckets (NCCL and unpacked IPC update in one call).
+    moved = {"start": 0, "finish": stall.total}.get(stall.phase)
+    if moved is not None:
+        assert stall.moved == moved, verdicts[0]
+    elif case.backend == HOST_TRANSFER:
+        assert 0 < stall.moved < stall.total, verdicts[0]
+    else:
+        assert stall.moved == 0, verdicts[0]

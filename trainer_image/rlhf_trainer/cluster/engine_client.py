@@ -17,7 +17,7 @@ from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.groups import WorkerGroup
 from rlhf_trainer.cluster.hangs import NoAnswer
 from rlhf_trainer.cluster.waits import join
-from rlhf_trainer.rollout.sync_deadlines import SyncClock
+from rlhf_trainer.rollout.sync_deadlines import Stall, SyncClock
 from rlhf_trainer.rollout.weight_sync import EngineFanOut
 
 
@@ -82,10 +82,7 @@ class EngineGroupClient(EngineFanOut):
         ranks = [rank for rank, call in zip(self.engines.ranks, sent.calls, strict=True)
                  if call.binary() in pending] or list(self.engines.ranks)  # fmt: skip
         stall = self.clock.stall(self.engines.pool, ranks, sent.method)
-        return SyncDeadlineMissed(
-            f"weight transfer, {sent.method} on every engine: {stall} (its deadline "
-            f"{deadline_s:g} s, for {sent.nbytes} bytes). {error}"
-        )
+        return deadline_missed(sent.method, stall, deadline_s, sent.nbytes, str(error))
 
     def _failed(self, calls: list[Any]) -> list[str]:
         """The engines whose call has ended in an error, as 'rollout rank R on pool P'."""
@@ -105,6 +102,17 @@ class EngineGroupClient(EngineFanOut):
 
 class TransferFailed(RuntimeError):
     """An engine's part of a weight transfer failed (its process died, say)."""
+
+
+def deadline_missed(
+    method: str, stall: Stall, deadline_s: float, nbytes: int, detail: str
+) -> SyncDeadlineMissed:
+    """The error of a call to the engines past its phase's deadline (`detail`: who
+    answers at all, and who waits for them)."""
+    sized = f"its deadline {deadline_s:g} s, for {nbytes} bytes"
+    return SyncDeadlineMissed(
+        f"weight transfer, {method} on every engine: {stall} ({sized}). {detail}"
+    )
 
 
 class SyncDeadlineMissed(NoAnswer):
