@@ -349,3 +349,26 @@ def test_a_bf16_engine_takes_the_actors_weights_cast_by_the_sync_and_matches_the
     stale = max_log_prob_diff(original.to(torch.bfloat16), rollouts)
     print(f"bf16 vLLM vs transformers log-prob max abs diff: {diff:.2e}; stale weights {stale:.2e}")
     assert diff < BF16_LOG_PROB_TOLERANCE < stale
+
+
+def test_a_stop_token_ends_the_response_and_is_kept_as_its_last(engine: RolloutEngine) -> None:
+    """An agent's turn ends on its template's end-of-turn token (stop_token_ids), which
+    need not be EOS; vLLM keeps it as the response's last id, which the trajectory reads
+    as a closed turn. Greedy, so the stop lands where the free response has that token."""
+    prompt = prompt_ids(1)[0]
+    free = engine.spawn(
+        engine.generate("free", prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+    ).result()
+    ids = free.response_token_ids
+    stop_at = next((i for i in range(1, len(ids)) if ids[i] not in ids[:i]), 0)  # its first
+    assert stop_at < len(ids) - 1  # so that a stop not obeyed would show
+    stopped = engine.spawn(
+        engine.generate(
+            "stopped",
+            prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stop_token_ids=(ids[stop_at],),
+        )
+    ).result()
+    assert stopped.response_token_ids == ids[: stop_at + 1]

@@ -260,15 +260,18 @@ class RolloutEngine(WeightUpdates):
         top_p: float = 1.0,
         seed: int | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> Rollout:
         """Generate one response to completion, across any pauses and weight updates.
 
         `request_id` must be unique among requests in flight. `on_tokens`, if given,
         is called with the new token ids each time some arrive (to watch progress).
+        `stop_token_ids`: tokens besides EOS that end it (`sampling_params`).
         """
         # Streaming wakes this request's coroutine at every engine step: a share of a
         # core for the rollout worker, so only when someone watches.
-        params = sampling_params(max_tokens, temperature, top_p, seed, stream=on_tokens is not None)
+        streamed = on_tokens is not None
+        params = sampling_params(max_tokens, temperature, top_p, seed, streamed, stop_token_ids)
         prompt = list(prompt_token_ids)
         return await self._alive(
             lambda llm: self._request(llm, request_id, prompt, params, on_tokens)

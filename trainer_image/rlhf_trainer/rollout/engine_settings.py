@@ -182,10 +182,17 @@ def engine_settings(
 
 
 def sampling_params(
-    max_tokens: int, temperature: float, top_p: float, seed: int | None, stream: bool = False
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    stream: bool = False,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> Any:
     """One request's vLLM sampling: token ids only, with the sampled token's log-prob;
-    the new tokens at every step when streamed, else only the finished response."""
+    the new tokens at every step when streamed, else only the finished response.
+    `stop_token_ids`: more tokens that end it, kept as its last (an agent's turn ends on
+    its chat template's end-of-turn token, which need not be an EOS of the model's)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -197,6 +204,7 @@ def sampling_params(
         logprobs=0,  # just the sampled token's log-prob
         detokenize=False,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        stop_token_ids=list(stop_token_ids) or None,
     )
 
 

@@ -175,6 +175,7 @@ class EngineWorker(Worker):
                     temperature=sampled.temperature,
                     top_p=sampled.top_p,
                     seed=seed + number * len(rows) + index,
+                    stop_token_ids=(runner.renderer.end_of_turn_id,),
                 )
 
             rollout = await runner.run(row, turn, self.engine.policy_version)
