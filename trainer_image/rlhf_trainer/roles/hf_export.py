@@ -11,8 +11,12 @@ renamed in place of the previous export, so a failure halfway leaves that one wh
 
 from __future__ import annotations
 
+import copy
+import json
+import logging
 import os
 import shutil
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.output_path import output_path_errors
 from rlhf_trainer.api.sections import ModelSource, TrainedModel
 from rlhf_trainer.models import COMPUTE_DTYPE, load_tokenizer, model_config
 from rlhf_trainer.roles import checkpoint
@@ -35,10 +41,13 @@ from rlhf_trainer.roles.lora import adapter_of, with_trained_adapter
 from rlhf_trainer.roles.lora_merge import merged_policy
 from rlhf_trainer.roles.trainable import load_policy
 
+log = logging.getLogger(__name__)
+
 DTYPES = tuple(COMPUTE_DTYPE)  # "fp32", "bf16"
 DEFAULT_DTYPE = "bf16"  # but fp32 for a merged LoRA adapter (see export_dtype)
 STAGING_PREFIX = ".tmp-"  # + the export's name: being written
 REPLACED_PREFIX = ".old-"  # + the export's name: the previous export, being replaced
+MARKER = ".rlhf-export.json"  # in every export: a directory only an export replaces
 
 
 class ExportError(Exception):
@@ -92,6 +101,7 @@ def write_policy(
             else:
                 merged = merged_policy(lora_policy, COMPUTE_DTYPE[dtype], f"{dtype_field} {dtype}")
                 write_hf_directory(merged, actor, COMPUTE_DTYPE[dtype], staging)
+        write_marker(staging, Export(target, step, dtype, adapter))
         finish_export(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -186,12 +196,114 @@ def write_hf_directory(
     model: PreTrainedModel, actor: ModelSource, dtype: torch.dtype, directory: Path
 ) -> None:
     """Weights (safetensors), config, generation config and tokenizer into `directory`."""
-    if actor.path is not None:
-        # Without one of its own, the model keeps the one derived from its config.
-        with suppress(OSError):
-            model.generation_config = GenerationConfig.from_pretrained(actor.path)
+    # Without one of its own, the model keeps the one derived from its config.
+    found = actor_generation_config(actor)
+    model.generation_config = saveable(found or model.generation_config, actor)
     model.to(dtype).save_pretrained(directory)
     load_tokenizer(actor).save_pretrained(directory)
+
+
+# What transformers refuses to save, found at the job's start.
+
+# Flags that only sampling reads: transformers refuses to save a generation config that
+# sets one without do_sample (Llama-2-era files set temperature and top_p alone).
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff",
+                  "eta_cutoff")  # fmt: skip
+
+
+def actor_generation_config(actor: ModelSource) -> GenerationConfig | None:
+    """The actor's own generation_config.json, if its directory has one."""
+    if actor.path is None:
+        return None
+    try:
+        return GenerationConfig.from_pretrained(actor.path)
+    except OSError:
+        return None  # none: the model's, derived from its config
+    except ValueError as error:
+        raise ExportError(
+            f"{where(actor)}'s generation_config.json: transformers refuses to load it: {error}"
+        ) from None
+
+
+def saveable(config: GenerationConfig, actor: ModelSource) -> GenerationConfig:
+    """`config` as transformers will save it. Sampling flags without do_sample are
+    repaired (do_sample set: vLLM samples with the flags whatever do_sample says, and so
+    did the job's engines), with a warning that says so; anything else it refuses is an
+    error naming the file and transformers' reason."""
+    try:
+        config.validate(strict=True)
+        return config
+    except ValueError as error:
+        refused = error
+    flags = [flag for flag in SAMPLING_FLAGS if getattr(config, flag, None) is not None]
+    if flags and not config.do_sample:
+        repaired = copy.deepcopy(config)
+        repaired.do_sample = True
+        with suppress(ValueError):
+            repaired.validate(strict=True)
+            log.warning(
+                "%s's generation_config.json sets %s without do_sample, which transformers "
+                "refuses to save: the export sets do_sample: true (sampling with them, as "
+                "vLLM does)", where(actor), ", ".join(flags),
+            )  # fmt: skip
+            return repaired
+    raise ExportError(
+        f"{where(actor)}'s generation_config.json: transformers refuses to save it: {refused}"
+    )
+
+
+def where(actor: ModelSource) -> str:
+    return f"models.actor.path {actor.path}" if actor.path else "models.actor.tiny"
+
+
+def check_export(config: JobConfig) -> None:
+    """At a job's start, fail now, not after the training, where the export at its end
+    would fail (a job with `output`): an output.path that holds or lies in what the job
+    keeps or reads, as the file system resolves them (api.output_path), a target that
+    cannot be written or is not an export, and the files beside the weights
+    (config.json, generation_config.json, the tokenizer's) built and saved in a scratch
+    directory beside the target, then removed. Errors name the file and the reason."""
+    output = config.output
+    if output is None:
+        return
+    resolved = output_path_errors(config, config.trainer.checkpoint.path, os.path.realpath)
+    if resolved:
+        raise ExportError("; ".join(str(e) for e in resolved) + " (symbolic links followed)")
+    target, actor = Path(output.path), config.models.actor
+    staging = start_export(target)
+    try:
+        if output.lora != "adapter" or actor.lora is None:  # an adapter alone: no such files
+            save_model_files(actor, staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_model_files(actor: ModelSource, directory: Path, target: Path) -> None:
+    """The export's config.json, generation_config.json and tokenizer files, saved into
+    `directory` as the export saves them; an error names the file and the reason."""
+    architecture = model_config(actor.tiny) if actor.tiny is not None else hf_config(actor)
+
+    def generation() -> GenerationConfig:
+        found = actor_generation_config(actor)
+        return saveable(found or GenerationConfig.from_model_config(architecture), actor)
+
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("config.json", lambda: architecture.save_pretrained(directory)),
+        ("generation_config.json", lambda: generation().save_pretrained(directory)),
+        ("the tokenizer's files", lambda: load_tokenizer(actor).save_pretrained(directory)),
+    ]
+    for name, save in steps:
+        try:
+            save()
+        except ExportError as error:
+            raise ExportError(
+                f"{target}: the export would fail at the job's end: {error}"
+            ) from None
+        except (OSError, ValueError, TypeError) as error:
+            raise ExportError(
+                f"{target}: the export would fail at the job's end: {name} of {where(actor)} "
+                f"cannot be saved: {error}"
+            ) from None
 
 
 # The directory, replaced whole.
@@ -199,20 +311,41 @@ def write_hf_directory(
 
 def start_export(target: Path) -> Path:
     """A fresh staging directory beside `target`; the error names the path when it
-    cannot be written. A previous export left aside by a crash is put back first."""
+    cannot be written, or when `target` holds something other than an export (only a
+    directory with the marker, or an empty one, is replaced). A previous export left
+    aside by a crash is put back first."""
     staging = target.parent / (STAGING_PREFIX + target.name)
     replaced = target.parent / (REPLACED_PREFIX + target.name)
     try:
         if replaced.is_dir() and not target.exists():
             os.rename(replaced, target)  # a crash between finish_export's two renames
+        check_replaceable(target)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     except OSError as error:
         raise ExportError(f"{target}: cannot write the export here: {error}") from None
-    if target.exists() and not target.is_dir():
-        shutil.rmtree(staging, ignore_errors=True)
-        raise ExportError(f"{target}: exists and is not a directory")
     return staging
+
+
+def check_replaceable(target: Path) -> None:
+    """An export replaces `target` whole: only where nothing is, an empty directory, or
+    a directory that a previous export marked as one (MARKER)."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ExportError(f"{target}: exists and is not a directory")
+    if not (target / MARKER).is_file() and any(target.iterdir()):
+        raise ExportError(
+            f"{target}: holds files and is not an export of this project (no {MARKER} in "
+            "it); an export replaces its directory whole, so it is never written over "
+            "anything else: choose another output.path (or DIR), or empty this one"
+        )
+
+
+def write_marker(directory: Path, export: Export) -> None:
+    """The marker that says `directory` is an export, and which: what may be replaced."""
+    fields = {"step": export.step, "dtype": export.dtype, "adapter": export.adapter}
+    (directory / MARKER).write_text(json.dumps({"writer": "rlhf-operator"} | fields) + "\n")
 
 
 def finish_export(staging: Path, target: Path) -> None:
