@@ -269,18 +269,14 @@ class EngineMembership:
         while True:
             self.trail.append((state, event))
             action, target = TRANSITIONS[(state, event)]
-            try:
-                routed = self.act(action, detail)
-            finally:
-                self.count_failed_syncs()  # those of the last state's call
+            routed = self.act(action, detail)
             state = routed if target is Route.BY_ACTION else target
             if state is State.SERVING:
                 return
             event, detail = self.enter(state)
 
     def count_failed_syncs(self) -> None:
-        """rlhf_weight_sync_failures_total{phase}: the syncs that failed; the last one
-        is `last_failed_sync`, and logged."""
+        """rlhf_weight_sync_failures_total{phase}; the last one logged and kept."""
         for failure in self.weights.take_failures():
             self.metrics.observe_sync_failure(failure.phase)
             self.last_failed_sync = failure
@@ -299,6 +295,7 @@ class EngineMembership:
                 return Event.LOST, RanksLost(Role.ROLLOUT, self.serving.pool, dead)
             return Event.OK, None
         except Exception as error:
+            self.count_failed_syncs()  # a reopen's or a push's
             event, lost = classify(error, self.serving, self.lost)
             return event, error if event in (Event.ERROR, Event.NOT_PLACED) else lost
 
