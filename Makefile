@@ -104,7 +104,6 @@ demo: install  ## validate the examples, then train the local one on this machin
 
 crds: install  ## regenerate crds/ from the API models (and the chart's copy, and the docs' field reference)
 	$(VENV)/bin/rlhfjob crd > crds/rlhfjobs.yaml
-	$(VENV)/bin/rlhfjob crd --peering > crds/kopf-peering.yaml
 	cp crds/*.yaml charts/rlhf-operator/crds/
 	$(VENV)/bin/rlhfjob crd --reference > docs/reference/rlhfjob.md
 

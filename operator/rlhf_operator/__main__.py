@@ -6,8 +6,7 @@ coordination.k8s.io Lease NAME reconciles, the others wait to take it
 dies (SIGKILL, a lost node) is replaced once the Lease expires, --lease-duration seconds
 after its last renewal. Each replica names itself by $POD_NAME (the chart sets it).
 
-With --peering NAME, kopf's own peering instead: the replica with the highest
---priority is active and the others pause (replicas of equal priority all pause).
+Without --lease (or with --standalone) it runs alone: run one replica only.
 """
 
 from __future__ import annotations
@@ -31,12 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", help="watch only these namespaces")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    peering = parser.add_mutually_exclusive_group()
-    peering.add_argument(
-        "--peering", metavar="NAME", help="coordinate replicas through this peering"
+    replicas = parser.add_mutually_exclusive_group()
+    replicas.add_argument(
+        "--standalone", action="store_true", help="run alone, no Lease (the default)"
     )
-    peering.add_argument("--standalone", action="store_true", help="run alone, no peering")
-    peering.add_argument("--lease", metavar="NAME", help="elect a leader through this Lease")
+    replicas.add_argument("--lease", metavar="NAME", help="elect a leader through this Lease")
     parser.add_argument(
         "--lease-namespace",
         default=os.environ.get("POD_NAMESPACE", "default"),
@@ -50,21 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         help="how long a standby waits for a Lease its holder stopped renewing: about the "
         "longest a leader that died is waited for (default 15, controller-runtime's)",
     )
-    parser.add_argument(
-        "--priority", type=int, default=0, help="peering priority (highest is active)"
-    )
-    parser.add_argument(
-        "--peering-lifetime",
-        type=int,
-        default=60,
-        metavar="SECONDS",
-        help="how long a replica's peering record lasts unrenewed: about the longest a "
-        "standby waits for an active replica that died (default 60, kopf's)",
-    )
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
-    if args.peering_lifetime < 1:
-        parser.error("--peering-lifetime must be at least 1 second")
     if args.lease_duration < 2:
         parser.error("--lease-duration must be at least 2 seconds")
 
@@ -72,16 +57,11 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     if not args.verbose:  # kopf says "Handler ... succeeded" at every watch event
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    settings = kopf.OperatorSettings()
-    settings.peering.lifetime = args.peering_lifetime
     asyncio.run(
         kopf.operator(
             clusterwide=args.all_namespaces or not args.namespace,
             namespaces=args.namespace or (),
-            peering_name=args.peering,
-            standalone=args.standalone or not args.peering,
-            priority=args.priority,
-            settings=settings,
+            standalone=True,  # never kopf's peering: the Lease, if any, picks the leader
             memo=kopf.Memo(elector=elector(args.lease, args.lease_namespace, args.lease_duration)),
         )
     )

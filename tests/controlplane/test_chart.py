@@ -193,6 +193,7 @@ def test_the_rules_cover_every_kind_the_operator_touches() -> None:
     used = {(k.api_version.rpartition("/")[0], k.plural) for k in KINDS.values()}
     watched = {(group, plural) for group, _, plural in CHILD_KINDS}
     assert used | watched <= granted, f"not granted: {(used | watched) - granted}"
+    assert not {g for g, _ in granted} & {"kopf.dev", "zalando.org"}  # no kopf peering: a Lease
 
 
 def test_every_replica_elects_through_the_lease_and_more_bring_a_disruption_budget() -> None:
@@ -203,7 +204,7 @@ def test_every_replica_elects_through_the_lease_and_more_bring_a_disruption_budg
     for manifests, seconds in ((one, 15), (three, 9)):
         (container,) = deployment(manifests)["containers"]
         assert {f"--lease={LEASE}", f"--lease-duration={seconds}"} <= set(container["args"])
-        assert not [a for a in container["args"] if "peering" in a or "standalone" in a]
+        assert "--standalone" not in container["args"]
         assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in (
             container["env"]
         )
@@ -432,11 +433,8 @@ def test_installing_the_same_release_twice_fails_and_changes_nothing(
 
 
 # Every kind the chart may create, with the instance label: what uninstall must remove.
-CHART_KINDS = (
-    "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets,"
-    "kopfpeerings.kopf.dev"
-)
-CLUSTER_KINDS = "clusterroles,clusterrolebindings,clusterkopfpeerings.kopf.dev"
+CHART_KINDS = "deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
+CLUSTER_KINDS = "clusterroles,clusterrolebindings"
 
 
 def released(cp: ControlPlane, name: str) -> list[str]:

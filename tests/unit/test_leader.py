@@ -146,3 +146,22 @@ def test_a_leader_that_cannot_renew_says_it_lost_the_lease(
 
     asyncio.run(scenario())
     assert lock.released is not lost  # a lost Lease is not given up: it is not ours
+
+
+def test_the_operator_never_runs_kopf_peering(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kopf's own peering is never on (kopf.operator gets standalone=True; the Lease
+    picks the leader) and its flags are gone."""
+    from rlhf_operator import __main__ as entry
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(entry.kopf, "operator", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(entry.asyncio, "run", lambda _: None)
+    entry.main(["--verbose", "-n", "a"])
+    assert seen["standalone"] is True and seen["memo"].elector is None
+    assert not {"peering_name", "priority"} & set(seen)
+    for argv in (["--peering", "p"], ["--priority", "1"], ["--peering-lifetime", "9"],
+                 ["--standalone", "--lease", "l"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            entry.main(argv)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_operator.api.crd import render_crd_yaml, render_peering_yaml
+from rlhf_operator.api.crd import render_crd_yaml
 from rlhf_operator.api.job import RLHFJob, Separation
 from rlhf_operator.api.reference import render_reference_markdown
 from rlhf_operator.api.validation import InvalidJob, load_documents, parse_job, unmounted_paths
@@ -198,11 +198,9 @@ def run_in_foreground(command: list[str], env: Mapping[str, str] | None = None) 
     return 128 - status if status < 0 else status
 
 
-def crd_text(peering: bool, reference: bool) -> str:
-    """What `rlhfjob crd` prints: the CRD, kopf's peering CRDs or the field reference."""
-    if reference:
-        return render_reference_markdown()
-    return render_peering_yaml() if peering else render_crd_yaml()
+def crd_text(reference: bool) -> str:
+    """What `rlhfjob crd` prints: the CRD or its field reference."""
+    return render_reference_markdown() if reference else render_crd_yaml()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,15 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the job's manifest, for a checkpoint written before checkpoints kept it",
     )
     crd = commands.add_parser("crd", help="print the generated CRD YAML")
-    printed = crd.add_mutually_exclusive_group()
-    printed.add_argument("--peering", action="store_true", help="kopf's peering CRDs instead")
-    printed.add_argument(
+    crd.add_argument(
         "--reference", action="store_true", help="the CRD's field reference, as Markdown"
     )
     args = parser.parse_args(argv)
 
     if args.command == "crd":
-        sys.stdout.write(crd_text(args.peering, args.reference))
+        sys.stdout.write(crd_text(args.reference))
         return 0
     if args.command == "plan":
         return print_plans(args.files, args.profile if args.estimate else None)
