@@ -178,3 +178,23 @@ def test_train_refuses_steps_that_are_not_a_positive_count(
         main(["train", "--steps", steps, str(EXAMPLES[0].parent / "local-cpu.yaml")])
     assert exited.value.code == 2
     assert "--steps: expected a whole number of 1 or more" in capsys.readouterr().err
+
+
+def test_export_leaves_the_dtype_to_the_export_unless_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without --dtype the export picks (fp32 for a LoRA merged into its base: bf16
+    would round its update away), so the CLI passes none; a given one is passed on."""
+    import rlhf_operator.app.cli as cli
+
+    commands: list[list[str]] = []
+    monkeypatch.setattr(
+        cli, "run_in_foreground", lambda command, env=None: commands.append(command) or 0
+    )
+    assert main(["export", str(tmp_path / "step-00000001"), str(tmp_path / "hf")]) == 0
+    assert (
+        main(["export", str(tmp_path / "step-00000001"), str(tmp_path / "hf"), "--dtype", "bf16"])
+        == 0
+    )
+    assert "--dtype" not in commands[0]
+    assert commands[1][-2:] == ["--dtype", "bf16"]

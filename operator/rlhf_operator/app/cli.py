@@ -159,14 +159,15 @@ def train_locally(
 
 
 def export_checkpoint(
-    checkpoint: Path, directory: Path, dtype: str, spec: Path | None, adapter: bool = False
+    checkpoint: Path, directory: Path, dtype: str | None, spec: Path | None, adapter: bool = False
 ) -> int:
     """Write a committed checkpoint's policy as a Hugging Face directory; needs the
     trainer stack, not Ray. Its own process, as `train`: the operator imports only the
     trainer's API. `spec`: the job's manifest, for a checkpoint that does not keep it.
-    `adapter`: a LoRA'd actor's adapter alone, not merged into its base."""
+    `adapter`: a LoRA'd actor's adapter alone, not merged into its base. `dtype` None:
+    the export's default (fp32 for a LoRA merged into its base, else bf16)."""
     command = [sys.executable, "-m", "rlhf_trainer.export", str(checkpoint), str(directory)]
-    command += ["--dtype", dtype] + (["--adapter"] if adapter else [])
+    command += (["--dtype", dtype] if dtype else []) + (["--adapter"] if adapter else [])
     if spec is None:
         return run_in_foreground(command)
     jobs, problems = read_jobs(spec)
@@ -254,7 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint", type=Path, metavar="CHECKPOINT", help="a committed step-NNNNNNNN directory"
     )
     export.add_argument("directory", type=Path, metavar="DIR", help="replaced whole when done")
-    export.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    export.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        help="default: fp32 for a LoRA merged into its base (bf16 would round its update "
+        "away), else bf16",
+    )
     export.add_argument(
         "--adapter", action="store_true", help="a LoRA'd actor's adapter alone (peft), not merged"
     )

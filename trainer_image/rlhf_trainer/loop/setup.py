@@ -31,7 +31,7 @@ from rlhf_trainer.loop.rewards import Scorer, Tokens
 from rlhf_trainer.loop.scores_ahead import scores_ahead
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.models import load_tokenizer
-from rlhf_trainer.roles.hf_export import check_target
+from rlhf_trainer.roles.hf_export import check_export
 from rlhf_trainer.rollout.episodes import check_environment
 from rlhf_trainer.rollout.queue import admission_limit, remembered_uids
 from rlhf_trainer.rollout.streaming import StreamingRollout
@@ -127,8 +127,7 @@ def load_inputs(config: JobConfig, reward_files: Path | None) -> Inputs:
         if config.data.eval is not None
         else []
     )
-    if config.output is not None:  # an unwritable target fails now, not at the end
-        check_target(Path(config.output.path))
+    check_export(config)  # an export that would fail at the end fails now
     if config.multi_turn is not None:  # an environment out of reach fails now too
         check_environment(config.environment(config.multi_turn.environment))
     rule = reward_function(config.models.reward, reward_files)
