@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from rlhf_operator.api.job import RLHFJob, RLHFJobSpec
 from rlhf_trainer.api.memory_report import memory_errors
-from rlhf_trainer.api.output_path import output_path_errors
+from rlhf_trainer.api.output_path import output_path_errors, read_paths
 from rlhf_trainer.api.rules import FieldError, field_errors
 
 
@@ -71,21 +71,10 @@ def unmounted_paths(spec: RLHFJobSpec) -> list[FieldError]:
     mounted = [v.mount_path for v in spec.pods.volumes or []]
     if spec.checkpoint_claim and spec.checkpoint_path:
         mounted.append(spec.checkpoint_path)
-    models = spec.models
-    named = {
-        "spec.models.actor.path": models.actor.path,
-        "spec.models.ref.path": models.ref.path if models.ref else None,
-        "spec.models.critic.path": models.critic.path if models.critic else None,
-        "spec.models.reward.path": models.reward.path,
-        "spec.data.train": spec.data.train,
-        "spec.data.eval": spec.data.eval,
-    }
     return [
-        FieldError(field, f"{path} is under no volume the pods mount (spec.pods.volumes)")
-        for field, path in named.items()
-        if path
-        and path.startswith("/")
-        and not any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounted)
+        FieldError(f"spec.{field}", f"{path} is under no volume the pods mount (spec.pods.volumes)")
+        for field, path in read_paths(spec).items()
+        if not any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounted)
     ]
 
 
