@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlhf_trainer.api.sections import TrainerConfig
+from rlhf_trainer.cluster.engine_client import phase_ceiling_s
 from rlhf_trainer.loop.weights import EnginesStalled, SyncFailure, WeightSync
 from rlhf_trainer.rollout.push_verdict import PushFailed
 from rlhf_trainer.rollout.sync_deadlines import (
@@ -23,6 +25,7 @@ from rlhf_trainer.rollout.sync_deadlines import (
     measured_rate,
     phase_deadline_s,
 )
+from rlhf_trainer.worker import RENDEZVOUS_TIMEOUT
 
 MB = 10**6
 
@@ -84,6 +87,16 @@ def test_a_phase_that_moves_little_waits_the_floor_not_the_jobs_timeout() -> Non
     assert SyncClock(ceiling_s=5).deadline_s("start_weight_update", 0) == 5
     huge = 10**15  # a whole model in one NCCL update, at the assumed rate: the ceiling
     assert SyncClock(ceiling_s=600).deadline_s("update_weights", huge) == 600
+
+
+def test_no_phase_outlasts_the_actor_ranks_wait_for_rank_0_in_a_gather() -> None:
+    """Past their process group's timeout the actor's other ranks would fail (the actor
+    lost) before rank 0 named the stalled engine: the ceiling is a minute under it."""
+    group_wait_s = RENDEZVOUS_TIMEOUT.total_seconds()
+    timeout_s = TrainerConfig.model_fields["weight_sync_timeout_seconds"].default
+    assert phase_ceiling_s(timeout_s) == min(timeout_s, group_wait_s - 60)
+    assert phase_ceiling_s(86_400) == group_wait_s - 60
+    assert phase_ceiling_s(30) == 30
 
 
 def test_the_clock_sizes_buckets_by_their_bytes_and_the_finish_by_the_push() -> None:

@@ -19,6 +19,14 @@ from rlhf_trainer.cluster.hangs import NoAnswer
 from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.rollout.sync_deadlines import Stall, SyncClock
 from rlhf_trainer.rollout.weight_sync import EngineFanOut
+from rlhf_trainer.worker import RENDEZVOUS_TIMEOUT
+
+
+def phase_ceiling_s(timeout_s: float) -> float:
+    """The longest a phase of a sync may take: the job's timeout, and a minute less than
+    the actor's other ranks wait for rank 0 in a gather (their process group's timeout),
+    so that a stalled engine is named and replaced rather than the actor's group lost."""
+    return min(timeout_s, RENDEZVOUS_TIMEOUT.total_seconds() - 60)
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,7 @@ class EngineGroupClient(EngineFanOut):
         self.engines = WorkerGroup(engines.role, engines.slots, engines.hosts, [], engines.ranks)
         self.timeout_s = timeout_s
         self.workers_per_engine = workers_per_engine
-        self.clock = SyncClock(ceiling_s=timeout_s)  # each phase within the timeout
+        self.clock = SyncClock(ceiling_s=phase_ceiling_s(timeout_s))
 
     @property
     def engine_count(self) -> int:

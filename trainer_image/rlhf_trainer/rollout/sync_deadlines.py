@@ -8,9 +8,9 @@ per transfer), `start`, one `bucket` per update call, and `finish`. Each phase m
 where `rate` is the bytes per second the engines' bucket calls have taken so far (an
 assumed rate counts as PRIOR_S of them, before any is measured), `floor` is PHASE_FLOOR_S
 (a phase that moves little: a stall is seen in a minute, not at the flat timeout) and
-`ceiling` is the job's `trainer.weightSyncTimeoutSeconds`, which keeps every phase
-inside the waits of the actor's and the transfer's collectives, so that the engine
-calls, which can name the engine, are what report. `finish` is sized from the whole
+`ceiling` is the job's `trainer.weightSyncTimeoutSeconds`, kept inside the waits of
+the actor's and the transfer's collectives (`engine_client.phase_ceiling_s`), so that
+the engine calls, which can name the engine, are what report. `finish` is sized from the whole
 push (vLLM's layerwise reload finishes every layer there). A phase past its deadline
 is a `Stall`: the engines (rank, pool) still in it, the phase, and the bytes moved so
 far out of the push's total.
