@@ -21,6 +21,7 @@ from rlhf_operator.controller.restarts import (
     late_verdict,
 )
 from rlhf_operator.controller.status import Observed, compute_status, finished
+from rlhf_operator.render.children import JobRef, render_rayjob
 from tests.unit.conftest import EXAMPLES, load
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -259,3 +260,22 @@ def test_a_driver_stopped_for_a_resize_under_a_late_verdict_is_replaced_not_rest
     ended = as_the_ray_job_ended(asked, {"status": "SUCCEEDED"})
     assert decide(POLICY, ended, RLHFJobStatus(), T0).action is Action.NONE
     assert decide_resize(SPEC, ended, None).action is ResizeAction.REPLACE
+
+
+def test_a_submitter_out_of_retries_says_the_head_was_lost_too_often() -> None:
+    """Each Ray head lost in an attempt fails the submitter's pod once; after the
+    rendered retries KubeRay fails the RayJob with its Job's reason. The failure says
+    what happened, in the job's terms, keeping KubeRay's words."""
+    kuberays = (
+        "Job submission has failed. Reason: BackoffLimitExceeded. "
+        "Message: Job has reached the specified backoff limit"
+    )
+    rayjob = attempt("a", "Failed", reason="SubmissionFailed", message=kuberays)
+    failure = attempt_failure(rayjob, T0)
+    assert failure is not None and failure.reason == "SubmitterRetriesExhausted"
+    assert failure.message.startswith("the Ray head was lost 3 times in this attempt")
+    assert failure.message.endswith(f"KubeRay: {kuberays}")
+    rendered = render_rayjob(JobRef("colocated", "ns", "uid"), SPEC)
+    assert rendered["spec"]["submitterConfig"] == {"backoffLimit": 2}
+    other = attempt("a", "Failed", reason="SubmissionFailed", message="image pull failed")
+    assert (attempt_failure(other, T0) or failure).reason == "SubmissionFailed"

@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any, TypeGuard
 
 from rlhf_operator.api.job import AttemptFailure, Phase, RestartPolicy, RLHFJobStatus
+from rlhf_operator.render.children import SUBMITTER_RETRIES
 
 FAILED_DEPLOYMENTS = ("Failed", "ValidationFailed")  # KubeRay's jobDeploymentStatus
 # KubeRay's reason when it first reconciles a RayJob over 30 s after its submitter ended
@@ -25,6 +26,10 @@ LATE_VERDICT = "JobDeploymentStatusTransitionGracePeriodExceeded"
 # The Ray job's terminal statuses (the head's job API) -> KubeRay's jobDeploymentStatus.
 RAY_JOB_ENDED = {"SUCCEEDED": "Complete", "STOPPED": "Complete", "FAILED": "Failed"}
 MAX_FAILURE_MESSAGE = 1024  # of an attempt's failure, kept in status.lastFailure
+# KubeRay's words when the submitter's Kubernetes Job ran out of retries: each Ray head
+# lost in an attempt fails the submitter's pod once (render.children.SUBMITTER_RETRIES).
+SUBMITTER_GAVE_UP = ("SubmissionFailed", "BackoffLimitExceeded")
+SUBMITTER_RETRIES_EXHAUSTED = "SubmitterRetriesExhausted"
 FIRST_LINE = 300  # of it, in the Ready condition and the Restarting event
 
 
@@ -51,11 +56,24 @@ def attempt_failure(rayjob: dict[str, Any] | None, now: datetime) -> AttemptFail
     )
     if rayjob is None or not failed:
         return None
+    reason, message = status.get("reason") or deployment, status.get("message") or ""
+    if reason == SUBMITTER_GAVE_UP[0] and SUBMITTER_GAVE_UP[1] in message:
+        reason, message = SUBMITTER_RETRIES_EXHAUSTED, submitter_gave_up(message)
     return AttemptFailure(
-        reason=status.get("reason") or deployment,
-        message=head_and_tail(status.get("message") or ""),
+        reason=reason,
+        message=head_and_tail(message),
         time=now,
         ray_job_uid=rayjob["metadata"]["uid"],
+    )
+
+
+def submitter_gave_up(kuberays: str) -> str:
+    """Why an attempt failed whose submitter ran out of retries, said as it happened."""
+    return (
+        f"the Ray head was lost {SUBMITTER_RETRIES + 1} times in this attempt: each loss "
+        f"fails the pod that runs `ray job submit`, and KubeRay gives up after "
+        f"{SUBMITTER_RETRIES} retries (a new attempt resumes from the last checkpoint "
+        f"if restartPolicy allows). KubeRay: {kuberays}"
     )
 
 

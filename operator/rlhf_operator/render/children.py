@@ -70,6 +70,7 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # Kueue: the LocalQueue that admits t
 HEAD_DEFAULTS = PodResources(cpu=2, memory="8Gi")
 # `ray job submit`, then following the driver's log: little, so a small node fits a job.
 SUBMITTER_RESOURCES = PodResources(cpu="200m", memory="512Mi")
+SUBMITTER_RETRIES = 2  # KubeRay's default backoffLimit of the submitter, made explicit
 
 
 def render_children(
@@ -162,6 +163,9 @@ def render_rayjob(job: JobRef, spec: RLHFJobSpec) -> Obj:
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": 60,
             "backoffLimit": 0,  # the trainer resumes from checkpoints; no blind resubmits
+            # A lost head fails the submitter's pod; its retry follows the new head's
+            # driver. Said here, so that status can say when they run out.
+            "submitterConfig": {"backoffLimit": SUBMITTER_RETRIES},
             "submitterPodTemplate": _submitter_template(job, spec),
             "rayClusterSpec": {
                 "rayVersion": RAY_VERSION,
