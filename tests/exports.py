@@ -23,6 +23,13 @@ from rlhf_trainer.rollout.engine_settings import (
 )
 
 
+def tree_bytes(directory: Path) -> dict[str, bytes]:
+    """Every file below `directory`, by its path there: its bytes."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
 def checkpoint_actor(tiny: TinyModel, step_dir: Path, scratch: Path) -> PreTrainedModel:
     """A committed checkpoint's actor weights in the project's own model class, read back
     by torch's DCP converter (not by the export's reader)."""
@@ -59,6 +66,50 @@ if __name__ == "__main__":
 """
 # as the trainer's engines
 VLLM_ENVIRONMENT = CPU_ENVIRONMENT | UNI_EXECUTOR_ENVIRONMENT | CPU_EAGER_ENVIRONMENT
+
+
+# `vllm serve`'s command as the export writes it, parsed by vLLM's own serve parser and
+# run by its LLM on CPU: greedy text for text prompts, decoded by the tokenizer the
+# command names (an adapter alone served under its --lora-modules name).
+VLLM_SERVE_TEXT = """
+import json, shlex, sys
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.lora.request import LoRARequest
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from rlhf_trainer.rollout.engine_settings import cpu_scheduling
+
+if __name__ == "__main__":
+    command, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(shlex.split(command)[1:])
+    args.model = args.model_tag
+    asked = EngineArgs.from_cli_args(args)
+    llm = LLM(model=asked.model, tokenizer=asked.tokenizer, dtype=asked.dtype,
+              enable_lora=asked.enable_lora, max_lora_rank=asked.max_lora_rank,
+              max_model_len=64, enforce_eager=True, gpu_memory_utilization=0.3, seed=0,
+              **cpu_scheduling(64))
+    lora = None
+    if args.lora_modules:
+        module = args.lora_modules[0]
+        lora = LoRARequest(module.name, 1, module.path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.generate(prompts, greedy, lora_request=lora)
+    print(json.dumps([o.outputs[0].text for o in outputs]))
+"""
+
+
+def vllm_serve_text(command: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """The greedy text that the `vllm serve` `command` answers `prompts` with (vLLM's
+    parser, tokenizer and engine, in a process of its own)."""
+    argv = [sys.executable, "-c", VLLM_SERVE_TEXT, command, json.dumps(prompts), str(max_tokens)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          env=os.environ | VLLM_ENVIRONMENT, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers: list[str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answers
 
 
 def held_out_prompts(config: JobConfig) -> list[list[int]]:

@@ -22,6 +22,7 @@ from rlhf_trainer.models import build_tiny_model, build_tokenizer, load_tokenize
 from rlhf_trainer.roles import checkpoint, hf_export
 from rlhf_trainer.roles.trainable import load_policy
 from tests.conftest import skip_or_fail
+from tests.exports import tree_bytes
 from tests.specs import local_job
 
 WEIGHTS = "model.safetensors"
@@ -70,7 +71,8 @@ def test_the_export_holds_the_checkpoints_weights_tied_as_from_pretrained_expect
     written = {p.name for p in done.directory.iterdir()}
     assert {WEIGHTS, "config.json", "generation_config.json", "tokenizer.json"} <= written
     # readable by a server running as another user (transformers writes the weights 0600)
-    assert {oct(p.stat().st_mode & 0o777) for p in done.directory.iterdir()} == {"0o644"}
+    files = [p for p in done.directory.rglob("*") if p.is_file()]
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o644"}
     with safe_open(done.directory / WEIGHTS, "pt") as weights:
         # Tied: the LM head is the embedding, stored once, as save_pretrained does.
         assert "lm_head.weight" not in weights.keys()  # noqa: SIM118 (safe_open has no __contains__)
@@ -122,7 +124,7 @@ def test_an_export_that_fails_halfway_leaves_the_previous_one_whole(
     source, _ = saved
     target = tmp_path / "hf"
     export_checkpoint(source, target, dtype="fp32")
-    previous = {p.name: p.read_bytes() for p in target.iterdir()}
+    previous = tree_bytes(target)
     newer = write_checkpoint(source.parent, 2, trained_policy(config, seed=2), config)
 
     class FailingTokenizer:
@@ -135,7 +137,7 @@ def test_an_export_that_fails_halfway_leaves_the_previous_one_whole(
     monkeypatch.setattr(hf_export, "load_tokenizer", lambda _: FailingTokenizer())
     with pytest.raises(OSError, match="No space left"):
         export_checkpoint(newer, target, dtype="fp32")
-    assert {p.name: p.read_bytes() for p in target.iterdir()} == previous
+    assert tree_bytes(target) == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "hf"]
 
     monkeypatch.undo()  # the next export replaces it whole

@@ -28,6 +28,7 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import write_tiny_model
 from rlhf_trainer.roles import hf_export
 from rlhf_trainer.roles.hf_export import MARKER, ExportError, check_export, check_target
+from tests.exports import tree_bytes
 from tests.specs import local_job
 
 LLAMA_2_GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
@@ -166,7 +167,7 @@ def test_a_crash_between_the_two_renames_leaves_the_previous_export_to_put_back(
     weights = AutoModelForCausalLM.from_pretrained(actor.path).state_dict()
     target = tmp_path / "policy"
     hf_export.write_policy(weights, actor, target, "fp32", 1, "test", seed=0)
-    previous = {p.name: p.read_bytes() for p in target.iterdir()}
+    previous = tree_bytes(target)
     rename = os.rename
 
     def crash_on_the_second(source: Any, destination: Any) -> None:
@@ -180,7 +181,7 @@ def test_a_crash_between_the_two_renames_leaves_the_previous_export_to_put_back(
     monkeypatch.undo()
     assert not target.exists()
     aside = tmp_path / (hf_export.REPLACED_PREFIX + target.name)
-    assert {p.name: p.read_bytes() for p in aside.iterdir()} == previous
+    assert tree_bytes(aside) == previous
     check_target(target)  # what the next job's start (or export) does first
-    assert {p.name: p.read_bytes() for p in target.iterdir()} == previous
+    assert tree_bytes(target) == previous
     assert json.loads((target / MARKER).read_text())["step"] == 1

@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     what = "the LoRA adapter" if done.adapter else "the policy"
     print(f"{done.directory}: {what} of step {done.step} in {done.dtype}")
+    print(f"serve it with: {done.serve}")
     return 0
 
 

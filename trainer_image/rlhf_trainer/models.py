@@ -87,6 +87,34 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+# A word-level tokenizer's own directory in an export, with no config.json beside it: what
+# `vllm serve DIR --tokenizer DIR/tokenizer` loads (see save_tokenizer).
+TOKENIZER_SUBDIR = "tokenizer"
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: Path) -> Path | None:
+    """Save `tokenizer` into `directory` and, a word-level one (the tiny models'), into
+    directory/tokenizer as well; that one's path is returned (None for any other).
+
+    For a qwen2 model, transformers' AutoTokenizer (vLLM's loader too) ignores the
+    tokenizer_class that tokenizer_config.json names: qwen2 is among the model types
+    whose hub class it distrusts (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), and it
+    rebuilds the byte-level Qwen2Tokenizer from the vocabulary, which decodes
+    "c a f e =" as "cafe=". With no model config beside it, it loads the class the
+    file names, the word-level tokenizer as trained."""
+    tokenizer.save_pretrained(directory)
+    if not word_level(tokenizer):
+        return None
+    tokenizer.save_pretrained(directory / TOKENIZER_SUBDIR)
+    return directory / TOKENIZER_SUBDIR
+
+
+def word_level(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `tokenizer` is word-level (the tiny tokenizer's kind)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and isinstance(backend.model, models.WordLevel)
+
+
 def is_word_level(path: str) -> bool:
     """Whether `path` is a local directory whose tokenizer.json is word-level (the tiny
     tokenizer's kind; a hub id or a real model's tokenizer is not)."""

@@ -18,7 +18,7 @@ import os
 import shutil
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,8 +35,16 @@ from transformers import (
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.output_path import output_path_errors
 from rlhf_trainer.api.sections import ModelSource, TrainedModel
-from rlhf_trainer.models import COMPUTE_DTYPE, load_tokenizer, model_config
+from rlhf_trainer.models import (
+    COMPUTE_DTYPE,
+    TOKENIZER_SUBDIR,
+    load_tokenizer,
+    model_config,
+    save_tokenizer,
+    word_level,
+)
 from rlhf_trainer.roles import checkpoint
+from rlhf_trainer.roles.hf_serve import SERVE_FILE, serve_command, serve_readme
 from rlhf_trainer.roles.lora import adapter_of, with_trained_adapter
 from rlhf_trainer.roles.lora_merge import merged_policy
 from rlhf_trainer.roles.trainable import load_policy
@@ -62,6 +70,7 @@ class Export:
     step: int
     dtype: str
     adapter: bool = False  # the LoRA adapter alone (peft's format), not a whole model
+    serve: str = field(default="", compare=False)  # the `vllm serve` command (hf_serve)
 
 
 def write_policy(
@@ -84,29 +93,51 @@ def write_policy(
     With `actor.lora`, `weights` are the adapter's alone (what trains): the base is
     built again from the spec's model (a tiny one from `seed`) and the adapter merged
     into it in fp32 (roles.lora_merge), or, `adapter`, written alone in peft's format
-    for `vllm serve BASE --enable-lora` (no base, no tokenizer: the base's are those)."""
+    for `vllm serve BASE --enable-lora` (no base, no tokenizer: the base's are those,
+    but for a word-level one, in tokenizer/). A README.md holds the `vllm serve` command
+    that serves it as trained (roles.hf_serve), which is also logged and returned."""
     dtype = export_dtype(dtype, actor, adapter)
     if adapter and actor.lora is None:
         raise ExportError(f"{origin}: only a LoRA'd actor (models.actor.lora) has an adapter")
     staging = start_export(target)
     try:
-        if actor.lora is None:
-            write_hf_directory(
-                policy_with_weights(actor, weights, origin), actor, COMPUTE_DTYPE[dtype], staging
-            )
-        else:
-            lora_policy = adapted_policy(actor, weights, origin, seed, base=not adapter)
-            if adapter:
-                adapter_of(lora_policy, weights, COMPUTE_DTYPE[dtype]).write(staging)
-            else:
-                merged = merged_policy(lora_policy, COMPUTE_DTYPE[dtype], f"{dtype_field} {dtype}")
-                write_hf_directory(merged, actor, COMPUTE_DTYPE[dtype], staging)
+        words = write_model(weights, actor, staging, dtype, origin, seed, adapter, dtype_field)
+        command = serve_command(target, dtype, actor, adapter, words)
+        readme = serve_readme(command, step, dtype, actor, adapter, seed)
+        (staging / SERVE_FILE).write_text(readme)
         write_marker(staging, Export(target, step, dtype, adapter))
         finish_export(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Export(target, step, dtype, adapter)
+    log.info("%s: the export of step %d; serve it with: %s", target, step, command)
+    return Export(target, step, dtype, adapter, serve=command)
+
+
+def write_model(
+    weights: dict[str, Tensor],
+    actor: TrainedModel,
+    staging: Path,
+    dtype: str,
+    origin: str,
+    seed: int,
+    adapter: bool,
+    dtype_field: str,
+) -> bool:
+    """The export's files (write_policy) into `staging`; whether its tokenizer is
+    word-level (saved in tokenizer/ too, for vLLM: models.save_tokenizer)."""
+    if actor.lora is None:
+        model = policy_with_weights(actor, weights, origin)
+        return write_hf_directory(model, actor, COMPUTE_DTYPE[dtype], staging)
+    lora_policy = adapted_policy(actor, weights, origin, seed, base=not adapter)
+    if adapter:
+        adapter_of(lora_policy, weights, COMPUTE_DTYPE[dtype]).write(staging)
+        tokenizer = load_tokenizer(actor)  # the base's serves it, but not a word-level one
+        if word_level(tokenizer):
+            tokenizer.save_pretrained(staging / TOKENIZER_SUBDIR)
+        return word_level(tokenizer)
+    merged = merged_policy(lora_policy, COMPUTE_DTYPE[dtype], f"{dtype_field} {dtype}")
+    return write_hf_directory(merged, actor, COMPUTE_DTYPE[dtype], staging)
 
 
 def export_dtype(dtype: str | None, actor: TrainedModel, adapter: bool) -> str:
@@ -194,13 +225,14 @@ def check_tied(weights: dict[str, Tensor], model: PreTrainedModel, origin: str) 
 
 def write_hf_directory(
     model: PreTrainedModel, actor: ModelSource, dtype: torch.dtype, directory: Path
-) -> None:
-    """Weights (safetensors), config, generation config and tokenizer into `directory`."""
+) -> bool:
+    """Weights (safetensors), config, generation config and tokenizer into `directory`;
+    whether the tokenizer is word-level (models.save_tokenizer)."""
     # Without one of its own, the model keeps the one derived from its config.
     found = actor_generation_config(actor)
     model.generation_config = saveable(found or model.generation_config, actor)
     model.to(dtype).save_pretrained(directory)
-    load_tokenizer(actor).save_pretrained(directory)
+    return save_tokenizer(load_tokenizer(actor), directory) is not None
 
 
 # What transformers refuses to save, found at the job's start.
