@@ -95,6 +95,14 @@ class TrainingProgress(SpecModel):
     eval: EvalProgress | None = Field(
         None, description="The last evaluation on the held-out prompts (data.eval)."
     )
+    last_failed_sync: str | None = Field(
+        None,
+        description=(
+            "The last weight sync that failed in this attempt, in a line: the engines, the "
+            "phase (init, start, bucket, finish) and the bytes moved. The engines it names "
+            "were replaced and the run went on (generation.maxEngineRestarts)."
+        ),
+    )
     failure: str | None = Field(
         None,
         description=(

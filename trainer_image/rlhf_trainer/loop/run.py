@@ -136,6 +136,7 @@ class Run:
                  done.directory, done.dtype, time.time() - started)  # fmt: skip
 
     def progress(self, result: StepResult | None) -> TrainingProgress:
+        failed_sync = self.trainer.engines.last_failed_sync
         progress = TrainingProgress(
             step=self.step,
             total_steps=self.config.trainer.total_steps,
@@ -143,6 +144,7 @@ class Run:
             last_checkpoint=self.last_checkpoint,
             output=self.last_output,
             eval=self.evaluator.last if self.evaluator else None,
+            last_failed_sync=failed_sync.line if failed_sync else None,
         )
         if result is None:
             return progress
