@@ -12,13 +12,11 @@ renamed in place of the previous export, so a failure halfway leaves that one wh
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import shutil
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,7 +41,17 @@ from rlhf_trainer.models import (
     save_tokenizer,
     word_level,
 )
-from rlhf_trainer.roles import checkpoint
+from rlhf_trainer.roles.export_dir import MARKER as MARKER
+from rlhf_trainer.roles.export_dir import REPLACED_PREFIX as REPLACED_PREFIX
+from rlhf_trainer.roles.export_dir import STAGING_PREFIX as STAGING_PREFIX
+from rlhf_trainer.roles.export_dir import Export as Export
+from rlhf_trainer.roles.export_dir import ExportError as ExportError
+from rlhf_trainer.roles.export_dir import (
+    check_free_space,
+    finish_export,
+    start_export,
+    write_marker,
+)
 from rlhf_trainer.roles.hf_serve import SERVE_FILE, serve_command, serve_readme
 from rlhf_trainer.roles.lora import adapter_of, with_trained_adapter
 from rlhf_trainer.roles.lora_merge import merged_policy
@@ -53,24 +61,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = tuple(COMPUTE_DTYPE)  # "fp32", "bf16"
 DEFAULT_DTYPE = "bf16"  # but fp32 for a merged LoRA adapter (see export_dtype)
-STAGING_PREFIX = ".tmp-"  # + the export's name: being written
-REPLACED_PREFIX = ".old-"  # + the export's name: the previous export, being replaced
-MARKER = ".rlhf-export.json"  # in every export: a directory only an export replaces
-
-
-class ExportError(Exception):
-    """The export cannot be made: the message names the path and what was expected."""
-
-
-@dataclass(frozen=True)
-class Export:
-    """A finished export: where it is, the step it holds and its dtype."""
-
-    directory: Path
-    step: int
-    dtype: str
-    adapter: bool = False  # the LoRA adapter alone (peft's format), not a whole model
-    serve: str = field(default="", compare=False)  # the `vllm serve` command (hf_serve)
 
 
 def write_policy(
@@ -101,7 +91,7 @@ def write_policy(
         raise ExportError(f"{origin}: only a LoRA'd actor (models.actor.lora) has an adapter")
     staging = start_export(target)
     try:
-        words = write_model(weights, actor, staging, dtype, origin, seed, adapter, dtype_field)
+        words = write_model(weights, actor, target, dtype, origin, seed, adapter, dtype_field)
         command = serve_command(target, dtype, actor, adapter, words)
         readme = serve_readme(command, step, dtype, actor, adapter, seed)
         (staging / SERVE_FILE).write_text(readme)
@@ -117,19 +107,24 @@ def write_policy(
 def write_model(
     weights: dict[str, Tensor],
     actor: TrainedModel,
-    staging: Path,
+    target: Path,
     dtype: str,
     origin: str,
     seed: int,
     adapter: bool,
     dtype_field: str,
 ) -> bool:
-    """The export's files (write_policy) into `staging`; whether its tokenizer is
-    word-level (saved in tokenizer/ too, for vLLM: models.save_tokenizer)."""
+    """The export's files (write_policy) into its staging directory, once the volume is
+    known to have room for them; whether its tokenizer is word-level (saved in
+    tokenizer/ too, for vLLM: models.save_tokenizer)."""
+    staging, size = target.parent / (STAGING_PREFIX + target.name), COMPUTE_DTYPE[dtype].itemsize
     if actor.lora is None:
         model = policy_with_weights(actor, weights, origin)
+        check_free_space(staging, target, size * sum(p.numel() for p in model.parameters()))
         return write_hf_directory(model, actor, COMPUTE_DTYPE[dtype], staging)
     lora_policy = adapted_policy(actor, weights, origin, seed, base=not adapter)
+    held = weights.values() if adapter else lora_policy.parameters()
+    check_free_space(staging, target, size * sum(t.numel() for t in held))
     if adapter:
         adapter_of(lora_policy, weights, COMPUTE_DTYPE[dtype]).write(staging)
         tokenizer = load_tokenizer(actor)  # the base's serves it, but not a word-level one
@@ -336,64 +331,3 @@ def save_model_files(actor: ModelSource, directory: Path, target: Path) -> None:
                 f"{target}: the export would fail at the job's end: {name} of {where(actor)} "
                 f"cannot be saved: {error}"
             ) from None
-
-
-# The directory, replaced whole.
-
-
-def start_export(target: Path) -> Path:
-    """A fresh staging directory beside `target`; the error names the path when it
-    cannot be written, or when `target` holds something other than an export (only a
-    directory with the marker, or an empty one, is replaced). A previous export left
-    aside by a crash is put back first."""
-    staging = target.parent / (STAGING_PREFIX + target.name)
-    replaced = target.parent / (REPLACED_PREFIX + target.name)
-    try:
-        if replaced.is_dir() and not target.exists():
-            os.rename(replaced, target)  # a crash between finish_export's two renames
-        check_replaceable(target)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    except OSError as error:
-        raise ExportError(f"{target}: cannot write the export here: {error}") from None
-    return staging
-
-
-def check_replaceable(target: Path) -> None:
-    """An export replaces `target` whole: only where nothing is, an empty directory, or
-    a directory that a previous export marked as one (MARKER)."""
-    if not target.exists():
-        return
-    if not target.is_dir():
-        raise ExportError(f"{target}: exists and is not a directory")
-    if not (target / MARKER).is_file() and any(target.iterdir()):
-        raise ExportError(
-            f"{target}: holds files and is not an export of this project (no {MARKER} in "
-            "it); an export replaces its directory whole, so it is never written over "
-            "anything else: choose another output.path (or DIR), or empty this one"
-        )
-
-
-def write_marker(directory: Path, export: Export) -> None:
-    """The marker that says `directory` is an export, and which: what may be replaced."""
-    fields = {"step": export.step, "dtype": export.dtype, "adapter": export.adapter}
-    (directory / MARKER).write_text(json.dumps({"writer": "rlhf-operator"} | fields) + "\n")
-
-
-def finish_export(staging: Path, target: Path) -> None:
-    """Put the complete export at `target`: synced, then renamed in. A previous export
-    is renamed aside first and removed after (rename cannot replace a non-empty
-    directory); a crash between the two leaves it aside whole, and the next export
-    puts it back. Every file is made readable by all (0644): transformers writes the
-    weights through a private temporary file (0600), and a server running as another
-    user (a vLLM pod reading the claim) must read them."""
-    for path in staging.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    checkpoint.fsync_tree(staging)
-    replaced = target.parent / (REPLACED_PREFIX + target.name)
-    shutil.rmtree(replaced, ignore_errors=True)
-    if target.exists():
-        os.rename(target, replaced)
-    os.rename(staging, target)
-    checkpoint.fsync(target.parent)
-    shutil.rmtree(replaced, ignore_errors=True)
