@@ -30,6 +30,7 @@ from rlhf_env.protocol import Message, Step
 from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_env.server import app_for
 from rlhf_trainer.algo.experience import Rollout
+from rlhf_trainer.api.cuts import TRAINED_BY_DEFAULT
 from rlhf_trainer.api.sections import ModelSource, TinyModel
 from rlhf_trainer.models import chat_tokenizer, token_log_probs, write_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine
@@ -212,7 +213,7 @@ PHASE_CUT = {"environment_timeout": "step", "environment_error": "step", "turn_t
         ("chatter", {"turn_seconds": 1e-4}, "turn_timeout"),
     ],
 )
-def test_an_episode_that_meets_a_limit_or_a_fault_is_cut_masked_and_closed(
+def test_an_episode_that_meets_a_limit_or_a_fault_is_cut_as_its_policy_says_and_closed(
     engine: RolloutEngine,
     server: str,
     renderer: ChatRenderer,
@@ -230,7 +231,9 @@ def test_an_episode_that_meets_a_limit_or_a_fault_is_cut_masked_and_closed(
         assert rollout.episode is not None
         assert rollout.episode.cut is not None and rollout.episode.cut.startswith(cut)
         assert rollout.episode.score == 0.0 and not rollout.finished
-        assert set(rollout.loss_mask) <= {0}  # nothing of it is trained on
+        # The policy's own overruns are trained on (score 0), faults never (multiTurn.cuts)
+        trained = cut.split(":")[0] in TRAINED_BY_DEFAULT and rollout.episode.turns > 0
+        assert (1 in rollout.loss_mask) == trained, rollout.loss_mask
         assert len(rollout.prompt_token_ids) + len(rollout.response_token_ids) <= LIMITS.max_tokens
         # The timeline shows the phase that was cut, for as long as it ran.
         last = rollout.episode.phases[-1]

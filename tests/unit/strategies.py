@@ -92,6 +92,11 @@ def valid_jobs(draw: st.DrawFn) -> dict[str, Any]:
             "maxTurns": draw(st.integers(1, 16)),
             "maxTokens": draw(st.integers(513, 8192)),  # above maxPromptLength's default
         }
+        if draw(st.booleans()):
+            policy: dict[str, Any] = {"policy": draw(st.sampled_from(["mask", "train"]))}
+            if policy["policy"] == "train" and draw(st.booleans()):  # a score: train only
+                policy["score"] = draw(st.sampled_from([-1.0, 0.5]))
+            spec["generation"]["multiTurn"]["cuts"] = {"environmentError": policy}
         spec["models"]["reward"] = {"environment": True}
     if asynchronous:
         spec["async"] = {
@@ -200,6 +205,8 @@ def rule_damaged_jobs(draw: st.DrawFn) -> dict[str, Any]:
         "clip": lambda: spec["algorithm"].__setitem__(draw(st.sampled_from(["clipRatioLow", "clipRatioHigh", "clipRatio"])), draw(st.sampled_from([0.1, 0.2, 0.3]))),
         "dynamic": lambda: spec["algorithm"].__setitem__("dynamicSampling", {}),
         "multi-turn": lambda: spec["generation"].__setitem__("multiTurn", {"environment": draw(st.sampled_from(["tools", "none"])), "maxTokens": draw(st.sampled_from([100, 4096]))}),
+        "cut-policy": lambda: spec["generation"].get("multiTurn", {}).__setitem__("cuts", {"maxTurns": draw(st.sampled_from([
+            {"policy": "mask", "score": 1.0}, {"policy": "train", "score": -1.0}, {"policy": "mask"}]))}),
         "environments": lambda: spec.__setitem__("environments", [{"name": "tools", "url": "http://t:1"}] * draw(st.integers(0, 2))),
         "operator-run-environment": lambda: spec.__setitem__("environments", [draw(st.sampled_from([
             {"name": "tools"}, {"name": "tools", "serve": "a:B"}, {"name": "tools", "command": ["x"]},

@@ -87,5 +87,5 @@ class EpisodeStats:
         return sum(e.restarts for e in self.episodes)
 
     @property
-    def cut_ratio(self) -> float:  # share cut by a limit or an error: masked, not trained on
+    def cut_ratio(self) -> float:  # share cut by a limit or an error (multiTurn.cuts)
         return sum(self.cuts.values()) / len(self.episodes)

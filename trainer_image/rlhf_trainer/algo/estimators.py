@@ -1,6 +1,6 @@
 """Advantage estimators: from one score per response to per-token advantages.
 
-    scores (B,) ─ outcome baseline ─▶ (B,) ─ token_rewards (+ KL per token) ─▶ (B, T)
+    scores (B,) ─ outcome baseline ─▶ (B,) ─ token_rewards (+ KL, + turns' rewards) ─▶ (B, T)
           ─ GAE with the critic's values (gae) | returns-to-go (critic-free) ─▶ advantages
           ─ normalised: over the batch (gae if configured, reinforce++ always) ─▶
 
@@ -111,12 +111,15 @@ def compute_advantages(
     algorithm: AlgorithmConfig,
     group_size: int = 1,
     kl_coef: float | None = None,
+    turn_rewards: Tensor | None = None,
 ) -> Advantages:
     """Scores (B,) and the scoring phase's per-token tensors (B, T) -> advantages, as
     `algorithm.advantageEstimator` says (module doc). `values` are the critic's (gae
     only). With `klMode: reward` the KL to the reference is a per-token reward penalty
     here, weighted by `kl_coef` (an adaptive controller's; unset: `algorithm.klCoef`);
-    with `klMode: loss` it is left to the actor's loss and only reported."""
+    with `klMode: loss` it is left to the actor's loss and only reported. `turn_rewards`
+    (B, T): a multi-turn episode's per-turn rewards (turn_rewards.py), added to the
+    per-token rewards as they are, after the estimator's baseline on the scores."""
     estimator = algorithm.advantage_estimator
     if (values is None) == algorithm.uses_critic:
         raise ValueError(f"{estimator} {'needs' if algorithm.uses_critic else 'takes no'} values")
@@ -129,6 +132,8 @@ def compute_advantages(
     shaped = outcome_scores(scores, estimator, group_size, algorithm.normalize_group_std)
     coef = algorithm.kl_coef if kl_coef is None else kl_coef
     rewards = token_rewards(shaped, mask, kl if in_reward else None, coef)
+    if turn_rewards is not None:
+        rewards = rewards + turn_rewards * mask
     if values is not None:
         advantages, returns = gae(rewards, values, mask, algorithm.gamma, algorithm.lam)
         if algorithm.whiten_advantages:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from rlhf_trainer.algo.ppo import masked_mean
+from rlhf_trainer.api.cuts import CUT_REASONS as CUT_REASONS  # why episodes are cut, by kind
 
 
 @dataclass(frozen=True)
@@ -180,21 +181,6 @@ def micro_batch_rows(batch: Sequences, size: int | None) -> list[Tensor]:
     return list(torch.split(order, size or max(len(order), 1)))
 
 
-# Why an episode was cut, by kind (after a colon, what happened). An environment's call
-# fails as it could not be reached, sent no answer in time, answered with an error, or
-# answered what breaks the protocol (rlhf_env.client.FailureKind).
-CUT_REASONS = (
-    "max_turns",
-    "token_budget",
-    "turn_timeout",
-    "episode_timeout",
-    "environment_unreachable",
-    "environment_timeout",
-    "environment_error",
-    "environment_protocol",
-)
-
-
 PhaseKind = Literal["start", "turn", "step", "score"]
 
 
@@ -217,6 +203,15 @@ class EpisodePhase:
 
 
 @dataclass(frozen=True)
+class TurnReward:
+    """A reward the environment gave for one turn (its step's `reward`)."""
+
+    turn: int  # the assistant turn, from 0
+    token: int  # the index in the response of the turn's last sampled token
+    reward: float
+
+
+@dataclass(frozen=True)
 class Episode:
     """How a multi-turn rollout went, against its environment."""
 
@@ -225,11 +220,13 @@ class Episode:
     tool_calls: int  # parsed from those turns
     version_span: int  # policy versions between its oldest and newest turn
     # Why it ended early ("max_turns", "environment_timeout: ...": CUT_REASONS), None if
-    # the environment ended it. A cut episode is not trained on (its loss mask is all 0),
-    # and it counts as a score of 0 in its group's baseline.
+    # the environment ended it. Its reason's policy (multiTurn.cuts) says whether it is
+    # trained on: masked (loss mask all 0, a score of 0 in its group's baseline), or
+    # trained on with the policy's score.
     cut: str | None = None
     phases: tuple[EpisodePhase, ...] = ()  # in order; those of its last session only
     restarts: int = 0  # times its replica died and it started again on another
+    turn_rewards: tuple[TurnReward, ...] = ()  # the environment's per turn, in order
 
     @property
     def step_seconds(self) -> tuple[float, ...]:  # each step call to the environment

@@ -7,6 +7,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import AfterValidator, Field, WithJsonSchema
 
+from rlhf_trainer.api.cuts import CutPolicies
 from rlhf_trainer.api.rules import Rule, SpecModel
 
 # A DNS label, as Kubernetes names Services: the operator will name the environment's.
@@ -93,7 +94,7 @@ class EnvironmentConfig(SpecModel):
 class MultiTurnConfig(SpecModel):
     """Rollouts as conversations with an environment: the model's turns, parsed for tool
     calls, alternate with the environment's answers until it says the episode is done or a
-    limit cuts it. A cut episode is counted and never trained on."""
+    limit cuts it. A cut episode is counted, and masked or trained on as `cuts` says."""
 
     environment: str = Field(
         max_length=40, description="The environments[] entry each episode runs in."
@@ -155,4 +156,39 @@ class MultiTurnConfig(SpecModel):
     )
     episode_timeout_seconds: float = Field(
         1800.0, gt=0, le=604800, description="The whole episode, tool calls included."
+    )
+    cuts: CutPolicies = Field(
+        default_factory=CutPolicies,
+        description=(
+            "What a cut episode does, per reason: {maxTurns: {policy: train, score: -1}, "
+            "environmentError: {policy: mask}}. Unset reasons: the policy's own overruns "
+            "(maxTurns, tokenBudget, turnTimeout) are trained on with score 0; every other "
+            "cut is masked (counted, never trained on)."
+        ),
+    )
+    turn_reward_discount: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description=(
+            "Per-turn rewards (an environment step's reward) are added at each turn's last "
+            "sampled token, on top of the final score: the k-th turn's (from 0) times this "
+            "to the power k. 1: every turn's reward counts in full."
+        ),
+    )
+    max_cut_ratio: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description=(
+            "A training step whose share of cut episodes reaches this counts against the "
+            "job; maxCutSteps such steps in a row fail it (TooManyCuts, with the reasons). "
+            "1: only steps whose every episode was cut."
+        ),
+    )
+    max_cut_steps: int = Field(
+        3,
+        ge=1,
+        le=10_000,
+        description="Steps in a row at maxCutRatio or above that fail the job.",
     )

@@ -25,11 +25,13 @@ from rlhf_trainer.algo.estimators import compute_advantages, scored_mean, withou
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
 from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.algo.ppo import explained_variance
+from rlhf_trainer.algo.turn_rewards import TurnRewardTable, turn_token_rewards
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, Phase
 from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.cluster.waits import gather, join, results_as_they_come
 from rlhf_trainer.data.prompts import Prompt
+from rlhf_trainer.loop.cut_steps import CutSteps
 from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.rewards import REWARD_METHOD
 from rlhf_trainer.loop.setup import RunParts
@@ -111,6 +113,8 @@ class PPOTrainer:
         self.sample_keys = itertools.count()  # the samples' keys (Batch.keys)
         self.group_size = parts.config.generation.samples_per_prompt
         self.kl_coef = parts.config.algorithm.kl_coef  # moved by an adaptive klController
+        multi_turn = parts.config.multi_turn
+        self.cut_steps = CutSteps.of(multi_turn) if multi_turn is not None else None
 
     @property
     def policy_version(self) -> int:
@@ -160,7 +164,11 @@ class PPOTrainer:
 
     def train_on(self, step: int, sampled: Batch) -> StepResult:
         """Score the batch, compute advantages and update the actor and the critic
-        (the caller bumps the policy version). Without timings."""
+        (the caller bumps the policy version). Without timings. Raises TooManyCuts
+        first when too many steps in a row cut too many episodes (multiTurn.maxCutRatio)."""
+        episodes = EpisodeStats.of(sampled.rollouts)
+        if self.cut_steps is not None and episodes is not None:
+            self.cut_steps.count(step, episodes)
         batch = pack_rollouts(sampled.rollouts, self.parts.tokens.pad_id)
 
         # Score: every pool at once; the rule-based reward runs here meanwhile.
@@ -187,6 +195,7 @@ class PPOTrainer:
             self.config.algorithm,
             self.group_size,
             self.kl_coef,
+            self.turn_rewards(sampled.rollouts, mask),
         )
         experience = Experience.of(
             batch,
@@ -212,10 +221,18 @@ class PPOTrainer:
             actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),
             critic=critic_stats(updates, experience),
             responses=ResponseStats.of(sampled.rollouts),
-            episodes=EpisodeStats.of(sampled.rollouts),
+            episodes=episodes,
             dropped_groups=sampled.dropped_groups,
             unscored=unscored,
         )
+
+    def turn_rewards(self, rollouts: Sequence[Rollout], mask: torch.Tensor) -> torch.Tensor | None:
+        """(B, T) the episodes' per-turn rewards (generation.multiTurn); None without."""
+        multi_turn = self.config.multi_turn
+        if multi_turn is None:
+            return None
+        table = TurnRewardTable.of(rollouts)
+        return turn_token_rewards(table, mask, multi_turn.turn_reward_discount)
 
     def generate(self, prompts: Sequence[Prompt], step: int, attempt: int = 0) -> Batch:
         """samplesPerPrompt responses to each prompt, a group's next to each other: with

@@ -11,9 +11,11 @@ never by re-tokenising the conversation. Limits end an episode early: `maxTurns`
 token budget, and deadlines per environment call, per turn and per episode. An
 environment that fails or breaks the protocol ends it too, and so does a chat template
 or tokenizer that fails on its messages (`template_error`: an environment's role the
-template refuses). Such an episode is "cut":
-its loss mask is all 0, its score 0, and its reason is counted, so nothing is trained
-on an episode that did not finish. The session is always closed.
+template refuses). Such an episode is "cut", and its reason counted. What it is
+trained on is its reason's policy (multiTurn.cuts): masked (its loss mask all 0, its
+score 0), or trained on with the policy's score. An environment's per-turn rewards
+(Step.reward) go with the episode, at each turn's last sampled token (TurnReward). The
+session is always closed.
 
 Sessions spread over the environment's replicas (rlhf_env.replicas). One whose replica
 dies (unreachable, not an error the replica sent) starts again from its row on another
@@ -27,14 +29,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
 from rlhf_env.replicas import EnvironmentReplicas
-from rlhf_trainer.algo.experience import Episode, EpisodePhase, PhaseKind, Rollout
+from rlhf_trainer.algo.experience import Episode, EpisodePhase, PhaseKind, Rollout, TurnReward
 from rlhf_trainer.api.agentic import EnvironmentConfig
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.cuts import CutPolicies
 from rlhf_trainer.rollout.chat_template import ChatRenderer, RenderFailed
 from rlhf_trainer.rollout.trajectory import (
     ToolCallParser,
@@ -65,6 +68,7 @@ class EpisodeLimits:
     turn_seconds: float  # each turn's generation
     episode_seconds: float
     observation_tokens: int | None = None  # each environment message's content, at most
+    cuts: CutPolicies = field(default_factory=CutPolicies)  # what a cut of each reason does
 
     @classmethod
     def of(cls, config: JobConfig) -> EpisodeLimits:
@@ -78,6 +82,7 @@ class EpisodeLimits:
             turn_seconds=multi_turn.turn_timeout_seconds,
             episode_seconds=multi_turn.episode_timeout_seconds,
             observation_tokens=multi_turn.max_observation_tokens,
+            cuts=multi_turn.cuts,
         )
 
 
@@ -165,7 +170,7 @@ class EpisodeRunner:
             episode.trajectory.cut_short(_reason("template_error", failed))
         except ToolParseFailed as failed:
             episode.trajectory.cut_short(_reason("tool_parser_error", failed))
-        return episode.rollout()
+        return episode.rollout(self.limits.cuts)
 
     async def _play_on_a_replica(
         self, row: dict[str, Any], generate: GenerateTurn, episode: _Progress, lost: list[str]
@@ -226,6 +231,7 @@ class EpisodeRunner:
                 stepped = await environment.step(
                     started.session, message, timeout=limits.call_seconds
                 )
+            episode.add_turn_reward(stepped.reward)
             if stepped.done:
                 with episode.timed("score"):
                     episode.score = await environment.score(
@@ -263,6 +269,7 @@ class _Progress:
         self.spans: list[tuple[int, int]] = []  # (version, first response token index)
         self.score: float | None = None
         self.phases: list[EpisodePhase] = []
+        self.turn_rewards: list[TurnReward] = []
 
     @contextmanager
     def timed(self, kind: PhaseKind, tool_calls: int = 0) -> Iterator[None]:
@@ -288,11 +295,26 @@ class _Progress:
             turn.response_token_ids, turn.response_log_probs, turn.policy_version, tool_calls
         )
 
-    def rollout(self) -> Rollout:
+    def add_turn_reward(self, reward: float | None) -> None:
+        """The reward the environment gave the last turn, if it gave one: at the turn's
+        last sampled token (the environment answered before anything followed it)."""
+        if reward is not None:
+            last = len(self.trajectory.token_ids) - len(self.trajectory.prompt_ids) - 1
+            self.turn_rewards.append(TurnReward(self.trajectory.turns - 1, last, reward))
+
+    def rollout(self, cuts: CutPolicies) -> Rollout:
         """The episode as the trainer takes it (see Rollout and Episode). One that ended
-        without a score was cut: its loss mask is all 0 (Trajectory.loss_mask)."""
+        without a score was cut: `cuts` says whether its sampled turns are trained on,
+        and with what score; else its loss mask is all 0 (Trajectory.loss_mask)."""
         trajectory, prompt = self.trajectory, len(self.trajectory.prompt_ids)
         versions = [version for version, _ in self.spans] or [self.version]
+        policy = None if trajectory.cut is None else cuts.of(trajectory.cut)
+        trained = policy is not None and policy.trains and trajectory.turns > 0
+        mask = trajectory.sampled_mask if trained else trajectory.loss_mask
+        if policy is None:
+            score = self.score if self.score is not None else 0.0
+        else:
+            score = policy.reward if trained else 0.0
         return Rollout(
             prompt_token_ids=trajectory.prompt_ids,
             response_token_ids=trajectory.token_ids[prompt:],
@@ -300,15 +322,16 @@ class _Progress:
             finished=trajectory.cut is None,
             policy_version=min(versions),
             version_spans=tuple(_merged(self.spans)),
-            loss_mask=tuple(trajectory.loss_mask[prompt:]),
+            loss_mask=tuple(mask[prompt:]),
             episode=Episode(
-                score=self.score if trajectory.cut is None and self.score is not None else 0.0,
+                score=score,
                 turns=trajectory.turns,
                 tool_calls=trajectory.tool_calls,
                 version_span=max(versions) - min(versions),
                 cut=trajectory.cut,
                 phases=tuple(self.phases),
                 restarts=self.restarts,
+                turn_rewards=tuple(self.turn_rewards),
             ),
         )
 

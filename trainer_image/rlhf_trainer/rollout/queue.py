@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from rlhf_trainer.algo.experience import Episode, EpisodePhase, Rollout
+from rlhf_trainer.algo.experience import Episode, EpisodePhase, Rollout, TurnReward
 
 DEFAULT_QUEUE_CONCURRENCY = 16
 # The last uids put are remembered, so that a sample generated twice is queued once
@@ -190,7 +190,8 @@ def episode_from_json(data: Mapping[str, Any] | None) -> Episode | None:
     if data is None:
         return None
     phases = tuple(EpisodePhase(**phase) for phase in data.get("phases", ()))
-    return Episode(**{**data, "phases": phases})
+    rewards = tuple(TurnReward(**reward) for reward in data.get("turn_rewards", ()))
+    return Episode(**{**data, "phases": phases, "turn_rewards": rewards})
 
 
 def staleness(sample: Sample, trained_version: int) -> int:

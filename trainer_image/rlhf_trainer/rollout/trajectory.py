@@ -71,7 +71,8 @@ Segment = SampledTurn | Observed
 class Trajectory:
     """A prompt and what followed it, token for token. `cut` says why the trajectory
     ended early (`max_turns`, `token_budget`, `environment_timeout: ...`); a cut trajectory
-    is not trained on: its mask is all zeros, and callers count it by its reason."""
+    is not trainable: its loss mask is all zeros, and callers count it by its reason (a
+    cut the job's policy trains on takes `sampled_mask`)."""
 
     prompt_ids: list[int]  # (P,) the rendered prompt, generation prompt included
     segments: list[Segment] = field(default_factory=list)
@@ -123,9 +124,12 @@ class Trajectory:
 
     @property
     def loss_mask(self) -> list[int]:  # (T,) 1 on sampled tokens of a trainable trajectory
-        sampled = 1 if self.trainable else 0
+        return self.sampled_mask if self.trainable else [0] * len(self.token_ids)
+
+    @property
+    def sampled_mask(self) -> list[int]:  # (T,) 1 on sampled tokens, cut or not
         return [0] * len(self.prompt_ids) + [
-            sampled if isinstance(s, SampledTurn) else 0 for s in self.segments for _ in s.ids
+            1 if isinstance(s, SampledTurn) else 0 for s in self.segments for _ in s.ids
         ]
 
     @property
