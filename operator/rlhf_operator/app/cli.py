@@ -6,7 +6,7 @@ rlhfjob plan FILE...       print each job's placement plan and memory per GPU
 rlhfjob render FILE        print the objects the operator would create
 rlhfjob train FILE         run the job on this machine (a simulated Ray cluster)
   --cpu [--steps N]          on CPUs even where there is CUDA; N steps, not totalSteps
-rlhfjob export CHECKPOINT DIR [--dtype bf16|fp32] [--adapter]
+rlhfjob export CHECKPOINT DIR [--dtype bf16|fp32] [--adapter] [--spec FILE]
                            write a checkpoint's policy as a Hugging Face directory
 rlhfjob crd                print the CustomResourceDefinition (what `make crds` writes)
   --reference                the field reference page instead (docs/reference/rlhfjob.md)
@@ -15,6 +15,7 @@ rlhfjob crd                print the CustomResourceDefinition (what `make crds` 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -24,13 +25,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from rlhf_operator.api.crd import render_crd_yaml
 from rlhf_operator.api.job import RLHFJob, Separation
 from rlhf_operator.api.reference import render_reference_markdown
 from rlhf_operator.api.validation import InvalidJob, load_documents, parse_job, unmounted_paths
-from rlhf_operator.render.children import JobRef, render_children
+from rlhf_operator.render.children import SPEC_FILE, JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess
+from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.estimate import describe_estimate, load_profile
 from rlhf_trainer.api.memory_report import describe_memory
 from rlhf_trainer.api.plan import describe, plan_placement
@@ -163,25 +166,53 @@ def export_checkpoint(
 ) -> int:
     """Write a committed checkpoint's policy as a Hugging Face directory; needs the
     trainer stack, not Ray. Its own process, as `train`: the operator imports only the
-    trainer's API. `spec`: the job's manifest, for a checkpoint that does not keep it.
-    `adapter`: a LoRA'd actor's adapter alone, not merged into its base. `dtype` None:
-    the export's default (fp32 for a LoRA merged into its base, else bf16)."""
+    trainer's API. `spec`: the job's spec, for a checkpoint that does not keep it (any
+    form `spec_for_export` reads). `adapter`: a LoRA'd actor's adapter alone, not merged
+    into its base. `dtype` None: the export's default (fp32 for a LoRA merged into its
+    base, else bf16)."""
     command = [sys.executable, "-m", "rlhf_trainer.export", str(checkpoint), str(directory)]
     command += (["--dtype", dtype] if dtype else []) + (["--adapter"] if adapter else [])
     if spec is None:
         return run_in_foreground(command)
-    jobs, problems = read_jobs(spec)
-    if problems or len(jobs) != 1:
-        print("\n".join(problems) or f"{spec}: expected one RLHFJob, found {len(jobs)}")
+    config, problems = spec_for_export(spec)
+    if config is None:
+        print("\n".join(problems))
         return 1
     with tempfile.TemporaryDirectory(prefix="rlhfjob-") as temp:
-        config = Path(temp) / "spec.json"
-        config.write_text(
-            jobs[0]
-            .spec.job_config(jobs[0].metadata.name)
-            .model_dump_json(by_alias=True, exclude_none=True)
-        )
-        return run_in_foreground([*command, "--spec", str(config)])
+        handed = Path(temp) / SPEC_FILE
+        handed.write_text(config.model_dump_json(by_alias=True, exclude_none=True))
+        return run_in_foreground([*command, "--spec", str(handed)])
+
+
+SPEC_FORMS = (
+    "an RLHFJob manifest, the job's spec ConfigMap (kubectl get configmap JOB-spec -o yaml) "
+    f"or its {SPEC_FILE} key"
+)
+
+
+def spec_for_export(spec: Path) -> tuple[JobConfig | None, list[str]]:
+    """The job's trainer-facing config from `spec`: an RLHFJob manifest (as `train`
+    reads it), the job's spec ConfigMap as kubectl prints it (`<job>-spec`, which the
+    operator renders), or that ConfigMap's spec.json itself; else the errors."""
+    try:
+        docs = list(load_documents(spec.read_text()))
+    except OSError as error:
+        return None, [f"{spec}: cannot read: {error.strerror}"]
+    except InvalidJob as invalid:
+        return None, [f"{spec}: {e}" for e in invalid.errors]
+    doc = docs[0] if len(docs) == 1 and isinstance(docs[0], dict) else {}
+    if doc and (doc.get("kind") == "ConfigMap" or "kind" not in doc):
+        text = (doc.get("data") or {}).get(SPEC_FILE) if "kind" in doc else json.dumps(doc)
+        if not isinstance(text, str):
+            return None, [f"{spec}: a ConfigMap with no {SPEC_FILE} key; expected {SPEC_FORMS}"]
+        try:
+            return JobConfig.model_validate_json(text), []
+        except ValidationError as error:
+            return None, [f"{spec}: not the job's config ({SPEC_FORMS}): {error}"]
+    jobs, problems = read_jobs(spec)
+    if problems or len(jobs) != 1:
+        return None, problems or [f"{spec}: expected one RLHFJob, found {len(jobs)}"]
+    return jobs[0].spec.job_config(jobs[0].metadata.name), []
 
 
 def run_in_foreground(command: list[str], env: Mapping[str, str] | None = None) -> int:
@@ -268,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "--spec",
         type=Path,
         metavar="FILE",
-        help="the job's manifest, for a checkpoint written before checkpoints kept it",
+        help=f"the job's spec ({SPEC_FORMS}), for a checkpoint written before checkpoints kept it",
     )
     crd = commands.add_parser("crd", help="print the generated CRD YAML")
     crd.add_argument(
