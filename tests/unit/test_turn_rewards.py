@@ -9,10 +9,12 @@ import random
 import pytest
 import torch
 
+from rlhf_trainer.algo.diagnostics import EpisodeStats
 from rlhf_trainer.algo.estimators import compute_advantages
 from rlhf_trainer.algo.experience import Episode, Rollout, TurnReward, pack_rollouts
 from rlhf_trainer.algo.turn_rewards import TurnRewardTable, turn_token_rewards
 from rlhf_trainer.api.algorithm import AlgorithmConfig
+from rlhf_trainer.loop.run import episodes_text
 
 
 def naive(rollouts: list[Rollout], mask: torch.Tensor, discount: float) -> torch.Tensor:
@@ -83,3 +85,13 @@ def test_turn_rewards_move_the_advantages_of_the_turns_before_them() -> None:
     with_turns = compute_advantages(*args, turn_rewards=turn_rewards).advantages
     assert not without.any()
     assert with_turns[0].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0] and not with_turns[1].any()
+
+
+def test_the_step_log_gives_the_turn_rewards_per_episode() -> None:
+    rewarded = Episode(1.0, turns=2, tool_calls=1, version_span=0,
+                       turn_rewards=(TurnReward(0, 3, 0.5), TurnReward(1, 9, 0.25)))  # fmt: skip
+    plain = Episode(0.0, turns=1, tool_calls=0, version_span=0)
+    assert EpisodeStats((rewarded, plain)).turn_reward_mean == 0.375
+    assert episodes_text(EpisodeStats((rewarded, plain))).endswith(", turn rewards 0.375")
+    assert EpisodeStats((plain,)).turn_reward_mean is None
+    assert "turn rewards" not in episodes_text(EpisodeStats((plain,)))

@@ -83,6 +83,15 @@ class EpisodeStats:
         return dict(sorted(reasons.items()))
 
     @property
+    def turn_reward_mean(self) -> float | None:
+        """The environment's per-turn rewards summed per episode, averaged over the
+        episodes; None where no episode had one."""
+        if not any(e.turn_rewards for e in self.episodes):
+            return None
+        total = sum(r.reward for e in self.episodes for r in e.turn_rewards)
+        return total / len(self.episodes)
+
+    @property
     def restarts(self) -> int:  # sessions started again on another replica (a replica died)
         return sum(e.restarts for e in self.episodes)
 

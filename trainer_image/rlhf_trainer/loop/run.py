@@ -279,11 +279,15 @@ def log_step(result: StepResult, total: int) -> None:
 
 def episodes_text(episodes: EpisodeStats) -> str:
     cuts = ", ".join(f"{reason} {count}" for reason, count in sorted(episodes.cuts.items()))
-    return (
+    text = (
         f"turns {episodes.turns_mean:.2f}, tool calls {episodes.tool_calls_mean:.2f}, "
         f"cut {episodes.cut_ratio:.2f}{f' ({cuts})' if cuts else ''}"
-        + (f", sessions restarted {episodes.restarts}" if episodes.restarts else "")
     )
+    if episodes.restarts:
+        text += f", sessions restarted {episodes.restarts}"
+    if (turn_rewards := episodes.turn_reward_mean) is not None:
+        text += f", turn rewards {turn_rewards:.3f}"  # per episode
+    return text
 
 
 def finite_or_none(value: float) -> float | None:
