@@ -348,7 +348,7 @@ def test_an_error_in_the_class_names_it_and_ends_the_session(server: str) -> Non
     assert (failed.call, failed.status) == ("step", 500)
     assert Exploding.closed == ["episode-7"]
     assert gone.status == 404
-    assert f"no session {session!r}: it was closed, it failed, or it never existed" in str(gone)
+    assert f"no session {session!r}: it was closed, it failed, it expired, or it" in str(gone)
 
 
 def test_a_bad_schema_from_reset_is_refused_with_the_tool_and_reason(server: str) -> None:

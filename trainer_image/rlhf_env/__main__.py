@@ -16,6 +16,7 @@ import uvicorn
 from rlhf_env.environment import NotAnEnvironment, load_environment_class, load_function
 from rlhf_env.rewards import reward_app_for
 from rlhf_env.server import app_for
+from rlhf_env.sessions import DEFAULT_CALL_SECONDS, DEFAULT_IDLE_SECONDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("target", metavar="module:Class", help="the class, e.g. my_envs:Lookup")
     serve.add_argument(
         "--max-sessions", type=int, help="refuse new sessions (503) past this many at once"
+    )
+    serve.add_argument(
+        "--call-seconds",
+        type=float,
+        default=DEFAULT_CALL_SECONDS,
+        help="end a call into the class (504) and its session past this (default: %(default)g)",
+    )
+    serve.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=DEFAULT_IDLE_SECONDS,
+        help="end a session no call has used for this long (default: %(default)g)",
     )
     reward = commands.add_parser(
         "serve-reward", help="serve a reward function over HTTP (models.reward.url)"
@@ -42,7 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve-reward":
             app = reward_app_for(load_function(args.target))
         else:
-            app = app_for(load_environment_class(args.target), max_sessions=args.max_sessions)
+            app = app_for(
+                load_environment_class(args.target),
+                max_sessions=args.max_sessions,
+                call_seconds=args.call_seconds,
+                idle_seconds=args.idle_seconds,
+            )
     except NotAnEnvironment as error:
         print(f"python -m rlhf_env {args.command}: {error}", file=sys.stderr)
         return 2

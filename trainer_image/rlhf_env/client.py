@@ -6,6 +6,10 @@
         reward = await environment.score(started.session)
         await environment.close(started.session)
 
+A connection is given CONNECT_SECONDS: a pod that is gone (its address answers nothing)
+fails the call as unreachable in seconds, not at the call's deadline, so the trainer
+starts its episode on another replica.
+
 Every failure is one exception, EnvironmentCallFailed, whose message names the call, the
 URL and what went wrong (the status and the server's reason, a timeout, a refused
 connection, an answer that breaks the protocol), so a trainer's log says which
@@ -42,6 +46,9 @@ KEEPALIVE_SECONDS = 1.0
 # An answer is read at most this far: an environment that sends more (a tool result of
 # gigabytes) fails its call, as one that breaks the protocol, before it fills memory.
 MAX_ANSWER_BYTES = 32 * 2**20
+# A connection within a cluster opens in milliseconds; one to a pod that is gone gets no
+# answer at all (the kernel retries its SYN for minutes).
+CONNECT_SECONDS = 5.0
 ENCODING = {"content-encoding", "content-length", "transfer-encoding"}  # of a body as sent
 
 
@@ -62,9 +69,11 @@ class EnvironmentCallFailed(Exception):
         status: int | None = None,
         *,
         kind: FailureKind = "error",
+        connected: bool = True,
     ) -> None:
         self.call, self.url, self.reason, self.status = call, url, reason, status
         self.kind = kind
+        self.connected = connected  # False: no connection was opened, nothing was sent
         status_text = f"HTTP {status}: " if status is not None else ""
         super().__init__(f"environment {call} at {url} failed: {status_text}{reason}")
 
@@ -72,26 +81,35 @@ class EnvironmentCallFailed(Exception):
     def unreachable(self) -> bool:
         return self.kind == "unreachable"
 
+    @property
+    def refused(self) -> bool:
+        """Whether the server took no part in the call: no connection opened, or a 503
+        (full). Another replica may take it; this one holds nothing of it."""
+        return not self.connected or self.status == 503
+
 
 class EnvironmentClient:
     """Calls one environment server. `timeout` is each call's whole deadline, in seconds
-    (connecting, sending, the environment's work, the answer); each call can override it."""
+    (connecting, sending, the environment's work, the answer); each call can override it.
+    `connect_timeout`: opening a connection, within that deadline."""
 
     def __init__(
         self,
         url: str,
         *,
         timeout: float = 60.0,
+        connect_timeout: float = CONNECT_SECONDS,
         headers: dict[str, str] | None = None,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         self.url = url.rstrip("/")
-        self.timeout = timeout
+        self.timeout, self.connect_timeout = timeout, connect_timeout
         self.max_answer_bytes = max_answer_bytes
-        # httpx's own timeouts are per read or write; the deadline is ours (asyncio.timeout).
+        # httpx's own timeouts are per read or write; the call's deadline is ours
+        # (asyncio.timeout). Only connecting has one of its own.
         self._http = httpx.AsyncClient(
             base_url=self.url,
-            timeout=None,
+            timeout=httpx.Timeout(None, connect=connect_timeout),
             headers=headers,
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS),
         )
@@ -172,10 +190,14 @@ class EnvironmentClient:
             reason = f"no answer within {deadline:g} s"
             raise EnvironmentCallFailed(call, url, reason, kind="timeout") from error
         except httpx.HTTPError as error:
-            reason = f"{type(error).__name__}: {error or 'no detail'}"
+            if isinstance(error, httpx.ConnectTimeout):
+                reason = f"ConnectTimeout: no connection within {self.connect_timeout:g} s"
+            else:
+                reason = f"{type(error).__name__}: {str(error) or 'no detail'}"
             gone = isinstance(error, httpx.TransportError)
+            never = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
             raise EnvironmentCallFailed(
-                call, url, reason, kind="unreachable" if gone else "error"
+                call, url, reason, kind="unreachable" if gone else "error", connected=not never
             ) from error
         if not response.is_success:
             raise EnvironmentCallFailed(call, url, server_reason(response), response.status_code)

@@ -7,6 +7,10 @@ with the fewest open. The name is looked up again every RESOLVE_SECONDS, so repl
 added or removed while the job runs are used. A replica found unreachable is left out
 of new sessions for DOWN_SECONDS (its pod is restarted, or leaves the DNS answer).
 
+A session's `start` that a replica refuses (no connection opens, or it answers 503: it
+holds as many sessions as it may) is made on the next replica, within the call's
+deadline; when every replica is full, it waits for room, up to that deadline.
+
     replicas = EnvironmentReplicas("http://job-env-lookup:8000")
     async with replicas.session() as environment:  # an EnvironmentClient
         started = await environment.start(row)
@@ -21,12 +25,15 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import urlsplit
 
-from rlhf_env.client import EnvironmentClient
+from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
+from rlhf_env.protocol import Started
 
 RESOLVE_SECONDS = 5.0
 DOWN_SECONDS = 30.0
+FULL_WAIT_SECONDS = (0.05, 1.0)  # every replica full: wait this long, doubling to the most
 
 # an environment's URL -> one base URL per replica (resolve_replicas; tests name theirs)
 Resolve = Callable[[str], Awaitable[list[str]]]
@@ -74,15 +81,28 @@ class EnvironmentReplicas:
 
     @asynccontextmanager
     async def session(self, avoid: Collection[str] = ()) -> AsyncIterator[EnvironmentClient]:
-        """The client of the replica for a new session, counted as open on it while
-        inside: the one with the fewest open sessions, not found down, and not in
-        `avoid` (base URLs) unless every replica is."""
-        client = await self._pick(avoid)
-        self._open[client.url] = self._open.get(client.url, 0) + 1
+        """The client of a new session, counted as open on its replica while inside: the
+        one with the fewest open sessions, not found down, and not in `avoid` (base
+        URLs) unless every replica is; another if that one refuses its `start`."""
+        placed = PlacedSession(self, await self._pick(avoid), avoid)
         try:
-            yield client
+            yield placed
         finally:
-            self._open[client.url] -= 1
+            self._open[placed.url] -= 1
+
+    def _count(self, client: EnvironmentClient, moved_from: str | None = None) -> None:
+        if moved_from is not None:
+            self._open[moved_from] -= 1
+        self._open[client.url] = self._open.get(client.url, 0) + 1
+
+    async def _next(self, tried: Collection[str]) -> EnvironmentClient | None:
+        """The replica with the fewest open sessions outside `tried` and not down."""
+        replicas = await self._replicas()
+        usable = self._usable(replicas, tried)
+        if not usable:
+            return None
+        chosen = min(usable, key=lambda url: (self._open.get(url, 0), replicas.index(url)))
+        return self._clients[chosen]
 
     def mark_down(self, replica: str) -> None:
         """A replica that did not answer: new sessions go elsewhere for a while."""
@@ -128,3 +148,57 @@ class EnvironmentReplicas:
                         url, timeout=self.timeout, headers={"Host": host}
                     )
         return self._current
+
+
+class PlacedSession(EnvironmentClient):
+    """One session's client: its `start` goes to the replica chosen for it, or, when
+    that one refuses (EnvironmentCallFailed.refused), to the next; every later call goes
+    to the replica that started it (`url`). It borrows the replicas' clients and their
+    connections, so it opens and closes none."""
+
+    def __init__(
+        self, replicas: EnvironmentReplicas, first: EnvironmentClient, avoid: Collection[str]
+    ) -> None:  # no EnvironmentClient.__init__: no connections of its own
+        self._replicas, self._avoid = replicas, list(avoid)
+        self._on = first
+        self.url, self.timeout = first.url, first.timeout
+        self.max_answer_bytes = first.max_answer_bytes
+        replicas._count(first)
+
+    async def start(self, row: dict[str, Any], *, timeout: float | None = None) -> Started:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        tried: list[str] = []
+        wait = FULL_WAIT_SECONDS[0]
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self._on.start(row, timeout=max(left, 0.001))
+            except EnvironmentCallFailed as failed:
+                if not failed.refused:
+                    raise
+                if not failed.connected:
+                    self._replicas.mark_down(self._on.url)
+                tried.append(self._on.url)
+                following = await self._replicas._next([*tried, *self._avoid])
+                if following is None and failed.status == 503 and left > wait:
+                    await asyncio.sleep(wait)  # all full: room comes as sessions close
+                    wait = min(wait * 2, FULL_WAIT_SECONDS[1])
+                    tried.clear()
+                    following = await self._replicas._next(self._avoid)
+                if following is None:
+                    raise
+                self._move(following)
+
+    def _move(self, client: EnvironmentClient) -> None:
+        self._replicas._count(client, moved_from=self._on.url)
+        self._on, self.url = client, client.url
+
+    async def _request(self, *args: Any) -> Any:
+        return await self._on._request(*args)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._on.is_closed
+
+    async def aclose(self) -> None:
+        """Nothing: the replicas' clients are EnvironmentReplicas.aclose's to close."""
