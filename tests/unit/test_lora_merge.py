@@ -5,6 +5,7 @@ One process, a tiny model, no Ray: ~5 s."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -14,9 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.sections import TrainedModel
-from rlhf_trainer.roles.hf_export import Export, write_policy
+from rlhf_trainer.models import write_tiny_model
+from rlhf_trainer.roles import lora_merge
+from rlhf_trainer.roles.hf_export import Export, adapted_policy, write_policy
 from rlhf_trainer.roles.lora import with_adapter
-from rlhf_trainer.roles.lora_merge import update_lost
+from rlhf_trainer.roles.lora_merge import merged_policy, update_lost
 from rlhf_trainer.roles.trainable import load_policy
 from tests.specs import local_job
 
@@ -129,3 +132,37 @@ def test_an_adapter_written_alone_keeps_bf16_as_its_default(
         trained, actor, tmp_path / "adapter", None, 1, "test", seed=SEED, adapter=True
     )
     assert (done.dtype, done.adapter) == ("bf16", True)
+
+
+def test_the_merge_streams_a_path_models_files_in_shards_and_never_loads_the_base(
+    actor: TrainedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A base given by its path is read one tensor at a time from its safetensors files
+    (transformers never loads it: the memory is a shard and a weight, not the model),
+    written in shards of at most SHARD_BYTES with transformers' index, and the export
+    is the merge made in memory, bit for bit."""
+    trained, _ = adapter_of_size(actor, 1e-3)
+    in_memory = merged_policy(adapted_policy(actor, trained, "test", SEED, base=True),
+                              torch.float32, "output.dtype fp32")  # fmt: skip
+    assert actor.tiny is not None
+    base = write_tiny_model(actor.tiny, tmp_path / "base", seed=SEED)
+    on_disk = actor.model_copy(update={"tiny": None, "path": str(base)})
+
+    def no_whole_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the merge loaded the whole base model")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_whole_model)
+    monkeypatch.setattr(lora_merge, "SHARD_BYTES", 200_000)  # the tiny model: ~3 shards
+    done = write_policy(trained, on_disk, tmp_path / "streamed", None, 1, "test", seed=SEED)
+    monkeypatch.undo()
+    shards = sorted(p.name for p in done.directory.glob("*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((done.directory / lora_merge.INDEX_FILE).read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    streamed = AutoModelForCausalLM.from_pretrained(done.directory, dtype="auto").state_dict()
+    served = in_memory.state_dict()
+    assert streamed.keys() == served.keys()
+    for name, weight in served.items():
+        assert torch.equal(streamed[name], weight), name
+    config = json.loads((done.directory / "config.json").read_text())
+    assert (config["dtype"], config["architectures"]) == ("float32", ["Qwen2ForCausalLM"])

@@ -29,6 +29,9 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LM_NAMES,
+)
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.output_path import output_path_errors
@@ -54,7 +57,12 @@ from rlhf_trainer.roles.export_dir import (
 )
 from rlhf_trainer.roles.hf_serve import SERVE_FILE, serve_command, serve_readme
 from rlhf_trainer.roles.lora import adapter_of, with_trained_adapter
-from rlhf_trainer.roles.lora_merge import merged_policy
+from rlhf_trainer.roles.lora_merge import (
+    adapted_modules,
+    base_weights,
+    merged_policy,
+    write_merged,
+)
 from rlhf_trainer.roles.trainable import load_policy
 
 log = logging.getLogger(__name__)
@@ -122,7 +130,7 @@ def write_model(
         model = policy_with_weights(actor, weights, origin)
         check_free_space(staging, target, size * sum(p.numel() for p in model.parameters()))
         return write_hf_directory(model, actor, COMPUTE_DTYPE[dtype], staging)
-    lora_policy = adapted_policy(actor, weights, origin, seed, base=not adapter)
+    lora_policy = adapted_policy(actor, weights, origin, seed, base=False)  # meta base
     held = weights.values() if adapter else lora_policy.parameters()
     check_free_space(staging, target, size * sum(t.numel() for t in held))
     if adapter:
@@ -131,8 +139,15 @@ def write_model(
         if word_level(tokenizer):
             tokenizer.save_pretrained(staging / TOKENIZER_SUBDIR)
         return word_level(tokenizer)
-    merged = merged_policy(lora_policy, COMPUTE_DTYPE[dtype], f"{dtype_field} {dtype}")
-    return write_hf_directory(merged, actor, COMPUTE_DTYPE[dtype], staging)
+    asked = f"{dtype_field} {dtype}"
+    base = base_weights(actor, seed, set(adapted_modules(lora_policy)))
+    if base is None:  # the whole base in memory: see lora_merge.base_weights
+        log.warning("%s: the merge loads the whole base model in fp32", where(actor))
+        lora_policy = adapted_policy(actor, weights, origin, seed, base=True)
+        merged = merged_policy(lora_policy, COMPUTE_DTYPE[dtype], asked)
+        return write_hf_directory(merged, actor, COMPUTE_DTYPE[dtype], staging)
+    write_merged(lora_policy, base, COMPUTE_DTYPE[dtype], staging, asked)
+    return write_model_files(actor, COMPUTE_DTYPE[dtype], staging)
 
 
 def export_dtype(dtype: str | None, actor: TrainedModel, adapter: bool) -> str:
@@ -230,6 +245,22 @@ def write_hf_directory(
     return save_tokenizer(load_tokenizer(actor), directory) is not None
 
 
+def write_model_files(actor: ModelSource, dtype: torch.dtype, directory: Path) -> bool:
+    """The files beside weights written without a model (a streamed merge): config
+    (naming the dtype and the architecture), generation config and tokenizer, as
+    `write_hf_directory` writes them; whether the tokenizer is word-level."""
+    architecture = model_config(actor.tiny) if actor.tiny is not None else hf_config(actor)
+    architecture.dtype = dtype
+    if not architecture.architectures:
+        architecture.architectures = [CAUSAL_LM_NAMES[architecture.model_type]]
+    architecture.save_pretrained(directory)
+    found = actor_generation_config(actor)
+    saveable(found or GenerationConfig.from_model_config(architecture), actor).save_pretrained(
+        directory
+    )
+    return save_tokenizer(load_tokenizer(actor), directory) is not None
+
+
 # What transformers refuses to save, found at the job's start.
 
 # Flags that only sampling reads: transformers refuses to save a generation config that
@@ -317,7 +348,7 @@ def save_model_files(actor: ModelSource, directory: Path, target: Path) -> None:
     steps: list[tuple[str, Callable[[], object]]] = [
         ("config.json", lambda: architecture.save_pretrained(directory)),
         ("generation_config.json", lambda: generation().save_pretrained(directory)),
-        ("the tokenizer's files", lambda: load_tokenizer(actor).save_pretrained(directory)),
+        ("the tokenizer's files", lambda: save_tokenizer(load_tokenizer(actor), directory)),
     ]
     for name, save in steps:
         try:
