@@ -77,10 +77,12 @@ def test_a_served_environment_runs_the_class_on_the_jobs_image_secured() -> None
     assert container["command"] == [
         "python", "-m", "rlhf_env", "serve", "rlhf_env.toys:LetterLookup",
         "--host", "0.0.0.0", "--port", "8000",
+        "--call-seconds", "30", "--idle-seconds", "1800",  # the episodes' own limits
     ]  # fmt: skip
     assert container["ports"] == [{"name": "env", "containerPort": 8000, "protocol": "TCP"}]
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "env"}
-    assert container["livenessProbe"]["tcpSocket"] == {"port": "env"}
+    # Live while its loop answers and its threads run: not merely its port open.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "env"}
     assert container["resources"]["limits"] == {  # the defaults
         "cpu": "500m", "memory": "1Gi", "ephemeral-storage": "512Mi"
     }  # fmt: skip
@@ -134,6 +136,7 @@ def test_an_image_and_command_replace_the_defaults() -> None:
     assert deployment["spec"]["replicas"] == 3
     assert container["image"] == "registry.example/sandbox:2"
     assert container["command"] == ["sandbox-server", "--listen", ":9000"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "env"}
     assert container["ports"][0]["containerPort"] == 9000
     assert container["resources"]["requests"] == {
         "cpu": "2", "memory": "4Gi", "ephemeral-storage": "512Mi"
@@ -146,6 +149,21 @@ def test_an_image_and_command_replace_the_defaults() -> None:
     assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9000}]
     config = json.loads(of_kind(objects, "ConfigMap")[0]["data"]["spec.json"])
     assert config["environments"] == [{"name": "sandbox", "url": "http://agentic-env-sandbox:9000"}]
+
+
+def test_the_servers_limits_are_the_specs_else_the_episodes() -> None:
+    limited = {**LOOKUP, "maxSessions": 4, "callTimeoutSeconds": 12.5, "sessionIdleSeconds": 90}
+    objects = children(limited, {"name": "calc", "serve": "rlhf_env.toys:Calculator"})
+    commands = {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["command"][9:]
+        for d in of_kind(objects, "Deployment")
+    }
+    assert commands == {
+        "agentic-env-lookup": [
+            "--max-sessions", "4", "--call-seconds", "12.5", "--idle-seconds", "90",
+        ],
+        "agentic-env-calc": ["--call-seconds", "30", "--idle-seconds", "1800"],
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(("egress", "rules"), [(None, []), (False, []), (True, [{}])])

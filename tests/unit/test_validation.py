@@ -171,8 +171,16 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      "spec.environments[0]", "set exactly one of url", True),
     ("environment-url-with-image",
      lambda j: (_multi_turn(j), _set("spec.environments.0.image", "envs:1")(j)),
-     "spec.environments[0].url", "with url, leave image, port, replicas, resources, env, egress unset: they are for an "
-     "environment the operator runs (got image)", True),
+     "spec.environments[0].url", "with url, leave image, port, replicas, resources, env, egress, maxSessions, "
+     "callTimeoutSeconds, sessionIdleSeconds unset: they are for an environment the operator runs (got image)", True),
+    ("environment-url-with-a-session-limit",
+     lambda j: (_multi_turn(j), _set("spec.environments.0.maxSessions", 8)(j)),
+     "spec.environments[0].url", "(got maxSessions)", True),
+    ("environment-command-with-server-settings",
+     lambda j: (_multi_turn(j),
+                _set("spec.environments.0", {"name": "tools", "command": ["serve"], "sessionIdleSeconds": 60})(j)),
+     "spec.environments[0].command", "with command, leave maxSessions, callTimeoutSeconds, sessionIdleSeconds "
+     "unset: they are settings of python -m rlhf_env serve, for the command to pass itself", True),
     ("environment-url-with-egress-and-replicas",
      lambda j: (_multi_turn(j), _set("spec.environments.0.egress", False)(j),
                 _set("spec.environments.0.replicas", 2)(j)),

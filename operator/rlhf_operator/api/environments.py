@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from pydantic import Field, StringConstraints
+from pydantic.alias_generators import to_snake
 
 from rlhf_operator.api.podspec import MAX_JOB_NAME, EnvVar, PodResources, _list_map, _unique
-from rlhf_trainer.api.agentic import CLASS_PATH, EnvironmentConfig
+from rlhf_trainer.api.agentic import CLASS_PATH, EnvironmentConfig, MultiTurnConfig
 from rlhf_trainer.api.rules import Rule
 
 SERVICE_INFIX = "-env-"
@@ -28,7 +29,20 @@ DEFAULT_RESOURCES = PodResources(cpu="500m", memory="1Gi")
 # The fields only an operator-run environment has. With url they would be ignored, so
 # they are refused (command too, by the first rule). None of them has a default in the
 # schema: the API server would fill it in, and url environments would carry it.
-_RUN_FIELDS = ("image", "port", "replicas", "resources", "env", "egress")
+_RUN_FIELDS = (
+    "image",
+    "port",
+    "replicas",
+    "resources",
+    "env",
+    "egress",
+    "maxSessions",
+    "callTimeoutSeconds",
+    "sessionIdleSeconds",
+)
+# The settings of `python -m rlhf_env serve`: with a command of one's own, they are the
+# command's to pass, so they are refused there.
+_SERVER_FIELDS = ("maxSessions", "callTimeoutSeconds", "sessionIdleSeconds")
 
 Argument = Annotated[str, StringConstraints(max_length=4096)]
 
@@ -98,6 +112,39 @@ class EnvironmentSpec(EnvironmentConfig):
         ),
     )
 
+    max_sessions: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description=(
+            "Sessions each replica holds at once (unset: no limit). Past it a replica answers "
+            "503, and the trainer starts the session on another replica, or waits for room "
+            "while every replica is full."
+        ),
+    )
+    call_timeout_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=3600,
+        description=(
+            "The server's deadline for each call into the class (its constructor, reset, "
+            "step, score, close): past it the session ends (504) and its lock is let go; a "
+            "call still running in a thread is counted, and the pod's liveness fails once "
+            "such calls hold every thread. Unset: generation.multiTurn."
+            "toolCallTimeoutSeconds (the trainer's own wait)."
+        ),
+    )
+    session_idle_seconds: float | None = Field(
+        None,
+        gt=0,
+        le=604800,
+        description=(
+            "A session no call has used for this long ends, and its close runs (a trainer "
+            "that died never closes its sessions). Unset: generation.multiTurn."
+            "episodeTimeoutSeconds (no live episode is idle longer)."
+        ),
+    )
+
     rules = (  # replaces EnvironmentConfig's url-or-serve
         Rule(
             "",
@@ -111,8 +158,19 @@ class EnvironmentSpec(EnvironmentConfig):
             f"with url, leave {', '.join(_RUN_FIELDS)} unset: they are for an environment "
             "the operator runs",
             "!has(self.url) || !(" + " || ".join(f"has(self.{f})" for f in _RUN_FIELDS) + ")",
-            lambda e: e.url is None or all(getattr(e, f) is None for f in _RUN_FIELDS),
-            lambda e: "got " + ", ".join(f for f in _RUN_FIELDS if getattr(e, f) is not None),
+            lambda e: e.url is None or all(getattr(e, to_snake(f)) is None for f in _RUN_FIELDS),
+            lambda e: (
+                "got " + ", ".join(f for f in _RUN_FIELDS if getattr(e, to_snake(f)) is not None)
+            ),
+        ),
+        Rule(
+            "command",
+            f"with command, leave {', '.join(_SERVER_FIELDS)} unset: they are settings of "
+            "python -m rlhf_env serve, for the command to pass itself",
+            "!has(self.command) || !("
+            + " || ".join(f"has(self.{f})" for f in _SERVER_FIELDS)
+            + ")",
+            lambda e: e.command is None or all(v is None for v in e._server_settings()),
         ),
         Rule(
             "name",
@@ -139,13 +197,31 @@ class EnvironmentSpec(EnvironmentConfig):
     def replica_count(self) -> int:
         return DEFAULT_REPLICAS if self.replicas is None else self.replicas
 
-    def container_command(self) -> list[str]:
-        """What the container runs: the spec's command, else rlhf_env serving `serve`."""
+    def container_command(self, multi_turn: MultiTurnConfig | None = None) -> list[str]:
+        """What the container runs: the spec's command, else rlhf_env serving `serve`,
+        its deadlines the job's episodes' (`multi_turn`) where the spec sets none."""
         if self.command is not None:
             return list(self.command)
         assert self.serve is not None  # the first rule: serve or command without url
         listen = ["--host", "0.0.0.0", "--port", str(self.serving_port)]  # from other pods
-        return ["python", "-m", "rlhf_env", "serve", self.serve, *listen]
+        settings = zip(
+            ("--max-sessions", "--call-seconds", "--idle-seconds"),
+            self._server_settings(multi_turn),
+            strict=True,
+        )
+        given = [part for flag, v in settings if v is not None for part in (flag, _number(v))]
+        return ["python", "-m", "rlhf_env", "serve", self.serve, *listen, *given]
+
+    def _server_settings(
+        self, multi_turn: MultiTurnConfig | None = None
+    ) -> tuple[int | None, float | None, float | None]:
+        """maxSessions, callTimeoutSeconds, sessionIdleSeconds: the spec's, else the
+        episodes' (`multi_turn`) for the deadlines, else None (the server's default)."""
+        call, idle = self.call_timeout_seconds, self.session_idle_seconds
+        if multi_turn is not None:
+            call = multi_turn.tool_call_timeout_seconds if call is None else call
+            idle = multi_turn.episode_timeout_seconds if idle is None else idle
+        return self.max_sessions, call, idle
 
     def for_trainer(self, job_name: str | None) -> dict[str, str]:
         """This environment as the trainer's spec gives it (exactly one of url, serve).
@@ -167,6 +243,11 @@ class EnvironmentSpec(EnvironmentConfig):
 
     def pod_resources(self) -> PodResources:
         return (self.resources or PodResources()).filled(DEFAULT_RESOURCES)
+
+
+def _number(value: float) -> str:
+    """A command-line number: 30 for 30.0, 0.5 as is."""
+    return str(int(value)) if float(value).is_integer() else str(value)
 
 
 def service_name(job_name: str, environment: str) -> str:

@@ -32,6 +32,7 @@ COMPONENT = "environment"  # not a Ray pod's: the job's own NetworkPolicy leaves
 ENVIRONMENT_LABEL = f"{GROUP}/environment"  # the environment's name, on its pods
 PORT_NAME = "env"
 HEALTH_PATH = "/healthz"  # rlhf_env's server answers it once the class is loaded
+LIVE_PATH = "/livez"  # rlhf_env's server: its loop answers and its threads run
 # A read-only root filesystem, and Python or a library may still want a scratch place.
 SCRATCH = {"name": "tmp", "mountPath": "/tmp"}
 SCRATCH_SIZE = "256Mi"  # counts against the ephemeral storage limit below
@@ -74,19 +75,24 @@ def render_deployment(job: JobRef, spec: RLHFJobSpec, env: EnvironmentSpec) -> O
         "name": "environment",
         "image": env.image or spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "command": env.container_command(),
+        "command": env.container_command(spec.multi_turn),
         "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        # Ready once the class is loaded and answers; restarted only when its port has
-        # not accepted a connection for a minute (a restart ends the sessions it holds).
+        # Ready once the class is loaded and answers. Restarted (ending the sessions it
+        # holds) when it has not been live for a minute: rlhf_env's /livez fails when
+        # its event loop answers nothing, or calls past their deadline hold every thread
+        # of its class; a command's own server is asked its /healthz.
         "readinessProbe": {
             "httpGet": {"path": HEALTH_PATH, "port": PORT_NAME},
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
         "livenessProbe": {
-            "tcpSocket": {"port": PORT_NAME},
+            "httpGet": {
+                "path": LIVE_PATH if env.command is None else HEALTH_PATH,
+                "port": PORT_NAME,
+            },
             "periodSeconds": 10,
-            "timeoutSeconds": 5,
+            "timeoutSeconds": 10,  # more than the server's own probe of its threads (5 s)
             "failureThreshold": 6,
         },
         "resources": container_resources(
