@@ -5,6 +5,8 @@ pack_rollouts' layout; and what they change in the advantages."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ from rlhf_trainer.algo.experience import Episode, Rollout, TurnReward, pack_roll
 from rlhf_trainer.algo.turn_rewards import TurnRewardTable, turn_token_rewards
 from rlhf_trainer.api.algorithm import AlgorithmConfig
 from rlhf_trainer.loop.run import episodes_text
+from rlhf_trainer.loop.setup import RunParts
+from rlhf_trainer.loop.sync import PPOTrainer
+from tests.unit.test_cut_steps import multi_turn_config
 
 
 def naive(rollouts: list[Rollout], mask: torch.Tensor, discount: float) -> torch.Tensor:
@@ -95,3 +100,25 @@ def test_the_step_log_gives_the_turn_rewards_per_episode() -> None:
     assert episodes_text(EpisodeStats((rewarded, plain))).endswith(", turn rewards 0.375")
     assert EpisodeStats((plain,)).turn_reward_mean is None
     assert "turn rewards" not in episodes_text(EpisodeStats((plain,)))
+
+
+def test_a_batch_without_turn_rewards_gets_none() -> None:
+    plain = Rollout([1], [2, 3], [0.0, 0.0], True, 0, episode=Episode(1.0, 1, 0, 0))
+    table = TurnRewardTable.of([plain, plain])
+    assert table.columns.shape == (2, 0)
+    mask = pack_rollouts([plain, plain], pad_id=0).response_mask
+    assert not turn_token_rewards(table, mask, 0.9).any()
+
+
+def test_the_step_takes_the_specs_discount() -> None:
+    """PPOTrainer.turn_rewards: what train_on hands compute_advantages."""
+    config = multi_turn_config(turnRewardDiscount=0.5)
+    parts = cast(RunParts, SimpleNamespace(
+        config=config, plan=None, groups=None, prompts=None, timeline=None, scorer=None,
+        weights=None, engines=None,
+    ))  # fmt: skip
+    episode = Episode(1.0, 2, 1, 0, turn_rewards=(TurnReward(0, 0, 1.0), TurnReward(1, 2, 1.0)))
+    rollout = Rollout([1], [2, 3, 2], [0.0] * 3, True, 0, loss_mask=(1, 0, 1), episode=episode)
+    mask = pack_rollouts([rollout], pad_id=0).response_mask
+    got = PPOTrainer(parts).turn_rewards([rollout], mask)
+    assert got is not None and got.tolist() == [[0.0, 1.0, 0.0, 0.5]]
