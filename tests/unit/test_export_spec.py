@@ -59,7 +59,9 @@ def test_rlhfjob_export_takes_the_spec_as_manifest_configmap_or_its_spec_json(
     for form, spec in spec_forms(tmp_path).items():
         target = tmp_path / f"hf-{form}"
         assert cli.main(["export", str(source), str(target), "--spec", str(spec)]) == 0, form
-        assert "the policy of step 1 in bf16" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert "the policy of step 1 in bf16" in printed
+        assert f"serve it with: vllm serve {target} --tokenizer {target}/tokenizer" in printed
         assert (target / "model.safetensors").is_file()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from rlhf_trainer.api.lora import LoraConfig
@@ -142,8 +143,6 @@ def test_the_merge_streams_a_path_models_files_in_shards_and_never_loads_the_bas
     written in shards of at most SHARD_BYTES with transformers' index, and the export
     is the merge made in memory, bit for bit."""
     trained, _ = adapter_of_size(actor, 1e-3)
-    in_memory = merged_policy(adapted_policy(actor, trained, "test", SEED, base=True),
-                              torch.float32, "output.dtype fp32")  # fmt: skip
     assert actor.tiny is not None
     base = write_tiny_model(actor.tiny, tmp_path / "base", seed=SEED)
     on_disk = actor.model_copy(update={"tiny": None, "path": str(base)})
@@ -159,10 +158,39 @@ def test_the_merge_streams_a_path_models_files_in_shards_and_never_loads_the_bas
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((done.directory / lora_merge.INDEX_FILE).read_text())
     assert set(index["weight_map"].values()) == set(shards)
-    streamed = AutoModelForCausalLM.from_pretrained(done.directory, dtype="auto").state_dict()
-    served = in_memory.state_dict()
-    assert streamed.keys() == served.keys()
-    for name, weight in served.items():
-        assert torch.equal(streamed[name], weight), name
+    assert_same_weights(done.directory, adapted_policy(actor, trained, "test", SEED, base=True))
     config = json.loads((done.directory / "config.json").read_text())
     assert (config["dtype"], config["architectures"]) == ("float32", ["Qwen2ForCausalLM"])
+    # That export, sharded, as a base: its files are the ones its index names.
+    again = on_disk.model_copy(update={"path": str(done.directory)})
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_whole_model)
+    twice = write_policy(trained, again, tmp_path / "twice", None, 1, "test", seed=SEED)
+    monkeypatch.undo()
+    assert_same_weights(twice.directory, adapted_policy(again, trained, "test", SEED, base=True))
+
+
+def assert_same_weights(directory: Path, model: PeftModel) -> None:
+    """The export at `directory` holds `model` merged in memory, bit for bit."""
+    served = AutoModelForCausalLM.from_pretrained(directory, dtype="auto").state_dict()
+    merged = merged_policy(model, torch.float32, "output.dtype fp32").state_dict()
+    assert served.keys() == merged.keys()
+    for name, weight in merged.items():
+        assert torch.equal(served[name], weight), name
+
+
+def test_a_base_it_cannot_stream_is_merged_whole_with_a_warning(
+    actor: TrainedModel,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    trained, _ = adapter_of_size(actor, 1e-3)
+    assert actor.tiny is not None
+    base = write_tiny_model(actor.tiny, tmp_path / "base", seed=SEED)
+    on_disk = actor.model_copy(update={"tiny": None, "path": str(base)})
+    monkeypatch.setattr(lora_merge, "weight_files", lambda _: [])  # as for .bin weights
+    with caplog.at_level(logging.WARNING, logger="rlhf_trainer.roles.hf_export"):
+        done = write_policy(trained, on_disk, tmp_path / "whole", None, 1, "test", seed=SEED)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning == f"models.actor.path {base}: the merge loads the whole base model in fp32"
+    assert_same_weights(done.directory, adapted_policy(on_disk, trained, "test", SEED, base=True))

@@ -101,19 +101,29 @@ BaseWeights = Iterator[tuple[str, Tensor]]
 
 def base_weights(actor: TrainedModel, seed: int, names: set[str]) -> BaseWeights | None:
     """The base's weights one at a time, by the merged model's names: a tiny model's
-    built from `seed`, else read from the safetensors files of models.actor.path, when
-    it is a local directory whose files hold every adapted weight (`names`). None
-    otherwise (a hub id, .bin weights, names that transformers converts on loading):
-    the merge then loads the whole base (`merged_policy`)."""
+    built from `seed`, else read from the safetensors weights of models.actor.path (as
+    transformers finds them: model.safetensors or the files its index names), when it
+    is a local directory and they hold every adapted weight (`names`). None otherwise
+    (a hub id, .bin weights, names that transformers converts on loading): the merge
+    then loads the whole base (`merged_policy`)."""
     if actor.tiny is not None:
         return tiny_weights(build_tiny_model(actor.tiny, seed))
     assert actor.path is not None
-    files = sorted(Path(actor.path).glob("*.safetensors")) if os.path.isdir(actor.path) else []
+    files = weight_files(Path(actor.path))
     held: set[str] = set()
     for file in files:
         with safe_open(file, "pt") as weights:
             held |= set(weights.keys())
     return file_weights(files) if files and names <= held else None
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """A model directory's safetensors weights as transformers reads them (not every
+    *.safetensors: some repositories hold a second copy under other names)."""
+    if (directory / INDEX_FILE).is_file():
+        weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    return [directory / WEIGHTS_FILE] if (directory / WEIGHTS_FILE).is_file() else []
 
 
 def tiny_weights(model: PreTrainedModel) -> BaseWeights:
