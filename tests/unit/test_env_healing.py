@@ -1,8 +1,8 @@
 """An environment server that heals instead of wedging its replica (rlhf_env.sessions,
 server, client, replicas): a call past the server's deadline ends its session and lets
 its lock go, liveness fails once abandoned calls hold every thread, idle sessions
-expire, a connection gets its own timeout, and a session's start that a replica refuses
-(no connection, or 503: full) is made on another one.
+expire, and a connection gets its own timeout (a start made on another replica:
+test_env_replicas.py).
 
 Each fault is triggered by an event (a method that blocks until the test sets it, a
 session the test holds open), never by a timer; a deadline under test is short."""
@@ -10,19 +10,23 @@ session the test holds open), never by a timer; a deadline under test is short."
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
-from fastapi import FastAPI, HTTPException
+from fastapi import HTTPException
 from fastapi.testclient import TestClient
 
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
+from rlhf_env.process import free_port, wait_until_healthy
 from rlhf_env.protocol import Message, Start, Step
-from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_env.server import app_for
 from rlhf_env.sessions import HostLimits, SessionHost
 from rlhf_env.toys import Lookup
@@ -65,6 +69,14 @@ class AsyncStuck(Stuck):
         if message.content == "hang":
             await asyncio.wait_for(self.gate.wait(), WAIT)
         return Step(messages=[])
+
+
+class Hangs(Stuck):
+    """A tool that never returns (served in a process of its own)."""
+
+    def step(self, message: Message) -> Step:
+        threading.Event().wait()
+        raise AssertionError("unreachable")
 
 
 def said(text: str) -> Message:
@@ -114,6 +126,27 @@ def test_a_sync_call_past_the_deadline_ends_its_session_and_frees_its_lock(stuck
     assert Stuck.closed == ["other"]  # the hung one's instance is still in its thread
 
 
+def test_a_close_waiting_on_a_hung_call_does_not_call_into_its_instance() -> None:
+    async def scenario() -> tuple[int, list[str]]:
+        host = SessionHost(Stuck, HostLimits(call_seconds=DEADLINE))
+        started = await host.start({"name": "hung"})
+        stepping = asyncio.create_task(host.step(started.session, said("hang")))
+        while not host.sessions[started.session].turn.locked():
+            await asyncio.sleep(0)
+        closing = asyncio.create_task(host.close(started.session))  # waits for the turn
+        with pytest.raises(HTTPException) as late:
+            await stepping
+        await closing
+        return late.value.status_code, list(Stuck.closed)
+
+    Stuck.closed.clear()
+    Stuck.release.clear()
+    try:
+        assert run(scenario()) == (504, [])  # its thread still has the instance
+    finally:
+        Stuck.release.set()
+
+
 def test_an_async_call_past_the_deadline_is_cancelled_and_its_session_closed(
     stuck: str,
 ) -> None:
@@ -156,6 +189,35 @@ def test_liveness_fails_while_abandoned_calls_hold_every_thread(stuck: str) -> N
         return statuses
 
     assert run(scenario()) == [200, 503, 200]
+
+
+def test_a_server_whose_threads_hang_still_exits_on_sigterm() -> None:
+    """A restart (liveness failed) is a SIGTERM: the server must go at once, not wait for
+    its hung threads (as an exit through Python's own would: it joins its pools'
+    threads), keeping the pod through its grace period. uvicorn ends on the signal
+    itself, after the lifespan's shutdown, which must not wait for them either."""
+    port, target = free_port(), "tests.unit.test_env_healing:Hangs"
+    command = [sys.executable, "-m", "rlhf_env", "serve", target, "--port", str(port),
+               "--call-seconds", str(DEADLINE), "--log-level", "warning"]  # fmt: skip
+    with tempfile.TemporaryFile() as output:
+        server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_until_healthy(url, server, target, output)
+
+            async def hang() -> int | None:
+                async with EnvironmentClient(url, timeout=WAIT) as env:
+                    started = await env.start({})
+                    with pytest.raises(EnvironmentCallFailed) as late:
+                        await env.step(started.session, said("hang"))
+                return late.value.status
+
+            assert run(hang()) == 504
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(WAIT) == -signal.SIGTERM
+        finally:
+            server.kill()
+            server.wait()
 
 
 def test_liveness_fails_when_the_pool_runs_nothing() -> None:
@@ -261,94 +323,3 @@ def test_a_connection_that_gets_no_answer_fails_fast_as_unreachable() -> None:
         assert failed.reason == "ConnectTimeout: no connection within 0.2 s"
         assert failed.unreachable and failed.refused and not failed.connected
         assert took < WAIT / 2  # not the call's deadline
-
-
-def replicas_of(urls: list[str]) -> EnvironmentReplicas:
-    async def dns(url: str) -> list[str]:  # the headless Service's answer
-        return urls
-
-    return EnvironmentReplicas("http://job-env-lookup:8000", resolve=dns, timeout=WAIT)
-
-
-@pytest.fixture()
-def full_and_free() -> Iterator[tuple[str, str, list[int]]]:
-    """Two replicas of one session each; the count of 503s they answered."""
-    refused: list[int] = []
-
-    def counted(app: FastAPI) -> FastAPI:
-        @app.middleware("http")
-        async def count(request: Any, call_next: Any) -> Any:
-            response = await call_next(request)
-            if response.status_code == 503:
-                refused.append(503)
-            return response
-
-        return app
-
-    apps = {name: counted(app_for(Lookup, max_sessions=1)) for name in ("a", "b")}
-    with served(apps) as url:
-        yield f"{url}/a", f"{url}/b", refused
-
-
-def test_a_start_that_a_full_replica_refuses_is_made_on_another(
-    full_and_free: tuple[str, str, list[int]],
-) -> None:
-    full, free, refused = full_and_free
-
-    async def scenario() -> tuple[str, dict[str, int]]:
-        async with EnvironmentClient(full) as other_trainer:
-            await other_trainer.start(ROW)  # `full` holds its one session now
-            replicas = replicas_of([full, free])
-            async with replicas.session() as environment:  # fewest open here: `full`
-                started = await environment.start(ROW)
-                await environment.close(started.session)
-                placed, counts = environment.url, dict(replicas._open)
-            await replicas.aclose()
-        return placed, counts
-
-    placed, counts = run(scenario())
-    assert placed == free and refused == [503]
-    assert counts == {full: 0, free: 1}  # counted where it started
-
-
-def test_a_start_waits_for_room_when_every_replica_is_full(
-    full_and_free: tuple[str, str, list[int]],
-) -> None:
-    full, _, refused = full_and_free
-
-    async def scenario() -> str:
-        async with EnvironmentClient(full) as other_trainer:
-            held = await other_trainer.start(ROW)
-            replicas = replicas_of([full])
-            async with replicas.session() as environment:
-                starting = asyncio.create_task(environment.start(ROW))
-                deadline = time.monotonic() + WAIT
-                while not refused:  # it was refused at least once: it is waiting
-                    assert time.monotonic() < deadline and not starting.done()
-                    await asyncio.sleep(0.01)
-                await other_trainer.close(held.session)  # room
-                started = await starting
-                await environment.close(started.session)
-            await replicas.aclose()
-        return started.session
-
-    assert run(scenario())
-
-
-def test_a_start_on_a_replica_that_is_gone_is_made_on_another(
-    full_and_free: tuple[str, str, list[int]],
-) -> None:
-    _, free, _ = full_and_free
-    gone = "http://127.0.0.1:9"  # nothing listens
-
-    async def scenario() -> tuple[str, bool]:
-        replicas = replicas_of([gone, free])
-        async with replicas.session() as environment:
-            started = await environment.start(ROW)
-            await environment.close(started.session)
-            placed = environment.url
-        down = not await replicas.others([free])  # the gone one is left out a while
-        await replicas.aclose()
-        return placed, down
-
-    assert run(scenario()) == (free, True)

@@ -37,7 +37,6 @@ fails the session with the tool's name and the reason.
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 from collections.abc import Awaitable, Callable
@@ -100,12 +99,3 @@ def _load(target: str, expected: str) -> Any:
     if found is None:
         raise NotAnEnvironment(f"module {module_name!r} has no attribute {name!r}")
     return found
-
-
-async def call_method(environment: object, name: str, *args: Any) -> Any:
-    """Call a method that may be sync or async; a sync one in a worker thread."""
-    method = getattr(environment, name)
-    if inspect.iscoroutinefunction(method):
-        return await method(*args)
-    result = await asyncio.to_thread(method, *args)
-    return await result if inspect.isawaitable(result) else result

@@ -5,12 +5,15 @@
     POST   /sessions/{id}/score   (no body)                 -> Scored
     DELETE /sessions/{id}         (no body)                 -> 204
     GET    /healthz               (no body)                 -> Health
+    GET    /livez                 (no body)                 -> Health, or 503 (not live)
 
 It is the part that NeMo-Gym, skyrl-gym and OpenRLHF's agent API share: a session per
 data row, messages in OpenAI's chat shape, tools in OpenAI's function-tool format. The
 trainer owns the tokens; the environment sees and returns only messages. An error is
 `{"detail": "..."}` with a status: 404 unknown session, 422 a body that breaks these
-models, 500 the environment's own code failed, 503 no room for another session.
+models, 500 the environment's own code failed, 503 no room for another session, 504 the
+environment's code ran past the server's deadline. /livez is rlhf_env's server's own (a
+liveness probe); a server of another make need answer only /healthz.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class Session:
     id: str
     used: float  # when its last call ended (the host's clock)
     environment: Any = None  # the user's instance; None while it is being constructed
+    held: bool = False  # a call past its deadline still runs in a thread: no more calls
     # One call at a time per session: the user's class need not be thread-safe.
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -160,7 +161,10 @@ class SessionHost:
             return
         while True:
             await asyncio.sleep(min(self.limits.idle_seconds / 10, 30.0))
-            await self.expire_idle()
+            try:
+                await self.expire_idle()
+            except Exception:  # the next round tries again; the server goes on
+                log.exception("expiring idle sessions failed")
 
     async def liveness(self, probe_seconds: float = LIVENESS_SECONDS) -> str | None:
         """Why this server should be restarted, or None: its threads are all held by
@@ -277,6 +281,7 @@ class SessionHost:
     async def _fail(self, session: Session, method: str, close: bool = True) -> None:
         self.sessions.pop(session.id, None)
         if not close:  # its instance is still in a thread's hands: no second call into it
+            session.held = True
             log.warning("session %s dropped after %s ran past its deadline", session.id, method)
             return
         problem = await self._end(session, f"failed in {method}")
@@ -287,7 +292,7 @@ class SessionHost:
         """Run the class's `close`, if it has one; what went wrong there, if anything."""
         log.info("session %s %s (%d live)", session.id, how, len(self.sessions))
         close = getattr(session.environment, "close", None)
-        if not callable(close):
+        if not callable(close) or session.held:
             return None
         try:
             await self._run(close)
