@@ -316,8 +316,9 @@ class OutputConfig(SpecModel):
         description=(
             "With models.actor.lora: merged writes the model with the adapter merged into "
             "its weights (what any server loads); adapter writes the adapter alone in "
-            "peft's format (megabytes: `vllm serve BASE --enable-lora --lora-modules "
-            "NAME=DIR`). Needs models.actor.lora when adapter."
+            "peft's format (megabytes: `vllm serve BASE --enable-lora --max-lora-rank R "
+            "--lora-modules NAME=DIR`, R at least lora.rank; the export's README.md gives "
+            "the command). Needs models.actor.lora when adapter."
         ),
     )
 
