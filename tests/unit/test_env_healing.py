@@ -25,7 +25,7 @@ from fastapi import HTTPException
 from fastapi.testclient import TestClient
 
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
-from rlhf_env.process import free_port, wait_until_healthy
+from rlhf_env.process import free_port, served_locally, wait_until_healthy
 from rlhf_env.protocol import Message, Start, Step
 from rlhf_env.server import app_for
 from rlhf_env.sessions import HostLimits, SessionHost
@@ -323,3 +323,21 @@ def test_a_connection_that_gets_no_answer_fails_fast_as_unreachable() -> None:
         assert failed.reason == "ConnectTimeout: no connection within 0.2 s"
         assert failed.unreachable and failed.refused and not failed.connected
         assert took < WAIT / 2  # not the call's deadline
+
+
+def test_the_command_line_takes_the_limits_and_serves_livez() -> None:
+    """As the operator's pod runs it, with the spec's flags (and a local run may)."""
+    options = ["--max-sessions", "1", "--call-seconds", "5", "--idle-seconds", "600"]
+
+    async def scenario(url: str) -> tuple[int, EnvironmentCallFailed]:
+        async with EnvironmentClient(url) as env:
+            live = await env._request("livez", "GET", "/livez", None, None)
+            await env.start(ROW)
+            with pytest.raises(EnvironmentCallFailed) as full:
+                await env.start(ROW)
+        return live.status_code, full.value
+
+    with served_locally("rlhf_env.toys:Lookup", options) as url:
+        live, full = run(scenario(url))
+    assert live == 200
+    assert full.status == 503 and full.refused and full.connected

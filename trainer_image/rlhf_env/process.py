@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO
 
@@ -32,13 +32,14 @@ class EnvironmentDidNotStart(RuntimeError):
 
 
 @contextmanager
-def served_locally(target: str) -> Iterator[str]:
-    """Serve the class `target` (`module:Class`) until the block ends; yields its URL."""
+def served_locally(target: str, options: Sequence[str] = ()) -> Iterator[str]:
+    """Serve the class `target` (`module:Class`) until the block ends; yields its URL.
+    `options`: more of `python -m rlhf_env serve`'s flags (`--call-seconds 30`, ...)."""
     port = free_port()
     with tempfile.TemporaryFile() as output:
         server = subprocess.Popen(
             [sys.executable, "-m", "rlhf_env", "serve", target, "--port", str(port),
-             "--log-level", "warning"],
+             "--log-level", "warning", *options],
             stdout=output,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
