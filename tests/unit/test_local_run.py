@@ -270,6 +270,7 @@ def test_off_a_terminal_there_is_no_bar_and_no_control_characters(tmp_path: Path
 def test_a_local_run_serves_the_environments_named_by_class_while_it_runs() -> None:
     import asyncio
 
+    import psutil  # type: ignore[import-untyped]
     import yaml
 
     from rlhf_env.client import EnvironmentClient
@@ -301,3 +302,16 @@ def test_a_local_run_serves_the_environments_named_by_class_while_it_runs() -> N
         assert asyncio.run(health()) == "LetterLookup"
     with pytest.raises(EnvironmentUnreachable, match="'lookup' did not answer within 3 s: "):
         check_environment(EnvironmentConfig(name="lookup", url=lookup.url), wait_seconds=3)
+
+    # With episodes, the server's deadlines are theirs, as the operator gives its pods.
+    spec["generation"]["multiTurn"] = {
+        "environment": "lookup", "toolCallTimeoutSeconds": 7, "episodeTimeoutSeconds": 90,
+    }  # fmt: skip
+    spec["models"]["reward"] = {"environment": True}
+    with local_environments(JobConfig.model_validate(spec)):
+        (server,) = [
+            " ".join(child.cmdline())
+            for child in psutil.Process().children()
+            if "rlhf_env.toys:LetterLookup" in child.cmdline()
+        ]
+    assert "--call-seconds 7.0 --idle-seconds 90.0" in server

@@ -169,13 +169,20 @@ def local_environments(config: JobConfig) -> Iterator[JobConfig]:
     until the block ends, and its url filled in (rlhf_env.process)."""
     from rlhf_env.process import served_locally
 
+    # The server's deadlines are the episodes', as the operator gives its pods.
+    episodes = config.multi_turn
+    deadlines = (
+        ["--call-seconds", str(episodes.tool_call_timeout_seconds),
+         "--idle-seconds", str(episodes.episode_timeout_seconds)]
+        if episodes is not None else []
+    )  # fmt: skip
     with contextlib.ExitStack() as stack:
         environments = [
             environment
             if environment.serve is None
             else environment.model_copy(
                 update={
-                    "url": stack.enter_context(served_locally(environment.serve)),
+                    "url": stack.enter_context(served_locally(environment.serve, deadlines)),
                     "serve": None,
                 }
             )

@@ -249,8 +249,8 @@ class EpisodeRunner:
 
     async def _close(self, environment: EnvironmentClient, session: str) -> None:
         """Close the session, whatever happened to the episode; a failure is logged,
-        naming the session, never raised over the episode's result. (The server keeps
-        no idle timeout yet: a session left open holds its memory until the server stops.)"""
+        naming the session, never raised over the episode's result. (A session left open
+        is ended by the server once idle: sessionIdleSeconds.)"""
         try:
             await asyncio.shield(environment.close(session, timeout=CLOSE_SECONDS))
         except (EnvironmentCallFailed, TimeoutError) as failed:
