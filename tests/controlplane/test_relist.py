@@ -48,3 +48,4 @@ def test_a_child_deleted_in_the_watchs_gap_is_made_again_after_the_relist(
         line for line in operator.log()[seen:].splitlines() if "re-list of ConfigMap" in line
     ]
     assert any(namespace in line for line in relisted), operator.log()[seen:][-3000:]
+    assert operator.metric("rlhf_operator_api_requests_total", verb="relist", kind="ConfigMap") > 0

@@ -309,8 +309,7 @@ def reconciled(
 ) -> RLHFJobStatus:
     """What the reconciler does with the head: record it on the RayJob (`job`, changed
     in place as the API server would), then compute the status."""
-    cluster = job["status"]["rayClusterName"]
-    view = observe_head(job, pods, cluster, old, now)
+    view = observe_head(job, pods, old, now)
     if view.record is not None:
         job["metadata"].setdefault("annotations", {})[HEAD_ANNOTATION] = view.record
     return compute_status(SPEC, 3, Observed(job, pods, head=view), old, now)
@@ -339,6 +338,25 @@ def test_a_head_made_again_under_its_name_is_a_driver_restart_told_by_its_uid() 
     )  # fmt: skip
     another_clusters_head = reconciled(job, [head("h-9", "someone-else")], again)
     assert another_clusters_head.ray_head == HEAD
+
+
+def test_a_new_attempt_does_not_take_the_last_attempts_head_for_its_own() -> None:
+    """A resize or a restart: the new RayJob names no cluster yet while the last
+    attempt's head, its cluster still in the status, is alive or going. It is not the
+    new attempt's head: nothing is recorded on the new RayJob, and the new attempt's
+    head, when it comes, is its first (no driver restart, no lost head)."""
+    job = rayjob()
+    before = reconciled(job, [head(HEAD, uid="u1")], RLHFJobStatus())
+    new = rayjob()
+    new["metadata"]["uid"] = "attempt-2"
+    del new["status"]["rayClusterName"]
+    waiting = reconciled(new, [head(HEAD, uid="u1")], before)
+    assert HEAD_ANNOTATION not in new["metadata"].get("annotations", {})
+    new["status"]["rayClusterName"] = "asymmetric-6-2-fghij"
+    started = reconciled(new, [head(HEAD, terminating=True, uid="u1"),
+                               head("h-2", "asymmetric-6-2-fghij", uid="u2")], waiting)  # fmt: skip
+    assert (started.ray_head, started.driver_restarts) == ("h-2", 0)
+    assert started.last_failure is None
 
 
 def lost(**status: Any) -> Any:

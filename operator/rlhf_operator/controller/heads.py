@@ -44,9 +44,14 @@ class HeadView:
     record: str | None = None  # HEAD_ANNOTATION's new value, if it changes
 
 
-def observe_head(rayjob: Obj | None, pods: list[Obj], cluster: str | None,
-                 old: RLHFJobStatus, now: datetime) -> HeadView:  # fmt: skip
-    """The head of Ray cluster `cluster` (the attempt's), against the RayJob's record."""
+def observe_head(
+    rayjob: Obj | None, pods: list[Obj], old: RLHFJobStatus, now: datetime
+) -> HeadView:
+    """The head of the attempt's Ray cluster (the one the RayJob names), against the
+    RayJob's record. Only the RayJob's own: a new attempt's RayJob names none at first,
+    while the last attempt's cluster, still in the status, is torn down; its head taken
+    for the new attempt's would be recorded on it, and the new head then counted lost."""
+    cluster = ((rayjob or {}).get("status") or {}).get("rayClusterName")
     same_cluster = cluster is not None and cluster == old.ray_cluster
     recorded = _recorded(rayjob)
     count = max(old.driver_restarts, recorded[1] if recorded else 0)

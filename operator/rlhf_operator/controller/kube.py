@@ -176,10 +176,13 @@ class Kube:
     def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
         return self.listing(kind, namespace, label_selector)[0]
 
-    def listing(self, kind: str, namespace: str, label_selector: str) -> tuple[Objs, int]:
+    def listing(
+        self, kind: str, namespace: str, label_selector: str, verb: str = "list"
+    ) -> tuple[Objs, int]:
         """From the API server: the objects, and the resourceVersion the list was taken
-        at (etcd's revision; every object in it is at or below it)."""
-        REQUESTS.labels("list", kind).inc()
+        at (etcd's revision; every object in it is at or below it). `verb`: what
+        REQUESTS counts it as (a re-list of the cache is "relist", not a reconcile's read)."""
+        REQUESTS.labels(verb, kind).inc()
         found = self._call(
             "GET", KINDS[kind].path(namespace), query=[("labelSelector", label_selector)]
         )

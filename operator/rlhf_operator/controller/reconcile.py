@@ -237,8 +237,7 @@ class Reconciler:
         Ray head is recorded on the RayJob before the status says so (heads.py)."""
         selector = f"{JOB_LABEL}={ref.name}"
         pods = self.kube.list("Pod", ref.namespace, selector)  # head, pools, submitter, envs
-        cluster = ((rayjob or {}).get("status") or {}).get("rayClusterName") or old.ray_cluster
-        head = observe_head(rayjob, pods, cluster, old, self.now())
+        head = observe_head(rayjob, pods, old, self.now())
         if head.record is not None and rayjob is not None:
             if "deletionTimestamp" not in rayjob["metadata"]:
                 patched = self.kube.patch("RayJob", ref.namespace, ref.rayjob,

@@ -51,7 +51,9 @@ class Relister:
         holds there; the jobs whose objects changed."""
         jobs = set()
         for namespace in self.cache.namespaces(kind):
-            listed, version = self.kube.listing(kind, namespace, self.selectors[kind])
+            listed, version = self.kube.listing(
+                kind, namespace, self.selectors[kind], verb="relist"
+            )
             changed = self.cache.replace(kind, namespace, listed, version)
             jobs |= {job_of(kind, obj) for obj in changed}
             if changed:

@@ -134,7 +134,7 @@ def compute_status(
         phase = Phase.RESIZING if resizing else _phase(spec, observed.rayjob)
     rayjob_status = (observed.rayjob or {}).get("status") or {}
     cluster = rayjob_status.get("rayClusterName") or old.ray_cluster
-    head = observed.head or observe_head(observed.rayjob, observed.pods, cluster, old, now)
+    head = observed.head or observe_head(observed.rayjob, observed.pods, old, now)
     failure = restart.failure if restart and restart.failure else head.failure
     recorded = restart is not None and restart.action is Action.RECORD
 
