@@ -14,6 +14,7 @@ from pydantic import Field, StringConstraints
 from pydantic.config import JsonDict
 
 from rlhf_trainer.api.agentic import EnvironmentConfig, MultiTurnConfig
+from rlhf_trainer.api.agents import AgentConfig, agent_rules
 from rlhf_trainer.api.algorithm import GROUP_ESTIMATORS, AlgorithmConfig
 from rlhf_trainer.api.lora import lora_rules
 from rlhf_trainer.api.rules import Rule, SpecModel
@@ -351,6 +352,12 @@ class JobConfig(SpecModel):
         description="Environment servers that multi-turn episodes run in; names must be unique.",
         json_schema_extra=POOLS_LIST_MAP,
     )
+    agents: list[AgentConfig] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Agent services that generation.agent episodes run on; names must be unique.",
+        json_schema_extra=POOLS_LIST_MAP,
+    )
 
     rules = (
         Rule(
@@ -403,6 +410,7 @@ class JobConfig(SpecModel):
         *_critic_rules(),
         *_group_rules(),
         *_multi_turn_rules(),
+        *agent_rules(),
         *lora_rules(),
         Rule(
             "trainer.miniBatchSize",
@@ -446,6 +454,9 @@ class JobConfig(SpecModel):
 
     def environment(self, name: str) -> EnvironmentConfig:
         return next(e for e in self.environments if e.name == name)
+
+    def agent(self, name: str) -> AgentConfig:
+        return next(a for a in self.agents if a.name == name)
 
     @property
     def samples_per_step(self) -> int:

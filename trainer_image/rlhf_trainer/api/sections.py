@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from rlhf_trainer.api.agentic import MultiTurnConfig
+from rlhf_trainer.api.agents import AgentEpisodes
 from rlhf_trainer.api.lora import LoraConfig
 from rlhf_trainer.api.reward import RewardSource
 from rlhf_trainer.api.rules import Rule, SpecModel
@@ -253,6 +254,13 @@ class GenerationConfig(SpecModel):
         description=(
             "Set for multi-turn, tool-using rollouts against an environment (agentic RL); "
             "unset: one prompt, one response."
+        ),
+    )
+    agent: AgentEpisodes | None = Field(
+        None,
+        description=(
+            "Set for episodes run by an agent that owns its loop (agents[]), calling the "
+            "policy through the rollout pool's OpenAI-compatible gateway."
         ),
     )
 
