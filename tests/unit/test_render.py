@@ -15,7 +15,7 @@ import yaml
 from rlhf_operator.api.validation import parse_job
 from rlhf_operator.controller.kuberay import pruned_fields
 from rlhf_operator.render.children import JobRef, render_children, render_rayjob
-from rlhf_operator.render.network import NetworkAccess
+from rlhf_operator.render.network import CLUSTER_RANGES, NetworkAccess, Peers
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 from tests.unit.conftest import EXAMPLES, load
@@ -289,7 +289,7 @@ KUBERAY = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-op
 
 
 def test_with_network_access_a_job_admits_its_own_pods_prometheus_and_kuberay_only() -> None:
-    children = render("fully-async.yaml", network=NetworkAccess(PROMETHEUS, KUBERAY))
+    children = render("fully-async.yaml", network=NetworkAccess(Peers(PROMETHEUS, KUBERAY)))
     assert list(children)[-1] == "RayJob"  # still created last, after its dependencies
     policy = children["NetworkPolicy"]
     job_pods = {  # by component: an environment's pods carry the job label too
@@ -320,24 +320,32 @@ OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name":
 
 def test_the_operator_named_by_the_chart_may_ask_the_head_how_the_job_ended() -> None:
     """Beside KubeRay, on the dashboard port only (its job API, restarts.head_job_url)."""
-    access = NetworkAccess(PROMETHEUS, KUBERAY, OPERATOR)
+    access = NetworkAccess(Peers(PROMETHEUS, KUBERAY, OPERATOR))
     policy = render("fully-async.yaml", network=access)["NetworkPolicy"]
     (dashboard,) = [r for r in policy["spec"]["ingress"] if r["from"][0] == KUBERAY]
     assert dashboard == {"from": [KUBERAY, OPERATOR], "ports": [{"protocol": "TCP", "port": 8265}]}
 
 
 def test_network_access_comes_from_the_environment_the_chart_sets() -> None:
-    assert NetworkAccess.from_env({}) is None
+    assert NetworkAccess.from_env({}) == NetworkAccess()  # no peers, the default ranges
     raw = json.dumps({"prometheus": PROMETHEUS, "kuberay": KUBERAY})
     assert NetworkAccess.from_env({"RLHF_NETWORK_POLICY": raw}) == NetworkAccess(
-        PROMETHEUS, KUBERAY
+        Peers(PROMETHEUS, KUBERAY)
     )
     raw = json.dumps({"prometheus": PROMETHEUS, "kuberay": KUBERAY, "operator": OPERATOR})
     assert NetworkAccess.from_env({"RLHF_NETWORK_POLICY": raw}) == NetworkAccess(
-        PROMETHEUS, KUBERAY, OPERATOR
+        Peers(PROMETHEUS, KUBERAY, OPERATOR)
     )
     with pytest.raises(ValueError, match="RLHF_NETWORK_POLICY must be a JSON object with"):
         NetworkAccess.from_env({"RLHF_NETWORK_POLICY": '{"prometheus": {}}'})
+    cluster = json.dumps({"clusterRanges": ["10.96.0.0/12"], "dns": [KUBERAY]})
+    assert NetworkAccess.from_env({"RLHF_CLUSTER_NETWORK": cluster}) == NetworkAccess(
+        None, ("10.96.0.0/12",), (KUBERAY,)
+    )
+    assert NetworkAccess().cluster_ranges == CLUSTER_RANGES
+    bad = json.dumps({"clusterRanges": ["10.96.0.1/12"], "dns": []})
+    with pytest.raises(ValueError, match="RLHF_CLUSTER_NETWORK must be .* 'clusterRanges'"):
+        NetworkAccess.from_env({"RLHF_CLUSTER_NETWORK": bad})
 
 
 POD_SETTINGS = {

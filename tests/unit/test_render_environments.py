@@ -12,7 +12,7 @@ import pytest
 from rlhf_operator.api.validation import parse_job
 from rlhf_operator.controller.drift import OWNED_FIELDS, drifted
 from rlhf_operator.render.children import JobRef, render_children
-from rlhf_operator.render.network import NetworkAccess
+from rlhf_operator.render.network import NetworkAccess, Peers
 from rlhf_operator.render.pod import container_security, pod_security
 from tests.unit.conftest import EXAMPLES, load
 
@@ -20,8 +20,10 @@ Obj = dict[str, Any]
 JOB = JobRef("agentic", "team-a", uid="uid-agentic")
 LOOKUP = {"name": "lookup", "serve": "rlhf_env.toys:LetterLookup"}
 NETWORK = NetworkAccess(
-    prometheus={"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},
-    kuberay={"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}},
+    Peers(
+        prometheus={"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},
+        kuberay={"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}},
+    )
 )
 
 
@@ -166,13 +168,15 @@ def test_the_servers_limits_are_the_specs_else_the_episodes() -> None:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize(("egress", "rules"), [(None, []), (False, []), (True, [{}])])
-def test_an_environment_has_no_egress_unless_asked(egress: bool | None, rules: list[Obj]) -> None:
+@pytest.mark.parametrize("egress", [None, False])
+def test_an_environment_has_no_egress_unless_asked(egress: bool | None) -> None:
+    """Nor does the job then need a policy of its own: the environment reaches nothing.
+    (tests/unit/test_environment_egress.py: what egress gives.)"""
     environment = LOOKUP | ({} if egress is None else {"egress": egress})
     [policy] = of_kind(children(environment), "NetworkPolicy")
     assert policy["metadata"]["name"] == "agentic-env-lookup"
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
-    assert policy["spec"]["egress"] == rules
+    assert policy["spec"]["egress"] == []
 
 
 def test_an_environment_at_a_url_renders_nothing() -> None:

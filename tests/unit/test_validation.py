@@ -25,6 +25,12 @@ def _multi_turn(job: Job) -> None:
     job["spec"]["models"]["reward"] = {"environment": True}
 
 
+def _agent(job: Job) -> None:
+    """Make `job` a valid job of agent episodes, for the cases that then break one of its rules."""
+    job["spec"]["agents"] = [{"name": "coder", "url": "http://coder.team.svc:8000"}]
+    job["spec"].setdefault("generation", {})["agent"] = {"agent": "coder"}
+
+
 def _set(path: str, value: Any) -> Callable[[Job], None]:
     """A mutation that sets a dotted path ("spec.pools.0.gpusPerNode") in a manifest."""
 
@@ -171,7 +177,8 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      "spec.environments[0]", "set exactly one of url", True),
     ("environment-url-with-image",
      lambda j: (_multi_turn(j), _set("spec.environments.0.image", "envs:1")(j)),
-     "spec.environments[0].url", "with url, leave image, port, replicas, resources, env, egress, maxSessions, "
+     "spec.environments[0].url", "with url, leave image, port, replicas, resources, env, egress, egressTo, "
+     "runtimeClassName, nodeSelector, tolerations, maxSessions, "
      "callTimeoutSeconds, sessionIdleSeconds unset: they are for an environment the operator runs (got image)", True),
     ("environment-url-with-a-session-limit",
      lambda j: (_multi_turn(j), _set("spec.environments.0.maxSessions", 8)(j)),
@@ -213,8 +220,49 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
     ("environment-job-name-starts-with-a-digit",
      lambda j: (_multi_turn(j), _set("spec.environments.0", {"name": "tools", "serve": "a:B"})(j),
                 _set("metadata.name", "1st-job")(j)),
-     "", "metadata.name must start with a letter when the operator runs environments: each one's "
-     "Service, <job>-env-<name>, is a DNS-1035 label (got '1st-job')", True),
+     "", "metadata.name must start with a letter when the operator runs environments or agents: "
+     "their Services, <job>-env-<name> and <job>-agent-<name>, are DNS-1035 labels (got '1st-job')", True),
+    ("agent-job-name-starts-with-a-digit",
+     lambda j: (_agent(j), _set("spec.agents.0", {"name": "coder", "serve": "a:run"})(j),
+                _set("metadata.name", "1st-job")(j)),
+     "", "metadata.name must start with a letter when the operator runs environments or agents", True),
+    ("agent-neither-url-nor-serve-nor-command",
+     lambda j: (_agent(j), _set("spec.agents.0", {"name": "coder"})(j)),
+     "spec.agents[0]", "set exactly one of url (an agent that runs already) or serve or command (one "
+     "the operator runs)", True),
+    ("agent-url-and-command",
+     lambda j: (_agent(j), _set("spec.agents.0.command", ["run-agent"])(j)),
+     "spec.agents[0]", "set exactly one of url", True),
+    ("agent-url-with-replicas-and-egress",
+     lambda j: (_agent(j), _set("spec.agents.0.replicas", 2)(j), _set("spec.agents.0.egress", True)(j)),
+     "spec.agents[0].url", "with url, leave image, port, replicas, resources, env, egress unset: they are "
+     "for an agent the operator runs (got replicas, egress)", True),
+    ("agent-name-too-long-for-its-service",
+     lambda j: (_agent(j), _set("spec.agents.0", {"name": "a-long-coder-bot1", "serve": "a:run"})(j),
+                _set("spec.generation.agent.agent", "a-long-coder-bot1")(j)),
+     "spec.agents[0].name", "must be at most 16 characters when the operator runs it: its Service, "
+     "<job>-agent-<name>, must fit in 63 with a job name of up to 40 (got 17)", True),
+    ("agent-env-twice",
+     lambda j: (_agent(j), _set("spec.agents.0", {"name": "coder", "serve": "a:run", "env": [
+         {"name": "A", "value": "1"}, {"name": "A", "value": "2"}]})(j)),
+     "spec.agents[0].env", "env names must be unique", True),
+    ("agent-serve-not-a-function",
+     lambda j: (_agent(j), _set("spec.agents.0", {"name": "coder", "serve": "agents.py"})(j)),
+     "spec.agents[0].serve", "should match pattern", False),
+    ("agent-zero-replicas",
+     lambda j: (_agent(j), _set("spec.agents.0", {"name": "coder", "serve": "a:run", "replicas": 0})(j)),
+     "spec.agents[0].replicas", "greater than or equal to 1", False),
+    ("agent-names-twice",
+     lambda j: (_agent(j), _set("spec.agents", [{"name": "coder", "serve": "a:run"},
+                                                {"name": "coder", "url": "http://c.team.svc:8000"}])(j)),
+     "spec.agents", "agent names must be unique", True),
+    ("agent-undeclared",
+     lambda j: (_agent(j), _set("spec.generation.agent.agent", "writer")(j)),
+     "spec.generation.agent.agent", "must name one of agents (got 'writer'; declared: coder)", True),
+    ("agent-and-multi-turn",
+     lambda j: (_agent(j), _set("spec.environments", [{"name": "tools", "url": "http://t.team.svc:8000"}])(j),
+                _set("spec.generation.multiTurn", {"environment": "tools"})(j)),
+     "spec.generation.agent", "and generation.multiTurn are two ways to run episodes: set one", True),
     ("multi-turn-reward-function",
      lambda j: (_multi_turn(j), _set("spec.models.reward", {"function": "toy_copy"})(j)),
      "spec.models.reward.environment", "is required with generation.multiTurn", True),
@@ -476,6 +524,35 @@ def test_an_environment_the_operator_runs_passes_both_validators(local_job: Job)
         "external-tools-of-another-team": "http://x.team.svc:8000",
     }
     assert all(e.serve is None for e in spec.job_config("local-cpu").environments)
+
+
+def test_an_agent_the_operator_runs_passes_both_validators_and_the_trainer_gets_its_url(
+    local_job: Job,
+) -> None:
+    _agent(local_job)
+    local_job["spec"]["agents"] = [
+        {"name": "coder", "serve": "agents.coder:run", "replicas": 2, "egress": True,
+         "maxConcurrentEpisodes": 8},
+        {"name": "bash", "image": "bash-agent:1", "command": ["bash-agent"], "port": 9000,
+         "resources": {"cpu": 2}, "env": [{"name": "MODE", "value": "strict"}]},
+        {"name": "remote-agent-of-another-team", "url": "http://x.team.svc:8000"},
+    ]  # fmt: skip
+    spec = parse_job(local_job).spec
+    assert cel_errors(local_job) == []
+    agents = {a.name: a for a in spec.job_config("local-cpu").agents}
+    assert {name: a.url for name, a in agents.items()} == {
+        "coder": "http://local-cpu-agent-coder:8000",
+        "bash": "http://local-cpu-agent-bash:9000",
+        "remote-agent-of-another-team": "http://x.team.svc:8000",
+    }
+    assert all(a.serve is None for a in agents.values())
+    assert [a.max_concurrent_episodes for a in agents.values()] == [8, 16, 16]
+    # A local run cannot run a command-only agent; it serves serve itself.
+    with pytest.raises(ValueError, match="bash gives only a command, which runs in a cluster"):
+        spec.job_config()
+    del local_job["spec"]["agents"][1]
+    [coder, remote] = parse_job(local_job).spec.job_config().agents
+    assert (coder.serve, coder.url, remote.url) == ("agents.coder:run", None, "http://x.team.svc:8000")
 
 
 def test_a_local_run_serves_serve_itself_and_refuses_a_command_only_environment(

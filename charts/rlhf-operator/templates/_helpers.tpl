@@ -65,9 +65,14 @@ in the chart's README. No wildcards, no Secrets, and no delete but of a failed R
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch]
-# Each environment's NetworkPolicy, and with networkPolicy.enabled each job's own.
+# Each environment's NetworkPolicy, and each job's own (with networkPolicy.enabled, or
+# where an environment has egress).
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch]
+# The disruption budget of each environment with several replicas.
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [pods]

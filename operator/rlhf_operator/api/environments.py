@@ -8,14 +8,24 @@ in place of `serve` (RLHFJobSpec.job_config).
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated
 
-from pydantic import Field, StringConstraints
+from pydantic import AfterValidator, Field, StringConstraints, WithJsonSchema
 from pydantic.alias_generators import to_snake
 
-from rlhf_operator.api.podspec import MAX_JOB_NAME, EnvVar, PodResources, _list_map, _unique
+from rlhf_operator.api.podspec import (
+    MAX_JOB_NAME,
+    EnvVar,
+    NodeSelector,
+    ObjectName,
+    PodResources,
+    Toleration,
+    _list_map,
+    _unique,
+)
 from rlhf_trainer.api.agentic import CLASS_PATH, EnvironmentConfig, MultiTurnConfig
-from rlhf_trainer.api.rules import Rule
+from rlhf_trainer.api.rules import Rule, SpecModel
 
 SERVICE_INFIX = "-env-"
 # The Service `<job>-env-<name>` is a DNS-1035 label: 63 characters at most.
@@ -36,6 +46,10 @@ _RUN_FIELDS = (
     "resources",
     "env",
     "egress",
+    "egressTo",
+    "runtimeClassName",
+    "nodeSelector",
+    "tolerations",
     "maxSessions",
     "callTimeoutSeconds",
     "sessionIdleSeconds",
@@ -45,6 +59,43 @@ _RUN_FIELDS = (
 _SERVER_FIELDS = ("maxSessions", "callTimeoutSeconds", "sessionIdleSeconds")
 
 Argument = Annotated[str, StringConstraints(max_length=4096)]
+# The clouds' instance metadata addresses (AWS, GCP, Azure, ...; AWS's IPv6 one): the
+# node's credentials. render/network.py takes them out of every egress rule, so a rule
+# of them alone would be a rule of nothing: refused.
+METADATA_ADDRESSES = ("169.254.169.254/32", "fd00:ec2::254/128")
+
+
+def _check_cidr(value: str) -> str:
+    try:
+        network = ipaddress.ip_network(value, strict=True)
+    except ValueError as error:
+        raise ValueError(
+            f"must be a CIDR with its host bits zero, such as 203.0.113.0/24 or 2001:db8::/32: "
+            f"{error}"
+        ) from error
+    for address in map(ipaddress.ip_network, METADATA_ADDRESSES):
+        if network.version == address.version and network.subnet_of(address):  # type: ignore[arg-type]
+            raise ValueError(f"is the cloud metadata address {address}, never reachable")
+    return str(network)
+
+
+Cidr = Annotated[
+    str,
+    StringConstraints(max_length=43),  # an IPv6 address and its prefix
+    AfterValidator(_check_cidr),
+    WithJsonSchema({"type": "string", "format": "cidr", "maxLength": 43}),
+]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class EgressRule(SpecModel):
+    """Connections an environment's pods may open: to the addresses of cidr (the
+    metadata addresses taken out), on some TCP ports or all."""
+
+    cidr: Cidr = Field(description="The addresses, e.g. 203.0.113.0/24 or 2001:db8::/32.")
+    ports: list[Port] | None = Field(
+        None, min_length=1, max_length=16, description="TCP ports. Unset: every port."
+    )
 
 
 class EnvironmentSpec(EnvironmentConfig):
@@ -107,9 +158,35 @@ class EnvironmentSpec(EnvironmentConfig):
     egress: bool | None = Field(
         None,
         description=(
-            "Let its pods open connections (unset: false: no egress at all, DNS included; "
-            "only the job's Ray pods may connect to them)."
+            "Let its pods open connections to the internet: every address but the cluster's "
+            "own ranges (the chart's networkPolicy.clusterRanges) and the cloud metadata "
+            "addresses, and DNS to the cluster's DNS pods. Unset: false: no egress at all, "
+            "DNS included, but what egressTo allows. Only the job's Ray pods may connect to "
+            "an environment's pods, and the job's pods refuse them."
         ),
+    )
+    egress_to: list[EgressRule] | None = Field(
+        None,
+        min_length=1,
+        max_length=32,
+        description=(
+            "Addresses its pods may connect to (with DNS to the cluster's DNS pods): an "
+            "allow-list, in the cluster's ranges too (a database), added to what egress "
+            "allows. The cloud metadata addresses are taken out of every rule."
+        ),
+    )
+    runtime_class_name: ObjectName | None = Field(
+        None,
+        description=(
+            "The RuntimeClass of its pods, e.g. gVisor's or Kata's, to sandbox the model's "
+            "tool calls in their own kernel. Unset: the cluster's default runtime."
+        ),
+    )
+    node_selector: NodeSelector | None = None
+    tolerations: list[Toleration] | None = Field(
+        None,
+        max_length=32,
+        description="Tolerations of its pods (e.g. a sandbox node group's taint).",
     )
 
     max_sessions: int | None = Field(
@@ -196,6 +273,12 @@ class EnvironmentSpec(EnvironmentConfig):
     @property
     def replica_count(self) -> int:
         return DEFAULT_REPLICAS if self.replicas is None else self.replicas
+
+    @property
+    def opens_connections(self) -> bool:
+        """Whether its pods may connect anywhere: the job's pods then refuse them
+        (render/children.py)."""
+        return self.operator_run and (bool(self.egress) or bool(self.egress_to))
 
     def container_command(self, multi_turn: MultiTurnConfig | None = None) -> list[str]:
         """What the container runs: the spec's command, else rlhf_env serving `serve`,

@@ -46,17 +46,18 @@ CHILD_KINDS = [
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("ray.io", "v1", "rayjobs"),
-    # Each operator-run environment's; a job's own policy too, with the chart's
-    # networkPolicy values.
+    # Each operator-run environment's; a job's own policy too (render_job_policy).
     ("apps", "v1", "deployments"),
     ("", "v1", "services"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    ("policy", "v1", "poddisruptionbudgets"),  # an environment's with several replicas
 ]
 KIND_OF = {kind.plural: name for name, kind in KINDS.items()}  # "pods" -> "Pod"
 CACHED_KINDS = frozenset({"RLHFJob", *(KIND_OF[plural] for _, _, plural in CHILD_KINDS)})
 # What each kind's watch handler takes, as a label selector (relist.py lists the same).
 SELECTORS = {"RLHFJob": "", **{KIND_OF[plural]: JOB_LABEL for _, _, plural in CHILD_KINDS}}
-NETWORK = NetworkAccess.from_env()  # the chart's networkPolicy values, if enabled
+# The chart's networkPolicy values: its peers if enabled, the cluster's ranges always.
+NETWORK = NetworkAccess.from_env()
 
 
 class NoDiffBase(kopf.DiffBaseStorage):

@@ -19,6 +19,7 @@ OWNED_FIELDS = {
     "NetworkPolicy": ("spec",),
     "Deployment": ("spec",),  # an environment's: its pods as rendered, and replicas
     "Service": ("spec",),  # its selector and port; clusterIP (immutable) is never patched
+    "PodDisruptionBudget": ("spec",),  # an environment's with several replicas
 }
 
 

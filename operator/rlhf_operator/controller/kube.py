@@ -43,6 +43,7 @@ KINDS = {
     "NetworkPolicy": Kind("networking.k8s.io/v1", "networkpolicies"),
     "Service": Kind("v1", "services"),
     "Deployment": Kind("apps/v1", "deployments"),
+    "PodDisruptionBudget": Kind("policy/v1", "poddisruptionbudgets"),
     "RayJob": Kind("ray.io/v1", "rayjobs"),
     "RayCluster": Kind("ray.io/v1", "rayclusters"),
     "RLHFJob": Kind(API_VERSION, PLURAL),

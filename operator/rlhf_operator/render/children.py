@@ -16,7 +16,7 @@ from rlhf_operator.api.job import (
     Separation,
 )
 from rlhf_operator.api.podspec import PodResources
-from rlhf_operator.render.environments import render_environments
+from rlhf_operator.render.environments import ENVIRONMENT_LABEL, render_environments
 from rlhf_operator.render.meta import JOB_LABEL as JOB_LABEL  # re-exported
 from rlhf_operator.render.meta import (
     JOB_POD_COMPONENTS,
@@ -30,6 +30,7 @@ from rlhf_operator.render.network import (
     RAY_DASHBOARD_PORT,
     RAY_METRICS_PORT,
     NetworkAccess,
+    render_environment_guard,
     render_network_policy,
 )
 from rlhf_operator.render.pod import (
@@ -77,21 +78,31 @@ def render_children(
     job: JobRef, spec: RLHFJobSpec, network: NetworkAccess | None = None
 ) -> list[Obj]:
     """Every object the job owns, in creation order (the RayJob's dependencies first, the
-    RayJob last); with `network`, a NetworkPolicy that admits only what the job needs."""
-    policy = []
-    if network is not None:
-        meta = metadata(job, job.name, "network")
-        # By component, not the job label alone: the environments' pods carry that too,
-        # and they run the model's tool calls; they must not reach the Ray head.
-        job_pods = pods_of(job, JOB_POD_COMPONENTS)
-        policy = [render_network_policy(meta, job_pods, network, TRAINER_METRICS_PORT)]
+    RayJob last); `network`: the chart's values (unset: the defaults)."""
+    network = network or NetworkAccess()
     return [
         render_spec_configmap(job, spec),
         *render_reporter_rbac(job),
-        *policy,
-        *render_environments(job, spec),
+        *render_job_policy(job, spec, network),
+        *render_environments(job, spec, network),
         render_rayjob(job, spec),
     ]
+
+
+def render_job_policy(job: JobRef, spec: RLHFJobSpec, network: NetworkAccess) -> list[Obj]:
+    """With the chart's peers, a policy that admits only what the job needs. Without
+    them, where an environment may open connections, one that admits all but the
+    environments' pods. Else none: an environment without egress reaches nothing."""
+    meta = metadata(job, job.name, "network")
+    # By component, not the job label alone: the environments' pods carry that too,
+    # and they run the model's tool calls; they must not reach the Ray head (its job
+    # API runs any code).
+    job_pods = pods_of(job, JOB_POD_COMPONENTS)
+    if network.peers is not None:
+        return [render_network_policy(meta, job_pods, network.peers, TRAINER_METRICS_PORT)]
+    if any(env.opens_connections for env in spec.environments):
+        return [render_environment_guard(meta, job_pods, ENVIRONMENT_LABEL, network.cluster_ranges)]
+    return []
 
 
 def render_spec_configmap(job: JobRef, spec: RLHFJobSpec) -> Obj:

@@ -1,10 +1,12 @@
-"""The environments a job's operator runs: for each, a Deployment, a ClusterIP Service
-and a NetworkPolicy, all named `<job>-env-<name>` and owned by the job.
+"""The environments a job's operator runs: for each, a Deployment, a ClusterIP Service,
+a NetworkPolicy and, with several replicas, a PodDisruptionBudget, all named
+`<job>-env-<name>` and owned by the job.
 
 An environment executes the model's tool calls, so its pods get the least: restricted
 Pod Security with a read-only root filesystem, no service-account token, no service
-links, none of the job's own env or volumes, no egress unless `egress` asks, and
-ingress only from the job's Ray pods. Pure, like children.py.
+links, none of the job's own env or volumes, no egress unless `egress` or `egressTo`
+asks (and never to the cluster's ranges or the metadata addresses), and ingress only
+from the job's Ray pods. Pure, like children.py.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from rlhf_operator.render.meta import (
     metadata,
     pods_of,
 )
+from rlhf_operator.render.network import NetworkAccess, allowed_block, dns_rule, internet
 from rlhf_operator.render.pod import (
     container_resources,
     container_security,
+    placement,
     pod_metadata,
     pod_security,
     pod_settings,
@@ -39,9 +43,13 @@ SCRATCH_SIZE = "256Mi"  # counts against the ephemeral storage limit below
 EPHEMERAL_STORAGE = "512Mi"  # request and limit: logs and /tmp; an eviction names it
 
 
-def render_environments(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
-    """Each operator-run environment's Deployment, Service and NetworkPolicy; nothing for
-    one that runs at its url."""
+def render_environments(
+    job: JobRef, spec: RLHFJobSpec, network: NetworkAccess | None = None
+) -> list[Obj]:
+    """Each operator-run environment's Deployment, Service, NetworkPolicy and disruption
+    budget; nothing for one that runs at its url. `network`: the cluster's ranges and DNS
+    (the chart's values; unset: their defaults)."""
+    network = network or NetworkAccess()
     return [
         obj
         for env in spec.environments
@@ -49,7 +57,8 @@ def render_environments(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
         for obj in (
             render_deployment(job, spec, env),
             render_service(job, env),
-            render_environment_policy(job, env),
+            render_environment_policy(job, env, network),
+            *render_disruption_budget(job, env),
         )
     ]
 
@@ -110,7 +119,10 @@ def render_deployment(job: JobRef, spec: RLHFJobSpec, env: EnvironmentSpec) -> O
         "containers": [container],
         "volumes": [{"name": SCRATCH["name"], "emptyDir": {"sizeLimit": SCRATCH_SIZE}}],
         **pod_settings(spec),  # pull secrets and priority, as the job's other pods
+        **placement(env.node_selector, env.tolerations, None),
     }
+    if env.runtime_class_name is not None:  # a sandbox (gVisor, Kata) for the tool calls
+        pod["runtimeClassName"] = env.runtime_class_name
     pod_labels = {**labels(job, COMPONENT), ENVIRONMENT_LABEL: env.name}
     return {
         "apiVersion": "apps/v1",
@@ -144,10 +156,9 @@ def render_service(job: JobRef, env: EnvironmentSpec) -> Obj:
     }
 
 
-def render_environment_policy(job: JobRef, env: EnvironmentSpec) -> Obj:
-    """Ingress from the job's Ray pods only, on the environment's port; egress none, or
-    all with `egress: true`. Always rendered: unlike the job's own policy, it needs to
-    know nothing of the platform."""
+def render_environment_policy(job: JobRef, env: EnvironmentSpec, network: NetworkAccess) -> Obj:
+    """Ingress from the job's Ray pods only, on the environment's port; egress what
+    `environment_egress` gives. Always rendered: it needs no peers of the platform."""
     ray_pods = pods_of(job, RAY_POD_COMPONENTS)
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -162,6 +173,42 @@ def render_environment_policy(job: JobRef, env: EnvironmentSpec) -> Obj:
                     "ports": [{"protocol": "TCP", "port": env.serving_port}],
                 }
             ],
-            "egress": [{}] if env.egress else [],
+            "egress": environment_egress(env, network),
         },
     }
+
+
+def environment_egress(env: EnvironmentSpec, network: NetworkAccess) -> list[Obj]:
+    """None by default. `egress: true`: every address but the cluster's ranges and the
+    metadata addresses, so not the job's pods, the API server (its Service, and its
+    endpoints where the ranges hold them) nor the node's credentials. `egressTo`: its
+    CIDRs, on its ports. Either: DNS, to the cluster's DNS pods only."""
+    rules: list[Obj] = []
+    if env.egress:
+        rules.append({"to": internet(network.cluster_ranges)})
+    for rule in env.egress_to or []:
+        block = allowed_block(rule.cidr)
+        assert block is not None  # EgressRule refuses a cidr of metadata addresses only
+        ports = (
+            {"ports": [{"protocol": "TCP", "port": p} for p in rule.ports]} if rule.ports else {}
+        )
+        rules.append({"to": [block], **ports})
+    if rules:
+        rules.append(dns_rule(network.dns))
+    return rules
+
+
+def render_disruption_budget(job: JobRef, env: EnvironmentSpec) -> list[Obj]:
+    """With several replicas, a drain takes one at a time: the sessions of one replica
+    start again on the others (rlhf_env.replicas) while the rest serve. One replica has
+    none: a drain must not wait on it. A budget left from more replicas is harmless."""
+    if env.replica_count < 2:
+        return []
+    return [
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": metadata(job, service_name(job.name, env.name), COMPONENT),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(job, env)}},
+        }
+    ]

@@ -1,72 +1,198 @@
-"""Who may reach a job's pods, when the platform asks for NetworkPolicies.
+"""Who may reach a job's pods, and where its environments' pods may go.
 
-The chart's `networkPolicy` values reach the operator as JSON in RLHF_NETWORK_POLICY:
-where Prometheus runs, where KubeRay's operator runs, and where this operator runs. Each
-job then gets a policy that admits its own pods (Ray's GCS, object transfers and NCCL
-use many ports), and the others to the few ports they need, and nothing else.
+The chart's `networkPolicy` values reach the operator as JSON in two variables:
+- RLHF_NETWORK_POLICY, only with networkPolicy.enabled: where Prometheus, KubeRay's
+  operator and this operator run (`Peers`). Each job then gets a policy that admits its
+  own pods (Ray's GCS, object transfers and NCCL use many ports), and the others to the
+  few ports they need, and nothing else.
+- RLHF_CLUSTER_NETWORK, always: the cluster's own address ranges and its DNS pods. An
+  environment with `egress: true` reaches every address but those (and the metadata
+  addresses), and DNS.
+
+Without the peers, a job any of whose environments has egress still gets a policy: one
+that admits everything but environments' pods (`render_environment_guard`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+# The clouds' instance metadata: refused to every environment, whatever the chart's
+# ranges say (the spec refuses an egressTo rule of them alone).
+from rlhf_operator.api.environments import METADATA_ADDRESSES
 
 Obj = dict[str, Any]
 
 ENV = "RLHF_NETWORK_POLICY"
+CLUSTER_ENV = "RLHF_CLUSTER_NETWORK"
 RAY_DASHBOARD_PORT = 8265  # KubeRay's operator asks the head for the job's state here
 RAY_METRICS_PORT = 8080  # Ray's own metrics on every pod (KubeRay's --metrics-export-port)
+# The chart's networkPolicy.clusterRanges default: the private, shared (CGNAT) and
+# link-local ranges pod, Service and node addresses are commonly taken from.
+CLUSTER_RANGES = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+    "fc00::/7",
+    "fe80::/10",
+)
+# The chart's networkPolicy.dns default: the cluster DNS pods (CoreDNS and kube-dns both
+# carry k8s-app: kube-dns).
+KUBE_DNS: Obj = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+}
+DNS_PORTS = ({"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53})
 
 
 @dataclass(frozen=True)
-class NetworkAccess:
-    prometheus: Obj  # a NetworkPolicyPeer: {namespaceSelector, podSelector}
-    kuberay: Obj  # a NetworkPolicyPeer
+class Peers:
+    """Where the platform's parts run, as NetworkPolicyPeers ({namespaceSelector,
+    podSelector})."""
+
+    prometheus: Obj
+    kuberay: Obj
     # The operator's own pods: they ask the head how a Ray job ended when KubeRay's
     # verdict came late (controller/restarts.py), on the dashboard port as KubeRay does.
     operator: Obj | None = None
 
+
+@dataclass(frozen=True)
+class NetworkAccess:
+    peers: Peers | None = None  # None: the chart's networkPolicy.enabled is false
+    cluster_ranges: tuple[str, ...] = CLUSTER_RANGES  # pod, Service (and node) ranges
+    dns: tuple[Obj, ...] = field(default=(KUBE_DNS,))  # NetworkPolicyPeers
+
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> NetworkAccess | None:
-        """None when the platform did not ask for policies."""
-        raw = environ.get(ENV)
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> NetworkAccess:
+        """The chart's values; the defaults where a variable is unset."""
+        peers = _peers(environ.get(ENV))
+        raw = environ.get(CLUSTER_ENV)
         if not raw:
-            return None
+            return cls(peers)
         try:
-            peers = json.loads(raw)
-            operator = dict(peers["operator"]) if peers.get("operator") else None
-            return cls(dict(peers["prometheus"]), dict(peers["kuberay"]), operator)
+            values = json.loads(raw)
+            ranges = tuple(str(_network(r)) for r in values["clusterRanges"])
+            dns = tuple(dict(peer) for peer in values["dns"])
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(
-                f"{ENV} must be a JSON object with NetworkPolicy peers 'prometheus' and "
-                f"'kuberay', got {raw!r}: {error!r}"
+                f"{CLUSTER_ENV} must be a JSON object with 'clusterRanges' (a list of CIDRs) "
+                f"and 'dns' (a list of NetworkPolicy peers), got {raw!r}: {error}"
             ) from error
+        return cls(peers, ranges, dns)
 
 
-def render_network_policy(
-    meta: Obj, job_pods: Obj, access: NetworkAccess, trainer_metrics_port: int
-) -> Obj:
+def _peers(raw: str | None) -> Peers | None:
+    if not raw:
+        return None
+    try:
+        peers = json.loads(raw)
+        operator = dict(peers["operator"]) if peers.get("operator") else None
+        return Peers(dict(peers["prometheus"]), dict(peers["kuberay"]), operator)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{ENV} must be a JSON object with NetworkPolicy peers 'prometheus' and "
+            f"'kuberay', got {raw!r}: {error!r}"
+        ) from error
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _network(cidr: str) -> Network:
+    return ipaddress.ip_network(cidr, strict=True)
+
+
+def render_network_policy(meta: Obj, job_pods: Obj, peers: Peers, trainer_metrics_port: int) -> Obj:
     """`job_pods`: the label selector of every pod of the job."""
 
     def tcp(*ports: int) -> list[Obj]:
         return [{"protocol": "TCP", "port": port} for port in ports]
 
-    dashboard_peers = [access.kuberay, *([access.operator] if access.operator else [])]
+    dashboard_peers = [peers.kuberay, *([peers.operator] if peers.operator else [])]
+    return _ingress_policy(
+        meta,
+        job_pods,
+        [
+            {"from": [{"podSelector": job_pods}]},
+            {"from": [peers.prometheus], "ports": tcp(trainer_metrics_port, RAY_METRICS_PORT)},
+            {"from": dashboard_peers, "ports": tcp(RAY_DASHBOARD_PORT)},
+        ],
+    )
 
+
+def render_environment_guard(
+    meta: Obj, job_pods: Obj, environment_label: str, cluster_ranges: Sequence[str]
+) -> Obj:
+    """The job's policy where the platform named no peers: its pods admit every pod but
+    the environments' (of any job: pods carrying `environment_label`), and every address
+    outside `cluster_ranges`.
+
+    Policies only add what they allow, so admitting "all but" takes a pod selector: an
+    ipBlock is the portable peer only for addresses outside the cluster (some plugins
+    match pod addresses against it, as Calico does; others never, as Cilium), hence the
+    cluster's ranges excepted. A source in those ranges that is no pod (another node's
+    host network, a NodePort's SNAT) is refused then: give the chart's peers instead.
+    The pod's own node is admitted whatever the policy (kubelet probes)."""
+    not_environments = {
+        "namespaceSelector": {},
+        "podSelector": {
+            "matchExpressions": [{"key": environment_label, "operator": "DoesNotExist"}]
+        },
+    }
+    outside = internet(cluster_ranges)
+    return _ingress_policy(meta, job_pods, [{"from": [not_environments, *outside]}])
+
+
+def _ingress_policy(meta: Obj, pods: Obj, ingress: list[Obj]) -> Obj:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": meta,
-        "spec": {
-            "podSelector": job_pods,
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": job_pods}]},
-                {"from": [access.prometheus], "ports": tcp(trainer_metrics_port, RAY_METRICS_PORT)},
-                {"from": dashboard_peers, "ports": tcp(RAY_DASHBOARD_PORT)},
-            ],
-        },
+        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress},
     }
+
+
+def internet(excluded: Sequence[str]) -> list[Obj]:
+    """ipBlock peers of every address but `excluded` and the metadata addresses, one per
+    address family (none for a family `excluded` covers whole)."""
+    wholes = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+    return [{"ipBlock": block} for whole in wholes if (block := _block(whole, excluded))]
+
+
+def allowed_block(cidr: str) -> Obj | None:
+    """An ipBlock peer of `cidr` without the metadata addresses; None if it holds
+    nothing else (the spec refuses such a cidr: EgressRule)."""
+    block = _block(_network(cidr), ())
+    return None if block is None else {"ipBlock": block}
+
+
+def _block(whole: Network, excluded: Sequence[str]) -> Obj | None:
+    """{cidr, except}: `whole` but the networks of `excluded` and the metadata addresses
+    inside it, merged (an except must lie strictly inside the cidr, and in its family);
+    None when one of them covers `whole`."""
+    same_family = [n for n in map(_network, (*excluded, *METADATA_ADDRESSES))
+                   if n.version == whole.version]  # fmt: skip
+    if any(_within(whole, n) for n in same_family):
+        return None
+    inside = [n for n in same_family if _within(n, whole)]
+    block: Obj = {"cidr": str(whole)}
+    if inside:
+        block["except"] = [str(n) for n in ipaddress.collapse_addresses(inside)]  # type: ignore[type-var]
+    return block
+
+
+def _within(inner: Network, outer: Network) -> bool:
+    return inner.subnet_of(outer)  # type: ignore[arg-type]  # same family: checked by callers
+
+
+def dns_rule(dns: Sequence[Obj]) -> Obj:
+    """An egress rule to the cluster DNS: names resolve, nothing else is asked there."""
+    return {"to": list(dns), "ports": [dict(p) for p in DNS_PORTS]}
