@@ -1,34 +1,42 @@
-"""Benchmark: create -> child latency of our operator against KubeRay's own, in one run.
+"""Benchmark: our operator's create -> child latency against KubeRay's own, on equal terms.
 
-On one real control plane (tests/controlplane), for N = 1, 100, 500, 1000:
-  ours:    create N RLHFJobs, time until each one's RayJob appears (watch ADDED);
-  kuberay: create N RayJobs, time until each one's RayCluster appears.
-Also each RLHFJob's time until its status is first written: in a burst, a new job's
-report waits for the other new jobs' RayJobs (controller/workqueue.py), and this says
-what that costs.
-N = 1 is one job at a time, ROUNDS_OF_ONE times, ours and KubeRay's alternating (one
-sample of a single job is noise). Jobs are created with suspend: true so KubeRay does
-not start pods for them; the KubeRay side uses our rendered RayJob unsuspended, so
-KubeRay does its usual work. Prints one JSON line per N, with the operator's peak RSS so
-far. Run: make bench-operator (about 25 minutes); sizes can be given: `... run 1 100`.
+On one real control plane (tests/controlplane) holding CLUTTER unrelated pods and as many
+ConfigMaps (bench/operator/clutter.py), each repeat runs two phases:
+  ours:    create N RLHFJobs at once; per job, the time until its RayJob appears and
+           until its own status is first written;
+  kuberay: create N RayJobs at once (our rendered RayJob, unsuspended, as a KubeRay user
+           writes it); per job, the time until its RayCluster appears and until KubeRay
+           first writes the RayJob's status.
+Equal terms: each phase in a fresh namespace, deleted after it, and the next phase starts
+only once both operators have nothing queued (KubeRay's work queues, ours); KubeRay runs
+with as many reconcile workers as ours (--reconcile-concurrency, RLHF_OPERATOR_WORKERS)
+and, like ours, no client-side rate limit. Our jobs are created with suspend: true, so
+KubeRay starts no pods for our RayJobs.
+Ratios (ours / KubeRay, p50 and p99, to the child and to the first status) are taken
+within each repeat and reported as median (min-max). The operator's RSS is read after it
+listed the clutter at start-up and after each of its phases.
+
+Run: make bench-operator, or `.venv/bin/python -m bench.operator.run --n 100 --repeats 3`.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes import watch
-from urllib3.exceptions import ProtocolError
 
+from bench.harness import Measurement, Spread, figures, interleave
+from bench.operator import clutter
+from bench.operator.kuberay import KubeRay, matched_kuberay, operator_activity, wait_quiet
+from bench.operator.watches import Appearances, child_added, status_written
 from rlhf_operator.api.job import GROUP, PLURAL, VERSION
 from rlhf_operator.api.validation import parse_job
 from rlhf_operator.controller.kube import Kube
@@ -37,9 +45,10 @@ from tests.controlplane.harness import ControlPlane
 from tests.controlplane.operator_process import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[2]
-SIZES = [int(n) for n in sys.argv[1:]] or [1, 100, 500, 1000]
-CLIENT_THREADS = 8
-ROUNDS_OF_ONE = 20
+CLIENT_THREADS = 8  # the "users" creating the burst
+RAYJOBS = ("ray.io", "v1", "rayjobs")
+RAYCLUSTERS = ("ray.io", "v1", "rayclusters")
+RLHFJOBS = (GROUP, VERSION, PLURAL)
 
 
 def tiny_job(name: str, namespace: str) -> dict[str, Any]:
@@ -51,166 +60,152 @@ def tiny_job(name: str, namespace: str) -> dict[str, Any]:
     return job
 
 
-Event = dict[str, Any]  # a watch event: {"type": ..., "object": ...}
-
-
-def child_added(event: Event) -> str | None:
-    """The owner's name of a child that appeared."""
-    if event["type"] != "ADDED":
-        return None
-    name: str = event["object"]["metadata"]["ownerReferences"][0]["name"]
-    return name
-
-
-def status_written(event: Event) -> str | None:
-    """The name of a job whose status is there."""
-    name: str = event["object"]["metadata"]["name"]
-    return name if event["object"].get("status") else None
-
-
-class Appearances:
-    """Watches a kind in a namespace and records when each name that `seen_in` finds in
-    an event was first found."""
-
-    def __init__(self, kube: Kube, kind: tuple[str, str, str], namespace: str,
-                 seen_in: Callable[[Event], str | None]) -> None:  # fmt: skip
-        self.seen: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(kube, kind, namespace, seen_in), daemon=True
-        )
-        self._ready = threading.Event()
-        self._thread.start()
-        self._ready.wait(10)
-
-    def _run(self, kube: Kube, kind: tuple[str, str, str], namespace: str,
-             seen_in: Callable[[Event], str | None]) -> None:  # fmt: skip
-        from kubernetes import client
-
-        api = client.CustomObjectsApi(kube.api)
-        stream = watch.Watch()  # type: ignore[no-untyped-call]
-        self._ready.set()
-        group, version, plural = kind
-        events = stream.stream(  # type: ignore[no-untyped-call]
-            api.list_namespaced_custom_object, group, version, namespace, plural,
-            timeout_seconds=900,
-        )  # fmt: skip
-        try:
-            for event in events:
-                name = seen_in(event)
-                if name is not None:
-                    self.seen.setdefault(name, time.monotonic())
-                if self._stop.is_set():
-                    stream.stop()  # type: ignore[no-untyped-call]
-        except ProtocolError:
-            if not self._stop.is_set():
-                raise  # else the control plane stopped under a watch no longer needed
-
-    def wait_for(self, names: list[str], timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while not all(n in self.seen for n in names):
-            if not self._thread.is_alive():
-                raise RuntimeError("the watch ended early (its error is printed above)")
-            if time.monotonic() > deadline:
-                missing = [n for n in names if n not in self.seen]
-                raise TimeoutError(f"{len(missing)} children never appeared, e.g. {missing[:3]}")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self._stop.set()  # the stream ends at its next event
-
-
-def create_all(kube: Kube, objects: list[dict[str, Any]]) -> dict[str, float]:
-    started: dict[str, float] = {}
-
-    def create(obj: dict[str, Any]) -> None:
-        started[obj["metadata"]["name"]] = time.monotonic()
-        kube.create(obj)
-
-    with ThreadPoolExecutor(CLIENT_THREADS) as pool:
-        list(pool.map(create, objects))
-    return started
-
-
-def latencies(
-    kube: Kube, objects: list[dict[str, Any]], *watchers: Appearances
-) -> list[list[float]]:
-    """Create the objects at once; by watcher, each one's time until it was seen."""
-    started = create_all(kube, objects)
-    for watcher in watchers:
-        watcher.wait_for(list(started))
-    return [[w.seen[name] - t0 for name, t0 in started.items()] for w in watchers]
+def plain_rayjob(name: str, namespace: str) -> dict[str, Any]:
+    """Our rendered RayJob, unsuspended and owned by no one, as a KubeRay user makes it."""
+    spec = parse_job(tiny_job(name, namespace)).spec.model_copy(update={"suspend": False})
+    rayjob = render_rayjob(JobRef(name, namespace, "0"), spec)
+    del rayjob["metadata"]["ownerReferences"]
+    return rayjob
 
 
 def percentile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def measure(cp: ControlPlane, op: OperatorProcess, kube: Kube, n: int, run: int) -> dict[str, Any]:
-    """N jobs at once (N = 1: ROUNDS_OF_ONE times); `run` numbers the namespaces."""
-    ours_ns, theirs_ns = f"bench-ours-{run}-n{n}", f"bench-kuberay-{run}-n{n}"
-    cp.create_namespace(ours_ns)
-    cp.create_namespace(theirs_ns)
-    spec = parse_job(tiny_job("x", theirs_ns)).spec.model_copy(update={"suspend": False})
-
-    def plain_rayjob(name: str) -> dict[str, Any]:
-        rayjob = render_rayjob(JobRef(name, theirs_ns, "0"), spec)
-        del rayjob["metadata"]["ownerReferences"]  # a plain RayJob, as a KubeRay user makes it
-        return rayjob
-
-    ours_watch = Appearances(kube, ("ray.io", "v1", "rayjobs"), ours_ns, child_added)
-    status_watch = Appearances(kube, (GROUP, VERSION, PLURAL), ours_ns, status_written)
-    theirs_watch = Appearances(kube, ("ray.io", "v1", "rayclusters"), theirs_ns, child_added)
-    ours: list[float] = []
-    ours_status: list[float] = []
-    theirs: list[float] = []
-    for round_ in range(ROUNDS_OF_ONE if n == 1 else 1):
-        names = [f"job-{round_}-{i}" for i in range(n)]
-        jobs = [tiny_job(name, ours_ns) for name in names]
-        rayjobs, statuses = latencies(kube, jobs, ours_watch, status_watch)
-        ours += rayjobs
-        ours_status += statuses
-        theirs += latencies(kube, [plain_rayjob(name) for name in names], theirs_watch)[0]
-    for watcher in (ours_watch, status_watch, theirs_watch):
-        watcher.close()
-    for ns in (ours_ns, theirs_ns):
-        cp.kubectl("delete", "namespace", ns, "--wait=false")
-    ours.sort()
-    ours_status.sort()
-    theirs.sort()
+def latency_figures(child: list[float], status: list[float]) -> Measurement:
     return {
-        "n": n,
-        "samples": len(ours),
-        "ours_p50_s": round(statistics.median(ours), 3),
-        "ours_p99_s": round(percentile(ours, 0.99), 3),
-        "ours_status_p99_s": round(percentile(ours_status, 0.99), 3),
-        "kuberay_p50_s": round(statistics.median(theirs), 3),
-        "kuberay_p99_s": round(percentile(theirs, 0.99), 3),
-        "ratio_p50": round(statistics.median(ours) / statistics.median(theirs), 3),
-        "ratio_p99": round(percentile(ours, 0.99) / percentile(theirs, 0.99), 3),
-        "operator_rss_mb": round(peak_rss_mb(op.proc.pid), 1) if op.proc else None,
+        "p50_s": statistics.median(child),
+        "p99_s": percentile(child, 0.99),
+        "status_p50_s": statistics.median(status),
+        "status_p99_s": percentile(status, 0.99),
     }
 
 
+def compare(run: dict[str, Measurement]) -> Measurement:
+    """Ours over KubeRay's, within one repeat."""
+    ours, theirs = run["ours"], run["kuberay"]
+    keys = ("p50_s", "p99_s", "status_p50_s", "status_p99_s")
+    return {f"ratio_{key.removesuffix('_s')}": ours[key] / theirs[key] for key in keys}
+
+
+def operator_memory(op: OperatorProcess) -> dict[str, float]:
+    """The operator's resident memory now and at its peak (VmRSS, VmHWM)."""
+    assert op.proc is not None
+    status = Path(f"/proc/{op.proc.pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines())
+    return {
+        "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
+        "peak_rss_mb": int(fields["VmHWM"].split()[0]) / 1024,
+    }
+
+
+@dataclass
+class Bench:
+    cp: ControlPlane
+    op: OperatorProcess
+    kuberay: KubeRay
+    kube: Kube
+    n: int
+    phases: int = 0
+
+    def fresh_namespace(self, side: str) -> str:
+        self.phases += 1
+        namespace = f"bench-{side}-{self.phases}"
+        self.cp.create_namespace(namespace)
+        return namespace
+
+    def burst(self, objects: list[dict[str, Any]], *watches: Appearances) -> list[list[float]]:
+        """Create the objects at once; by watch, each one's seconds until it was seen."""
+        started: dict[str, float] = {}
+
+        def create(obj: dict[str, Any]) -> None:
+            started[obj["metadata"]["name"]] = time.monotonic()
+            self.kube.create(obj)
+
+        with ThreadPoolExecutor(CLIENT_THREADS) as pool:
+            list(pool.map(create, objects))
+        for watch in watches:
+            watch.wait_for(list(started))
+            watch.close()
+        return [watch.after(started) for watch in watches]
+
+    def clear(self, namespace: str) -> None:
+        """Delete the phase's namespace, then wait until both operators are idle."""
+        self.cp.kubectl("delete", "namespace", namespace, "--timeout=600s", timeout=660)
+        wait_quiet([self.kuberay.activity, lambda: operator_activity(self.op)])
+
+    def ours(self) -> Measurement:
+        ns = self.fresh_namespace("ours")
+        api = self.kube.api
+        rayjobs = Appearances(api, RAYJOBS, ns, child_added)
+        statuses = Appearances(api, RLHFJOBS, ns, status_written)
+        jobs = [tiny_job(f"job-{i}", ns) for i in range(self.n)]
+        child, status = self.burst(jobs, rayjobs, statuses)
+        memory = operator_memory(self.op)
+        self.clear(ns)
+        return {**latency_figures(child, status), **memory}
+
+    def theirs(self) -> Measurement:
+        ns = self.fresh_namespace("kuberay")
+        api = self.kube.api
+        clusters = Appearances(api, RAYCLUSTERS, ns, child_added)
+        statuses = Appearances(api, RAYJOBS, ns, status_written)
+        rayjobs = [plain_rayjob(f"job-{i}", ns) for i in range(self.n)]
+        child, status = self.burst(rayjobs, clusters, statuses)
+        self.clear(ns)
+        return latency_figures(child, status)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.operator.run", description=__doc__)
+    parser.add_argument("--n", type=int, default=300, help="jobs created at once (300)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (3)")
+    parser.add_argument("--workers", type=int, default=8, help="reconcile workers, each side (8)")
+    parser.add_argument("--clutter", type=int, default=10_000,
+                        help="unrelated pods, and as many ConfigMaps (10000)")  # fmt: skip
+    args = parser.parse_args()
     with ControlPlane() as cp:
-        op = OperatorProcess(cp, "bench-operator").start()
-        try:
-            kube = Kube(cp.api_client())  # type: ignore[no-untyped-call]
-            results = []
-            for run, n in enumerate(SIZES):
-                results.append(measure(cp, op, kube, n, run))
-                print(json.dumps(results[-1]), flush=True)
-            print(json.dumps({"bench": "operator", "sizes": results}), flush=True)
-        finally:
-            op.stop()
+        filled = clutter.fill(cp, args.clutter)
+        log(f"clutter: {filled}")
+        with matched_kuberay(cp, args.workers) as kuberay:
+            env = {"RLHF_OPERATOR_WORKERS": str(args.workers)}
+            op = OperatorProcess(cp, "bench-operator", env=env).start()
+            try:
+                wait_quiet([kuberay.activity, lambda: operator_activity(op)])
+                started = operator_memory(op)  # after its watches listed the clutter
+                log(f"operator started: {started}")
+                kube = Kube(clutter.admin_client(cp, CLIENT_THREADS + 4))  # and the watches
+                bench = Bench(cp, op, kuberay, kube, args.n)
+                runs = interleave({"ours": bench.ours, "kuberay": bench.theirs}, args.repeats)
+            finally:
+                op.stop()
+    report(args, filled, started, figures(runs, compare))
+
+
+def report(args: argparse.Namespace, filled: clutter.Clutter, started: dict[str, float],
+           spreads: dict[str, Spread]) -> None:  # fmt: skip
+    width = max(len(key) for key in spreads)
+    print(f"{'figure':<{width}}  median (min-max) over {args.repeats} interleaved repeats")
+    for key, spread in spreads.items():
+        print(f"{key:<{width}}  {spread}")
+    record = {
+        "bench": "operator",
+        "n": args.n,
+        "repeats": args.repeats,
+        "workers": args.workers,
+        "clutter": {"pods": filled.pods, "configmaps": filled.configmaps},
+        "operator_after_start": {key: round(value, 1) for key, value in started.items()},
+        "figures": {key: spread.to_json() for key, spread in spreads.items()},
+        # What `python -m bench` summarises.
+        "sizes": [{"n": args.n, "ratio_p50": round(spreads["ratio_p50"].median, 3),
+                   "ratio_p99": round(spreads["ratio_p99"].median, 3)}],
+    }  # fmt: skip
+    print(json.dumps(record), flush=True)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
