@@ -10,8 +10,11 @@ that moment is up to the kill's timing, so a session started again elsewhere is 
 on its own event in tests/unit/test_env_replicas.py; here the claim is that the run
 survives it.
 
-Kept small for CI: one pool (the example's critic moves onto it) and four steps. One
-job (module fixture); the tests read what it left."""
+Kept small for CI, a variant of the example in exactly three ways (small_job): one pool
+(the value pool goes, and the critic moves onto the policy pool), the environment in two
+replicas, four steps. The example as written fits `make cluster`'s node, a second
+replica too (tests/unit/test_example_fits.py). One job (module fixture); the tests read
+what it left."""
 
 from __future__ import annotations
 
