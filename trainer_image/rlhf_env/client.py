@@ -70,12 +70,13 @@ class EnvironmentCallFailed(Exception):
         *,
         kind: FailureKind = "error",
         connected: bool = True,
+        service: str = "environment",
     ) -> None:
         self.call, self.url, self.reason, self.status = call, url, reason, status
         self.kind = kind
         self.connected = connected  # False: no connection was opened, nothing was sent
         status_text = f"HTTP {status}: " if status is not None else ""
-        super().__init__(f"environment {call} at {url} failed: {status_text}{reason}")
+        super().__init__(f"{service} {call} at {url} failed: {status_text}{reason}")
 
     @property
     def unreachable(self) -> bool:
@@ -91,7 +92,8 @@ class EnvironmentCallFailed(Exception):
 class EnvironmentClient:
     """Calls one environment server. `timeout` is each call's whole deadline, in seconds
     (connecting, sending, the environment's work, the answer); each call can override it.
-    `connect_timeout`: opening a connection, within that deadline."""
+    `connect_timeout`: opening a connection, within that deadline. `service` names the
+    server in failures: "environment", or another protocol's (an agent, with `call`)."""
 
     def __init__(
         self,
@@ -101,8 +103,10 @@ class EnvironmentClient:
         connect_timeout: float = CONNECT_SECONDS,
         headers: dict[str, str] | None = None,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
+        service: str = "environment",
     ) -> None:
         self.url = url.rstrip("/")
+        self.service = service
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.max_answer_bytes = max_answer_bytes
         # httpx's own timeouts are per read or write; the call's deadline is ours
@@ -116,15 +120,15 @@ class EnvironmentClient:
 
     async def start(self, row: dict[str, Any], *, timeout: float | None = None) -> Started:
         body = StartRequest(row=row).model_dump(mode="json")
-        return await self._call("start", "POST", "/sessions", Started, body, timeout)
+        return await self.call("start", "POST", "/sessions", Started, body, timeout)
 
     async def step(self, session: str, message: Message, *, timeout: float | None = None) -> Step:
         body = StepRequest(message=message).model_dump(mode="json")
-        return await self._call("step", "POST", f"/sessions/{session}/step", Step, body, timeout)
+        return await self.call("step", "POST", f"/sessions/{session}/step", Step, body, timeout)
 
     async def score(self, session: str, *, timeout: float | None = None) -> float:
         path = f"/sessions/{session}/score"
-        scored = await self._call("score", "POST", path, Scored, None, timeout)
+        scored = await self.call("score", "POST", path, Scored, None, timeout)
         return scored.score
 
     async def close(self, session: str, *, timeout: float | None = None) -> None:
@@ -137,7 +141,7 @@ class EnvironmentClient:
                 raise
 
     async def health(self, *, timeout: float | None = None) -> Health:
-        return await self._call("health", "GET", "/healthz", Health, None, timeout)
+        return await self.call("health", "GET", "/healthz", Health, None, timeout)
 
     @property
     def is_closed(self) -> bool:
@@ -157,24 +161,26 @@ class EnvironmentClient:
     ) -> None:
         await self.aclose()
 
-    async def _call(
+    async def call(
         self,
         call: str,
         method: str,
         path: str,
         answer: type[Answer],
-        body: dict[str, Any] | None,
-        timeout: float | None,
+        body: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> Answer:
-        """One request, its answer parsed as `answer`."""
+        """One request, its answer parsed as `answer`: each call above, and another
+        protocol's on the same footing (the agent protocol's episodes)."""
         response = await self._request(call, method, path, body, timeout)
         try:
             return answer.model_validate_json(response.content)
         except ValidationError as error:
             reason = f"the answer breaks the protocol: {describe(error)}"
             raise EnvironmentCallFailed(
-                call, str(response.url), reason, response.status_code, kind="protocol"
-            ) from error
+                call, str(response.url), reason, response.status_code, kind="protocol",
+                service=self.service,
+            ) from error  # fmt: skip
 
     async def _request(
         self, call: str, method: str, path: str, body: dict[str, Any] | None, timeout: float | None
@@ -188,7 +194,9 @@ class EnvironmentClient:
                 response = await self._read(call, await self._http.send(request, stream=True))
         except TimeoutError as error:
             reason = f"no answer within {deadline:g} s"
-            raise EnvironmentCallFailed(call, url, reason, kind="timeout") from error
+            raise EnvironmentCallFailed(
+                call, url, reason, kind="timeout", service=self.service
+            ) from error
         except httpx.HTTPError as error:
             if isinstance(error, httpx.ConnectTimeout):
                 reason = f"ConnectTimeout: no connection within {self.connect_timeout:g} s"
@@ -197,10 +205,14 @@ class EnvironmentClient:
             gone = isinstance(error, httpx.TransportError)
             never = isinstance(error, httpx.ConnectError | httpx.ConnectTimeout)
             raise EnvironmentCallFailed(
-                call, url, reason, kind="unreachable" if gone else "error", connected=not never
-            ) from error
+                call, url, reason, kind="unreachable" if gone else "error",
+                connected=not never, service=self.service,
+            ) from error  # fmt: skip
         if not response.is_success:
-            raise EnvironmentCallFailed(call, url, server_reason(response), response.status_code)
+            reason = server_reason(response)
+            raise EnvironmentCallFailed(
+                call, url, reason, response.status_code, service=self.service
+            )
         return response
 
     async def _read(self, call: str, response: httpx.Response) -> httpx.Response:
@@ -213,8 +225,9 @@ class EnvironmentClient:
                 if size > self.max_answer_bytes:
                     reason = f"its answer is over {self.max_answer_bytes} bytes"
                     raise EnvironmentCallFailed(
-                        call, str(response.url), reason, response.status_code, kind="protocol"
-                    )
+                        call, str(response.url), reason, response.status_code,
+                        kind="protocol", service=self.service,
+                    )  # fmt: skip
                 chunks.append(chunk)
         finally:
             await response.aclose()

@@ -1,12 +1,15 @@
 """An environment server in a process of its own on this machine: what a local run
-(`rlhfjob train`, `make demo`) starts for an environment the spec names by its class.
+(`rlhfjob train`, `make demo`) starts for an environment the spec names by its class,
+or an agent by its function (`command="agent"`).
 
     with served_locally("rlhf_env.toys:LetterLookup") as url:
         ...  # url is http://127.0.0.1:<a free port>, answering its health check
+    with served_locally("examples.agents.letters_agent:run", command="agent") as url:
+        ...
 
-The server is `python -m rlhf_env serve`, on the loopback address: the local run's
-rollout workers are processes of this machine. It is stopped on leaving, and one that
-exits or never answers fails with its own output, naming the class.
+The server is `python -m rlhf_env serve` (or `agent`), on the loopback address: the
+local run's rollout workers are processes of this machine. It is stopped on leaving, and
+one that exits or never answers fails with its own output, naming the class or function.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, Literal
 
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
 
 START_SECONDS = 60.0  # importing a user's class may take a while (their dependencies)
 STOP_SECONDS = 10.0
+
+Command = Literal["serve", "agent"]  # python -m rlhf_env's: what it serves
+SERVED: dict[Command, str] = {"serve": "environment", "agent": "agent"}
 
 
 class EnvironmentDidNotStart(RuntimeError):
@@ -32,20 +38,24 @@ class EnvironmentDidNotStart(RuntimeError):
 
 
 @contextmanager
-def served_locally(target: str, options: Sequence[str] = ()) -> Iterator[str]:
+def served_locally(
+    target: str, options: Sequence[str] = (), command: Command = "serve"
+) -> Iterator[str]:
     """Serve the class `target` (`module:Class`) until the block ends; yields its URL.
-    `options`: more of `python -m rlhf_env serve`'s flags (`--call-seconds 30`, ...)."""
+    `options`: more of `python -m rlhf_env serve`'s flags (`--call-seconds 30`, ...).
+    command "agent": `target` is an agent function (`module:function`), served by `python
+    -m rlhf_env agent` (its flags: `--max-episodes 4`)."""
     port = free_port()
     with tempfile.TemporaryFile() as output:
         server = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_env", "serve", target, "--port", str(port),
+            [sys.executable, "-m", "rlhf_env", command, target, "--port", str(port),
              "--log-level", "warning", *options],
             stdout=output,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_until_healthy(url, server, target, output)
+            wait_until_healthy(url, server, target, output, SERVED[command])
             yield url
         finally:
             server.terminate()
@@ -57,20 +67,23 @@ def served_locally(target: str, options: Sequence[str] = ()) -> Iterator[str]:
 
 
 def wait_until_healthy(
-    url: str, server: subprocess.Popen[bytes], target: str, output: IO[bytes]
+    url: str,
+    server: subprocess.Popen[bytes],
+    target: str,
+    output: IO[bytes],
+    what: str = "environment",
 ) -> None:
     deadline = time.monotonic() + START_SECONDS
     while True:
         if server.poll() is not None:
             raise EnvironmentDidNotStart(
-                f"the environment {target} exited with status {server.returncode}: "
-                f"{read_all(output)}"
+                f"the {what} {target} exited with status {server.returncode}: {read_all(output)}"
             )
         if answers(url):
             return
         if time.monotonic() > deadline:
             raise EnvironmentDidNotStart(
-                f"the environment {target} did not answer at {url} within "
+                f"the {what} {target} did not answer at {url} within "
                 f"{START_SECONDS:g} s: {read_all(output)}"
             )
         time.sleep(0.1)

@@ -16,6 +16,9 @@ deadline; when every replica is full, it waits for room, up to that deadline.
         started = await environment.start(row)
 
 A URL with https, or whose host does not resolve, is one replica, called as given.
+
+Another protocol of one call a session (an agent's episodes: rlhf_trainer.rollout.
+agent_client) spreads the same way: its call is the session's `first_call`.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
 from rlhf_env.protocol import Started
+
+Answer = TypeVar("Answer")
 
 RESOLVE_SECONDS = 5.0
 DOWN_SECONDS = 30.0
@@ -69,9 +74,10 @@ class EnvironmentReplicas:
         timeout: float = 60.0,
         resolve: Resolve = resolve_replicas,
         resolve_seconds: float = RESOLVE_SECONDS,
+        service: str = "environment",
     ) -> None:
         self.url = url.rstrip("/")
-        self.timeout = timeout
+        self.timeout, self.service = timeout, service
         self._resolve, self._resolve_seconds = resolve, resolve_seconds
         self._resolved_at = -float("inf")
         self._current: list[str] = []  # the replicas' base URLs, as last resolved
@@ -145,7 +151,7 @@ class EnvironmentReplicas:
                 if url not in self._clients:
                     # By address, with the Host the user named (a proxy may route by it).
                     self._clients[url] = EnvironmentClient(
-                        url, timeout=self.timeout, headers={"Host": host}
+                        url, timeout=self.timeout, headers={"Host": host}, service=self.service
                     )
         return self._current
 
@@ -162,17 +168,26 @@ class PlacedSession(EnvironmentClient):
         self._replicas, self._avoid = replicas, list(avoid)
         self._on = first
         self.url, self.timeout = first.url, first.timeout
-        self.max_answer_bytes = first.max_answer_bytes
+        self.max_answer_bytes, self.service = first.max_answer_bytes, first.service
         replicas._count(first)
 
     async def start(self, row: dict[str, Any], *, timeout: float | None = None) -> Started:
+        return await self.first_call(lambda on, left: on.start(row, timeout=left), timeout)
+
+    async def first_call(
+        self,
+        send: Callable[[EnvironmentClient, float], Awaitable[Answer]],
+        timeout: float | None = None,
+    ) -> Answer:
+        """`send(replica's client, seconds left)`, the session's first call: made on the
+        next replica while one refuses it, within `timeout` in all."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         tried: list[str] = []
         wait = FULL_WAIT_SECONDS[0]
         while True:
             left = deadline - time.monotonic()
             try:
-                return await self._on.start(row, timeout=max(left, 0.001))
+                return await send(self._on, max(left, 0.001))
             except EnvironmentCallFailed as failed:
                 if not failed.refused:
                     raise
