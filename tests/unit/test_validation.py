@@ -552,7 +552,11 @@ def test_an_agent_the_operator_runs_passes_both_validators_and_the_trainer_gets_
         spec.job_config()
     del local_job["spec"]["agents"][1]
     [coder, remote] = parse_job(local_job).spec.job_config().agents
-    assert (coder.serve, coder.url, remote.url) == ("agents.coder:run", None, "http://x.team.svc:8000")
+    assert (coder.serve, coder.url, remote.url) == (
+        "agents.coder:run",
+        None,
+        "http://x.team.svc:8000",
+    )
 
 
 def test_a_local_run_serves_serve_itself_and_refuses_a_command_only_environment(

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints
 
+from rlhf_operator.api.agents import AgentSpec
 from rlhf_operator.api.environments import EnvironmentSpec
 from rlhf_operator.api.podspec import JOB_NAME_PATTERN as JOB_NAME_PATTERN  # re-exported
 from rlhf_operator.api.podspec import MAX_JOB_NAME as MAX_JOB_NAME
@@ -232,6 +233,17 @@ class RLHFJobSpec(JobConfig):
         ),
         json_schema_extra=POOLS_LIST_MAP,
     )
+    agents: list[AgentSpec] = Field(  # type: ignore[assignment]  # narrows JobConfig's
+        default_factory=list,
+        max_length=16,
+        description=(
+            "Agent services that generation.agent episodes run on: each at its url, or run "
+            "by the operator as the job's own Deployment and Service (serve, or image and "
+            "command), whose pods may reach only the rollout pool's gateway, the cluster's "
+            "DNS and what egress allows. Names must be unique. Fixed at creation."
+        ),
+        json_schema_extra=POOLS_LIST_MAP,
+    )
     separation: Separation = Field(
         Separation.NODE,
         description=(
@@ -391,8 +403,8 @@ class RLHFJobSpec(JobConfig):
     def job_config(self, job_name: str | None = None) -> JobConfig:
         """The trainer-facing part, as the trainer will read it from its ConfigMap.
 
-        `job_name`: in a cluster, the job's: the trainer reaches each environment the
-        operator runs at its Service. None: a local run, which serves `serve` itself.
+        `job_name`: in a cluster, the job's: the trainer reaches each environment and agent
+        the operator runs at its Service. None: a local run, which serves `serve` itself.
         """
         fields = {name: getattr(self, name) for name in JobConfig.model_fields}
         # Dumping through JobConfig keeps only its fields (a Pool dumps as a PoolConfig).
@@ -400,6 +412,7 @@ class RLHFJobSpec(JobConfig):
         if self.checkpoint_path is not None:
             wire["trainer"]["checkpoint"]["path"] = self.checkpoint_path
         wire["environments"] = [e.for_trainer(job_name) for e in self.environments]
+        wire["agents"] = [a.for_trainer(job_name) for a in self.agents]
         return JobConfig.model_validate(wire)
 
 
@@ -442,13 +455,15 @@ class RLHFJob(SpecModel):
     rules = (
         Rule(
             "",
-            "metadata.name must start with a letter when the operator runs environments: "
-            "each one's Service, <job>-env-<name>, is a DNS-1035 label",
-            "!has(self.spec.environments) || self.spec.environments.all(e, has(e.url)) || "
-            "self.metadata.name.matches('^[a-z]')",
+            "metadata.name must start with a letter when the operator runs environments or "
+            "agents: their Services, <job>-env-<name> and <job>-agent-<name>, are DNS-1035 "
+            "labels",
+            "self.metadata.name.matches('^[a-z]') || "
+            "(!has(self.spec.environments) || self.spec.environments.all(e, has(e.url))) && "
+            "(!has(self.spec.agents) || self.spec.agents.all(a, has(a.url)))",
             lambda j: (
                 j.metadata.name[:1].isalpha()
-                or all(not e.operator_run for e in j.spec.environments)
+                or all(not s.operator_run for s in [*j.spec.environments, *j.spec.agents])
             ),
             lambda j: f"got {j.metadata.name!r}",
         ),

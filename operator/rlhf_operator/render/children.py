@@ -16,6 +16,7 @@ from rlhf_operator.api.job import (
     Separation,
 )
 from rlhf_operator.api.podspec import PodResources
+from rlhf_operator.render.agents import render_agents
 from rlhf_operator.render.environments import ENVIRONMENT_LABEL, render_environments
 from rlhf_operator.render.meta import JOB_LABEL as JOB_LABEL  # re-exported
 from rlhf_operator.render.meta import (
@@ -85,6 +86,7 @@ def render_children(
         *render_reporter_rbac(job),
         *render_job_policy(job, spec, network),
         *render_environments(job, spec, network),
+        *render_agents(job, spec, network),
         render_rayjob(job, spec),
     ]
 

@@ -1,0 +1,142 @@
+"""The agents a job's operator runs: for each, a Deployment, a ClusterIP Service and a
+NetworkPolicy, all named `<job>-agent-<name>` and owned by the job; and one policy,
+`<job>-gateway`, that lets them reach the rollout pool's gateway.
+
+An agent runs its own loop (code the job's user brought) and calls the policy through
+the OpenAI-compatible gateway each rollout engine serves in its Ray pod, on
+GATEWAY_PORT. So its pods get what every job service gets (render/job_services.py), and
+their policy admits the job's Ray pods (the trainer's POST /episodes) on the agent's
+port, and lets them reach the rollout pool's pods on GATEWAY_PORT, the cluster's DNS,
+and what `egress` allows: not the Ray head, nor any other port of the job's pods, nor
+the API server. Pure, like children.py.
+"""
+
+from __future__ import annotations
+
+from rlhf_operator.api.agents import AgentSpec, service_name
+from rlhf_operator.api.job import GROUP, RLHFJobSpec
+from rlhf_operator.render.job_services import (
+    JobService,
+    render_service_deployment,
+    render_service_policy,
+    render_service_service,
+)
+from rlhf_operator.render.meta import (
+    COMPONENT_LABEL,
+    JOB_LABEL,
+    RAY_POD_COMPONENTS,
+    JobRef,
+    Obj,
+    metadata,
+    pods_of,
+)
+from rlhf_operator.render.network import NetworkAccess, dns_rule, internet
+from rlhf_trainer.api.agents import GATEWAY_PORT
+from rlhf_trainer.api.names import POOL_LABEL
+
+COMPONENT = "agent"  # not a Ray pod's: the job's own NetworkPolicy leaves them out
+AGENT_LABEL = f"{GROUP}/agent"  # the agent's name, on its pods
+WORKER = "worker"  # the component of the pools' Ray pods (render/children.py)
+
+
+def render_agents(job: JobRef, spec: RLHFJobSpec, network: NetworkAccess) -> list[Obj]:
+    """Each operator-run agent's Deployment, Service and NetworkPolicy (nothing for one
+    that runs at its url), and, where the job's own policy isolates its Ray pods (the
+    chart's peers), the gateway's policy that admits the agents."""
+    agents = [job_service(job, agent) for agent in spec.agents if agent.operator_run]
+    if not agents:
+        return []
+    gateway = [render_gateway_policy(job, spec)] if network.peers is not None else []
+    return [
+        *(
+            obj
+            for agent in agents
+            for obj in (
+                render_service_deployment(spec, agent),
+                render_service_service(agent),
+                render_service_policy(
+                    agent, pods_of(job, RAY_POD_COMPONENTS), agent_egress(job, spec, agent, network)
+                ),
+            )
+        ),
+        *gateway,
+    ]
+
+
+def render_stopped_agents(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
+    """The agents' Deployments once the job has ended, scaled to 0: their pods would
+    only hold resources. The Services and policies stay until the job is deleted."""
+    stopped = [
+        render_service_deployment(spec, job_service(job, agent))
+        for agent in spec.agents
+        if agent.operator_run
+    ]
+    for deployment in stopped:
+        deployment["spec"]["replicas"] = 0
+    return stopped
+
+
+def job_service(job: JobRef, agent: AgentSpec) -> JobService:
+    return JobService(
+        job=job,
+        name=agent.name,
+        spec=agent,
+        component=COMPONENT,
+        name_label=AGENT_LABEL,
+        object_name=service_name(job.name, agent.name),
+        command=agent.container_command(),
+    )
+
+
+def rollout_pods(job: JobRef, spec: RLHFJobSpec) -> Obj:
+    """The Ray pods of the job's rollout pool, where each engine serves its gateway."""
+    return {
+        "matchLabels": {
+            JOB_LABEL: job.name,
+            COMPONENT_LABEL: WORKER,
+            POOL_LABEL: spec.roles.rollout,
+        }
+    }
+
+
+def agent_pods(job: JobRef) -> Obj:
+    """Every agent pod of the job."""
+    return {"matchLabels": {JOB_LABEL: job.name, COMPONENT_LABEL: COMPONENT}}
+
+
+def agent_egress(
+    job: JobRef, spec: RLHFJobSpec, agent: JobService, network: NetworkAccess
+) -> list[Obj]:
+    """The rollout pool's gateway, the cluster's DNS; with `egress: true`, every address
+    but the cluster's ranges and the metadata addresses."""
+    rules = [
+        {
+            "to": [{"podSelector": rollout_pods(job, spec)}],
+            "ports": [{"protocol": "TCP", "port": GATEWAY_PORT}],
+        },
+        dns_rule(network.dns),
+    ]
+    if agent.spec.egress:
+        rules.append({"to": internet(network.cluster_ranges)})
+    return rules
+
+
+def render_gateway_policy(job: JobRef, spec: RLHFJobSpec) -> Obj:
+    """The rollout pool's pods admit the job's agents on GATEWAY_PORT. Policies add up:
+    this opens that port to them and nothing else. Rendered only beside the job's own
+    policy: alone, it would isolate the rollout pods from the rest of the job."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(job, f"{job.name}-gateway", "network"),
+        "spec": {
+            "podSelector": rollout_pods(job, spec),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": agent_pods(job)}],
+                    "ports": [{"protocol": "TCP", "port": GATEWAY_PORT}],
+                }
+            ],
+        },
+    }

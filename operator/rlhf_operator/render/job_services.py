@@ -1,0 +1,140 @@
+"""A service the operator runs for a job (an agent; environments have the same shape in
+render/environments.py): its Deployment, Service and NetworkPolicy, named alike and
+owned by the job.
+
+Such a service runs code the job's user brought, next to the trainer's secrets, so its
+pods get the least: restricted Pod Security with a read-only root filesystem, no
+service-account token, no service links, none of the job's env or volumes, and only
+the ingress and egress its policy names. Pure, like children.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_operator.api.job import RLHFJobSpec
+from rlhf_operator.api.job_services import JobServiceSpec
+from rlhf_operator.render.meta import JOB_LABEL, JobRef, Obj, labels, metadata
+from rlhf_operator.render.pod import (
+    container_resources,
+    container_security,
+    pod_metadata,
+    pod_security,
+    pod_settings,
+)
+
+PORT_NAME = "serve"
+HEALTH_PATH = "/healthz"  # every protocol rlhf_env serves answers it once it can serve
+# A read-only root filesystem, and Python or a library may still want a scratch place.
+SCRATCH = {"name": "tmp", "mountPath": "/tmp"}
+SCRATCH_SIZE = "256Mi"  # counts against the ephemeral storage limit below
+EPHEMERAL_STORAGE = "512Mi"  # request and limit: logs and /tmp; an eviction names it
+
+
+@dataclass(frozen=True)
+class JobService:
+    """One operator-run service of a job, as its objects are rendered."""
+
+    job: JobRef
+    name: str  # its name in the spec (agents[].name)
+    spec: JobServiceSpec
+    component: str  # its pods' app.kubernetes.io/component: not a Ray pod's
+    name_label: str  # the label that carries `name` on its pods (rlhf.dev/agent)
+    object_name: str  # its Deployment's, Service's and NetworkPolicy's: <job>-agent-<name>
+    command: list[str]
+    live_path: str = HEALTH_PATH  # what the liveness probe asks
+
+    def selector(self) -> dict[str, str]:
+        """The labels of exactly this service's pods (job names are unique in a namespace)."""
+        return {JOB_LABEL: self.job.name, self.name_label: self.name}
+
+    def metadata(self) -> Obj:
+        return metadata(self.job, self.object_name, self.component)
+
+
+def render_service_deployment(job_spec: RLHFJobSpec, service: JobService) -> Obj:
+    """Its pods, on its image (else the job's), with the job's pull secrets and priority."""
+    spec = service.spec
+    container: Obj = {
+        "name": service.component,
+        "image": spec.image or job_spec.image,
+        "imagePullPolicy": job_spec.image_pull_policy,
+        "command": service.command,
+        "ports": [{"name": PORT_NAME, "containerPort": spec.serving_port, "protocol": "TCP"}],
+        # Ready once it answers; restarted when it has not been live for a minute.
+        "readinessProbe": {
+            "httpGet": {"path": HEALTH_PATH, "port": PORT_NAME},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": service.live_path, "port": PORT_NAME},
+            "periodSeconds": 10,
+            "timeoutSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "resources": container_resources(
+            spec.pod_resources(), {"ephemeral-storage": EPHEMERAL_STORAGE}
+        ),
+        "securityContext": {**container_security(), "readOnlyRootFilesystem": True},
+        "volumeMounts": [SCRATCH],
+    }
+    if spec.env:  # none of the job's pods.env: it may hold the trainer's secrets
+        container["env"] = [e.to_dict() for e in spec.env]
+    pod: Obj = {
+        "automountServiceAccountToken": False,  # it never talks to the API server
+        "enableServiceLinks": False,  # no variables naming the namespace's other Services
+        "securityContext": pod_security(),
+        "containers": [container],
+        "volumes": [{"name": SCRATCH["name"], "emptyDir": {"sizeLimit": SCRATCH_SIZE}}],
+        **pod_settings(job_spec),  # pull secrets and priority, as the job's other pods
+    }
+    pod_labels = {**labels(service.job, service.component), service.name_label: service.name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": service.metadata(),
+        "spec": {
+            "replicas": spec.replica_count,
+            "selector": {"matchLabels": service.selector()},
+            "template": {"metadata": pod_metadata(job_spec, pod_labels), "spec": pod},
+        },
+    }
+
+
+def render_service_service(service: JobService) -> Obj:
+    """The name the trainer reaches it at: a ClusterIP, which spreads connections over
+    the ready replicas."""
+    port = service.spec.serving_port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": service.metadata(),
+        "spec": {
+            "selector": service.selector(),
+            "ports": [
+                {"name": PORT_NAME, "port": port, "targetPort": PORT_NAME, "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def render_service_policy(service: JobService, clients: Obj, egress: list[Obj]) -> Obj:
+    """Ingress from `clients` (a pod selector of the job's) on its port only; egress
+    what `egress` lists (none: nothing, DNS included)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": service.metadata(),
+        "spec": {
+            "podSelector": {"matchLabels": service.selector()},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": clients}],
+                    "ports": [{"protocol": "TCP", "port": service.spec.serving_port}],
+                }
+            ],
+            "egress": egress,
+        },
+    }
