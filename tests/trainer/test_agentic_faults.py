@@ -87,7 +87,7 @@ def test_a_run_whose_environment_hangs_and_fails_masks_counts_names_and_goes_on(
     assert "no answer within 1 s" in cuts[1] and len(cuts) == 2, cuts
     for reason in ("environment_error", "environment_timeout"):
         cut_metric = trained.metrics.registry.get_sample_value(
-            "rlhf_env_cut_episodes_total", {"reason": reason}
+            "rlhf_env_cut_episodes_total", {"environment": "chatter", "reason": reason}
         )
         assert cut_metric == 1, reason
     # The job's status is told each step's share of cut episodes (status.training.cutRatio).

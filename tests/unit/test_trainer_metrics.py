@@ -171,22 +171,30 @@ def test_episodes_are_counted_by_turns_calls_cuts_restarts_and_environment_secon
     turns = [("turn", 1, 0.6), ("step", 1, 0.02), ("turn", 2, 0.6), ("step", 2, 0.3),
              ("turn", 3, 0.6), ("step", 3, 0.004), ("score", 3, 0.1)]  # fmt: skip
     phases = tuple(EpisodePhase(kind, turn, 5.0, 5.0 + s) for kind, turn, s in turns)  # type: ignore[arg-type]
+    lookup, calc = {"environment": "lookup"}, {"environment": "calc"}  # each its own series
     episodes = (
-        Episode(1.0, turns=3, tool_calls=2, version_span=0, phases=phases),
-        Episode(0.0, turns=1, tool_calls=0, version_span=1, cut="turn_timeout", restarts=2),
-        Episode(0.0, turns=2, tool_calls=1, version_span=0, cut="environment_error: HTTP 500 ..."),
-        Episode(0.0, turns=1, tool_calls=1, version_span=0, cut="environment_timeout: no answer"),
-    )
+        Episode(1.0, turns=3, tool_calls=2, version_span=0, phases=phases, environment="lookup"),
+        Episode(0.0, turns=1, tool_calls=0, version_span=1, cut="turn_timeout", restarts=2,
+                environment="lookup"),
+        Episode(0.0, turns=2, tool_calls=1, version_span=0, cut="environment_error: HTTP 500 ...",
+                environment="lookup"),
+        Episode(0.0, turns=1, tool_calls=1, version_span=0, cut="environment_timeout: no answer",
+                environment="calc"),
+    )  # fmt: skip
     metrics.observe_episodes(EpisodeStats(episodes))
-    assert value(metrics, "rlhf_env_episodes_total") == 4
-    assert value(metrics, "rlhf_env_session_restarts_total") == 2
-    assert value(metrics, "rlhf_env_cut_episodes_total", reason="turn_timeout") == 1
-    assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_error") == 1
-    assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_timeout") == 1
-    assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_unreachable") == 0
-    assert value(metrics, "rlhf_env_turns_sum") == 7
-    assert value(metrics, "rlhf_env_turns_bucket", le="2.0") == 3
-    assert value(metrics, "rlhf_env_tool_calls_sum") == 4
-    assert value(metrics, "rlhf_env_version_span_bucket", le="0.0") == 3
-    assert value(metrics, "rlhf_env_step_seconds_count") == 3
-    assert value(metrics, "rlhf_env_step_seconds_bucket", le="0.01") == 1
+    assert value(metrics, "rlhf_env_episodes_total", **lookup) == 3
+    assert value(metrics, "rlhf_env_episodes_total", **calc) == 1
+    assert value(metrics, "rlhf_env_session_restarts_total", **lookup) == 2
+    assert value(metrics, "rlhf_env_cut_episodes_total", reason="turn_timeout", **lookup) == 1
+    assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_error", **lookup) == 1
+    assert value(metrics, "rlhf_env_cut_episodes_total", reason="environment_timeout", **calc) == 1
+    for environment in (lookup, calc):
+        reason = "environment_unreachable"
+        assert value(metrics, "rlhf_env_cut_episodes_total", reason=reason, **environment) == 0
+    assert value(metrics, "rlhf_env_turns_sum", **lookup) == 6
+    assert value(metrics, "rlhf_env_turns_sum", **calc) == 1
+    assert value(metrics, "rlhf_env_turns_bucket", le="2.0", **lookup) == 2
+    assert value(metrics, "rlhf_env_tool_calls_sum", **lookup) == 3
+    assert value(metrics, "rlhf_env_version_span_bucket", le="0.0", **lookup) == 2
+    assert value(metrics, "rlhf_env_step_seconds_count", **lookup) == 3
+    assert value(metrics, "rlhf_env_step_seconds_bucket", le="0.01", **lookup) == 1

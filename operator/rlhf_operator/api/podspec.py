@@ -132,8 +132,11 @@ AbsolutePath = Annotated[str, StringConstraints(pattern=r"^/[^:]*$", max_length=
 
 # The operator's own mounts and variables: a job's settings may not take their places.
 REWARD_FILES_VOLUME = "reward-files"  # models.reward.configMap
-RESERVED_VOLUMES = ("spec", "dshm", "checkpoints", "output", REWARD_FILES_VOLUME)
-RESERVED_MOUNT_PATHS = ("/etc/rlhf", "/etc/rlhf-reward", "/dev/shm")
+CHAT_TEMPLATE_VOLUME = "chat-template"  # generation.multiTurn.chatTemplateFrom
+RESERVED_VOLUMES = (
+    "spec", "dshm", "checkpoints", "output", REWARD_FILES_VOLUME, CHAT_TEMPLATE_VOLUME
+)  # fmt: skip
+RESERVED_MOUNT_PATHS = ("/etc/rlhf", "/etc/rlhf-reward", "/dev/shm", "/etc/rlhf-chat-template")
 RESERVED_ENV = ("RLHF_JOB_NAME", "RLHF_JOB_NAMESPACE")
 RESERVED_LABEL_PREFIX = "rlhf.dev/"
 RESERVED_LABELS = tuple(

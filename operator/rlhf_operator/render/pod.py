@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlhf_operator.api.job import OUTPUT_MOUNT, RLHFJobSpec
-from rlhf_operator.api.podspec import REWARD_FILES_VOLUME, PodResources, Quantity, Toleration
+from rlhf_operator.api.podspec import (
+    CHAT_TEMPLATE_VOLUME,
+    REWARD_FILES_VOLUME,
+    PodResources,
+    Quantity,
+    Toleration,
+)
+from rlhf_trainer.api.agentic import CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_MOUNT, ConfigMapKeyRef
 from rlhf_trainer.api.names import REWARD_FILES_MOUNT
 
 Obj = dict[str, Any]
@@ -110,6 +117,10 @@ def mounts(spec: RLHFJobSpec) -> list[Obj]:
         found.append(
             {"name": REWARD_FILES_VOLUME, "mountPath": REWARD_FILES_MOUNT, "readOnly": True}
         )
+    if _chat_template(spec) is not None:
+        found.append(
+            {"name": CHAT_TEMPLATE_VOLUME, "mountPath": CHAT_TEMPLATE_MOUNT, "readOnly": True}
+        )
     for volume in spec.pods.volumes or []:
         mount = {"name": volume.name, "mountPath": volume.mount_path}
         found.append(mount | ({"readOnly": True} if volume.read_only else {}))
@@ -136,7 +147,21 @@ def volumes(spec_configmap: str, spec: RLHFJobSpec, shm_size: Quantity | None) -
         # mount it too, so every Ray pod of the job sees the same files.
         files = {"name": spec.models.reward.config_map, "defaultMode": READ_ONLY_FILES}
         found.append({"name": REWARD_FILES_VOLUME, "configMap": files})
+    if (template := _chat_template(spec)) is not None:
+        # multiTurn.chatTemplateFrom: every rollout rank renders with it, the driver
+        # checks it; one file of a fixed name, whatever the key.
+        item = {"key": template.key, "path": CHAT_TEMPLATE_FILE}
+        source = {"name": template.name, "items": [item], "defaultMode": READ_ONLY_FILES}
+        found.append({"name": CHAT_TEMPLATE_VOLUME, "configMap": source})
     for volume in spec.pods.volumes or []:  # the name and its source, not where it mounts
         wire = volume.to_dict()
         found.append({k: v for k, v in wire.items() if k not in ("mountPath", "readOnly")})
     return found
+
+
+def _chat_template(spec: RLHFJobSpec) -> ConfigMapKeyRef | None:
+    """The ConfigMap key of multiTurn.chatTemplateFrom, if the job has one."""
+    multi_turn = spec.multi_turn
+    if multi_turn is None or multi_turn.chat_template_from is None:
+        return None
+    return multi_turn.chat_template_from.config_map_key_ref

@@ -227,6 +227,7 @@ class Episode:
     phases: tuple[EpisodePhase, ...] = ()  # in order; those of its last session only
     restarts: int = 0  # times its replica died and it started again on another
     turn_rewards: tuple[TurnReward, ...] = ()  # the environment's per turn, in order
+    environment: str = ""  # the environments[] entry it ran in (multiTurn or its row's)
 
     @property
     def step_seconds(self) -> tuple[float, ...]:  # each step call to the environment

@@ -3,7 +3,8 @@ use one (`generation.multiTurn`). See docs/concepts/environments.md."""
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, WithJsonSchema
 
@@ -14,6 +15,21 @@ from rlhf_trainer.api.rules import Rule, SpecModel
 ENVIRONMENT_NAME = r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$"
 URL = r"^https?://[^\s/]+(/\S*)?$"
 CLASS_PATH = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+# A ConfigMap's name (a DNS-1123 subdomain) and one of its keys, as the API server checks.
+CONFIG_MAP_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+CONFIG_MAP_KEY = r"^[-._a-zA-Z0-9]+$"
+
+# The data column that picks a row's environment (else multiTurn.environment). It routes
+# the row: the environment's session gets the row's other columns.
+ENVIRONMENT_COLUMN = "environment"
+# Where the operator mounts multiTurn.chatTemplateFrom's key in the Ray pods, as one file.
+# Beside the spec's mount (/etc/rlhf), not in it: a read-only ConfigMap volume cannot
+# hold another's mount point.
+CHAT_TEMPLATE_MOUNT = "/etc/rlhf-chat-template"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+# Which part of an overlong environment message maxObservationTokens cuts.
+ObservationTruncation = Literal["tail", "head", "middle"]
 
 # What the renderer passes to transformers' apply_chat_template itself.
 RENDERER_ARGUMENTS = frozenset(
@@ -91,13 +107,46 @@ class EnvironmentConfig(SpecModel):
     )
 
 
+class ConfigMapKeyRef(SpecModel):
+    name: str = Field(
+        pattern=CONFIG_MAP_NAME,
+        max_length=253,
+        description="The ConfigMap, in the job's namespace.",
+    )
+    key: str = Field(
+        pattern=CONFIG_MAP_KEY, max_length=253, description="The key whose value is the template."
+    )
+
+
+class ChatTemplateSource(SpecModel):
+    """Where a chat template is kept, in place of the spec itself."""
+
+    config_map_key_ref: ConfigMapKeyRef = Field(
+        description=(
+            f"A key of a ConfigMap, mounted read-only in the Ray pods (at "
+            f"{CHAT_TEMPLATE_MOUNT}/{CHAT_TEMPLATE_FILE}) and read by the trainer."
+        )
+    )
+
+
 class MultiTurnConfig(SpecModel):
     """Rollouts as conversations with an environment: the model's turns, parsed for tool
     calls, alternate with the environment's answers until it says the episode is done or a
-    limit cuts it. A cut episode is counted, and masked or trained on as `cuts` says."""
+    limit cuts it. A cut episode is counted, and masked or trained on as `cuts` says.
 
-    environment: str = Field(
-        max_length=40, description="The environments[] entry each episode runs in."
+    The limits below are the job's, for every environment: they bound the batch's width
+    and the engines' context (maxTokens), which one job has one of. An environment's own
+    limits are its server's (the operator's environments[]: replicas, maxSessions,
+    callTimeoutSeconds)."""
+
+    environment: str | None = Field(
+        None,
+        max_length=40,
+        description=(
+            "The environments[] entry an episode runs in when its data row has no "
+            f"`{ENVIRONMENT_COLUMN}` column (a row's column names another entry). Unset: "
+            "every row must name one."
+        ),
     )
     tool_parser: str = Field(
         "hermes",
@@ -116,7 +165,16 @@ class MultiTurnConfig(SpecModel):
             "A Jinja chat template for the episodes, in place of the tokenizer's own (as "
             "vllm serve --chat-template takes one): e.g. a template with tool support for a "
             "model whose own has none. Unset: the tokenizer's. Its end-of-turn token is "
-            "read from it (the special token after an assistant's answer)."
+            "read from it (the special token after an assistant's answer). At most one of "
+            "chatTemplate and chatTemplateFrom."
+        ),
+    )
+    chat_template_from: ChatTemplateSource | None = Field(
+        None,
+        description=(
+            "The chat template kept in a ConfigMap, {configMapKeyRef: {name, key}}, in place "
+            "of chatTemplate (a long template, shared by jobs). A local run has no "
+            "ConfigMap: it refuses this, and takes chatTemplate."
         ),
     )
     chat_template_kwargs: TemplateKwargs = Field(
@@ -146,6 +204,14 @@ class MultiTurnConfig(SpecModel):
             "Each message the environment returns (a tool result) keeps at most this many "
             "tokens of its content, and says how many it left out. Unset: whole, within "
             "maxTokens (an episode whose messages overflow it is cut, without them)."
+        ),
+    )
+    observation_truncation: ObservationTruncation = Field(
+        "tail",
+        description=(
+            "Which part of a message over maxObservationTokens is cut, at a marker that says "
+            "how many tokens: tail (its first maxObservationTokens tokens kept), head (its "
+            "last kept: a log's end, an error after output), or middle (half from each end)."
         ),
     )
     tool_call_timeout_seconds: float = Field(
@@ -192,3 +258,34 @@ class MultiTurnConfig(SpecModel):
         le=10_000,
         description="Steps in a row at maxCutRatio or above that fail the job.",
     )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            "chatTemplateFrom",
+            "set at most one of chatTemplate or chatTemplateFrom",
+            "!has(self.chatTemplate) || !has(self.chatTemplateFrom)",
+            lambda m: m.chat_template is None or m.chat_template_from is None,
+        ),
+    )
+
+
+def row_environment(
+    row: Mapping[str, Any], multi_turn: MultiTurnConfig, declared: Sequence[str]
+) -> str:
+    """The environments[] entry a data row's episode runs in: its `environment` column,
+    else multiTurn.environment. ValueError, saying what is wrong, when neither names a
+    declared one (the data loader adds the row's number)."""
+    name = row.get(ENVIRONMENT_COLUMN)
+    names = ", ".join(declared) or "none"
+    if name is None:
+        if multi_turn.environment is None:
+            raise ValueError(
+                f"no column {ENVIRONMENT_COLUMN!r}, and generation.multiTurn.environment (the "
+                f"default) is unset: name one of environments ({names}) in the row, or set it"
+            )
+        return multi_turn.environment
+    if not isinstance(name, str) or name not in declared:
+        raise ValueError(
+            f"column {ENVIRONMENT_COLUMN!r}: expected one of environments ({names}), got {name!r}"
+        )
+    return name

@@ -258,7 +258,8 @@ def _declared_pool_rule(role: Role, optional: bool) -> Rule:
 
 
 def _multi_turn_rules() -> tuple[Rule, ...]:
-    """generation.multiTurn names a declared environment, whose score is the reward."""
+    """generation.multiTurn's environments are declared (its default, and each data
+    row's, checked at load: agentic.row_environment); their score is the reward."""
     multi_turn = "self.generation.multiTurn"
     return (
         Rule(
@@ -269,12 +270,20 @@ def _multi_turn_rules() -> tuple[Rule, ...]:
             lambda c: len({e.name for e in c.environments}) == len(c.environments),
         ),
         Rule(
+            "environments",
+            "must declare at least one environment with generation.multiTurn (its "
+            "episodes run in them)",
+            f"!has({multi_turn}) || has(self.environments) && size(self.environments) > 0",
+            lambda c: c.multi_turn is None or bool(c.environments),
+        ),
+        Rule(
             "generation.multiTurn.environment",
             "must name one of environments",
-            f"!has({multi_turn}) || has(self.environments) && "
-            f"self.environments.exists(e, e.name == {multi_turn}.environment)",
+            f"!has({multi_turn}) || !has({multi_turn}.environment) || has(self.environments) "
+            f"&& self.environments.exists(e, e.name == {multi_turn}.environment)",
             lambda c: (
                 c.multi_turn is None
+                or c.multi_turn.environment is None
                 or any(e.name == c.multi_turn.environment for e in c.environments)
             ),
             lambda c: (

@@ -18,6 +18,9 @@ from rlhf_trainer.data.sources import PromptInput, Source, load_prompt_rows, sou
 log = logging.getLogger(__name__)
 
 Tokenize = Callable[[PromptInput], tuple[str, list[int]]]  # -> (the text, its token ids)
+# A check of a row's other columns (multiTurn: the environment it names), raising a
+# ValueError that the loader prefixes with the source and the row's number.
+CheckRow = Callable[[dict[str, Any]], object]
 
 
 def prompt_tokenizer(tokenizer: Any, chat_template: bool | None) -> Tokenize:
@@ -62,9 +65,11 @@ class PromptStream:
     _order: tuple[int, list[int]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def load(cls, data: DataConfig, seed: int, tokenize: Tokenize) -> PromptStream:
+    def load(
+        cls, data: DataConfig, seed: int, tokenize: Tokenize, check_row: CheckRow | None = None
+    ) -> PromptStream:
         """The training prompts (data.train), tokenised (see `load_prompts`)."""
-        prompts, dropped = load_prompts(data, seed, tokenize, "train")
+        prompts, dropped = load_prompts(data, seed, tokenize, "train", check_row)
         return cls(prompts, seed, data.shuffle, dropped=dropped)
 
     def order(self, epoch: int) -> list[int]:
@@ -102,13 +107,23 @@ class PromptStream:
 
 
 def load_prompts(
-    data: DataConfig, seed: int, tokenize: Tokenize, source: Source
+    data: DataConfig,
+    seed: int,
+    tokenize: Tokenize,
+    source: Source,
+    check_row: CheckRow | None = None,
 ) -> tuple[list[Prompt], int]:
     """Tokenise every prompt of `data.<source>`; one over `maxPromptLength` tokens is
     dropped (counted and logged), truncated to its last tokens, or an error, as
-    data.overlongPrompts says. Returns the prompts and how many were dropped."""
+    data.overlongPrompts says. Every row passes `check_row` first. Returns the prompts
+    and how many were dropped."""
     prompts, dropped, limit, named = [], 0, data.max_prompt_length, source_name(data, source)
     for number, row in enumerate(load_prompt_rows(data, seed, source)):
+        if check_row is not None:
+            try:
+                check_row(row.fields)
+            except ValueError as error:
+                raise ValueError(f"{named}: row {number}, {error}") from error
         text, ids = tokenize(row.prompt)
         if len(ids) > limit and data.overlong_prompts == "error":
             raise ValueError(

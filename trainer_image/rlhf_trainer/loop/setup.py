@@ -19,12 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_trainer.api.agentic import row_environment
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.queue import close_queue, spawn_queue
 from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
-from rlhf_trainer.data.prompts import Prompt, PromptStream, load_prompts, prompt_tokenizer
+from rlhf_trainer.data.prompts import (
+    CheckRow,
+    Prompt,
+    PromptStream,
+    load_prompts,
+    prompt_tokenizer,
+)
 from rlhf_trainer.data.tasks import RewardFunction, check_reward_arguments, reward_function
 from rlhf_trainer.loop.membership import EngineMembership, Replacement
 from rlhf_trainer.loop.rewards import Scorer, Tokens
@@ -32,7 +39,7 @@ from rlhf_trainer.loop.scores_ahead import scores_ahead
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.models import load_tokenizer
 from rlhf_trainer.roles.hf_export import check_export
-from rlhf_trainer.rollout.episodes import check_environment
+from rlhf_trainer.rollout.episodes import check_episodes
 from rlhf_trainer.rollout.queue import admission_limit, remembered_uids
 from rlhf_trainer.rollout.streaming import StreamingRollout
 from rlhf_trainer.rollout.worker import RolloutWorker
@@ -121,15 +128,16 @@ def load_inputs(config: JobConfig, reward_files: Path | None) -> Inputs:
     other; an unwritable output or an environment out of reach fails here too."""
     tokenizer = load_tokenizer(config.models.actor)
     tokenize = prompt_tokenizer(tokenizer, config.data.chat_template)
-    prompts = PromptStream.load(config.data, config.trainer.seed, tokenize)
+    check_row = row_check(config)
+    prompts = PromptStream.load(config.data, config.trainer.seed, tokenize, check_row)
     held_out = (
-        load_prompts(config.data, config.trainer.seed, tokenize, "eval")[0]
+        load_prompts(config.data, config.trainer.seed, tokenize, "eval", check_row)[0]
         if config.data.eval is not None
         else []
     )
     check_export(config)  # an export that would fail at the end fails now
-    if config.multi_turn is not None:  # an environment out of reach fails now too
-        check_environment(config.environment(config.multi_turn.environment))
+    if config.multi_turn is not None:  # so does an environment out of reach, or the template
+        check_episodes(config, (p.fields for p in [*prompts.prompts, *held_out]))
     rule = reward_function(config.models.reward, reward_files)
     if rule is not None:
         check_reward_arguments(rule, prompts.prompts[0].fields, "data.train")
@@ -140,6 +148,15 @@ def load_inputs(config: JobConfig, reward_files: Path | None) -> Inputs:
         int(tokenizer.pad_token_id),
     )
     return Inputs(tokens, prompts, held_out, rule)
+
+
+def row_check(config: JobConfig) -> CheckRow | None:
+    """With multiTurn, each data row must pick a declared environment (its column, or
+    the default): checked at load, naming the row, not when its episode runs."""
+    multi_turn, declared = config.multi_turn, [e.name for e in config.environments]
+    if multi_turn is None:
+        return None
+    return lambda row: row_environment(row, multi_turn, declared)
 
 
 def sample_queue(config: JobConfig) -> Any:

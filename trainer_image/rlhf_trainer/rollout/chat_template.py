@@ -18,9 +18,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_env.protocol import FunctionCall, Message, Tool
+from rlhf_trainer.api.agentic import (
+    CHAT_TEMPLATE_FILE,
+    CHAT_TEMPLATE_MOUNT,
+    MultiTurnConfig,
+    ObservationTruncation,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -132,20 +139,35 @@ class ChatRenderer:
             raise RenderFailed(f"{self.model}: decoding a turn: {failed}") from failed
         return text
 
-    def bounded(self, messages: Sequence[Message], max_tokens: int | None) -> list[Message]:
-        """Each message's content cut to its first `max_tokens` tokens, with a marker that
-        says how many were left out (multiTurn.maxObservationTokens); None: as they are."""
-        return [self._bounded(m, max_tokens) for m in messages]
+    def bounded(
+        self,
+        messages: Sequence[Message],
+        max_tokens: int | None,
+        truncation: ObservationTruncation = "tail",
+    ) -> list[Message]:
+        """Each message's content cut to `max_tokens` tokens, at a marker that says how
+        many were left out (multiTurn.maxObservationTokens); `truncation`: the part cut,
+        its tail, its head or its middle. None: as they are."""
+        return [self._bounded(m, max_tokens, truncation) for m in messages]
 
-    def _bounded(self, message: Message, max_tokens: int | None) -> Message:
+    def _bounded(
+        self, message: Message, max_tokens: int | None, truncation: ObservationTruncation
+    ) -> Message:
         if max_tokens is None or not message.content:
             return message
         ids = self._encode(message.content)
         if len(ids) <= max_tokens:
             return message
-        kept = self.tokenizer.decode(ids[:max_tokens], skip_special_tokens=False)
-        marker = f"\n[... {len(ids) - max_tokens} of {len(ids)} tokens cut]"
-        return message.model_copy(update={"content": kept + marker})
+        marker = f"[... {len(ids) - max_tokens} of {len(ids)} tokens cut]"
+        head = {"tail": max_tokens, "head": 0, "middle": (max_tokens + 1) // 2}[truncation]
+        tail = max_tokens - head
+        parts = [self._decode(ids[:head]), marker, self._decode(ids[len(ids) - tail :])]
+        content = "\n".join(part for part in parts if part)
+        return message.model_copy(update={"content": content})
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=False) if ids else ""
+        return text
 
     def _end_of_turn_in(self, rendered: str) -> int:
         """The special token the template ends an assistant turn with: the first token
@@ -233,3 +255,28 @@ def _template_function(function: FunctionCall) -> dict[str, Any]:
     except ValueError:
         arguments = function.arguments
     return {"name": function.name, "arguments": arguments}
+
+
+def job_template(
+    multi_turn: MultiTurnConfig, mount: Path = Path(CHAT_TEMPLATE_MOUNT)
+) -> str | None:
+    """The job's chat template: multiTurn.chatTemplate, or chatTemplateFrom's ConfigMap
+    key, which the operator mounts as `mount`/CHAT_TEMPLATE_FILE; None: the tokenizer's.
+    A local run has no ConfigMap, so no such file: that fails, saying so."""
+    source = multi_turn.chat_template_from
+    if source is None:
+        return multi_turn.chat_template
+    ref, path = source.config_map_key_ref, mount / CHAT_TEMPLATE_FILE
+    where = f"generation.multiTurn.chatTemplateFrom: key {ref.key!r} of ConfigMap {ref.name!r}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(
+            f"{where}: no file {path}, where the operator mounts it in the Ray pods (a local "
+            "run has no ConfigMap: give the template inline, as multiTurn.chatTemplate)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{where}: cannot read {path}: {error}") from error
+    if not text.strip():
+        raise ValueError(f"{where}: {path} is empty; expected a Jinja chat template")
+    return text

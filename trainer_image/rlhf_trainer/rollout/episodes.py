@@ -20,6 +20,10 @@ session is always closed.
 Sessions spread over the environment's replicas (rlhf_env.replicas). One whose replica
 dies (unreachable, not an error the replica sent) starts again from its row on another
 replica, counted in Episode.restarts, within the episode's deadline.
+
+A job may declare several environments: each data row's episode runs in the one its
+`environment` column names, else in multiTurn.environment (EpisodeRunners), one runner
+and one set of replicas per environment.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +39,16 @@ from typing import Any
 from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient
 from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_trainer.algo.experience import Episode, EpisodePhase, PhaseKind, Rollout, TurnReward
-from rlhf_trainer.api.agentic import EnvironmentConfig
+from rlhf_trainer.api.agentic import (
+    ENVIRONMENT_COLUMN,
+    EnvironmentConfig,
+    MultiTurnConfig,
+    ObservationTruncation,
+    row_environment,
+)
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.cuts import CutPolicies
-from rlhf_trainer.rollout.chat_template import ChatRenderer, RenderFailed
+from rlhf_trainer.rollout.chat_template import ChatRenderer, RenderFailed, job_template
 from rlhf_trainer.rollout.trajectory import (
     ToolCallParser,
     ToolParseFailed,
@@ -68,6 +78,7 @@ class EpisodeLimits:
     turn_seconds: float  # each turn's generation
     episode_seconds: float
     observation_tokens: int | None = None  # each environment message's content, at most
+    observation_truncation: ObservationTruncation = "tail"  # the part of it cut
     cuts: CutPolicies = field(default_factory=CutPolicies)  # what a cut of each reason does
 
     @classmethod
@@ -82,6 +93,7 @@ class EpisodeLimits:
             turn_seconds=multi_turn.turn_timeout_seconds,
             episode_seconds=multi_turn.episode_timeout_seconds,
             observation_tokens=multi_turn.max_observation_tokens,
+            observation_truncation=multi_turn.observation_truncation,
             cuts=multi_turn.cuts,
         )
 
@@ -124,6 +136,25 @@ def check_environment(
         ) from failed
 
 
+def environments_used(config: JobConfig, rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The environments the rows' episodes run in, in declared order (rows checked at
+    load: data.prompts.load_prompts)."""
+    multi_turn, declared = config.multi_turn, [e.name for e in config.environments]
+    assert multi_turn is not None, "generation.multiTurn is unset"
+    used = {row_environment(row, multi_turn, declared) for row in rows}
+    return [name for name in declared if name in used]
+
+
+def check_episodes(config: JobConfig, rows: Iterable[Mapping[str, Any]]) -> None:
+    """What episodes need, checked by the driver before any role starts: the chat
+    template (chatTemplateFrom's file), and every environment the rows run in, each
+    answering its health check."""
+    assert config.multi_turn is not None, "generation.multiTurn is unset"
+    job_template(config.multi_turn)
+    for name in environments_used(config, rows):
+        check_environment(config.environment(name))
+
+
 class EpisodeRunner:
     """Runs episodes of one environment, for one rollout engine's turns. Every method
     runs on the engine's event loop (the HTTP client belongs to it)."""
@@ -134,11 +165,13 @@ class EpisodeRunner:
         renderer: ChatRenderer,
         tool_parser: str,
         limits: EpisodeLimits,
+        environment: str = "",  # its name, on its episodes (Episode.environment)
     ) -> None:
         self.replicas = replicas
         self.renderer = renderer
         self.tool_parser = tool_parser
         self.limits = limits
+        self.environment = environment
         # A parser name vLLM does not know, or one the tokenizer cannot serve, fails the
         # job here, once, rather than every episode later.
         ToolCallParser(tool_parser, renderer.tokenizer, [])
@@ -170,7 +203,7 @@ class EpisodeRunner:
             episode.trajectory.cut_short(_reason("template_error", failed))
         except ToolParseFailed as failed:
             episode.trajectory.cut_short(_reason("tool_parser_error", failed))
-        return episode.rollout(self.limits.cuts)
+        return episode.rollout(self.limits.cuts, self.environment)
 
     async def _play_on_a_replica(
         self, row: dict[str, Any], generate: GenerateTurn, episode: _Progress, lost: list[str]
@@ -243,7 +276,9 @@ class EpisodeRunner:
             )
             if reason is not None:
                 return trajectory.cut_short(reason)
-            answers = renderer.bounded(stepped.messages, limits.observation_tokens)
+            answers = renderer.bounded(
+                stepped.messages, limits.observation_tokens, limits.observation_truncation
+            )
             closed = renderer.closes(turn.response_token_ids)
             trajectory.add_observed(renderer.observation_ids(answers, closed=closed))
 
@@ -255,6 +290,31 @@ class EpisodeRunner:
             await asyncio.shield(environment.close(session, timeout=CLOSE_SECONDS))
         except (EnvironmentCallFailed, TimeoutError) as failed:
             log.warning("session %s was not closed: %s", session, failed)
+
+
+class EpisodeRunners:
+    """A runner per environment, and the one each data row's episode runs in: its
+    `environment` column's, else multiTurn.environment's. They share the renderer, the
+    tool parser and the limits; each has its own replicas."""
+
+    def __init__(
+        self,
+        runners: Mapping[str, EpisodeRunner],
+        renderer: ChatRenderer,
+        multi_turn: MultiTurnConfig,
+    ) -> None:
+        self.runners, self.renderer, self.multi_turn = dict(runners), renderer, multi_turn
+
+    async def run(self, row: dict[str, Any], generate: GenerateTurn, version: int) -> Rollout:
+        """EpisodeRunner.run in the row's environment, which is given the row without
+        the column that chose it. (The driver checked every row at load.)"""
+        runner = self.runners[row_environment(row, self.multi_turn, list(self.runners))]
+        given = {k: v for k, v in row.items() if k != ENVIRONMENT_COLUMN}
+        return await runner.run(given, generate, version)
+
+    async def aclose(self) -> None:
+        for runner in self.runners.values():
+            await runner.replicas.aclose()
 
 
 class _Progress:
@@ -302,7 +362,7 @@ class _Progress:
             last = len(self.trajectory.token_ids) - len(self.trajectory.prompt_ids) - 1
             self.turn_rewards.append(TurnReward(self.trajectory.turns - 1, last, reward))
 
-    def rollout(self, cuts: CutPolicies) -> Rollout:
+    def rollout(self, cuts: CutPolicies, environment: str = "") -> Rollout:
         """The episode as the trainer takes it (see Rollout and Episode). One that ended
         without a score was cut: `cuts` says whether its sampled turns are trained on,
         and with what score; else its loss mask is all 0 (Trajectory.loss_mask)."""
@@ -332,6 +392,7 @@ class _Progress:
                 phases=tuple(self.phases),
                 restarts=self.restarts,
                 turn_rewards=tuple(self.turn_rewards),
+                environment=environment,
             ),
         )
 

@@ -21,9 +21,10 @@ from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import EvalGeneration, GenerationConfig
 from rlhf_trainer.models import chat_tokenizer, model_path
+from rlhf_trainer.rollout.chat_template import job_template
 from rlhf_trainer.rollout.engine import EngineOptions, OnFinished, RolloutEngine
 from rlhf_trainer.rollout.engine_death import EngineDied
-from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
+from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner, EpisodeRunners
 from rlhf_trainer.rollout.trajectory import ChatRenderer
 from rlhf_trainer.rollout.transfer_memory import Relay
 from rlhf_trainer.rollout.weight_sync import HOST_TRANSFER, AdapterFiles, Bucket, EngineTransfer
@@ -193,7 +194,7 @@ class EngineWorker(Worker):
 
     def close(self) -> None:
         if self.episodes is not None:
-            self.engine.call(self.episodes.replicas.aclose())
+            self.engine.call(self.episodes.aclose())
         self.engine.shutdown()
         if self.relay is not None:
             self.relay.close()
@@ -265,19 +266,25 @@ def as_finished(generate: Callable[[OnFinished], object]) -> Iterator[tuple[int,
         generating.result()
 
 
-def episode_runner(config: JobConfig) -> EpisodeRunner | None:
-    """The runner of generation.multiTurn's episodes, in its environment; None without."""
+def episode_runner(config: JobConfig) -> EpisodeRunners | None:
+    """The runners of generation.multiTurn's episodes, one per environment (each row's
+    picks its own); None without."""
     multi_turn = config.multi_turn
     if multi_turn is None:
         return None
-    actor = config.models.actor
-    url = config.environment(multi_turn.environment).url
-    assert url is not None, "the driver checked that the environment has a url"
-    replicas = EnvironmentReplicas(url)  # sessions spread over the environment's pods
+    actor, template = config.models.actor, job_template(multi_turn)
     renderer = ChatRenderer(
-        chat_tokenizer(actor, multi_turn.chat_template),
+        chat_tokenizer(actor, template),
         actor.path or "the tiny model",
-        template=multi_turn.chat_template,
+        template=template,
         template_kwargs=multi_turn.chat_template_kwargs,
     )
-    return EpisodeRunner(replicas, renderer, multi_turn.tool_parser, EpisodeLimits.of(config))
+    limits, parser = EpisodeLimits.of(config), multi_turn.tool_parser
+    # One per environment with a url (sessions spread over its pods): one without is no
+    # row's (the driver checked that each row's environment answers).
+    runners = {
+        e.name: EpisodeRunner(EnvironmentReplicas(e.url), renderer, parser, limits, e.name)
+        for e in config.environments
+        if e.url is not None
+    }
+    return EpisodeRunners(runners, renderer, multi_turn)
