@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 from pydantic.alias_generators import to_snake
 
+from rlhf_operator.api.environments import EgressRule
 from rlhf_operator.api.podspec import MAX_JOB_NAME, EnvVar, PodResources, _list_map, _unique
 from rlhf_trainer.api.rules import Rule, SpecModel
 
@@ -25,7 +26,7 @@ DEFAULT_RESOURCES = PodResources(cpu="500m", memory="1Gi")
 # The fields only a service the operator runs has. With url they would be ignored, so
 # they are refused (command too, by the first rule). None has a default in the schema:
 # the API server would fill it in, and url services would carry it.
-RUN_FIELDS = ("image", "port", "replicas", "resources", "env", "egress")
+RUN_FIELDS = ("image", "port", "replicas", "resources", "env", "egress", "egressTo")
 
 Argument = Annotated[str, StringConstraints(max_length=4096)]
 
@@ -76,7 +77,18 @@ class JobServiceSpec(SpecModel):
         description=(
             "Let its pods open connections to the internet: every address but the cluster's "
             "own ranges (the chart's networkPolicy.clusterRanges) and the cloud metadata "
-            "addresses. Unset: false."
+            "addresses, and DNS to the cluster's DNS pods. Unset: false: only what egressTo "
+            "allows, besides what the service needs of the job."
+        ),
+    )
+    egress_to: list[EgressRule] | None = Field(
+        None,
+        min_length=1,
+        max_length=32,
+        description=(
+            "Addresses its pods may connect to (with DNS to the cluster's DNS pods): an "
+            "allow-list, in the cluster's ranges too (a sandbox, a database), added to what "
+            "egress allows. The cloud metadata addresses are taken out of every rule."
         ),
     )
 

@@ -11,7 +11,9 @@ the ingress and egress its policy names. Pure, like children.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+from rlhf_operator.api.environments import EgressRule
 from rlhf_operator.api.job import RLHFJobSpec
 from rlhf_operator.api.job_services import JobServiceSpec
 from rlhf_operator.render.meta import JOB_LABEL, JobRef, Obj, labels, metadata
@@ -29,6 +31,17 @@ HEALTH_PATH = "/healthz"  # every protocol rlhf_env serves answers it once it ca
 SCRATCH = {"name": "tmp", "mountPath": "/tmp"}
 SCRATCH_SIZE = "256Mi"  # counts against the ephemeral storage limit below
 EPHEMERAL_STORAGE = "512Mi"  # request and limit: logs and /tmp; an eviction names it
+
+
+class Egress(Protocol):
+    """What a service's spec says of its egress (environments[] and agents[] alike):
+    render/environments.py's environment_egress renders it."""
+
+    @property
+    def egress(self) -> bool | None: ...
+
+    @property
+    def egress_to(self) -> list[EgressRule] | None: ...
 
 
 @dataclass(frozen=True)
