@@ -154,6 +154,14 @@ def test_the_charts_ranges_decide_what_is_the_cluster_but_never_the_metadata() -
     assert allows(rules, "10.1.0.1", 443) and allows(rules, "192.168.1.1", 443)
     assert not allows(rules, "10.0.3.4", 443) and not allows(rules, "fd12::1", 443)
     assert not allows(rules, "169.254.169.254", 80) and not allows(rules, "fd00:ec2::254", 80)
+    # The chart's metadata addresses, where a cloud has others, out of egressTo rules too
+    # (a rule of them alone gives nothing).
+    other_cloud = NetworkAccess(metadata=("100.64.1.1/32",))
+    to = [{"cidr": "100.64.1.1/32"}, {"cidr": "100.64.0.0/10"}, {"cidr": "169.254.0.0/16"}]
+    rules = egress_of(children(LOOKUP | {"egress": True, "egressTo": to}, network=other_cloud))
+    assert not allows(rules, "100.64.1.1", 80) and allows(rules, "100.64.0.2", 80)
+    assert allows(rules, "169.254.169.254", 80)  # this chart's list leaves it out
+    assert len(rules) == 4  # the internet, the two ranges and DNS
     # A family the ranges cover whole gets no internet at all, not the whole of it.
     everything = NetworkAccess(cluster_ranges=("0.0.0.0/0",))
     rules = egress_of(children(LOOKUP | {"egress": True}, network=everything))
@@ -176,7 +184,8 @@ def test_the_charts_default_ranges_and_dns_are_the_operators() -> None:
     values = yaml.safe_load(VALUES.read_text())["networkPolicy"]
     assert values["enabled"] is False
     assert tuple(values["clusterRanges"]) == CLUSTER_RANGES and values["dns"] == [KUBE_DNS]
-    assert METADATA_ADDRESSES == ("169.254.169.254/32", "fd00:ec2::254/128")
+    assert tuple(values["metadataAddresses"]) == METADATA_ADDRESSES
+    assert {"169.254.169.254/32", "fd00:ec2::254/128"} <= set(METADATA_ADDRESSES)
 
 
 @pytest.mark.parametrize("enabled", ["false", "true"])
@@ -192,7 +201,7 @@ def test_the_chart_passes_its_ranges_whether_policies_are_enabled_or_not(enabled
     environ = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     access = NetworkAccess.from_env(environ)
     assert access.cluster_ranges == ("10.96.0.0/12", "10.244.0.0/16")
-    assert access.dns == (KUBE_DNS,)
+    assert access.dns == (KUBE_DNS,) and access.metadata == METADATA_ADDRESSES
     assert (access.peers is not None) == (enabled == "true")
 
 

@@ -59,10 +59,16 @@ _RUN_FIELDS = (
 _SERVER_FIELDS = ("maxSessions", "callTimeoutSeconds", "sessionIdleSeconds")
 
 Argument = Annotated[str, StringConstraints(max_length=4096)]
-# The clouds' instance metadata addresses (AWS, GCP, Azure, ...; AWS's IPv6 one): the
-# node's credentials. render/network.py takes them out of every egress rule, so a rule
-# of them alone would be a rule of nothing: refused.
-METADATA_ADDRESSES = ("169.254.169.254/32", "fd00:ec2::254/128")
+# The clouds' instance metadata addresses, the node's credentials: AWS, GCP, Azure and
+# most others; AWS's and GCP's IPv6 ones; Alibaba Cloud's. The chart's default
+# networkPolicy.metadataAddresses: render/network.py takes those out of every egress
+# rule, so a rule of these alone would be a rule of nothing: refused.
+METADATA_ADDRESSES = (
+    "169.254.169.254/32",
+    "fd00:ec2::254/128",
+    "fd20:ce::254/128",
+    "100.100.100.200/32",
+)
 
 
 def _check_cidr(value: str) -> str:

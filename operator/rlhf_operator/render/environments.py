@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from rlhf_operator.api.environments import EnvironmentSpec, service_name
 from rlhf_operator.api.job import GROUP, RLHFJobSpec
+from rlhf_operator.render.job_services import Egress
 from rlhf_operator.render.meta import (
     JOB_LABEL,
     RAY_POD_COMPONENTS,
@@ -22,7 +23,7 @@ from rlhf_operator.render.meta import (
     metadata,
     pods_of,
 )
-from rlhf_operator.render.network import NetworkAccess, allowed_block, dns_rule, internet
+from rlhf_operator.render.network import NetworkAccess, allowed_block, dns_rule
 from rlhf_operator.render.pod import (
     container_resources,
     container_security,
@@ -178,21 +179,20 @@ def render_environment_policy(job: JobRef, env: EnvironmentSpec, network: Networ
     }
 
 
-def environment_egress(env: EnvironmentSpec, network: NetworkAccess) -> list[Obj]:
-    """None by default. `egress: true`: every address but the cluster's ranges and the
-    metadata addresses, so not the job's pods, the API server (its Service, and its
-    endpoints where the ranges hold them) nor the node's credentials. `egressTo`: its
+def environment_egress(env: Egress, network: NetworkAccess) -> list[Obj]:
+    """An environment's, or an agent's (render/agents.py). None by default. `egress:
+    true`: every address but the cluster's ranges and the metadata addresses, so not the
+    job's pods, the API server (its Service, and its endpoints where the ranges hold
+    them) nor the node's credentials. `egressTo`: its
     CIDRs, on its ports. Either: DNS, to the cluster's DNS pods only."""
     rules: list[Obj] = []
     if env.egress:
-        rules.append({"to": internet(network.cluster_ranges)})
+        rules.append({"to": network.internet()})
     for rule in env.egress_to or []:
-        block = allowed_block(rule.cidr)
-        assert block is not None  # EgressRule refuses a cidr of metadata addresses only
-        ports = (
-            {"ports": [{"protocol": "TCP", "port": p} for p in rule.ports]} if rule.ports else {}
-        )
-        rules.append({"to": [block], **ports})
+        # None: only metadata addresses of the chart's (the spec refuses the usual ones).
+        if (block := allowed_block(rule.cidr, network.metadata)) is not None:
+            ports = [{"protocol": "TCP", "port": p} for p in rule.ports or []]
+            rules.append({"to": [block], **({"ports": ports} if ports else {})})
     if rules:
         rules.append(dns_rule(network.dns))
     return rules

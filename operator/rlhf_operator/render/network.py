@@ -5,9 +5,9 @@ The chart's `networkPolicy` values reach the operator as JSON in two variables:
   operator and this operator run (`Peers`). Each job then gets a policy that admits its
   own pods (Ray's GCS, object transfers and NCCL use many ports), and the others to the
   few ports they need, and nothing else.
-- RLHF_CLUSTER_NETWORK, always: the cluster's own address ranges and its DNS pods. An
-  environment with `egress: true` reaches every address but those (and the metadata
-  addresses), and DNS.
+- RLHF_CLUSTER_NETWORK, always: the cluster's own address ranges, the metadata
+  addresses and the DNS pods. An environment with `egress: true` reaches every address
+  but those ranges and the metadata addresses, and DNS.
 
 Without the peers, a job any of whose environments has egress still gets a policy: one
 that admits everything but environments' pods (`render_environment_guard`).
@@ -22,8 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# The clouds' instance metadata: refused to every environment, whatever the chart's
-# ranges say (the spec refuses an egressTo rule of them alone).
+# The clouds' instance metadata: the chart's networkPolicy.metadataAddresses default.
 from rlhf_operator.api.environments import METADATA_ADDRESSES
 
 Obj = dict[str, Any]
@@ -69,6 +68,12 @@ class NetworkAccess:
     peers: Peers | None = None  # None: the chart's networkPolicy.enabled is false
     cluster_ranges: tuple[str, ...] = CLUSTER_RANGES  # pod, Service (and node) ranges
     dns: tuple[Obj, ...] = field(default=(KUBE_DNS,))  # NetworkPolicyPeers
+    # Taken out of every egress rule of an environment, whatever the ranges say.
+    metadata: tuple[str, ...] = METADATA_ADDRESSES
+
+    def internet(self) -> list[Obj]:
+        """ipBlock peers of every address but the cluster's and the metadata's."""
+        return internet(self.cluster_ranges, self.metadata)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> NetworkAccess:
@@ -81,12 +86,15 @@ class NetworkAccess:
             values = json.loads(raw)
             ranges = tuple(str(_network(r)) for r in values["clusterRanges"])
             dns = tuple(dict(peer) for peer in values["dns"])
+            given = values.get("metadataAddresses", METADATA_ADDRESSES)
+            metadata = tuple(str(_network(a)) for a in given)
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(
-                f"{CLUSTER_ENV} must be a JSON object with 'clusterRanges' (a list of CIDRs) "
-                f"and 'dns' (a list of NetworkPolicy peers), got {raw!r}: {error}"
+                f"{CLUSTER_ENV} must be a JSON object with 'clusterRanges' (a list of CIDRs), "
+                f"'dns' (a list of NetworkPolicy peers) and optionally 'metadataAddresses' "
+                f"(a list of CIDRs), got {raw!r}: {error}"
             ) from error
-        return cls(peers, ranges, dns)
+        return cls(peers, ranges, dns, metadata)
 
 
 def _peers(raw: str | None) -> Peers | None:
@@ -147,7 +155,7 @@ def render_environment_guard(
             "matchExpressions": [{"key": environment_label, "operator": "DoesNotExist"}]
         },
     }
-    outside = internet(cluster_ranges)
+    outside = internet(cluster_ranges, ())
     return _ingress_policy(meta, job_pods, [{"from": [not_environments, *outside]}])
 
 
@@ -160,26 +168,26 @@ def _ingress_policy(meta: Obj, pods: Obj, ingress: list[Obj]) -> Obj:
     }
 
 
-def internet(excluded: Sequence[str]) -> list[Obj]:
-    """ipBlock peers of every address but `excluded` and the metadata addresses, one per
-    address family (none for a family `excluded` covers whole)."""
+def internet(ranges: Sequence[str], metadata: Sequence[str] = METADATA_ADDRESSES) -> list[Obj]:
+    """ipBlock peers of every address but `ranges` and `metadata`, one per address
+    family (none for a family they cover whole)."""
     wholes = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
+    excluded = (*ranges, *metadata)
     return [{"ipBlock": block} for whole in wholes if (block := _block(whole, excluded))]
 
 
-def allowed_block(cidr: str) -> Obj | None:
-    """An ipBlock peer of `cidr` without the metadata addresses; None if it holds
-    nothing else (the spec refuses such a cidr: EgressRule)."""
-    block = _block(_network(cidr), ())
+def allowed_block(cidr: str, metadata: Sequence[str] = METADATA_ADDRESSES) -> Obj | None:
+    """An ipBlock peer of `cidr` without the `metadata` addresses; None if it holds
+    nothing else."""
+    block = _block(_network(cidr), metadata)
     return None if block is None else {"ipBlock": block}
 
 
 def _block(whole: Network, excluded: Sequence[str]) -> Obj | None:
-    """{cidr, except}: `whole` but the networks of `excluded` and the metadata addresses
-    inside it, merged (an except must lie strictly inside the cidr, and in its family);
-    None when one of them covers `whole`."""
-    same_family = [n for n in map(_network, (*excluded, *METADATA_ADDRESSES))
-                   if n.version == whole.version]  # fmt: skip
+    """{cidr, except}: `whole` but the networks of `excluded` inside it, merged (an
+    except must lie strictly inside the cidr, and in its family); None when one of them
+    covers `whole`."""
+    same_family = [n for n in map(_network, excluded) if n.version == whole.version]
     if any(_within(whole, n) for n in same_family):
         return None
     inside = [n for n in same_family if _within(n, whole)]
