@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from rlhf_operator.api.agents import AgentSpec, service_name
 from rlhf_operator.api.job import GROUP, RLHFJobSpec
+from rlhf_operator.render.environments import environment_egress
 from rlhf_operator.render.job_services import (
     JobService,
     render_service_deployment,
@@ -30,7 +31,7 @@ from rlhf_operator.render.meta import (
     metadata,
     pods_of,
 )
-from rlhf_operator.render.network import NetworkAccess, dns_rule, internet
+from rlhf_operator.render.network import NetworkAccess, dns_rule
 from rlhf_trainer.api.agents import GATEWAY_PORT
 from rlhf_trainer.api.names import POOL_LABEL
 
@@ -43,24 +44,19 @@ def render_agents(job: JobRef, spec: RLHFJobSpec, network: NetworkAccess) -> lis
     """Each operator-run agent's Deployment, Service and NetworkPolicy (nothing for one
     that runs at its url), and, where the job's own policy isolates its Ray pods (the
     chart's peers), the gateway's policy that admits the agents."""
-    agents = [job_service(job, agent) for agent in spec.agents if agent.operator_run]
-    if not agents:
-        return []
-    gateway = [render_gateway_policy(job, spec)] if network.peers is not None else []
-    return [
-        *(
-            obj
-            for agent in agents
-            for obj in (
-                render_service_deployment(spec, agent),
-                render_service_service(agent),
-                render_service_policy(
-                    agent, pods_of(job, RAY_POD_COMPONENTS), agent_egress(job, spec, agent, network)
-                ),
-            )
-        ),
-        *gateway,
-    ]
+    run = [agent for agent in spec.agents if agent.operator_run]
+    ray_pods = pods_of(job, RAY_POD_COMPONENTS)  # the trainer's POST /episodes
+    objects: list[Obj] = []
+    for agent in run:
+        service = job_service(job, agent)
+        objects += [
+            render_service_deployment(spec, service),
+            render_service_service(service),
+            render_service_policy(service, ray_pods, agent_egress(job, spec, agent, network)),
+        ]
+    if run and network.peers is not None:
+        objects.append(render_gateway_policy(job, spec))
+    return objects
 
 
 def render_stopped_agents(job: JobRef, spec: RLHFJobSpec) -> list[Obj]:
@@ -105,20 +101,15 @@ def agent_pods(job: JobRef) -> Obj:
 
 
 def agent_egress(
-    job: JobRef, spec: RLHFJobSpec, agent: JobService, network: NetworkAccess
+    job: JobRef, spec: RLHFJobSpec, agent: AgentSpec, network: NetworkAccess
 ) -> list[Obj]:
-    """The rollout pool's gateway, the cluster's DNS; with `egress: true`, every address
-    but the cluster's ranges and the metadata addresses."""
-    rules = [
-        {
-            "to": [{"podSelector": rollout_pods(job, spec)}],
-            "ports": [{"protocol": "TCP", "port": GATEWAY_PORT}],
-        },
-        dns_rule(network.dns),
-    ]
-    if agent.spec.egress:
-        rules.append({"to": internet(network.cluster_ranges)})
-    return rules
+    """The rollout pool's gateway and the cluster's DNS, and what egress and egressTo
+    allow (as an environment's)."""
+    gateway = {
+        "to": [{"podSelector": rollout_pods(job, spec)}],
+        "ports": [{"protocol": "TCP", "port": GATEWAY_PORT}],
+    }
+    return [gateway, *(environment_egress(agent, network) or [dns_rule(network.dns)])]
 
 
 def render_gateway_policy(job: JobRef, spec: RLHFJobSpec) -> Obj:
