@@ -54,6 +54,7 @@ from rlhf_operator.controller.status import (
     reported_to_the_end,
     warnings,
 )
+from rlhf_operator.render.agents import render_stopped_agents
 from rlhf_operator.render.children import JOB_LABEL, JobRef, render_children
 from rlhf_operator.render.environments import render_stopped_environments
 from rlhf_operator.render.network import NetworkAccess
@@ -177,7 +178,8 @@ class Reconciler:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
             workload = self._sync_workload(spec, rayjob)
         elif finished(old):
-            live = self._ensure_all(ref, render_stopped_environments(ref, spec))
+            stopped = render_stopped_environments(ref, spec) + render_stopped_agents(ref, spec)
+            live = self._ensure_all(ref, stopped)
         elif restart is not None and restart.action is Action.DELETE and restart.failure:
             # Its deletion is an event: the reconcile it brings creates the next attempt.
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
@@ -248,8 +250,10 @@ class Reconciler:
                 head = replace(head, driver_restarts=old.driver_restarts, record=None)
         if live is not None:
             deployments = [c for c in live if c["kind"] == "Deployment"]
-        elif any(env.operator_run for env in spec.environments):
-            # A failed attempt or a resize: the environments' Deployments stay as they are.
+        elif any(e.operator_run for e in spec.environments) or any(
+            a.operator_run for a in spec.agents
+        ):
+            # A failed attempt or a resize: the services' Deployments stay as they are.
             deployments = self.kube.list("Deployment", ref.namespace, selector)
         else:
             deployments = []

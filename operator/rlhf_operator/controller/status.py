@@ -18,8 +18,13 @@ from rlhf_operator.api.job import (
     RLHFJobSpec,
     RLHFJobStatus,
 )
-from rlhf_operator.controller.environments import CONDITION as ENVIRONMENTS_READY
-from rlhf_operator.controller.environments import environments_ready, is_environment_pod
+from rlhf_operator.controller.environments import (
+    AGENTS,
+    ENVIRONMENTS,
+    agents_ready,
+    environments_ready,
+    is_service_pod,
+)
 from rlhf_operator.controller.heads import HeadView, observe_head
 from rlhf_operator.controller.pods import (
     PODS_FAILING,
@@ -45,8 +50,7 @@ KUBERAY_INCOMPATIBLE = "KubeRayIncompatible"
 WARNING_CONDITIONS = {
     ("PoolsReady", UNSCHEDULABLE),
     ("PoolsReady", PODS_FAILING),
-    (ENVIRONMENTS_READY, UNSCHEDULABLE),
-    (ENVIRONMENTS_READY, PODS_FAILING),
+    *((k.condition, why) for k in (ENVIRONMENTS, AGENTS) for why in (UNSCHEDULABLE, PODS_FAILING)),
     ("Ready", KUBERAY_INCOMPATIBLE),
 }
 
@@ -66,9 +70,9 @@ class Observed:
     """What the reconciler saw of the job's children."""
 
     rayjob: dict[str, Any] | None
-    pods: list[dict[str, Any]]  # all the job's: head, pools, submitter, environments
+    pods: list[dict[str, Any]]  # all the job's: head, pools, submitter, environments, agents
     workload: dict[str, Any] | None = None  # Kueue's, for a queued job (spec.queueName)
-    # The Deployments of the environments the operator runs.
+    # The Deployments of the environments and agents the operator runs.
     deployments: list[dict[str, Any]] = field(default_factory=list)
     # The attempt's Ray head as the reconciler recorded it (heads.py); None: from the above.
     head: HeadView | None = None
@@ -144,14 +148,18 @@ def compute_status(
         ready_message = _phase_message(phase, failure, old.training)
     if resize is not None and resizing:
         ready_message = _resize_message(resize)
-    # The environments' readiness says why they wait; the phase follows the RayJob alone
-    # (the trainer waits for each environment's /healthz, and fails naming it).
-    envs = environments_ready(spec, observed.deployments, observed.pods, finished(old))
+    # The environments' and agents' readiness says why they wait; the phase follows the
+    # RayJob alone (the trainer waits for each one's /healthz, and fails naming it).
+    services = [
+        (kind.condition, verdict)
+        for kind, ready in ((ENVIRONMENTS, environments_ready), (AGENTS, agents_ready))
+        if (verdict := ready(spec, observed.deployments, observed.pods, finished(old)))
+    ]
     conditions = old.conditions
     for kind, ok, reason, message in (
         ("Invalid", False, "Valid", "the spec is valid"),
         ("PoolsReady", *_pools_ready(spec, pools, observed, phase)),
-        *([(ENVIRONMENTS_READY, envs.ok, envs.reason, envs.message)] if envs else []),
+        *((name, v.ok, v.reason, v.message) for name, v in services),
         ("Ready", phase is Phase.RUNNING, phase.value, ready_message),
     ):  # fmt: skip
         conditions = _set_condition(conditions, kind, ok, reason, message, now, generation)
@@ -180,8 +188,8 @@ def _pools_ready(
 ) -> tuple[bool, str, str]:
     """PoolsReady: whether every pool has all its GPUs, its reason, its message."""
     unplaced = [w for pool in pools if (w := _unscheduled(pool, observed.pods))]
-    # The Ray job's pods; the environments' have a condition of their own.
-    failing = pod_problems([p for p in observed.pods if not is_environment_pod(p)])
+    # The Ray job's pods; the environments' and agents' have conditions of their own.
+    failing = pod_problems([p for p in observed.pods if not is_service_pod(p)])
     queued = [_queued(spec, observed.workload)] if phase is Phase.QUEUED else []
     all_ready = all(p.ready_gpus == p.desired_gpus for p in pools)
     reason = "PoolsReady" if all_ready else "PoolsNotReady"
