@@ -105,6 +105,7 @@ def test_a_served_agent_runs_the_function_on_the_jobs_image_secured_and_owned() 
     assert container["image"] == "rlhf-trainer:0.1.0-cpu"  # the job's spec.image
     assert container["command"] == [
         "python", "-m", "rlhf_env", "agent", "agents.coder:run", "--host", "0.0.0.0", "--port", "8000",
+        "--max-episodes", "8",  # each of 2 replicas' share of maxConcurrentEpisodes (16)
     ]  # fmt: skip
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "serve"}
     assert container["ports"] == [{"name": "serve", "containerPort": 8000, "protocol": "TCP"}]
@@ -140,7 +141,7 @@ def test_an_agent_with_its_own_image_command_port_and_env() -> None:
     assert service["ports"] == [
         {"name": "serve", "port": 9000, "targetPort": "serve", "protocol": "TCP"}
     ]
-    assert "clusterIP" not in service  # a ClusterIP: connections spread over the replicas
+    assert service["clusterIP"] == "None"  # headless: the trainer places each episode
     assert matches({"matchLabels": service["selector"]}, pod_labels(objects)["agentic-agent-bash"])
     policy = named(objects, "NetworkPolicy", "agentic-agent-bash")["spec"]
     assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9000}]
@@ -219,6 +220,14 @@ def test_with_the_jobs_policy_the_rollout_pods_admit_the_agents_on_the_gateways_
     own = job_policy["ingress"][0]["from"][0]["podSelector"]
     assert not any(matches(own, labels[n]) for n in ("agentic-agent-coder", "agentic-agent-writer"))
     assert len(of_kind(objects, "NetworkPolicy")) == 4  # the job's, two agents', the gateway's
+
+
+def test_each_replica_serves_its_share_of_the_episodes_rounded_up() -> None:
+    agent = CODER | {"replicas": 3, "maxConcurrentEpisodes": 10}
+    [container] = named(children(agent), "Deployment", "agentic-agent-coder")["spec"]["template"][
+        "spec"
+    ]["containers"]
+    assert container["command"][-2:] == ["--max-episodes", "4"]
 
 
 def test_the_trainer_reaches_each_agent_at_its_service() -> None:

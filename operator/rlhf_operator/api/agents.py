@@ -40,12 +40,16 @@ class AgentSpec(JobServiceSpec, AgentConfig):
         return self.url is None
 
     def container_command(self) -> list[str]:
-        """What the container runs: the spec's command, else rlhf_env serving `serve`."""
+        """What the container runs: the spec's command, else rlhf_env serving `serve`,
+        each replica its share of maxConcurrentEpisodes (past it a 503: the trainer
+        starts the episode on another replica, or waits)."""
         if self.command is not None:
             return list(self.command)
         assert self.serve is not None  # the first rule: serve or command without url
         listen = ["--host", "0.0.0.0", "--port", str(self.serving_port)]  # from other pods
-        return ["python", "-m", "rlhf_env", "agent", self.serve, *listen]
+        share = -(-self.max_concurrent_episodes // self.replica_count)  # rounded up
+        limit = ["--max-episodes", str(share)]
+        return ["python", "-m", "rlhf_env", "agent", self.serve, *listen, *limit]
 
     def for_trainer(self, job_name: str | None) -> dict[str, str | int]:
         """This agent as the trainer's spec gives it (exactly one of url, serve).

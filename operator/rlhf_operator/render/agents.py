@@ -1,4 +1,4 @@
-"""The agents a job's operator runs: for each, a Deployment, a ClusterIP Service and a
+"""The agents a job's operator runs: for each, a Deployment, a headless Service and a
 NetworkPolicy, all named `<job>-agent-<name>` and owned by the job; and one policy,
 `<job>-gateway`, that lets them reach the rollout pool's gateway.
 

@@ -116,14 +116,16 @@ def render_service_deployment(job_spec: RLHFJobSpec, service: JobService) -> Obj
 
 
 def render_service_service(service: JobService) -> Obj:
-    """The name the trainer reaches it at: a ClusterIP, which spreads connections over
-    the ready replicas."""
+    """The name the trainer reaches it at. Headless: the name resolves to each ready
+    replica's address, and the trainer places each session (episode) on a replica
+    (rlhf_env.replicas), the next one when a replica is full (503) or gone."""
     port = service.spec.serving_port
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": service.metadata(),
         "spec": {
+            "clusterIP": "None",
             "selector": service.selector(),
             "ports": [
                 {"name": PORT_NAME, "port": port, "targetPort": PORT_NAME, "protocol": "TCP"}
