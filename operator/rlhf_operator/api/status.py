@@ -34,7 +34,7 @@ class StatusModel(SpecModel):
 
 
 class Condition(StatusModel):
-    """A Kubernetes-style condition (Ready, PoolsReady, EnvironmentsReady, Invalid)."""
+    """A Kubernetes condition (Ready, PoolsReady, EnvironmentsReady, AgentsReady, Invalid)."""
 
     type: str = Field(description="Condition type, e.g. Ready.")
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
