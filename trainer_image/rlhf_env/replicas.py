@@ -86,7 +86,7 @@ class EnvironmentReplicas:
         self._down_until: dict[str, float] = {}  # by base URL: found unreachable
 
     @asynccontextmanager
-    async def session(self, avoid: Collection[str] = ()) -> AsyncIterator[EnvironmentClient]:
+    async def session(self, avoid: Collection[str] = ()) -> AsyncIterator[PlacedSession]:
         """The client of a new session, counted as open on its replica while inside: the
         one with the fewest open sessions, not found down, and not in `avoid` (base
         URLs) unless every replica is; another if that one refuses its `start`."""
@@ -181,11 +181,12 @@ class PlacedSession(EnvironmentClient):
     ) -> Answer:
         """`send(replica's client, seconds left)`, the session's first call: made on the
         next replica while one refuses it, within `timeout` in all."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        whole = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + whole
         tried: list[str] = []
         wait = FULL_WAIT_SECONDS[0]
+        left = whole  # the first try gets the deadline as given (its failure names it so)
         while True:
-            left = deadline - time.monotonic()
             try:
                 return await send(self._on, max(left, 0.001))
             except EnvironmentCallFailed as failed:
@@ -203,6 +204,7 @@ class PlacedSession(EnvironmentClient):
                 if following is None:
                     raise
                 self._move(following)
+                left = deadline - time.monotonic()
 
     def _move(self, client: EnvironmentClient) -> None:
         self._replicas._count(client, moved_from=self._on.url)
