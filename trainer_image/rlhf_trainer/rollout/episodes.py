@@ -145,14 +145,18 @@ def environments_used(config: JobConfig, rows: Iterable[Mapping[str, Any]]) -> l
     return [name for name in declared if name in used]
 
 
-def check_episodes(config: JobConfig, rows: Iterable[Mapping[str, Any]]) -> None:
+def check_episodes(
+    config: JobConfig,
+    rows: Iterable[Mapping[str, Any]],
+    wait_seconds: float = ENVIRONMENT_WAIT_SECONDS,
+) -> None:
     """What episodes need, checked by the driver before any role starts: the chat
     template (chatTemplateFrom's file), and every environment the rows run in, each
-    answering its health check."""
+    answering its health check (check_environment)."""
     assert config.multi_turn is not None, "generation.multiTurn is unset"
     job_template(config.multi_turn)
     for name in environments_used(config, rows):
-        check_environment(config.environment(name))
+        check_environment(config.environment(name), wait_seconds)
 
 
 class EpisodeRunner:
