@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from examples.agents import letters_agent
 from rlhf_env.agent import NotAnAgent, app_for_agent
 from rlhf_env.agent_protocol import EpisodeRequest, EpisodeResult
-from rlhf_env.process import served_locally
+from rlhf_env.process import EnvironmentDidNotStart, served_locally
 from rlhf_env.protocol import Message
 from rlhf_env.server import app_for
 from rlhf_env.toys import LetterLookup, Lookup
@@ -201,6 +201,16 @@ def test_only_async_functions_serve() -> None:
         app_for_agent(plain)  # type: ignore[arg-type]
 
 
+def test_a_function_that_cannot_serve_fails_the_local_agent_naming_it() -> None:
+    with (
+        pytest.raises(EnvironmentDidNotStart) as failed,
+        served_locally("rlhf_env.toys:first_word", command="agent"),
+    ):
+        pass
+    assert "the agent rlhf_env.toys:first_word exited with status 2" in str(failed.value)
+    assert "rlhf_env.toys:first_word is not an async function" in str(failed.value)
+
+
 # --- deadlines ---
 
 
@@ -276,9 +286,9 @@ def test_episodes_past_the_clients_limit_wait_for_one_to_end() -> None:
                 held = asyncio.create_task(agents.run(request({"hold": True})))
                 waiting = asyncio.create_task(agents.run(request({})))
                 assert await asyncio.to_thread(gate.entered.wait, WAIT)
-                health = httpx.get(f"{url}/a/healthz", timeout=WAIT).json()
+                health = await agents.health()
                 gate.release.set()
-                return list(await asyncio.gather(held, waiting)), health["sessions"]
+                return list(await asyncio.gather(held, waiting)), health.sessions
 
         results, running = asyncio.run(scenario())
     assert running == 1  # the second episode waited in the client: the agent ran one
