@@ -1,0 +1,163 @@
+"""The rollout ratio: tokens/s of a fully-async job's rollout pool against vLLM's own
+`LLM.generate`, on the same requests (prompts, seeds, response cap) and engine settings.
+
+    job    the run's engine (a Ray actor, AsyncLLM, `StreamingRollout`): the requests
+           admitted through the run's `Admissions`, each sample streamed into the
+           queue as it finishes; timed from the admission until the trainer holds them
+           all (`take_groups`), as the async step takes its batch
+    vllm   `vllm.LLM` in a process of its own, built from the same `engine_settings`,
+           given the same requests with the same sampling parameters in one
+           `generate` call, timed by its own clock
+
+Nothing trains while either generates, and no weights are pushed: on 2 cores a rank
+that trains takes the engine's CPU, which is the machine's cost, not our machinery's.
+The weight push is timed apart (training.py). Both sides count the tokens they
+generated; with the same seeds the responses are the same, up to batching numerics.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from bench.harness import Measurement
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.loop.fully_async import AsyncPPOTrainer
+from rlhf_trainer.models import model_path
+from rlhf_trainer.rollout.engine import EngineOptions
+from rlhf_trainer.rollout.engine_settings import (
+    engine_settings,
+    platform_in_environment,
+    sampling_params,
+)
+from rlhf_trainer.rollout.queue import Admitted, Sample
+from rlhf_trainer.worker import derive_seed
+
+
+@dataclass(frozen=True)
+class Requests:
+    """One measurement's requests, the same for the job and for bare vLLM."""
+
+    uids: list[int]
+    prompt_indices: list[int]
+    prompts: list[list[int]]  # token ids
+    seeds: list[int]  # as the streaming rollout seeds sample `uid`
+
+
+class JobRollout:
+    """The job's rollout pool, fed `prompts` prompts (samplesPerPrompt each) a measurement."""
+
+    def __init__(self, streaming: AsyncPPOTrainer, prompts: int) -> None:
+        self.streaming = streaming
+        self.prompts = prompts
+        self.next_prompt = streaming.admission.admitted_total  # run.start() admitted these
+        self.last: Requests | None = None  # what the last measurement generated
+
+    def first_samples(self) -> list[Sample]:
+        """The samples of run.start()'s admission (the engine's warm-up), once queued."""
+        samples: list[Sample] = self.streaming.take_groups(self.next_prompt)
+        return samples
+
+    def next_requests(self) -> Requests:
+        streaming, n = self.streaming, self.streaming.group_size
+        indices = streaming.prompts.next_indices(self.prompts)
+        first, self.next_prompt = self.next_prompt, self.next_prompt + self.prompts
+        uids = [(first + i) * n + j for i in range(self.prompts) for j in range(n)]
+        seed = streaming.config.trainer.seed
+        return Requests(
+            uids=uids,
+            prompt_indices=[index for index in indices for _ in range(n)],
+            prompts=[
+                streaming.prompts.prompts[index].token_ids for index in indices for _ in range(n)
+            ],
+            seeds=[derive_seed(seed, "sample", uid) for uid in uids],
+        )
+
+    def measure(self) -> Measurement:
+        streaming = self.streaming
+        requests = self.last = self.next_requests()
+        admitted: list[Admitted] = list(
+            zip(requests.uids, requests.prompt_indices, requests.prompts, strict=True)
+        )
+        started = time.perf_counter()
+        streaming.admissions.give(admitted)
+        samples = streaming.take_groups(self.prompts)
+        seconds = time.perf_counter() - started
+        streaming.admissions.wait_for_admissions(60)  # answered long ago: only the futures
+        return figures(
+            sum(len(s.rollout.response_token_ids) for s in samples), len(samples), seconds
+        )
+
+
+class BareVLLM:
+    """vLLM's `LLM` on the job's engine settings (`engine_settings`), in a process of its
+    own that starts with the environment the job's engine core starts with (vLLM's
+    OpenMP threads read it as they load; set later in a process that has run torch, it
+    is ignored). Its own clock times each `generate`."""
+
+    def __init__(self, config: JobConfig) -> None:
+        # Sets vLLM's environment here, for the child: start processes meant to run
+        # without it (the bare torch ranks) before this.
+        platform_in_environment(config.generation.tensor_parallel_size)
+        context = mp.get_context("spawn")
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=serve_bare_vllm, args=(config, theirs))
+        self.process.start()
+        self.pipe.recv()  # built
+
+    def measure(self, requests: Requests) -> Measurement:
+        self.pipe.send(requests)
+        tokens, samples, seconds = self.pipe.recv()
+        return figures(tokens, samples, seconds)
+
+    def close(self) -> None:
+        self.pipe.send(None)
+        self.process.join(timeout=30)
+
+
+def serve_bare_vllm(config: JobConfig, pipe: Connection) -> None:
+    """The bare engine's process: build `LLM`, then generate each `Requests` sent, in one
+    `generate` call, answering (tokens, samples, seconds)."""
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    options = EngineOptions.of(config)
+    model = model_path(config.models.actor, config.trainer.seed)  # the job's weights
+    llm = LLM(**engine_settings(model, **asdict(options)), disable_log_stats=True)
+    pipe.send("ready")
+    generation = config.generation
+    while (requests := pipe.recv()) is not None:
+        params = [
+            sampling_params(
+                config.data.max_response_length, generation.temperature, generation.top_p, seed
+            )
+            for seed in requests.seeds
+        ]
+        prompts: list[Any] = [TokensPrompt(prompt_token_ids=p) for p in requests.prompts]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        pipe.send((sum(len(o.outputs[0].token_ids) for o in outputs), len(outputs), seconds))
+
+
+def figures(tokens: int, samples: int, seconds: float) -> Measurement:
+    return {
+        "tokens_per_s": tokens / seconds,
+        "seconds": seconds,
+        "response_tokens": tokens / samples,
+    }
+
+
+def requests_of(streaming: AsyncPPOTrainer, samples: Sequence[Sample]) -> Requests:
+    """The requests that generated `samples` (to warm bare vLLM up on the job's warm-up)."""
+    seed = streaming.config.trainer.seed
+    return Requests(
+        uids=[s.uid for s in samples],
+        prompt_indices=[s.prompt_index for s in samples],
+        prompts=[streaming.prompts.prompts[s.prompt_index].token_ids for s in samples],
+        seeds=[derive_seed(seed, "sample", s.uid) for s in samples],
+    )
