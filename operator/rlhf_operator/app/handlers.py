@@ -87,6 +87,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     # The work queue already merges bursts of events per job; kopf need not wait for more.
     settings.batching.batch_window = 0.01
     settings.persistence.diffbase_storage = NoDiffBase()
+    select_children(settings)
     memo.queue = WorkQueue()
     # Filled by the handlers below before they queue a job: reconciles read from it.
     memo.cache = ObjectCache(CACHED_KINDS)
@@ -109,6 +110,14 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     relister = Relister(kube, memo.cache, SELECTORS)
     memo.relists = Relists(relister, memo.executor, memo.queue.add)
     memo.relist_period = asyncio.create_task(memo.relists.every())
+
+
+def select_children(settings: kopf.OperatorSettings) -> None:
+    """The API server, not the handlers, drops the children kinds' objects that carry no
+    job label: kopf lists and watches a kind whole otherwise, and with 10,000 unrelated
+    pods and as many ConfigMaps the operator's RSS was 447 MB (bench-operator)."""
+    for group, version, plural in CHILD_KINDS:
+        settings.watching.label_selectors[group, version, plural] = JOB_LABEL
 
 
 async def _serve_probes(memo: kopf.Memo) -> None:
