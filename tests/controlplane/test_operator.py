@@ -176,6 +176,45 @@ def test_an_environment_runs_as_the_jobs_own_service_and_goes_with_it(
         eventually(lambda k=kind: get(cp, k, name, namespace) is None, f"{kind} {name} to go")
 
 
+def test_an_agent_runs_as_the_jobs_own_service_owned_and_restricted(
+    controlplane: ControlPlane, operator: OperatorProcess, namespace: str
+) -> None:
+    """spec.agents[] (issue 75): the API server admits the job; the operator makes the
+    agent's Deployment, Service and NetworkPolicy, owned by the job, and AgentsReady."""
+    cp, job, name = controlplane, "agentic-cluster", "agentic-cluster-agent-coder"
+    manifest = load(REPO_ROOT / "examples" / "agentic-cluster.yaml")
+    spec = manifest["spec"]
+    del spec["generation"]["multiTurn"]
+    spec["generation"]["agent"] = {"agent": "coder"}
+    spec["models"]["reward"] = {"function": "toy_copy"}
+    coder = {"name": "coder", "serve": "agents.coder:run", "resources": {"cpu": "200m", "memory": "256Mi"}}  # fmt: skip
+    spec |= {"environments": [], "agents": [coder]}
+    apply(cp, namespace, manifest)
+    ready = eventually(lambda: condition_when(cp, job, namespace, "AgentsReady", status="True"),
+                       "AgentsReady once the agent's pod runs")  # fmt: skip
+    assert ready["message"] == "1/1 agents have all their replicas ready"
+    made = {kind: eventually(lambda k=kind: get(cp, k, name, namespace), f"{kind} {name}")
+            for kind in ("deployment", "service", "networkpolicy")}  # fmt: skip
+    for obj in made.values():
+        assert obj["metadata"]["ownerReferences"][0]["name"] == job
+    pod = made["deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["containers"][0]["command"][:5] == ["python", "-m", "rlhf_env", "agent", "agents.coder:run"]  # fmt: skip
+    gateway = made["networkpolicy"]["spec"]["egress"][0]
+    assert gateway["ports"] == [{"protocol": "TCP", "port": 8100}]
+    config = json.loads((get(cp, "configmap", f"{job}-spec", namespace) or {})["data"]["spec.json"])
+    assert config["agents"] == [{"name": "coder", "url": f"http://{name}:8000", "maxConcurrentEpisodes": 16}]  # fmt: skip
+    template = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent-check"}, "spec": pod}
+    cp.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    cp.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-",
+               input=yaml.safe_dump(template))  # fmt: skip
+    refused = patch_job(cp, namespace, job, "json", '[{"op": "add", "path": "/spec/agents/0/replicas", "value": 2}]', check=False)  # fmt: skip
+    assert "cannot change after creation" in refused.stderr
+    cp.kubectl("delete", "rlhfjob", job, "-n", namespace, "--wait=true")
+    for kind in made:
+        eventually(lambda k=kind: get(cp, k, name, namespace) is None, f"{kind} {name} to go")
+
+
 def group_replicas(obj: dict[str, Any] | None) -> dict[str, int]:
     """A RayJob's or RayCluster's worker groups: name -> replicas."""
     spec = (obj or {}).get("spec", {})
