@@ -77,13 +77,13 @@ def _answers(url: str) -> bool:
 
 
 def operator_activity(op: OperatorProcess) -> tuple[float, float]:
-    """(keys queued now, reconciles ever started)."""
-    started = op.metric("rlhf_operator_reconcile_duration_seconds_count")
-    return op.metric("rlhf_operator_queue_depth"), started
+    """(keys queued now, reconciles ever finished)."""
+    finished = op.metric("rlhf_operator_reconcile_duration_seconds_count")
+    return op.metric("rlhf_operator_queue_depth"), finished
 
 
 def wait_quiet(activities: list[Callable[[], tuple[float, float]]], timeout: float = 600) -> float:
-    """Until every operator has nothing queued and started nothing for QUIET_SECONDS;
+    """Until every operator has nothing queued and no count moved for QUIET_SECONDS;
     the seconds it took."""
     began = time.monotonic()
     last = [probe() for probe in activities]

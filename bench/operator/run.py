@@ -130,10 +130,13 @@ class Bench:
             watch.close()
         return [watch.after(started) for watch in watches]
 
-    def clear(self, namespace: str) -> None:
+    def clear(self, namespace: str, measured: Measurement) -> None:
         """Delete the phase's namespace, then wait until both operators are idle."""
+        began = time.monotonic()
         self.cp.kubectl("delete", "namespace", namespace, "--timeout=600s", timeout=660)
         wait_quiet([self.kuberay.activity, lambda: operator_activity(self.op)])
+        said = ", ".join(f"{key} {value:.4g}" for key, value in measured.items())
+        log(f"  {namespace}: {said}; cleared in {time.monotonic() - began:.0f} s")
 
     def ours(self) -> Measurement:
         ns = self.fresh_namespace("ours")
@@ -142,9 +145,9 @@ class Bench:
         statuses = Appearances(api, RLHFJOBS, ns, status_written)
         jobs = [tiny_job(f"job-{i}", ns) for i in range(self.n)]
         child, status = self.burst(jobs, rayjobs, statuses)
-        memory = operator_memory(self.op)
-        self.clear(ns)
-        return {**latency_figures(child, status), **memory}
+        measured = {**latency_figures(child, status), **operator_memory(self.op)}
+        self.clear(ns, measured)
+        return measured
 
     def theirs(self) -> Measurement:
         ns = self.fresh_namespace("kuberay")
@@ -153,8 +156,9 @@ class Bench:
         statuses = Appearances(api, RAYJOBS, ns, status_written)
         rayjobs = [plain_rayjob(f"job-{i}", ns) for i in range(self.n)]
         child, status = self.burst(rayjobs, clusters, statuses)
-        self.clear(ns)
-        return latency_figures(child, status)
+        measured = latency_figures(child, status)
+        self.clear(ns, measured)
+        return measured
 
 
 def main() -> None:
