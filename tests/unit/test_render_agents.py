@@ -198,6 +198,15 @@ def test_without_the_jobs_own_policy_no_gateway_policy_isolates_the_rollout_pods
     assert not [o for o in of_kind(objects, "NetworkPolicy") if o["metadata"]["name"] == "agentic"]
 
 
+def test_beside_the_guard_of_environments_with_egress_the_gateway_policy_is_rendered_too() -> None:
+    job = manifest(CODER)
+    tools = {"name": "tools", "serve": "rlhf_env.toys:LetterLookup", "egress": True}
+    job["spec"]["environments"] = [tools]
+    objects = render_children(JOB, parse_job(job).spec, NetworkAccess())  # no peers
+    names = {o["metadata"]["name"] for o in of_kind(objects, "NetworkPolicy")}
+    assert {"agentic", "agentic-gateway"} <= names  # the guard isolates the rollout pods
+
+
 def test_with_the_jobs_policy_the_rollout_pods_admit_the_agents_on_the_gateways_port_alone() -> (
     None
 ):

@@ -40,10 +40,12 @@ AGENT_LABEL = f"{GROUP}/agent"  # the agent's name, on its pods
 WORKER = "worker"  # the component of the pools' Ray pods (render/children.py)
 
 
-def render_agents(job: JobRef, spec: RLHFJobSpec, network: NetworkAccess) -> list[Obj]:
+def render_agents(
+    job: JobRef, spec: RLHFJobSpec, network: NetworkAccess, isolated: bool
+) -> list[Obj]:
     """Each operator-run agent's Deployment, Service and NetworkPolicy (nothing for one
-    that runs at its url), and, where the job's own policy isolates its Ray pods (the
-    chart's peers), the gateway's policy that admits the agents."""
+    that runs at its url), and, where a policy of the job's own isolates its Ray pods
+    (`isolated`), the gateway's policy that admits the agents."""
     run = [agent for agent in spec.agents if agent.operator_run]
     ray_pods = pods_of(job, RAY_POD_COMPONENTS)  # the trainer's POST /episodes
     objects: list[Obj] = []
@@ -54,7 +56,7 @@ def render_agents(job: JobRef, spec: RLHFJobSpec, network: NetworkAccess) -> lis
             render_service_service(service),
             render_service_policy(service, ray_pods, agent_egress(job, spec, agent, network)),
         ]
-    if run and network.peers is not None:
+    if run and isolated:
         objects.append(render_gateway_policy(job, spec))
     return objects
 

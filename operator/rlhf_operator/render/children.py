@@ -81,12 +81,13 @@ def render_children(
     """Every object the job owns, in creation order (the RayJob's dependencies first, the
     RayJob last); `network`: the chart's values (unset: the defaults)."""
     network = network or NetworkAccess()
+    job_policy = render_job_policy(job, spec, network)
     return [
         render_spec_configmap(job, spec),
         *render_reporter_rbac(job),
-        *render_job_policy(job, spec, network),
+        *job_policy,
         *render_environments(job, spec, network),
-        *render_agents(job, spec, network),
+        *render_agents(job, spec, network, isolated=bool(job_policy)),
         render_rayjob(job, spec),
     ]
 
