@@ -207,6 +207,26 @@ def test_beside_the_guard_of_environments_with_egress_the_gateway_policy_is_rend
     assert {"agentic", "agentic-gateway"} <= names  # the guard isolates the rollout pods
 
 
+def test_an_agent_with_egress_gets_the_guard_that_refuses_agents_and_environments() -> None:
+    # No peers: an agent with egressTo a range that holds the job's pods could reach the
+    # Ray head, so the job's pods admit every pod but the agents' and environments'.
+    agent = CODER | {"egressTo": [{"cidr": "10.0.0.0/8"}]}
+    objects = children(agent, network=NetworkAccess())
+    guard = named(objects, "NetworkPolicy", "agentic")["spec"]
+    [rule] = guard["ingress"]
+    [pods, *addresses] = rule["from"]
+    assert pods["namespaceSelector"] == {} and addresses  # any namespace; the internet
+    refused = {e["key"] for e in pods["podSelector"]["matchExpressions"]}
+    assert refused == {AGENT_LABEL, "rlhf.dev/environment"}
+    assert all(e["operator"] == "DoesNotExist" for e in pods["podSelector"]["matchExpressions"])
+    assert AGENT_LABEL in pod_labels(objects)["agentic-agent-coder"]
+    # ... and the gateway's policy lets the agents through to the gateway alone.
+    assert named(objects, "NetworkPolicy", "agentic-gateway")
+    # An agent that reaches only the gateway needs no guard.
+    assert not [o for o in of_kind(children(CODER, network=NetworkAccess()), "NetworkPolicy")
+                if o["metadata"]["name"] == "agentic"]  # fmt: skip
+
+
 def test_with_the_jobs_policy_the_rollout_pods_admit_the_agents_on_the_gateways_port_alone() -> (
     None
 ):

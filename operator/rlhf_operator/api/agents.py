@@ -39,6 +39,12 @@ class AgentSpec(JobServiceSpec, AgentConfig):
         """Whether the operator runs it (no url)."""
         return self.url is None
 
+    @property
+    def opens_connections(self) -> bool:
+        """Whether its pods may connect beyond the gateway: the job's pods then refuse
+        them (render/children.py), as an environment's."""
+        return self.operator_run and (bool(self.egress) or bool(self.egress_to))
+
     def container_command(self) -> list[str]:
         """What the container runs: the spec's command, else rlhf_env serving `serve`,
         each replica its share of maxConcurrentEpisodes (past it a 503: the trainer

@@ -16,7 +16,7 @@ from rlhf_operator.api.job import (
     Separation,
 )
 from rlhf_operator.api.podspec import PodResources
-from rlhf_operator.render.agents import render_agents
+from rlhf_operator.render.agents import AGENT_LABEL, render_agents
 from rlhf_operator.render.environments import ENVIRONMENT_LABEL, render_environments
 from rlhf_operator.render.meta import JOB_LABEL as JOB_LABEL  # re-exported
 from rlhf_operator.render.meta import (
@@ -94,17 +94,21 @@ def render_children(
 
 def render_job_policy(job: JobRef, spec: RLHFJobSpec, network: NetworkAccess) -> list[Obj]:
     """With the chart's peers, a policy that admits only what the job needs. Without
-    them, where an environment may open connections, one that admits all but the
-    environments' pods. Else none: an environment without egress reaches nothing."""
+    them, where an environment or agent may open connections, one that admits all but
+    the environments' and agents' pods. Else none: an environment without egress reaches
+    nothing, an agent only the gateway."""
     meta = metadata(job, job.name, "network")
-    # By component, not the job label alone: the environments' pods carry that too,
-    # and they run the model's tool calls; they must not reach the Ray head (its job
-    # API runs any code).
+    # By component, not the job label alone: the environments' and agents' pods carry
+    # that too, and they run the model's tool calls or the user's agent; they must not
+    # reach the Ray head (its job API runs any code).
     job_pods = pods_of(job, JOB_POD_COMPONENTS)
     if network.peers is not None:
         return [render_network_policy(meta, job_pods, network.peers, TRAINER_METRICS_PORT)]
-    if any(env.opens_connections for env in spec.environments):
-        return [render_environment_guard(meta, job_pods, ENVIRONMENT_LABEL, network.cluster_ranges)]
+    if any(e.opens_connections for e in spec.environments) or any(
+        a.opens_connections for a in spec.agents
+    ):
+        services = (ENVIRONMENT_LABEL, AGENT_LABEL)
+        return [render_environment_guard(meta, job_pods, services, network.cluster_ranges)]
     return []
 
 

@@ -9,8 +9,9 @@ The chart's `networkPolicy` values reach the operator as JSON in two variables:
   addresses and the DNS pods. An environment with `egress: true` reaches every address
   but those ranges and the metadata addresses, and DNS.
 
-Without the peers, a job any of whose environments has egress still gets a policy: one
-that admits everything but environments' pods (`render_environment_guard`).
+Without the peers, a job any of whose environments (agents) has egress still gets a
+policy: one that admits everything but environments' and agents' pods
+(`render_environment_guard`).
 """
 
 from __future__ import annotations
@@ -137,11 +138,11 @@ def render_network_policy(meta: Obj, job_pods: Obj, peers: Peers, trainer_metric
 
 
 def render_environment_guard(
-    meta: Obj, job_pods: Obj, environment_label: str, cluster_ranges: Sequence[str]
+    meta: Obj, job_pods: Obj, service_labels: Sequence[str], cluster_ranges: Sequence[str]
 ) -> Obj:
     """The job's policy where the platform named no peers: its pods admit every pod but
-    the environments' (of any job: pods carrying `environment_label`), and every address
-    outside `cluster_ranges`.
+    the environments' and agents' (of any job: pods carrying one of `service_labels`), and
+    every address outside `cluster_ranges`.
 
     Policies only add what they allow, so admitting "all but" takes a pod selector: an
     ipBlock is the portable peer only for addresses outside the cluster (some plugins
@@ -149,14 +150,14 @@ def render_environment_guard(
     cluster's ranges excepted. A source in those ranges that is no pod (another node's
     host network, a NodePort's SNAT) is refused then: give the chart's peers instead.
     The pod's own node is admitted whatever the policy (kubelet probes)."""
-    not_environments = {
+    not_services = {
         "namespaceSelector": {},
         "podSelector": {
-            "matchExpressions": [{"key": environment_label, "operator": "DoesNotExist"}]
+            "matchExpressions": [{"key": k, "operator": "DoesNotExist"} for k in service_labels]
         },
     }
     outside = internet(cluster_ranges, ())
-    return _ingress_policy(meta, job_pods, [{"from": [not_environments, *outside]}])
+    return _ingress_policy(meta, job_pods, [{"from": [not_services, *outside]}])
 
 
 def _ingress_policy(meta: Obj, pods: Obj, ingress: list[Obj]) -> Obj:
