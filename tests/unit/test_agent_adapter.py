@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -209,6 +211,13 @@ def test_a_function_that_cannot_serve_fails_the_local_agent_naming_it() -> None:
         pass
     assert "the agent rlhf_env.toys:first_word exited with status 2" in str(failed.value)
     assert "rlhf_env.toys:first_word is not an async function" in str(failed.value)
+
+
+def test_serving_environments_does_not_import_openai() -> None:
+    """The environment image has no openai: only `python -m rlhf_env agent` needs it."""
+    check = ("import sys, rlhf_env.__main__, rlhf_env.process, rlhf_env.replicas; "
+             "assert 'openai' not in sys.modules, 'openai imported'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", check], check=True, timeout=WAIT * 6)
 
 
 # --- deadlines ---
