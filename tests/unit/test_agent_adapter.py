@@ -37,6 +37,7 @@ from rlhf_env.process import EnvironmentDidNotStart, served_locally
 from rlhf_env.protocol import Message
 from rlhf_env.server import app_for
 from rlhf_env.toys import LetterLookup, Lookup
+from rlhf_trainer.api.agents import AgentConfig
 from rlhf_trainer.rollout.agent_client import AGENT_CUT_REASONS, AgentClient, AgentEpisodeFailed
 from tests.environments import served
 
@@ -302,6 +303,16 @@ def test_episodes_past_the_clients_limit_wait_for_one_to_end() -> None:
         results, running = asyncio.run(scenario())
     assert running == 1  # the second episode waited in the client: the agent ran one
     assert [r.reward for r in results] == [1.0, 1.0]
+
+
+def test_a_client_of_an_agents_entry_takes_its_engines_share() -> None:
+    agent = AgentConfig(name="coder", url="http://coder:8000", max_concurrent_episodes=5)
+    client = AgentClient.of(agent, engines=2)
+    assert client.replicas.url == "http://coder:8000" and client._slots._value == 3
+    served_here = AgentConfig(name="coder", serve="agents.coder:run")
+    assert AgentClient.of(served_here, "http://127.0.0.1:8123").replicas.url.endswith(":8123")
+    with pytest.raises(ValueError, match=r"agents\[coder\] has no url"):
+        AgentClient.of(served_here)
 
 
 def test_a_server_that_does_not_speak_the_protocol_is_agent_protocol() -> None:
