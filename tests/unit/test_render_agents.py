@@ -123,6 +123,16 @@ def test_a_served_agent_runs_the_function_on_the_jobs_image_secured_and_owned() 
     assert "secret" not in str(deployment)
 
 
+def test_several_replicas_get_a_disruption_budget_one_none() -> None:
+    objects = children(CODER | {"replicas": 2}, {"name": "one", "serve": "agents.one:run"})
+    [budget] = of_kind(objects, "PodDisruptionBudget")
+    assert budget["metadata"]["name"] == "agentic-agent-coder"
+    assert budget["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {"rlhf.dev/job": "agentic", AGENT_LABEL: "coder"}},
+    }
+
+
 def test_an_agent_with_its_own_image_command_port_and_env() -> None:
     agent = {"name": "bash", "image": "bash-agent:1", "command": ["bash-agent", "--fast"],
              "port": 9000, "resources": {"cpu": 2}, "env": [{"name": "MODE", "value": "x"}]}  # fmt: skip

@@ -1,6 +1,7 @@
-"""The agents a job's operator runs: for each, a Deployment, a headless Service and a
-NetworkPolicy, all named `<job>-agent-<name>` and owned by the job; and one policy,
-`<job>-gateway`, that lets them reach the rollout pool's gateway.
+"""The agents a job's operator runs: for each, a Deployment, a headless Service, a
+NetworkPolicy and, with several replicas, a PodDisruptionBudget, all named
+`<job>-agent-<name>` and owned by the job; and one policy, `<job>-gateway`, that lets
+them reach the rollout pool's gateway.
 
 An agent runs its own loop (code the job's user brought) and calls the policy through
 the OpenAI-compatible gateway each rollout engine serves in its Ray pod, on
@@ -19,6 +20,7 @@ from rlhf_operator.render.environments import environment_egress
 from rlhf_operator.render.job_services import (
     JobService,
     render_service_deployment,
+    render_service_disruption_budget,
     render_service_policy,
     render_service_service,
 )
@@ -43,9 +45,9 @@ WORKER = "worker"  # the component of the pools' Ray pods (render/children.py)
 def render_agents(
     job: JobRef, spec: RLHFJobSpec, network: NetworkAccess, isolated: bool
 ) -> list[Obj]:
-    """Each operator-run agent's Deployment, Service and NetworkPolicy (nothing for one
-    that runs at its url), and, where a policy of the job's own isolates its Ray pods
-    (`isolated`), the gateway's policy that admits the agents."""
+    """Each operator-run agent's Deployment, Service, NetworkPolicy and disruption budget
+    (nothing for one that runs at its url), and, where a policy of the job's own isolates
+    its Ray pods (`isolated`), the gateway's policy that admits the agents."""
     run = [agent for agent in spec.agents if agent.operator_run]
     ray_pods = pods_of(job, RAY_POD_COMPONENTS)  # the trainer's POST /episodes
     objects: list[Obj] = []
@@ -55,6 +57,7 @@ def render_agents(
             render_service_deployment(spec, service),
             render_service_service(service),
             render_service_policy(service, ray_pods, agent_egress(job, spec, agent, network)),
+            *render_service_disruption_budget(service),
         ]
     if run and isolated:
         objects.append(render_gateway_policy(job, spec))

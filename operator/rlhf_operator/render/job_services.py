@@ -1,6 +1,7 @@
-"""A service the operator runs for a job (an agent; environments have the same shape in
-render/environments.py): its Deployment, Service and NetworkPolicy, named alike and
-owned by the job.
+"""A service the operator runs for a job, an environment or an agent: its Deployment,
+headless Service, NetworkPolicy and, with several replicas, PodDisruptionBudget, named
+alike and owned by the job (render/environments.py and render/agents.py say what
+differs: the command, the probes, who may connect and where it may go).
 
 Such a service runs code the job's user brought, next to the trainer's secrets, so its
 pods get the least: restricted Pod Security with a read-only root filesystem, no
@@ -10,12 +11,12 @@ the ingress and egress its policy names. Pure, like children.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from rlhf_operator.api.environments import EgressRule
 from rlhf_operator.api.job import RLHFJobSpec
-from rlhf_operator.api.job_services import JobServiceSpec
+from rlhf_operator.api.podspec import EnvVar, PodResources
 from rlhf_operator.render.meta import JOB_LABEL, JobRef, Obj, labels, metadata
 from rlhf_operator.render.pod import (
     container_resources,
@@ -44,18 +45,38 @@ class Egress(Protocol):
     def egress_to(self) -> list[EgressRule] | None: ...
 
 
+class ServiceSpec(Protocol):
+    """What a service's spec says of its pods (environments[] and agents[] alike)."""
+
+    @property
+    def image(self) -> str | None: ...
+
+    @property
+    def env(self) -> list[EnvVar] | None: ...
+
+    @property
+    def serving_port(self) -> int: ...
+
+    @property
+    def replica_count(self) -> int: ...
+
+    def pod_resources(self) -> PodResources: ...
+
+
 @dataclass(frozen=True)
 class JobService:
     """One operator-run service of a job, as its objects are rendered."""
 
     job: JobRef
     name: str  # its name in the spec (agents[].name)
-    spec: JobServiceSpec
+    spec: ServiceSpec
     component: str  # its pods' app.kubernetes.io/component: not a Ray pod's
     name_label: str  # the label that carries `name` on its pods (rlhf.dev/agent)
     object_name: str  # its Deployment's, Service's and NetworkPolicy's: <job>-agent-<name>
     command: list[str]
     live_path: str = HEALTH_PATH  # what the liveness probe asks
+    port_name: str = PORT_NAME
+    pod_extras: Obj = field(default_factory=dict)  # more of the pod's spec: placement
 
     def selector(self) -> dict[str, str]:
         """The labels of exactly this service's pods (job names are unique in a namespace)."""
@@ -67,23 +88,23 @@ class JobService:
 
 def render_service_deployment(job_spec: RLHFJobSpec, service: JobService) -> Obj:
     """Its pods, on its image (else the job's), with the job's pull secrets and priority."""
-    spec = service.spec
+    spec, port = service.spec, service.port_name
     container: Obj = {
         "name": service.component,
         "image": spec.image or job_spec.image,
         "imagePullPolicy": job_spec.image_pull_policy,
         "command": service.command,
-        "ports": [{"name": PORT_NAME, "containerPort": spec.serving_port, "protocol": "TCP"}],
+        "ports": [{"name": port, "containerPort": spec.serving_port, "protocol": "TCP"}],
         # Ready once it answers; restarted when it has not been live for a minute.
         "readinessProbe": {
-            "httpGet": {"path": HEALTH_PATH, "port": PORT_NAME},
+            "httpGet": {"path": HEALTH_PATH, "port": port},
             "periodSeconds": 5,
             "failureThreshold": 3,
         },
         "livenessProbe": {
-            "httpGet": {"path": service.live_path, "port": PORT_NAME},
+            "httpGet": {"path": service.live_path, "port": port},
             "periodSeconds": 10,
-            "timeoutSeconds": 10,
+            "timeoutSeconds": 10,  # more than rlhf_env's own probe of its threads (5 s)
             "failureThreshold": 6,
         },
         "resources": container_resources(
@@ -101,6 +122,7 @@ def render_service_deployment(job_spec: RLHFJobSpec, service: JobService) -> Obj
         "containers": [container],
         "volumes": [{"name": SCRATCH["name"], "emptyDir": {"sizeLimit": SCRATCH_SIZE}}],
         **pod_settings(job_spec),  # pull secrets and priority, as the job's other pods
+        **service.pod_extras,
     }
     pod_labels = {**labels(service.job, service.component), service.name_label: service.name}
     return {
@@ -119,7 +141,7 @@ def render_service_service(service: JobService) -> Obj:
     """The name the trainer reaches it at. Headless: the name resolves to each ready
     replica's address, and the trainer places each session (episode) on a replica
     (rlhf_env.replicas), the next one when a replica is full (503) or gone."""
-    port = service.spec.serving_port
+    port, name = service.spec.serving_port, service.port_name
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -127,9 +149,7 @@ def render_service_service(service: JobService) -> Obj:
         "spec": {
             "clusterIP": "None",
             "selector": service.selector(),
-            "ports": [
-                {"name": PORT_NAME, "port": port, "targetPort": PORT_NAME, "protocol": "TCP"}
-            ],
+            "ports": [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}],
         },
     }
 
@@ -153,3 +173,19 @@ def render_service_policy(service: JobService, clients: Obj, egress: list[Obj]) 
             "egress": egress,
         },
     }
+
+
+def render_service_disruption_budget(service: JobService) -> list[Obj]:
+    """With several replicas, a drain takes one at a time: what one replica held starts
+    again on the others (rlhf_env.replicas) while the rest serve. One replica has none: a
+    drain must not wait on it. A budget left from more replicas is harmless."""
+    if service.spec.replica_count < 2:
+        return []
+    return [
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": service.metadata(),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": service.selector()}},
+        }
+    ]
