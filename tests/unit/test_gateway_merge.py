@@ -182,3 +182,30 @@ def test_the_book_binds_calls_by_key_and_enforces_the_limits() -> None:
     assert refusal(book, "k3", 1).code == EPISODE_TIMEOUT
     book.started("k3", "agent-7")
     assert book.close("k3")[1] == ["agent-7"]  # in flight: the caller aborts it
+
+
+def test_a_closed_episode_is_counted_in_rlhf_agent_metrics() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from rlhf_trainer.telemetry.metrics import AgentMetrics
+
+    book = EpisodeBook(Clock())
+    book.open("k", CallLimits(max_calls=1, max_call_tokens=8, episode_seconds=10))
+    book.admit("k", 2)
+    book.record("k", "r", CallRecord(0, [1, 5, 2], (choice([7, 3]),)))
+    refusal(book, "k", 2)
+    records, _ = book.close("k")
+    registry = CollectorRegistry()
+    AgentMetrics(registry).count_episode(
+        records.cut,
+        len(records.calls),
+        records.refusals,
+        records.prompt_tokens,
+        records.sampled_tokens,
+    )
+    value = registry.get_sample_value
+    assert value("rlhf_agent_episodes_total", {"outcome": MAX_CALLS}) == 1
+    assert value("rlhf_agent_calls_total") == 1
+    assert value("rlhf_agent_refusals_total", {"reason": MAX_CALLS}) == 1
+    assert value("rlhf_agent_tokens_total", {"kind": "prompt"}) == 3
+    assert value("rlhf_agent_tokens_total", {"kind": "sampled"}) == 2

@@ -21,6 +21,9 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
 from rlhf_trainer.api.agents import SERVED_MODEL
 from rlhf_trainer.gateway.records import (
     EPISODE_TIMEOUT,
@@ -193,18 +196,15 @@ class Gateway:
 
     # HTTP
 
-    def app(self) -> Any:
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-
+    def app(self) -> FastAPI:
         app = FastAPI(title="rlhf gateway")
 
         @app.get("/v1/models")
-        async def models() -> Any:
+        async def models() -> Response:
             return JSONResponse((await self.models.show_available_models()).model_dump())
 
         @app.post("/v1/chat/completions")
-        async def chat(raw: Request) -> Any:
+        async def chat(raw: Request) -> Response:
             try:
                 return await self._complete(raw)
             except Refused as refused:
@@ -212,8 +212,7 @@ class Gateway:
 
         return app
 
-    async def _complete(self, raw: Any) -> Any:
-        from fastapi.responses import JSONResponse, StreamingResponse
+    async def _complete(self, raw: Request) -> Response:
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -224,9 +223,12 @@ class Gateway:
             request = ChatCompletionRequest.model_validate(await raw.json())
         except (ValidationError, ValueError) as invalid:
             raise _invalid(invalid) from None
-        asked = request.max_completion_tokens or request.max_tokens
-        index, max_tokens = self.book.admit(key, asked)
-        request.max_tokens, request.max_completion_tokens = max_tokens, None
+        # max_tokens is OpenAI's deprecated name for it (read without its warning).
+        asked = request.model_dump(include={"max_tokens", "max_completion_tokens"})
+        index, max_tokens = self.book.admit(
+            key, asked["max_completion_tokens"] or asked["max_tokens"]
+        )
+        request.max_completion_tokens = max_tokens
         call_id = f"{REQUEST_PREFIX}{next(self._ids)}"
         request.request_id = call_id
         self.calls[call_id] = (key or "", index)

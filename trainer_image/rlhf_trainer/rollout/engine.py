@@ -157,6 +157,11 @@ class RolloutEngine(WeightUpdates):
         if transfer_backend == HOST_TRANSFER:
             self.init_transfer({})
 
+    @property
+    def llm(self) -> Any:
+        """vLLM's AsyncLLM (the agents' gateway serves over it, on this engine's loop)."""
+        return self._llm
+
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine's loop and wait for its result (from any other
         thread)."""

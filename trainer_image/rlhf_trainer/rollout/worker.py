@@ -20,6 +20,7 @@ from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import EvalGeneration, GenerationConfig
+from rlhf_trainer.gateway.host import GatewayHost
 from rlhf_trainer.models import chat_tokenizer, model_path
 from rlhf_trainer.rollout.chat_template import job_template
 from rlhf_trainer.rollout.engine import EngineOptions, OnFinished, RolloutEngine
@@ -48,10 +49,12 @@ def end_rank(died: EngineDied) -> None:
     os._exit(ENGINE_DIED_EXIT)
 
 
-class EngineWorker(Worker):
+class EngineWorker(GatewayHost, Worker):
     """A vLLM engine built from the spec, and the receiving end of the weight transfer:
     the four calls of vLLM's `VLLMWeightSyncClient`, made by the actor's rank 0. It
-    needs no process group of its own (vLLM makes its own)."""
+    needs no process group of its own (vLLM makes its own). With generation.agent it
+    serves the agents' gateway (GatewayHost: start_gateway, open_agent_episode,
+    close_agent_episode)."""
 
     needs_process_group = False
 

@@ -100,6 +100,53 @@ def diagnostic_gauges(registry: CollectorRegistry, prefix: str) -> dict[str, Gau
     }
 
 
+class AgentMetrics:
+    """rlhf_agent_*: what the agents' gateway served and refused, counted by the driver
+    from each episode's records as it is closed (gateway.records.EpisodeRecords)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.episodes = Counter(
+            "rlhf_agent_episodes",
+            "Agent episodes closed, by how they ended: done, or the cut's reason (a limit, "
+            "an agent that failed or ran past its deadline)",
+            ["outcome"],
+            registry=r,
+        )
+        self.calls = Counter(
+            "rlhf_agent_calls", "Chat completions the gateway served to agents", registry=r
+        )
+        self.refusals = Counter(
+            "rlhf_agent_refusals",
+            "Agents' calls the gateway refused, by reason (max_calls, max_call_tokens, "
+            "episode_timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "rlhf_agent_tokens",
+            "Tokens of the agents' calls: prompt (rendered by the gateway) or sampled",
+            ["kind"],
+            registry=r,
+        )
+
+    def count_episode(
+        self,
+        cut: str | None,
+        calls: int,
+        refusals: dict[str, int],
+        prompt_tokens: int,
+        sampled_tokens: int,
+    ) -> None:
+        """One closed episode: `cut` its reason (None: it ended as the agent said)."""
+        self.episodes.labels(cut.split(":")[0] if cut else "done").inc()
+        self.calls.inc(calls)
+        for reason, count in refusals.items():
+            self.refusals.labels(reason).inc(count)
+        self.tokens.labels("prompt").inc(prompt_tokens)
+        self.tokens.labels("sampled").inc(sampled_tokens)
+
+
 class TrainerMetrics:
     """Every `rlhf_` series the trainer exports, in a registry of its own.
 
@@ -163,6 +210,7 @@ class TrainerMetrics:
         # them to the driver (cluster.engine_stats).
         self.engines = EngineSeries()
         r.register(self.engines)
+        self.agents = AgentMetrics(r)  # rlhf_agent_*: generation.agent's episodes
 
     def _add_streaming_series(self, r: CollectorRegistry) -> None:
         """What fully-async runs watch: staleness, the queue, weight syncs."""
