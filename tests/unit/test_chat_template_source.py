@@ -117,11 +117,19 @@ def test_the_trainer_reads_the_template_from_the_mount_and_renders_with_it(
 def test_without_the_mount_it_fails_saying_a_local_run_takes_the_template_inline(
     tmp_path: Path,
 ) -> None:
-    """A local run has no ConfigMap: its driver fails at load, before Ray, saying what to
-    do instead (and so would a pod whose mount is missing)."""
+    """A local run has no ConfigMap: it refuses the job before it serves anything or
+    starts Ray, saying what to do instead; a driver without the mount fails at load."""
+    from rlhf_trainer.cluster.local import local_environments
     from rlhf_trainer.loop.setup import load_inputs
 
     config = parse_job(job(chatTemplateFrom=REF)).spec.job_config()
+    with pytest.raises(ValueError) as refused, local_environments(config):
+        pass
+    assert str(refused.value) == (
+        "generation.multiTurn.chatTemplateFrom: a local run has no ConfigMap to read key "
+        "'tools.jinja' of 'qwen3-templates' from: give the template inline, as "
+        "multiTurn.chatTemplate"
+    )
     with pytest.raises(ValueError, match="local run has no ConfigMap") as failed:
         load_inputs(config, None)
     assert str(failed.value) == (

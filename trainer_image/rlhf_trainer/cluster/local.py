@@ -166,11 +166,20 @@ def signal_all(processes: list[Any], how: str) -> None:
 @contextmanager
 def local_environments(config: JobConfig) -> Iterator[JobConfig]:
     """The job with each environment it names by class (`serve`) served on this machine
-    until the block ends, and its url filled in (rlhf_env.process)."""
+    until the block ends, and its url filled in (rlhf_env.process): every one declared,
+    so each that a data row names is. A chat template kept in a ConfigMap is refused
+    first: a local run has none to mount."""
     from rlhf_env.process import served_locally
 
     # The server's deadlines are the episodes', as the operator gives its pods.
     episodes = config.multi_turn
+    if episodes is not None and episodes.chat_template_from is not None:
+        ref = episodes.chat_template_from.config_map_key_ref
+        raise ValueError(
+            f"generation.multiTurn.chatTemplateFrom: a local run has no ConfigMap to read key "
+            f"{ref.key!r} of {ref.name!r} from: give the template inline, as "
+            "multiTurn.chatTemplate"
+        )
     deadlines = (
         ["--call-seconds", str(episodes.tool_call_timeout_seconds),
          "--idle-seconds", str(episodes.episode_timeout_seconds)]
