@@ -7,7 +7,16 @@ calls).
 A head stand-in serves the head's three ports; one client pod stands for each kind of
 peer. Each client dials each port from inside its pod (kubectl exec). The same dials
 before the policy exists, with the enforcer already running, all connect: what is
-refused afterwards is refused by the policy."""
+refused afterwards is refused by the policy.
+
+An environment with egress (issue 72), the policies as the operator renders them without
+the chart's peers: refused by the head (dashboard and GCS), by the API server and by the
+metadata address, and let through to what it declares. This enforcer judges only what
+the node forwards, so every target is a pod: the API server stands behind a ClusterIP
+Service (the enforcer judges its endpoint's address, after kube-proxy's translation),
+and the metadata address and the internet are pods whose addresses the rendering is
+given as such (`NetworkAccess(cluster_ranges=..., metadata=...)`), the cluster's ranges
+being the Service range and the other pods' addresses."""
 
 from __future__ import annotations
 
@@ -19,23 +28,27 @@ from typing import Any
 import pytest
 import yaml
 
-from rlhf_operator.render.children import TRAINER_METRICS_PORT
+from rlhf_operator.api.validation import parse_job
+from rlhf_operator.render.children import HEAD_PORTS as RAY_HEAD_PORTS
+from rlhf_operator.render.children import TRAINER_METRICS_PORT, render_children
+from rlhf_operator.render.environments import ENVIRONMENT_LABEL
 from rlhf_operator.render.meta import JOB_POD_COMPONENTS, JobRef, labels, metadata, pods_of
 from rlhf_operator.render.network import (
     RAY_DASHBOARD_PORT,
     RAY_METRICS_PORT,
     NetworkAccess,
+    Peers,
     render_network_policy,
 )
 
-from .harness import ControlPlane
+from .harness import REPO_ROOT, SERVICE_CIDR, ControlPlane
 from .network_policies import enforcer_log, network_policies_enforced
 from .node import NETTOOL_IMAGE, RealNode
 from .scan_manifests import chart_network_access
 from .test_node import nettool_pod, wait_ready
-from .util import eventually
+from .util import eventually, get_json
 
-pytestmark = pytest.mark.slow  # the enforcer, seven pods and a few dozen dials: ~1 min
+pytestmark = pytest.mark.slow  # the enforcer, about eight pods, dozens of dials: ~1 min each
 
 HEAD_PORTS = (RAY_DASHBOARD_PORT, RAY_METRICS_PORT, TRAINER_METRICS_PORT)
 IDLE_PORT = 9999  # what the clients serve, only to keep running
@@ -54,14 +67,19 @@ def clients(job: JobRef) -> dict[str, dict[str, str]]:
     }
 
 
-def head_pod(job: JobRef) -> dict[str, Any]:
-    pod = nettool_pod("head", [])
-    pod["metadata"]["labels"] = labels(job, "head")
+def head_pod(job: JobRef, ports: tuple[int, ...] = HEAD_PORTS) -> dict[str, Any]:
+    return server_pod("head", labels(job, "head"), ports)
+
+
+def server_pod(name: str, pod_labels: dict[str, str], ports: tuple[int, ...]) -> dict[str, Any]:
+    """A pod serving each of `ports`, Ready once it does."""
+    pod = nettool_pod(name, [])
+    pod["metadata"]["labels"] = pod_labels
     probe = {"periodSeconds": 1}  # the kubelet's probes come from the node: never queued
     pod["spec"]["containers"] = [
         {"name": f"port-{port}", "image": NETTOOL_IMAGE, "imagePullPolicy": "Never",
          "args": ["serve", str(port)], "readinessProbe": {"tcpSocket": {"port": port}, **probe}}
-        for port in HEAD_PORTS
+        for port in ports
     ]  # fmt: skip
     return pod
 
@@ -79,6 +97,14 @@ def reaches(cp: ControlPlane, namespace: str, client: str, ip: str) -> dict[int,
     out = cp.kubectl("exec", "-n", namespace, client, "--", "/nettool", "check", *checks).stdout
     found = {r["check"]: r["ok"] for r in map(json.loads, out.splitlines())}
     return {port: found[f"dial={ip}:{port}"] for port in HEAD_PORTS}
+
+
+def dials(cp: ControlPlane, namespace: str, client: str, targets: list[str]) -> dict[str, bool]:
+    """Which of `targets` (HOST:PORT) `client` connects to."""
+    checks = [f"dial={target}" for target in targets]
+    out = cp.kubectl("exec", "-n", namespace, client, "--", "/nettool", "check", *checks).stdout
+    found = {r["check"]: r["ok"] for r in map(json.loads, out.splitlines())}
+    return {target: found[f"dial={target}"] for target in targets}
 
 
 def reachability(cp: ControlPlane, namespace: str, names: list[str], ip: str) -> dict[str, Any]:
@@ -106,9 +132,9 @@ def test_a_jobs_policy_admits_its_pods_prometheus_and_kuberay_and_refuses_the_re
             before = reachability(cp, namespace, list(peers), head_ip)
             meta = metadata(job, job.name, "network")
             meta.pop("ownerReferences")  # there is no RLHFJob here to own it
-            access = NetworkAccess(**chart_network_access())
+            chart_peers = Peers(**chart_network_access())
             job_pods = pods_of(job, JOB_POD_COMPONENTS)
-            policy = render_network_policy(meta, job_pods, access, TRAINER_METRICS_PORT)
+            policy = render_network_policy(meta, job_pods, chart_peers, TRAINER_METRICS_PORT)
             cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(policy))
             # The enforcer writes its rules as the policy arrives: until the outsider is
             # refused at one port, the others' results would be the old rules'.
@@ -138,3 +164,121 @@ def test_a_jobs_policy_admits_its_pods_prometheus_and_kuberay_and_refuses_the_re
         "kuberay": dashboard,
         "outsider": nothing,
     }, after
+
+
+GCS_PORT = RAY_HEAD_PORTS["gcs-server"]
+API_PORT, API_SERVICE_PORT = 6443, 443  # as the kubernetes Service and its endpoints
+METADATA_PORT = 8081  # the metadata service's 80, unprivileged
+DECLARED_PORT, UNDECLARED_PORT = 5432, 2222  # a database the environment may use
+INTERNET_PORT = 8443
+
+
+def egress_policies(job: JobRef, declared_ip: str, network: NetworkAccess) -> list[dict[str, Any]]:
+    """The NetworkPolicies of the agentic example as the operator renders them without
+    the chart's peers, its environment given egress: true and one declared address."""
+    manifest = yaml.safe_load((REPO_ROOT / "examples" / "agentic-cluster.yaml").read_text())
+    manifest["metadata"]["name"] = job.name
+    declared = {"cidr": f"{declared_ip}/32", "ports": [DECLARED_PORT]}
+    manifest["spec"]["environments"][0] |= {"egress": True, "egressTo": [declared]}
+    objects = render_children(job, parse_job(manifest).spec, network)
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    for policy in policies:
+        policy["metadata"].pop("ownerReferences")  # there is no RLHFJob here to own them
+    return policies
+
+
+def test_an_environment_with_egress_is_refused_by_the_head_the_api_server_and_the_metadata(
+    controlplane: ControlPlane, real_node: RealNode
+) -> None:
+    cp = controlplane
+    real_node.import_go_image("nettool", NETTOOL_IMAGE)
+    namespace = f"t-egress-{uuid.uuid4().hex[:6]}"
+    cp.create_namespace(namespace)
+    job = JobRef(name="egress", namespace=namespace, uid=str(uuid.uuid4()))
+    other_job = JobRef(name="other", namespace=namespace, uid=str(uuid.uuid4()))
+    servers = {
+        "head": (labels(job, "head"), (RAY_DASHBOARD_PORT, GCS_PORT)),
+        "api": ({"app": "api"}, (API_PORT,)),
+        "metadata": ({"app": "metadata"}, (METADATA_PORT,)),
+        "database": ({"app": "database"}, (DECLARED_PORT, UNDECLARED_PORT)),
+        "internet": ({"app": "internet"}, (INTERNET_PORT,)),
+    }
+    clients = {
+        "environment": {**labels(job, "environment"), ENVIRONMENT_LABEL: "lookup"},
+        # Another job's environment, whose own policy gives it no egress to refuse it:
+        # only the head's policy stands in its way.
+        "other-environment": {**labels(other_job, "environment"), ENVIRONMENT_LABEL: "calc"},
+        "outsider": {"app": "outsider"},
+    }
+    api_service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"},
+        "spec": {"selector": {"app": "api"},
+                 "ports": [{"port": API_SERVICE_PORT, "targetPort": API_PORT}]},
+    }  # fmt: skip
+    objects = [*(server_pod(name, pod_labels, ports) for name, (pod_labels, ports) in servers.items()),
+               *(client_pod(name, pod_labels) for name, pod_labels in clients.items()), api_service]  # fmt: skip
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects))
+    try:
+        ips = {
+            name: wait_ready(cp, namespace, name)["status"]["podIP"]
+            for name in [*servers, *clients]
+        }
+        api = get_json(cp, "service", "-n", namespace, "api")["spec"]["clusterIP"]
+        targets = {
+            "head-dashboard": f"{ips['head']}:{RAY_DASHBOARD_PORT}",
+            "head-gcs": f"{ips['head']}:{GCS_PORT}",
+            "api-server": f"{api}:{API_SERVICE_PORT}",
+            "metadata": f"{ips['metadata']}:{METADATA_PORT}",
+            "declared": f"{ips['database']}:{DECLARED_PORT}",
+            "undeclared-port": f"{ips['database']}:{UNDECLARED_PORT}",
+            "internet": f"{ips['internet']}:{INTERNET_PORT}",
+        }
+        # Here the cluster is the Service range and these pods (the database too: an
+        # in-cluster one, allowed by its declaration alone); the metadata address and
+        # the internet are the two pods left out.
+        cluster_pods = [name for name in ips if name not in ("metadata", "internet")]
+        network = NetworkAccess(
+            cluster_ranges=(SERVICE_CIDR, *(f"{ips[name]}/32" for name in cluster_pods)),
+            metadata=(f"{ips['metadata']}/32",),
+        )
+        policies = egress_policies(job, ips["database"], network)
+        head = targets["head-dashboard"]
+
+        def environment_dials() -> dict[str, bool]:
+            found = dials(cp, namespace, "environment", list(targets.values()))
+            return {name: found[target] for name, target in targets.items()}
+
+        def head_dials() -> dict[str, bool]:
+            return {
+                c: dials(cp, namespace, c, [head])[head] for c in ("outsider", "other-environment")
+            }
+
+        with network_policies_enforced(cp) as enforcer:
+            eventually(lambda: all(environment_dials().values()), "every target reached before")
+            before = environment_dials(), head_dials()
+            cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(policies))
+            # The enforcer writes its rules as the policies arrive: both in place first.
+            eventually(lambda: not environment_dials()["metadata"] and not head_dials()["other-environment"],
+                       "the environments refused once the policies are in place")  # fmt: skip
+            after = environment_dials(), head_dials()
+            log = enforcer_log(cp, enforcer)
+    finally:
+        cp.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+    assert sorted(p["metadata"]["name"] for p in policies) == ["egress", "egress-env-lookup"]
+    assert enforcer["spec"]["nodeName"] == real_node.name
+    assert 'verdict="drop"' in log and 'verdict="accept"' in log, log[-3000:]
+    assert before == (dict.fromkeys(targets, True), {"outsider": True, "other-environment": True})
+    assert after == (
+        {
+            "head-dashboard": False,  # the Ray head: its job API runs any code
+            "head-gcs": False,
+            "api-server": False,  # through its Service, judged at its endpoint's address
+            "metadata": False,
+            "declared": True,  # egressTo, on its port only
+            "undeclared-port": False,
+            "internet": True,  # egress: true
+        },
+        # The head's policy refuses environments' pods, of any job, and admits the rest.
+        {"outsider": True, "other-environment": False},
+    ), after
