@@ -17,7 +17,7 @@ include tests/images/images.mk
 # The control plane's launcher needs the venv's kubernetes client; it loads the images
 # into its real node.
 cluster: install images
-.PHONY: help images install tmux real-model test test-shuffled test-gpu gpu-stack unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-gpu-train-step bench-gpu-ipc bench-contention bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled test-gpu gpu-stack unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-gpu-train-step bench-gpu-ipc bench-contention bench-overhead bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -190,6 +190,9 @@ bench-gpu-train-step: install  ## benchmark: the actor's update in bf16 vs fp32 
 
 bench-contention: install  ## benchmark: two processes training at once vs one alone, no product code (what 2 cores cost)
 	$(PY) -m bench.contention.run
+
+bench-overhead: install  ## benchmark: a fully-async job's rollout pool vs vLLM's LLM.generate, its actor update vs a bare FSDP2 loop, and the start-up (~10 min)
+	$(PY) -m bench.overhead.run
 
 bench-operator: install  ## benchmark: create->RayJob and ->first status vs KubeRay's, on equal terms, and RSS among 10,000 unrelated pods (~15 min)
 	$(PY) -m bench.operator.run

@@ -27,6 +27,7 @@ BENCHES = {  # name -> module
     "gpu_train_step": "bench.gpu_train_step.run",
     "gpu_ipc": "bench.gpu_ipc.run",
     "contention": "bench.contention.run",
+    "overhead": "bench.overhead.run",
 }
 HEADLINES = {  # name -> the figures its summary shows
     "split": [
@@ -80,6 +81,7 @@ HEADLINES = {  # name -> the figures its summary shows
     "gpu_train_step": ["actor_bf16.mfu", "actor_bf16.tokens_per_s", "autocast.tokens_per_s"],
     "gpu_ipc": ["ipc_share", "ipc.gb_per_s", "ipc_fresh.open_s"],
     "contention": ["slowdown"],
+    "overhead": ["rollout", "training", "train_job.push_s", "train_job.in_rank_share"],
 }
 RESULTS = Path(__file__).with_name("results.jsonl")
 
