@@ -21,7 +21,7 @@ STAGE_ARGUMENTS = {"generate": ["step", "attempt"], "score": [], "update": ["ste
     [(name, phase) for name, phases in STEP_STAGES if name != "sync" for phase in phases],
 )
 def test_every_scheduled_phase_has_a_worker_method(stage: str, phase: Phase) -> None:
-    method = getattr(WORKERS[PHASE_ROLE[phase]], PHASE_METHOD[phase])
+    method = getattr(WORKERS[PHASE_ROLE[phase]].load(), PHASE_METHOD[phase])
     parameters = list(inspect.signature(method).parameters)
     assert parameters[2:] == STAGE_ARGUMENTS[stage], f"{phase}: {parameters}"
 

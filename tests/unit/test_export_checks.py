@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.models import write_tiny_model
-from rlhf_trainer.roles import hf_export
+from rlhf_trainer.roles import export_files, hf_export
 from rlhf_trainer.roles.hf_export import MARKER, ExportError, check_export, check_target
 from tests.exports import tree_bytes
 from tests.specs import local_job
@@ -55,9 +55,9 @@ def test_sampling_flags_without_do_sample_are_repaired_at_start_and_in_the_expor
 ) -> None:
     config = path_job(tmp_path, LLAMA_2_GENERATION)
     target = Path(config.output.path) if config.output else Path()
-    with caplog.at_level(logging.WARNING, logger="rlhf_trainer.roles.hf_export"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_trainer.roles.export_files"):
         check_export(config)
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == hf_export.log.name]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == export_files.log.name]
     assert warning == (
         f"models.actor.path {config.models.actor.path}'s generation_config.json sets "
         "temperature, top_p without do_sample, which transformers refuses to save: the "
@@ -175,7 +175,7 @@ def test_a_crash_between_the_two_renames_leaves_the_previous_export_to_put_back(
             raise OSError("killed")  # the previous export is aside, the new one not in
         rename(source, destination)
 
-    monkeypatch.setattr(hf_export.os, "rename", crash_on_the_second)
+    monkeypatch.setattr(os, "rename", crash_on_the_second)
     with pytest.raises(OSError, match="killed"):
         hf_export.write_policy(weights, actor, target, "fp32", 2, "test", seed=0)
     monkeypatch.undo()

@@ -15,24 +15,26 @@ import json
 import string
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch import Tensor, nn
-from transformers import (
-    AutoModel,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
 from rlhf_trainer.algo.ppo import log_probs_from_logits
 from rlhf_trainer.api.sections import ModelSource, TinyModel
+
+# transformers is imported where it is used: the driver needs the tokenizers alone, and
+# transformers' model parts (a model config's class too) import much of torch's
+# compiler stack, about 1.5 s (see tests/unit/test_driver_imports.py).
+if TYPE_CHECKING:
+    from transformers import (
+        LlamaConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+    )
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
@@ -54,6 +56,8 @@ def vocabulary(vocab_size: int) -> list[str]:
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A word-level tokenizer over space-separated symbols that prepends <s>."""
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {token: i for i, token in enumerate(vocabulary(vocab_size))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -76,6 +80,9 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """A model's tokenizer: built in code for a tiny model, else from its path."""
     if source.tiny is not None:
         return build_tokenizer(source.tiny.vocab_size)
+    # Not before: AutoTokenizer's module imports transformers' model classes.
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     assert source.path is not None  # the spec's rules: exactly one of path or tiny
     if is_word_level(source.path):
         # A tiny model's directory (an export of one): for a qwen2 model, AutoTokenizer
@@ -189,6 +196,8 @@ COMPUTE_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def model_config(tiny: TinyModel) -> Qwen2Config | LlamaConfig:
     """A transformers config for the tiny causal LM (embeddings tied to the LM head)."""
+    from transformers import LlamaConfig, Qwen2Config
+
     config_class = Qwen2Config if tiny.architecture == "qwen2" else LlamaConfig
     return config_class(
         vocab_size=tiny.vocab_size,
@@ -208,6 +217,8 @@ def model_config(tiny: TinyModel) -> Qwen2Config | LlamaConfig:
 
 def build_tiny_model(tiny: TinyModel, seed: int = 0) -> PreTrainedModel:
     """A randomly initialised causal LM; the same seed gives the same weights."""
+    from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(seed)
     config = model_config(tiny)
     model: PreTrainedModel
@@ -265,6 +276,8 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: Path | str) -> ValueModel:
+        from transformers import AutoModel
+
         backbone: PreTrainedModel = AutoModel.from_pretrained(path, dtype=torch.float32)
         return cls(backbone)
 

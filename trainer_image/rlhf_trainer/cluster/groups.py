@@ -34,15 +34,10 @@ from rlhf_trainer.cluster.hangs import (
     record,
 )
 from rlhf_trainer.cluster.placement import PoolGroup, WorkerSlot, engine_environment, role_slots
-from rlhf_trainer.cluster.rank_host import RankHost, Whereabouts
+from rlhf_trainer.cluster.rank_host import RankHost, Whereabouts, WorkerClass
 from rlhf_trainer.cluster.waits import Streams, join
 from rlhf_trainer.telemetry.engine_stats import EngineStats
-from rlhf_trainer.worker import (
-    BatchT,
-    RankInfo,
-    Worker,
-    split_batch,
-)
+from rlhf_trainer.worker import BatchT, RankInfo, split_batch
 
 if TYPE_CHECKING:
     from ray import ObjectRef as ObjectRef  # re-exported: the futures the loop holds
@@ -129,7 +124,7 @@ class WorkerGroup:
         plan: PlacementPlan,
         role: Role,
         pool_group: PoolGroup,
-        worker_cls: type[Worker],
+        worker_cls: WorkerClass,
         *args: Any,
         **kwargs: Any,
     ) -> WorkerGroup:
@@ -149,7 +144,7 @@ class WorkerGroup:
         slots: Sequence[WorkerSlot],
         ranks: Sequence[int],
         pool_group: PoolGroup,
-        worker_cls: type[Worker],
+        worker_cls: WorkerClass,
         *args: Any,
         **kwargs: Any,
     ) -> WorkerGroup:
@@ -191,7 +186,7 @@ class WorkerGroup:
 
     @classmethod
     def beside(
-        cls, hosting: WorkerGroup, role: Role, worker_cls: type[Worker], *args: Any, **kwargs: Any
+        cls, hosting: WorkerGroup, role: Role, worker_cls: WorkerClass, *args: Any, **kwargs: Any
     ) -> WorkerGroup:
         """`role`'s ranks in the processes of `hosting`'s, rank for rank: each builds its
         worker once the host's own is built (a host runs its calls in order), in the

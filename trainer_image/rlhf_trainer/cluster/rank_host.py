@@ -5,6 +5,7 @@ where it is; `cluster.groups` places these actors and fans calls out to them.
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import time
@@ -21,6 +22,36 @@ from rlhf_trainer.worker import CPU_THREADS_PER_RANK, RankInfo, Worker, free_por
 
 if TYPE_CHECKING:
     from ray import ObjectRef
+
+
+@dataclass(frozen=True)
+class WorkerPath:
+    """A worker class named by its module, imported only in its ranks' processes: a
+    role's module imports what the role runs (transformers, peft, vLLM), which the
+    driver that starts the ranks never does. `needs_process_group` repeats the class's
+    own, since the driver reads it before any rank starts; `load` checks they agree."""
+
+    module: str
+    name: str
+    needs_process_group: bool = True
+
+    def load(self) -> type[Worker]:
+        worker_cls: type[Worker] = getattr(importlib.import_module(self.module), self.name)
+        if worker_cls.needs_process_group != self.needs_process_group:
+            raise TypeError(
+                f"{self.module}.{self.name}.needs_process_group is "
+                f"{worker_cls.needs_process_group}, but its WorkerPath says otherwise"
+            )
+        return worker_cls
+
+
+# A worker class as the driver hands it to a rank: named (the product's roles), or the
+# class itself (a test's, which the driver may import).
+WorkerClass = type[Worker] | WorkerPath
+
+
+def load_worker(worker: WorkerClass) -> type[Worker]:
+    return worker.load() if isinstance(worker, WorkerPath) else worker
 
 
 @dataclass(frozen=True)
@@ -44,7 +75,7 @@ class RankHost:
     def __init__(
         self,
         info: RankInfo,
-        worker_cls: type[Worker],
+        worker_cls: WorkerClass,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         environment: dict[str, str] | None = None,
@@ -77,15 +108,17 @@ class RankHost:
         return self.whereabouts().node_ip, free_port()
 
     def setup(self, rendezvous: tuple[str, int] | None) -> None:
-        """Join the role's process group at rank 0's `rendezvous` (None: the worker
-        needs none), then build the worker."""
-        worker_cls, args, kwargs = self._build
+        """Import the worker's class (after the placement's environment is set: vLLM
+        reads it), join the role's process group at rank 0's `rendezvous` (None: the
+        worker needs none), then build the worker."""
+        named, args, kwargs = self._build
         if self.environment:
             self._set_environment()
         if not torch.cuda.is_available():
             # On a CPU machine a "GPU" stands for a core: a rank computing on many
             # threads would slow the ranks of other pools that run at the same time.
             torch.set_num_threads(CPU_THREADS_PER_RANK)
+        worker_cls = load_worker(named)  # before the rendezvous: a failed import waits for no one
         if rendezvous is not None:
             init_distributed(self.info, *rendezvous)
         self.workers[self.info.role] = worker_cls(self.info, *args, **kwargs)
@@ -103,7 +136,7 @@ class RankHost:
     def host_beside(
         self,
         info: RankInfo,
-        worker_cls: type[Worker],
+        worker_cls: WorkerClass,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
@@ -114,7 +147,7 @@ class RankHost:
                 f"{info.role} rank {info.rank} cannot start beside {self.info.role} rank "
                 f"{self.info.rank}: that rank's setup failed (the error is in its `ready`)"
             )
-        self.workers[info.role] = worker_cls(info, *args, **kwargs)
+        self.workers[info.role] = load_worker(worker_cls)(info, *args, **kwargs)
 
     def call(
         self,

@@ -25,21 +25,20 @@ from rlhf_trainer.cluster.placement import (
     tp_slots,
     wait_ready,
 )
+from rlhf_trainer.cluster.rank_host import WorkerClass, WorkerPath
 from rlhf_trainer.cluster.waits import finished, join
-from rlhf_trainer.roles.critic import Critic
-from rlhf_trainer.roles.policy import Actor, Ref
-from rlhf_trainer.roles.reward import RewardModel
-from rlhf_trainer.rollout.worker import RolloutWorker
-from rlhf_trainer.worker import Worker
 
 log = logging.getLogger(__name__)
 
-WORKERS: dict[Role, type[Worker]] = {
-    Role.ACTOR: Actor,
-    Role.ROLLOUT: RolloutWorker,
-    Role.REF: Ref,
-    Role.CRITIC: Critic,
-    Role.REWARD: RewardModel,
+# By name: the driver starts these without importing them (see WorkerPath).
+WORKERS: dict[Role, WorkerPath] = {
+    Role.ACTOR: WorkerPath("rlhf_trainer.roles.policy", "Actor"),
+    Role.ROLLOUT: WorkerPath(
+        "rlhf_trainer.rollout.worker", "RolloutWorker", needs_process_group=False
+    ),
+    Role.REF: WorkerPath("rlhf_trainer.roles.policy", "Ref"),
+    Role.CRITIC: WorkerPath("rlhf_trainer.roles.critic", "Critic"),
+    Role.REWARD: WorkerPath("rlhf_trainer.roles.reward", "RewardModel"),
 }
 
 
@@ -49,7 +48,7 @@ class WorkerSpec:
     and for fully async's StreamingRollout the queue): one value names a role's worker
     wherever its ranks start, at the run's start and when more start later."""
 
-    cls: type[Worker]
+    cls: WorkerClass
     args: tuple[Any, ...] = ()
 
 

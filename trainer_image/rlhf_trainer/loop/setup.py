@@ -24,7 +24,8 @@ from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import PlacementPlan, plan_placement
 from rlhf_trainer.cluster.engine_stats import EngineStatsPoller
 from rlhf_trainer.cluster.queue import close_queue, spawn_queue
-from rlhf_trainer.cluster.role_groups import RoleGroups, WorkerSpec
+from rlhf_trainer.cluster.rank_host import WorkerPath
+from rlhf_trainer.cluster.role_groups import WORKERS, RoleGroups, WorkerSpec
 from rlhf_trainer.data.prompts import (
     CheckRow,
     Prompt,
@@ -38,15 +39,18 @@ from rlhf_trainer.loop.rewards import Scorer, Tokens
 from rlhf_trainer.loop.scores_ahead import scores_ahead
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.models import load_tokenizer
-from rlhf_trainer.roles.hf_export import check_export
+from rlhf_trainer.roles.export_files import check_export
 from rlhf_trainer.rollout.episodes import check_episodes
 from rlhf_trainer.rollout.queue import admission_limit, remembered_uids
-from rlhf_trainer.rollout.streaming import StreamingRollout
-from rlhf_trainer.rollout.worker import RolloutWorker
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
 
 log = logging.getLogger(__name__)
+
+# By name, as the roles' workers (cluster.role_groups.WORKERS): vLLM is its process's alone.
+STREAMING_ROLLOUT = WorkerPath(
+    "rlhf_trainer.rollout.streaming", "StreamingRollout", needs_process_group=False
+)
 
 
 @dataclass(frozen=True)
@@ -174,5 +178,5 @@ def rollout_worker(config: JobConfig, queue: Any | None) -> WorkerSpec:
     """The rollout engines' worker: the one place it is named. Fully async's streams
     its samples into the queue."""
     if queue is None:
-        return WorkerSpec(RolloutWorker, (config,))
-    return WorkerSpec(StreamingRollout, (config, queue))
+        return WorkerSpec(WORKERS[Role.ROLLOUT], (config,))
+    return WorkerSpec(STREAMING_ROLLOUT, (config, queue))

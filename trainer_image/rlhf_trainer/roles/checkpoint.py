@@ -33,17 +33,9 @@ from typing import Any, TypedDict
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.progress import EvalProgress
-from rlhf_trainer.roles.sharding import without_frozen
 
 COMMITTED_PREFIX = "step-"
 STAGING_PREFIX = ".tmp-"  # + the committed name
@@ -160,26 +152,36 @@ def fsync(path: Path) -> None:
 # model's frozen base is built again from the spec's model, so its checkpoint holds the
 # adapter and the optimizer's state (megabytes); a model that trains all its weights
 # has no frozen parameter, and keeps them all.
-_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
-# On load the frozen parameters are missing from the state on purpose; DCP's load has
-# already failed on any trained one the checkpoint lacks.
-_INTO_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+#
+# DCP and the sharding are imported in these functions, which the ranks alone call: the
+# driver imports this module for its own state, and DCP would cost it 0.5 CPU-s (it
+# imports FSDP and sympy).
 
 
 def _trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from rlhf_trainer.roles.sharding import without_frozen
+
+    trained_only = StateDictOptions(ignore_frozen_params=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=trained_only)
     return {"model": without_frozen(model, model_state), "optimizer": optimizer_state}
 
 
 def save_role_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the model's and the optimizer's state, each rank its own shards, into
     `directory`. Every rank of the role calls it; it returns once all have written."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     dcp_save(_trained_state(model, optimizer), checkpoint_id=directory)
 
 
 def load_role_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load what `save_role_state` wrote into the (sharded) model and optimizer, in
     place. The ranks' count may differ from the writers': DCP reshards on load."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     # The current state gives DCP the shapes and the shards this rank wants; it loads
     # into those tensors in place, and set_state_dict puts them into model/optimizer.
     state = _trained_state(model, optimizer)
@@ -189,7 +191,9 @@ def load_role_state(directory: Path, model: nn.Module, optimizer: torch.optim.Op
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=_INTO_TRAINED,
+        # The frozen parameters are missing from the state on purpose; DCP's load has
+        # already failed on any trained one the checkpoint lacks.
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
 
 
