@@ -4,7 +4,8 @@ generation.multiTurn.environment is the default for rows without it.
 
 The episodes run through the real EpisodeRunners that a rollout rank builds from the
 job (rollout.worker.episode_runner), against two toy environments of rlhf_env/toys.py,
-each on the real protocol server (tests/environments.py: uvicorn in a thread). The
+each on the real protocol server (tests/environments.py: uvicorn in a thread), the
+calculator refusing a row with any column but its own. The
 engine is a script (a stand-in for vLLM): it samples each row's ideal turns in the tiny
 models' words, so a row played in the other environment would score 0 or fail, never 1.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from rlhf_env.protocol import Start
 from rlhf_env.server import app_for
 from rlhf_env.toys import Calculator, LetterLookup
 from rlhf_operator.api.validation import parse_job
@@ -66,6 +68,16 @@ def job_config(default: str | None = "lookup") -> JobConfig:
     return parse_job(manifest(default)).spec.job_config()
 
 
+class StrictCalculator(Calculator):
+    """Calculator, refusing any column but its own (as an environment that validates its
+    rows strictly does): the column that chose it never reaches it."""
+
+    def reset(self, row: dict[str, Any]) -> Start:
+        if set(row) != {"numbers"}:
+            raise ValueError(f"unexpected columns: {sorted(set(row) - {'numbers'})}")
+        return super().reset(row)
+
+
 def at(config: JobConfig, urls: dict[str, str]) -> JobConfig:
     """The job with each environment at its url, as the driver gets it in a cluster."""
     environments = [
@@ -77,7 +89,9 @@ def at(config: JobConfig, urls: dict[str, str]) -> JobConfig:
 @pytest.fixture(scope="module")
 def served() -> Iterator[JobConfig]:
     """The job with both environments served, each by its real server."""
-    with environments.served({"lookup": app_for(LetterLookup), "calc": app_for(Calculator)}) as url:
+    with environments.served(
+        {"lookup": app_for(LetterLookup), "calc": app_for(StrictCalculator)}
+    ) as url:
         yield at(job_config(), {"lookup": f"{url}/lookup", "calc": f"{url}/calc"})
 
 
