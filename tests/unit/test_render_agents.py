@@ -157,6 +157,17 @@ def test_an_agent_with_its_own_image_command_port_and_env() -> None:
     assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 9000}]
 
 
+def test_an_agent_may_run_sandboxed_on_nodes_of_its_own() -> None:
+    toleration = {"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}
+    agent = CODER | {"runtimeClassName": "gvisor", "nodeSelector": {"pool": "sandbox"},
+                     "tolerations": [toleration]}  # fmt: skip
+    pod = named(children(agent), "Deployment", "agentic-agent-coder")["spec"]["template"]["spec"]
+    assert pod["runtimeClassName"] == "gvisor"
+    assert pod["nodeSelector"] == {"pool": "sandbox"} and pod["tolerations"] == [toleration]
+    plain = named(children(CODER), "Deployment", "agentic-agent-coder")["spec"]["template"]["spec"]
+    assert not {"runtimeClassName", "nodeSelector", "tolerations"} & plain.keys()
+
+
 def test_an_agent_at_its_url_gets_nothing_rendered() -> None:
     objects = children({"name": "remote", "url": "http://remote.team.svc:8000"}, network=PEERS)
     assert not [o for o in objects if "-agent-" in o["metadata"]["name"]]

@@ -235,12 +235,13 @@ CASES: list[tuple[str, Callable[[Job], None], str, str, bool]] = [
      "spec.agents[0]", "set exactly one of url", True),
     ("agent-url-with-replicas-and-egress",
      lambda j: (_agent(j), _set("spec.agents.0.replicas", 2)(j), _set("spec.agents.0.egress", True)(j)),
-     "spec.agents[0].url", "with url, leave image, port, replicas, resources, env, egress unset: they are "
-     "for an agent the operator runs (got replicas, egress)", True),
+     "spec.agents[0].url", "with url, leave image, port, replicas, resources, env, egress, egressTo, "
+     "runtimeClassName, nodeSelector, tolerations unset: they are for an agent the operator runs "
+     "(got replicas, egress)", True),
     ("agent-name-too-long-for-its-service",
      lambda j: (_agent(j), _set("spec.agents.0", {"name": "a-long-coder-bot1", "serve": "a:run"})(j),
                 _set("spec.generation.agent.agent", "a-long-coder-bot1")(j)),
-     "spec.agents[0].name", "must be at most 16 characters when the operator runs it: its Service, "
+     "spec.agents[0].name", "must be at most 16 characters when the operator runs the agent: its Service, "
      "<job>-agent-<name>, must fit in 63 with a job name of up to 40 (got 17)", True),
     ("agent-env-twice",
      lambda j: (_agent(j), _set("spec.agents.0", {"name": "coder", "serve": "a:run", "env": [

@@ -32,7 +32,7 @@ class AgentSpec(JobServiceSpec, AgentConfig):
         ),
     )
 
-    rules = service_rules("an agent", ("serve", "command"), SERVICE_INFIX)
+    rules = service_rules("agent", ("serve", "command"), SERVICE_INFIX)
 
     @property
     def operator_run(self) -> bool:

@@ -1,7 +1,7 @@
-"""What a service the operator runs for a job is given in the spec: its image, command,
-port, replicas, resources, env and egress (`JobServiceSpec`), and the rules every such
-service keeps (`service_rules`). agents[] (api/agents.py) is made of them; environments[]
-(api/environments.py) has the same fields and rules, written there before this module.
+"""What a service the operator runs for a job is given in the spec, environments[] and
+agents[] alike (`JobServiceSpec`): its image, command, port, replicas, resources, env,
+egress (`EgressRule`) and placement; and the rules every such service keeps
+(`service_rules`).
 
 An operator-run service becomes a Deployment, a Service and a NetworkPolicy named
 `<job><infix><name>` (render/job_services.py); the trainer gets the Service's URL.
@@ -9,26 +9,89 @@ An operator-run service becomes a Deployment, a Service and a NetworkPolicy name
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated
 
-from pydantic import Field, StringConstraints
+from pydantic import AfterValidator, Field, StringConstraints, WithJsonSchema
 from pydantic.alias_generators import to_snake
 
-from rlhf_operator.api.environments import EgressRule
-from rlhf_operator.api.podspec import MAX_JOB_NAME, EnvVar, PodResources, _list_map, _unique
+from rlhf_operator.api.podspec import (
+    MAX_JOB_NAME,
+    EnvVar,
+    NodeSelector,
+    ObjectName,
+    PodResources,
+    Toleration,
+    _list_map,
+    _unique,
+)
 from rlhf_trainer.api.rules import Rule, SpecModel
 
 DEFAULT_PORT = 8000
 DEFAULT_REPLICAS = 1
-# One Python process serving a protocol: enough for a toy; a service that runs code or
-# holds big state sets its own.
+# One Python process serving a protocol (sessions, episodes in memory): enough for a
+# toy; a service that runs code or holds big state sets its own.
 DEFAULT_RESOURCES = PodResources(cpu="500m", memory="1Gi")
 # The fields only a service the operator runs has. With url they would be ignored, so
 # they are refused (command too, by the first rule). None has a default in the schema:
 # the API server would fill it in, and url services would carry it.
-RUN_FIELDS = ("image", "port", "replicas", "resources", "env", "egress", "egressTo")
+RUN_FIELDS = (
+    "image",
+    "port",
+    "replicas",
+    "resources",
+    "env",
+    "egress",
+    "egressTo",
+    "runtimeClassName",
+    "nodeSelector",
+    "tolerations",
+)
+# The clouds' instance metadata addresses, the node's credentials: AWS, GCP, Azure and
+# most others; AWS's and GCP's IPv6 ones; Alibaba Cloud's. The chart's default
+# networkPolicy.metadataAddresses: render/network.py takes those out of every egress
+# rule, so a rule of these alone would be a rule of nothing: refused.
+METADATA_ADDRESSES = (
+    "169.254.169.254/32",
+    "fd00:ec2::254/128",
+    "fd20:ce::254/128",
+    "100.100.100.200/32",
+)
 
 Argument = Annotated[str, StringConstraints(max_length=4096)]
+
+
+def _check_cidr(value: str) -> str:
+    try:
+        network = ipaddress.ip_network(value, strict=True)
+    except ValueError as error:
+        raise ValueError(
+            f"must be a CIDR with its host bits zero, such as 203.0.113.0/24 or 2001:db8::/32: "
+            f"{error}"
+        ) from error
+    for address in map(ipaddress.ip_network, METADATA_ADDRESSES):
+        if network.version == address.version and network.subnet_of(address):  # type: ignore[arg-type]
+            raise ValueError(f"is the cloud metadata address {address}, never reachable")
+    return str(network)
+
+
+Cidr = Annotated[
+    str,
+    StringConstraints(max_length=43),  # an IPv6 address and its prefix
+    AfterValidator(_check_cidr),
+    WithJsonSchema({"type": "string", "format": "cidr", "maxLength": 43}),
+]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class EgressRule(SpecModel):
+    """Connections a service's pods may open: to the addresses of cidr (the metadata
+    addresses taken out), on some TCP ports or all."""
+
+    cidr: Cidr = Field(description="The addresses, e.g. 203.0.113.0/24 or 2001:db8::/32.")
+    ports: list[Port] | None = Field(
+        None, min_length=1, max_length=16, description="TCP ports. Unset: every port."
+    )
 
 
 def max_name(infix: str) -> int:
@@ -48,7 +111,10 @@ class JobServiceSpec(SpecModel):
         None,
         min_length=1,
         max_length=64,
-        description="The container's command, serving on port with GET /healthz.",
+        description=(
+            "The container's command, serving its protocol on port with GET /healthz. "
+            "Unset (with serve): rlhf_env's server of serve."
+        ),
     )
     port: int | None = Field(
         None, ge=1, le=65535, description=f"The port it serves on. Unset: {DEFAULT_PORT}."
@@ -69,7 +135,7 @@ class JobServiceSpec(SpecModel):
         json_schema_extra=_list_map("name"),
         description=(
             "Its environment variables (secrets by reference). The job's pods.env is not "
-            "passed on: it may hold the trainer's secrets."
+            "passed on: it runs the model's tool calls, or an agent's own code."
         ),
     )
     egress: bool | None = Field(
@@ -77,8 +143,10 @@ class JobServiceSpec(SpecModel):
         description=(
             "Let its pods open connections to the internet: every address but the cluster's "
             "own ranges (the chart's networkPolicy.clusterRanges) and the cloud metadata "
-            "addresses, and DNS to the cluster's DNS pods. Unset: false: only what egressTo "
-            "allows, besides what the service needs of the job."
+            "addresses, and DNS to the cluster's DNS pods. Unset: false: no egress but what "
+            "egressTo allows (an agent's pods reach the rollout pool's gateway and DNS "
+            "too). Only the job's Ray pods may connect to its pods, and the job's pods "
+            "refuse them."
         ),
     )
     egress_to: list[EgressRule] | None = Field(
@@ -87,9 +155,23 @@ class JobServiceSpec(SpecModel):
         max_length=32,
         description=(
             "Addresses its pods may connect to (with DNS to the cluster's DNS pods): an "
-            "allow-list, in the cluster's ranges too (a sandbox, a database), added to what "
+            "allow-list, in the cluster's ranges too (a database, a sandbox), added to what "
             "egress allows. The cloud metadata addresses are taken out of every rule."
         ),
+    )
+    runtime_class_name: ObjectName | None = Field(
+        None,
+        description=(
+            "The RuntimeClass of its pods, e.g. gVisor's or Kata's, to sandbox the model's "
+            "tool calls or the agent's code in their own kernel. Unset: the cluster's "
+            "default runtime."
+        ),
+    )
+    node_selector: NodeSelector | None = None
+    tolerations: list[Toleration] | None = Field(
+        None,
+        max_length=32,
+        description="Tolerations of its pods (e.g. a sandbox node group's taint).",
     )
 
     @property
@@ -105,12 +187,12 @@ class JobServiceSpec(SpecModel):
 
 
 def service_rules(
-    one: str, runs: tuple[str, ...], infix: str, run_fields: tuple[str, ...] = RUN_FIELDS
+    kind: str, runs: tuple[str, ...], infix: str, run_fields: tuple[str, ...] = RUN_FIELDS
 ) -> tuple[Rule, ...]:
-    """The rules of a service that runs at `url` or that the operator runs, as any of
-    `runs` asks (serve, command). `one`: "an agent"; `run_fields`: the fields only an
+    """The rules of a service (`kind`: "agent") that runs at `url` or that the operator
+    runs, as any of `runs` asks (serve, command). `run_fields`: the fields only an
     operator-run one has."""
-    limit = max_name(infix)
+    one, limit = f"an {kind}" if kind[0] in "aeiou" else f"a {kind}", max_name(infix)
     asks = " || ".join(f"has(self.{f})" for f in runs)
     return (
         Rule(
@@ -131,8 +213,9 @@ def service_rules(
         ),
         Rule(
             "name",
-            f"must be at most {limit} characters when the operator runs it: its Service, "
-            f"<job>{infix}<name>, must fit in 63 with a job name of up to {MAX_JOB_NAME}",
+            f"must be at most {limit} characters when the operator runs the {kind}: its "
+            f"Service, <job>{infix}<name>, must fit in 63 with a job name of up to "
+            f"{MAX_JOB_NAME}",
             f"has(self.url) || size(self.name) <= {limit}",
             lambda s: s.url is not None or len(s.name) <= limit,
             lambda s: f"got {len(s.name)}",

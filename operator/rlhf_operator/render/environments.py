@@ -25,7 +25,6 @@ from rlhf_operator.render.job_services import (
 )
 from rlhf_operator.render.meta import RAY_POD_COMPONENTS, JobRef, Obj, pods_of
 from rlhf_operator.render.network import NetworkAccess, allowed_block, dns_rule
-from rlhf_operator.render.pod import placement
 
 COMPONENT = "environment"  # not a Ray pod's: the job's own NetworkPolicy leaves them out
 ENVIRONMENT_LABEL = f"{GROUP}/environment"  # the environment's name, on its pods
@@ -76,9 +75,6 @@ def environment_service(job: JobRef, spec: RLHFJobSpec, env: EnvironmentSpec) ->
     for a minute: rlhf_env's /livez fails when its event loop answers nothing, or calls
     past their deadline hold every thread of its class; a command's own server is asked
     its /healthz."""
-    extras = placement(env.node_selector, env.tolerations, None)
-    if env.runtime_class_name is not None:  # a sandbox (gVisor, Kata) for the tool calls
-        extras["runtimeClassName"] = env.runtime_class_name
     return JobService(
         job=job,
         name=env.name,
@@ -89,7 +85,6 @@ def environment_service(job: JobRef, spec: RLHFJobSpec, env: EnvironmentSpec) ->
         command=env.container_command(spec.multi_turn),
         live_path=LIVE_PATH if env.command is None else HEALTH_PATH,
         port_name=PORT_NAME,
-        pod_extras=extras,
     )
 
 

@@ -11,16 +11,17 @@ the ingress and egress its policy names. Pure, like children.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from rlhf_operator.api.environments import EgressRule
 from rlhf_operator.api.job import RLHFJobSpec
-from rlhf_operator.api.podspec import EnvVar, PodResources
+from rlhf_operator.api.job_services import EgressRule
+from rlhf_operator.api.podspec import EnvVar, PodResources, Toleration
 from rlhf_operator.render.meta import JOB_LABEL, JobRef, Obj, labels, metadata
 from rlhf_operator.render.pod import (
     container_resources,
     container_security,
+    placement,
     pod_metadata,
     pod_security,
     pod_settings,
@@ -60,6 +61,15 @@ class ServiceSpec(Protocol):
     @property
     def replica_count(self) -> int: ...
 
+    @property
+    def runtime_class_name(self) -> str | None: ...
+
+    @property
+    def node_selector(self) -> dict[str, str] | None: ...
+
+    @property
+    def tolerations(self) -> list[Toleration] | None: ...
+
     def pod_resources(self) -> PodResources: ...
 
 
@@ -76,7 +86,6 @@ class JobService:
     command: list[str]
     live_path: str = HEALTH_PATH  # what the liveness probe asks
     port_name: str = PORT_NAME
-    pod_extras: Obj = field(default_factory=dict)  # more of the pod's spec: placement
 
     def selector(self) -> dict[str, str]:
         """The labels of exactly this service's pods (job names are unique in a namespace)."""
@@ -122,8 +131,10 @@ def render_service_deployment(job_spec: RLHFJobSpec, service: JobService) -> Obj
         "containers": [container],
         "volumes": [{"name": SCRATCH["name"], "emptyDir": {"sizeLimit": SCRATCH_SIZE}}],
         **pod_settings(job_spec),  # pull secrets and priority, as the job's other pods
-        **service.pod_extras,
+        **placement(spec.node_selector, spec.tolerations, None),
     }
+    if spec.runtime_class_name is not None:  # a sandbox (gVisor, Kata) for its code
+        pod["runtimeClassName"] = spec.runtime_class_name
     pod_labels = {**labels(service.job, service.component), service.name_label: service.name}
     return {
         "apiVersion": "apps/v1",
