@@ -61,18 +61,20 @@ import yaml
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.loop.setup import load_inputs
 spec = yaml.safe_load(open({example!r}).read())["spec"]
+spec["output"] = {{"path": {output!r}}}  # as a local run's: its export is checked
 load_inputs(JobConfig.model_validate(spec), None)
 print(json.dumps([imported, sorted(m for m in watched if m in sys.modules)]))
 """
 
 
 @pytest.fixture(scope="module")
-def driver_loaded() -> tuple[list[str], list[str]]:
+def driver_loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], list[str]]:
     """Which of ROLES_ONLY a fresh interpreter holds once it imported the driver's
-    modules, and once it loaded the tiny example's inputs (tokenizer, prompts, reward)
-    as the driver does before any role starts."""
+    modules, and once it loaded the tiny example's inputs (tokenizer, prompts, reward,
+    its export checked) as the driver does before any role starts."""
     example = str(REPO / "examples" / "local-cpu.yaml")
-    code = PROBE.format(watched=ROLES_ONLY, modules=DRIVER_MODULES, example=example)
+    output = str(tmp_path_factory.mktemp("run") / "model")
+    code = PROBE.format(watched=ROLES_ONLY, modules=DRIVER_MODULES, example=example, output=output)
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
     )

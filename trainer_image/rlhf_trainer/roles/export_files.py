@@ -3,7 +3,7 @@ tokenizer's), built from the actor's spec alone, and `check_export`, which saves
 at a job's start, in the driver, so that an export that would fail at the end fails now.
 
 No model and no peft here (roles.hf_export writes the weights), and transformers is
-imported where it is used: the driver imports this module (see tests/unit/test_driver_imports.py).
+imported where it is used: the driver imports this module (tests/unit/test_driver_imports.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.output_path import output_path_errors
 from rlhf_trainer.api.sections import ModelSource
-from rlhf_trainer.models import load_tokenizer, model_config, save_tokenizer
+from rlhf_trainer.models import load_tokenizer, save_tokenizer
 from rlhf_trainer.roles.export_dir import ExportError, start_export
 
 if TYPE_CHECKING:
@@ -103,8 +103,9 @@ def check_export(config: JobConfig) -> None:
     would fail (a job with `output`): an output.path that holds or lies in what the job
     keeps or reads, as the file system resolves them (api.output_path), a target that
     cannot be written or is not an export, and the files beside the weights
-    (config.json, generation_config.json, the tokenizer's) built and saved in a scratch
-    directory beside the target, then removed. Errors name the file and the reason."""
+    (config.json, generation_config.json, the tokenizer's: `save_model_files`) built and
+    saved in a scratch directory beside the target, then removed. Errors name the file
+    and the reason."""
     output = config.output
     if output is None:
         return
@@ -122,20 +123,30 @@ def check_export(config: JobConfig) -> None:
 
 def save_model_files(actor: ModelSource, directory: Path, target: Path) -> None:
     """The export's config.json, generation_config.json and tokenizer files, saved into
-    `directory` as the export saves them; an error names the file and the reason."""
-    from transformers import GenerationConfig
+    `directory` as the export saves them; an error names the file and the reason.
 
-    architecture = model_config(actor.tiny) if actor.tiny is not None else hf_config(actor)
-
-    def generation() -> GenerationConfig:
-        found = actor_generation_config(actor)
-        return saveable(found or GenerationConfig.from_model_config(architecture), actor)
-
+    A tiny model's config and generation config are left out: this code builds them from
+    the validated spec, and nothing in them can fail to save as a real model's files
+    can, while building a model config imports transformers' model machinery (torch's
+    compiler with it: 1.5 CPU-s of every local run's start, in the driver). Its
+    tokenizer's files are saved, as the volume is written to."""
     steps: list[tuple[str, Callable[[], object]]] = [
-        ("config.json", lambda: architecture.save_pretrained(directory)),
-        ("generation_config.json", lambda: generation().save_pretrained(directory)),
         ("the tokenizer's files", lambda: save_tokenizer(load_tokenizer(actor), directory)),
     ]
+    if actor.tiny is None:
+        from transformers import GenerationConfig
+
+        architecture = hf_config(actor)
+
+        def generation() -> GenerationConfig:
+            found = actor_generation_config(actor)
+            return saveable(found or GenerationConfig.from_model_config(architecture), actor)
+
+        steps = [
+            ("config.json", lambda: architecture.save_pretrained(directory)),
+            ("generation_config.json", lambda: generation().save_pretrained(directory)),
+            *steps,
+        ]
     for name, save in steps:
         try:
             save()
