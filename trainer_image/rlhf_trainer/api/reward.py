@@ -8,7 +8,7 @@ import re
 
 from pydantic import Field
 
-from rlhf_trainer.api.agentic import URL
+from rlhf_trainer.api.agentic import CONFIG_MAP_NAME, URL
 from rlhf_trainer.api.names import REWARD_FILES_MOUNT
 from rlhf_trainer.api.rules import Rule, SpecModel
 
@@ -19,8 +19,6 @@ FILE_PREFIX = "file:"
 # file:NAME.py:FUNCTION: NAME.py a ConfigMap key (at most 253 characters), FUNCTION a
 # Python identifier.
 FILE_FUNCTION = r"^file:[-._a-zA-Z0-9]{1,250}\.py:[A-Za-z_][A-Za-z0-9_]*$"
-# A DNS-1123 subdomain: a ConfigMap's name, as the API server checks it.
-CONFIG_MAP_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 # `function` is a CEL reserved word: the API server names the property `__function__`.
 # (Spelled `self.function`, it is untyped there: matches() on it has no length bound and
 # its estimated cost is 100x over the budget.)
