@@ -344,7 +344,7 @@ def test_network_access_comes_from_the_environment_the_chart_sets() -> None:
     )
     assert NetworkAccess().cluster_ranges == CLUSTER_RANGES
     bad = json.dumps({"clusterRanges": ["10.96.0.1/12"], "dns": []})
-    with pytest.raises(ValueError, match="RLHF_CLUSTER_NETWORK must be .* 'clusterRanges'"):
+    with pytest.raises(ValueError, match=r"RLHF_CLUSTER_NETWORK must be .* 'clusterRanges'"):
         NetworkAccess.from_env({"RLHF_CLUSTER_NETWORK": bad})
 
 
