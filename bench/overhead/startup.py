@@ -127,10 +127,16 @@ def compare(run: dict[str, Measurement]) -> Measurement:
     return ratios
 
 
-def measure_startup(repeats: int, before: Path | None = None) -> dict[str, Any]:
-    """The start-up figures over `repeats` interleaved repeats (median, min, max); with
-    `before`, that checkout's first step too, and after/before ratios."""
-    variants: dict[str, Variant] = {"imports": bare_imports, "first_step": first_step}
+def measure_startup(
+    repeats: int, before: Path | None = None, checkout: Path = REPO
+) -> dict[str, Any]:
+    """The start-up figures over `repeats` interleaved repeats (median, min, max) of the
+    code in `checkout` (this one's, by default); with `before`, that checkout's first
+    step too, and after/before ratios."""
+    variants: dict[str, Variant] = {
+        "imports": bare_imports,
+        "first_step": bind(first_step, checkout.resolve()),
+    }
     if before is not None:
         variants["before"] = bind(first_step, before.resolve())
     spreads = figures(interleave(variants, repeats), compare)
@@ -149,7 +155,8 @@ def bind(variant: Callable[[Path], Measurement], checkout: Path) -> Variant:
 
 
 if __name__ == "__main__":
-    # python -m bench.overhead.startup [REPEATS] [BEFORE_CHECKOUT]
+    # python -m bench.overhead.startup [REPEATS [BEFORE_CHECKOUT [AFTER_CHECKOUT]]]
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     before = Path(sys.argv[2]) if len(sys.argv) > 2 else None
-    print(json.dumps(measure_startup(repeats, before)))
+    checkout = Path(sys.argv[3]) if len(sys.argv) > 3 else REPO
+    print(json.dumps(measure_startup(repeats, before, checkout)))
