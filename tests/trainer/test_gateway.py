@@ -3,13 +3,16 @@ an agent's conversation recorded token for token and merged into one trajectory,
 history the agent edits merged into two, a streamed call recorded like the others, the
 weight version of each call, and the limits refused in OpenAI's error shape.
 
-One engine for the module (the tiny word-level model, its chat template given to vLLM's
-chat serving); the gateway serves on a free loopback port, on the engine's own loop.
+One engine for the module: a tiny model with a byte-level BPE tokenizer and Qwen2.5's
+chat template (tests/chat_families.py), so that an answer's text tokenised again is not
+what the engine sampled, and a gateway that re-tokenised would be seen. The gateway
+serves on a free loopback port, on the engine's own loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,20 +27,35 @@ from rlhf_trainer.api.sections import TinyModel
 from rlhf_trainer.gateway.host import GatewayHost
 from rlhf_trainer.gateway.merge import episode_rollouts, merge_calls
 from rlhf_trainer.gateway.records import MAX_CALLS, CallLimits, EpisodeRecords
-from rlhf_trainer.models import TINY_CHAT_TEMPLATE, build_tokenizer, write_tiny_model
+from rlhf_trainer.models import build_tiny_model
 from rlhf_trainer.rollout.engine import RolloutEngine
 from rlhf_trainer.rollout.engine_weights import rollout_state_dict
+from tests.chat_families import qwen, template_text, tokenizer_of
 from tests.specs import job_config
 
 pytestmark = pytest.mark.slow
 
-# llama: vLLM loads the word-level tokenizer as written (for qwen2 it rebuilds a byte-level
-# one from the vocabulary: models.save_tokenizer).
-TINY = TinyModel(architecture="llama", hidden_size=128, num_layers=2, num_heads=4, vocab_size=64)
-LIMITS = CallLimits(max_calls=2, max_call_tokens=6, episode_seconds=600)
-# <pad>, <s> and <unk> never come back from the text the agent sees (vLLM skips special
-# tokens when it decodes): banned, so that the conversation extends token for token.
-NO_SPECIALS = {"logit_bias": {"0": -100, "1": -100, "3": -100}}
+FAMILY = qwen(template="qwen2_5")
+LIMITS = CallLimits(max_calls=2, max_call_tokens=8, episode_seconds=600)
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+QUESTION = {"role": "user", "content": "What is the value of the key 'lime'?"}
+
+
+def tokenizer() -> Any:
+    """The family's tokenizer with its template (a copy: tokenizer_of caches its own)."""
+    built = copy.deepcopy(tokenizer_of(FAMILY))
+    built.chat_template = template_text(FAMILY.template)
+    return built
+
+
+def sampling() -> dict[str, Any]:
+    """Tokens whose text the agent never gets back as such are banned, so that the
+    conversation continues token for token: special tokens vLLM drops when it decodes
+    (<|endoftext|>, <|im_start|>), and Qwen's tool and think tags (the parser would read
+    them). The end of turn, <|im_end|>, stays."""
+    words = ["<|endoftext|>", "<|im_start|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
+    banned = tokenizer().convert_tokens_to_ids(words)
+    return {"return_token_ids": True, "logit_bias": {str(i): -100 for i in banned}}
 
 
 class Host(GatewayHost):
@@ -49,7 +67,18 @@ class Host(GatewayHost):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(TINY, tmp_path_factory.mktemp("tiny-llama"), seed=0)
+    directory = tmp_path_factory.mktemp("tiny-bpe")
+    chat = tokenizer()
+    tiny = TinyModel(
+        architecture="llama", hidden_size=128, num_layers=2, num_heads=4, vocab_size=len(chat)
+    )
+    model = build_tiny_model(tiny, seed=0)
+    for config in (model.config, model.generation_config):  # the tokenizer's, not the tiny one's
+        config.bos_token_id, config.eos_token_id = None, chat.eos_token_id
+        config.pad_token_id = chat.pad_token_id
+    model.save_pretrained(directory)
+    chat.save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +87,11 @@ def host(model_dir: Path) -> Iterator[tuple[Host, int]]:
         [{"name": "p", "replicas": 1, "gpusPerNode": 1}],
         {"actor": "p", "rollout": "p", "ref": "p", "critic": "p"},
         models={
-            "actor": {"tiny": TINY.model_dump(by_alias=True)},
+            "actor": {"path": str(model_dir)},
             "reward": {"function": "toy_copy"},
         },
         agents=[{"name": "coder", "url": "http://coder:8000"}],
-        generation={"agent": {"agent": "coder", "toolParser": "rlhf_toy"}},
+        generation={"agent": {"agent": "coder", "toolParser": FAMILY.parser}},
     )
     engine = RolloutEngine(model_dir, max_model_len=128, gpu_memory_utilization=0.3, seed=0)
     host = Host(engine, config)
@@ -84,10 +113,10 @@ async def complete(agent: openai.AsyncOpenAI, messages: list[dict[str, Any]], se
     return await agent.chat.completions.create(
         model=SERVED_MODEL,
         messages=messages,  # type: ignore[arg-type]
-        max_tokens=4,
+        max_tokens=8,
         temperature=1.0,
         seed=seed,
-        extra_body={"return_token_ids": True, **NO_SPECIALS},
+        extra_body=sampling(),
     )
 
 
@@ -96,7 +125,7 @@ def test_an_extending_conversation_is_one_token_exact_trajectory(
 ) -> None:
     gateway, port = host
     gateway.open_agent_episode("episode-1", LIMITS)
-    first_messages: list[dict[str, Any]] = [{"role": "user", "content": "c a"}]
+    first_messages: list[dict[str, Any]] = [SYSTEM, QUESTION]
 
     async def conversation() -> tuple[Any, Any, list[dict[str, Any]], Any]:
         agent = client(port, "episode-1")
@@ -107,7 +136,7 @@ def test_an_extending_conversation_is_one_token_exact_trajectory(
             gateway.engine.load_weights, rollout_state_dict(original).items(), 1
         )
         answer = {"role": "assistant", "content": first.choices[0].message.content}
-        messages = [*first_messages, answer, {"role": "user", "content": "b"}]
+        messages = [*first_messages, answer, {"role": "user", "content": "Look it up."}]
         second = await complete(agent, messages, seed=2)
         with pytest.raises(openai.PermissionDeniedError) as refused:
             await complete(agent, messages, seed=3)
@@ -129,13 +158,22 @@ def test_an_extending_conversation_is_one_token_exact_trajectory(
         len(p2) - len(p1 + s1)
     ) + [1] * len(s2)
     assert trajectory.log_probs[len(p1) : len(p1 + s1)] == records.calls[0].choices[0].log_probs
-    # The template renders the whole conversation as these ids (word-level: one way).
-    tokenizer = build_tokenizer(TINY.vocab_size)
+    # The template renders the whole conversation as this text, up to the glue after its
+    # last turn; but not as these ids: the first answer's text tokenised again differs
+    # from what the engine sampled, and so does the template's prompt of the second call.
+    chat = tokenizer()
     whole = [*messages, {"role": "assistant", "content": second.choices[0].message.content}]
-    text = tokenizer.apply_chat_template(whole, chat_template=TINY_CHAT_TEMPLATE, tokenize=False)
-    rendered = tokenizer.encode(text, add_special_tokens=False)
-    closed = [] if second.choices[0].finish_reason == "stop" else [tokenizer.eos_token_id]
-    assert list(rendered) == trajectory.token_ids + closed
+    text = chat.apply_chat_template(whole, tokenize=False)
+    # (Bytes of a character cut short decode as U+FFFD; the agent never saw them.)
+    sampled_text = chat.decode(trajectory.token_ids, skip_special_tokens=False)
+    text, sampled_text = text.replace("\ufffd", ""), sampled_text.replace("\ufffd", "")
+    assert text.startswith(sampled_text)
+    assert text[len(sampled_text) :] in ("\n", f"{FAMILY.eos}\n")  # the answer's close
+    retokenised = chat.encode(
+        chat.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+    assert chat.encode(chat.decode(s1, skip_special_tokens=False)) != s1, "pick another seed"
+    assert retokenised != p2
     (rollout,) = episode_rollouts(records.calls, reward=1.0, discount=1.0, cut=records.cut)
     assert rollout.version_spans == ((0, 0), (1, len(p2) - len(p1)))
 
@@ -153,16 +191,17 @@ def test_an_edited_history_is_two_samples_and_a_stream_is_recorded(
 
     async def conversation() -> tuple[Any, list[int], list[int]]:
         agent = client(port, "episode-2")
-        first = await complete(agent, [{"role": "user", "content": "c a"}], seed=4)
+        first = await complete(agent, [SYSTEM, QUESTION], seed=4)
         answer = {"role": "assistant", "content": first.choices[0].message.content}
-        edited = [{"role": "user", "content": "d a"}, answer, {"role": "user", "content": "b"}]
+        renamed = {"role": "system", "content": "You are Qwen, a helpful assistant."}
+        edited = [renamed, QUESTION, answer, {"role": "user", "content": "Look it up."}]
         stream = await agent.chat.completions.create(
             model=SERVED_MODEL,
             messages=edited,  # type: ignore[arg-type]
-            max_tokens=4,
+            max_tokens=8,
             seed=5,
             stream=True,
-            extra_body={"return_token_ids": True, **NO_SPECIALS},
+            extra_body=sampling(),
         )
         prompt: list[int] = []
         sampled: list[int] = []
@@ -188,11 +227,11 @@ def test_unknown_keys_and_greedy_calls_are_refused(host: tuple[Host, int]) -> No
 
     async def calls() -> tuple[Any, Any, list[str]]:
         with pytest.raises(openai.AuthenticationError) as unknown:
-            await complete(client(port, "no-such-episode"), [{"role": "user", "content": "c"}], 0)
+            await complete(client(port, "no-such-episode"), [QUESTION], 0)
         agent = client(port, "episode-3")
         with pytest.raises(openai.PermissionDeniedError) as greedy:
             await agent.chat.completions.create(
-                model=SERVED_MODEL, messages=[{"role": "user", "content": "c"}], max_tokens=7
+                model=SERVED_MODEL, messages=[QUESTION], max_tokens=9
             )
         models = [m.id async for m in agent.models.list()]
         return unknown.value, greedy.value, models

@@ -209,3 +209,26 @@ def test_a_closed_episode_is_counted_in_rlhf_agent_metrics() -> None:
     assert value("rlhf_agent_refusals_total", {"reason": MAX_CALLS}) == 1
     assert value("rlhf_agent_tokens_total", {"kind": "prompt"}) == 3
     assert value("rlhf_agent_tokens_total", {"kind": "sampled"}) == 2
+
+
+def test_a_continued_conversation_keeps_the_sampled_ids() -> None:
+    from rlhf_trainer.gateway.exact import Contexts
+    from tests.chat_families import qwen, tokenizer_of
+
+    tokenizer = tokenizer_of(qwen(template="qwen2_5"))
+    contexts = Contexts(tokenizer)
+    contexts.open("k")
+    prompt_text = "<|im_start|>user\nWhat is lime?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = tokenizer.encode(prompt_text)
+    # "green" sampled letter by letter: its text encodes as fewer, other ids.
+    sampled = [*tokenizer.convert_tokens_to_ids(list("green")), tokenizer.eos_token_id]
+    assert tokenizer.encode("green<|im_end|>") != sampled
+    contexts.add("k", prompt_text, prompt, sampled)
+    glue = "\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n"
+    text = prompt_text + "green<|im_end|>" + glue
+    exact = contexts.prompt_ids("k", text, tokenizer.encode(text))
+    assert exact == prompt + sampled + tokenizer.encode(glue)
+    edited = text.replace("lime", "lemon")  # the history changed: vLLM's ids stand
+    assert contexts.prompt_ids("k", edited, [7, 7]) == [7, 7]
+    contexts.close("k")
+    assert contexts.prompt_ids("k", text, [7]) == [7]

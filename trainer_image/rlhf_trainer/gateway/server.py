@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rlhf_trainer.api.agents import SERVED_MODEL
+from rlhf_trainer.gateway.exact import Contexts
 from rlhf_trainer.gateway.records import (
     EPISODE_TIMEOUT,
     CallLimits,
@@ -85,7 +86,8 @@ class _RecordingEngine:
         from vllm.sampling_params import RequestOutputKind
 
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
-        book = self._gateway.book
+        book, contexts = self._gateway.book, self._gateway.contexts
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
         prompt_ids: list[int] = []
         choices: dict[int, _Choice] = {}
         try:
@@ -96,6 +98,8 @@ class _RecordingEngine:
                 yield output
         finally:
             book.record(key, request_id, _record(index, prompt_ids, choices))
+            for choice in choices.values():
+                contexts.add(key, text, prompt_ids, choice.ids)
 
 
 def _take(choice: _Choice, completion: Any, delta: bool) -> None:
@@ -127,6 +131,37 @@ def _call_id(request_id: str) -> str:
     return request_id.removeprefix("chatcmpl-").split("_")[0]
 
 
+def _exact_chat_class() -> type:
+    """vLLM's OpenAIServingChat, its rendered prompts made token-exact (exact.py)."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    class ExactChat(OpenAIServingChat):  # type: ignore[misc]  # vLLM is untyped here
+        gateway: Gateway
+
+        async def render_chat_request(self, request: Any) -> Any:
+            rendered = await super().render_chat_request(request)
+            if isinstance(rendered, ErrorResponse):
+                return rendered
+            conversation, inputs = rendered
+            key, _ = self.gateway.calls[request.request_id]
+            return conversation, [self._exact(key, engine_input) for engine_input in inputs]
+
+        def _exact(self, key: str, engine_input: Any) -> Any:
+            if engine_input.get("type") != "token":
+                return engine_input  # multimodal: as vLLM rendered it
+            ids = list(engine_input["prompt_token_ids"])
+            text = engine_input.get("prompt")
+            if text is None:
+                return engine_input
+            return {
+                **engine_input,
+                "prompt_token_ids": self.gateway.contexts.prompt_ids(key, text, ids),
+            }
+
+    return ExactChat
+
+
 class Gateway:
     """vLLM's chat serving over `llm` (the engine's AsyncLLM), gated by an EpisodeBook.
     Build and use it on the engine's loop. `lora()` gives the LoRA request the engine
@@ -141,7 +176,6 @@ class Gateway:
         lora: Callable[[], Any] = lambda: None,
         book: EpisodeBook | None = None,
     ) -> None:
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.models.protocol import BaseModelPath
         from vllm.entrypoints.openai.models.serving import OpenAIServingModels
         from vllm.renderers.online_renderer import OnlineRenderer
@@ -166,9 +200,11 @@ class Gateway:
             llm.model_config, llm.renderer, request_logger=None, **tools
         )  # fmt: skip
         self.models = models
-        self.chat = OpenAIServingChat(
+        self.contexts = Contexts(llm.renderer.tokenizer)
+        self.chat = _exact_chat_class()(
             engine, models, "assistant", online_renderer=renderer, request_logger=None, **tools
         )
+        self.chat.gateway = self
         self._server: Any = None
         self._serving: asyncio.Task[None] | None = None
 
@@ -176,6 +212,7 @@ class Gateway:
 
     def open_episode(self, key: str, limits: CallLimits) -> None:
         self.book.open(key, limits)
+        self.contexts.open(key)
         # The deadline cuts the calls in flight too, not only later ones.
         self._deadlines[key] = asyncio.get_running_loop().call_later(
             limits.episode_seconds, lambda: self._stop(self.book.cut(key, EPISODE_TIMEOUT))
@@ -184,6 +221,7 @@ class Gateway:
     async def close_episode(self, key: str) -> EpisodeRecords:
         """Close `key`'s episode: its calls' records; its calls in flight are aborted."""
         records, in_flight = self.book.close(key)
+        self.contexts.close(key)
         self._deadlines.pop(key).cancel()
         if in_flight:
             await self._llm.abort(in_flight)
