@@ -244,3 +244,84 @@ def test_unknown_keys_and_greedy_calls_are_refused(host: tuple[Host, int]) -> No
     assert models == [SERVED_MODEL]
     records = gateway.close_agent_episode("episode-3")
     assert records.cut == "max_call_tokens" and records.calls == ()
+
+
+async def letters_agent(task: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    """A plain agent written with the openai client: asks, then asks again with its answer
+    in the history; fails after its first call when the task says so."""
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": task["question"]}]
+    for _ in range(2):
+        answer = await client.chat.completions.create(
+            model=SERVED_MODEL,
+            messages=messages,
+            max_tokens=8,
+            extra_body=sampling(),  # type: ignore[arg-type]
+        )
+        if task.get("fail"):
+            raise RuntimeError("the agent's own code failed")
+        content = answer.choices[0].message.content
+        messages += [
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": "Look it up."},
+        ]
+    return 1.0
+
+
+@pytest.fixture(scope="module")
+def agent_url() -> Iterator[str]:
+    """The agent above, served over the agent protocol by rlhf_env.agent on loopback."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from rlhf_env.agent import app_for_agent
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # calls wait in the backlog until the server accepts them
+    server = uvicorn.Server(uvicorn.Config(app_for_agent(letters_agent), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_an_agent_episode_runs_through_the_gateway_into_samples(
+    host: tuple[Host, int], agent_url: str
+) -> None:
+    from rlhf_trainer.api.agents import AgentEpisodes
+    from rlhf_trainer.rollout.agent_client import AgentClient
+    from rlhf_trainer.rollout.agent_episodes import AgentEpisode, AgentEpisodeRunner
+
+    gateway, port = host
+    assert gateway.gateway is not None
+    settings = AgentEpisodes(
+        agent="coder", max_calls=2, max_call_tokens=8, episode_timeout_seconds=120
+    )
+
+    async def episodes() -> list[AgentEpisode]:
+        async with AgentClient(agent_url, name="coder") as agent:
+            runner = AgentEpisodeRunner(
+                gateway.gateway, f"http://127.0.0.1:{port}/v1", agent, settings
+            )
+            question = "What is the value of the key 'lime'?"
+            return [
+                await runner.run({"question": question}, "e-0"),
+                await runner.run({"question": question, "fail": True}, "e-1"),
+            ]
+
+    done, failed = gateway.engine.call(episodes())
+    (rollout,) = done.rollouts
+    sampled = sum(len(c.ids) for call in done.records.calls for c in call.choices)
+    assert done.cut is None and len(done.records.calls) == 2
+    assert (
+        rollout.episode is not None and rollout.episode.score == 1.0 and rollout.episode.turns == 2
+    )
+    assert sum(rollout.loss_mask) == sampled
+    # The agent failed after its first call: the episode is cut under the agent's reason,
+    # its one sample kept but not trained on.
+    assert failed.cut is not None and failed.cut.startswith("agent_error"), failed.cut
+    (cut,) = failed.rollouts
+    assert sum(cut.loss_mask) == 0 and cut.episode is not None and cut.episode.cut == failed.cut
