@@ -325,3 +325,41 @@ def test_an_agent_episode_runs_through_the_gateway_into_samples(
     assert failed.cut is not None and failed.cut.startswith("agent_error"), failed.cut
     (cut,) = failed.rollouts
     assert sum(cut.loss_mask) == 0 and cut.episode is not None and cut.episode.cut == failed.cut
+
+
+def test_closing_an_episode_aborts_its_calls_in_flight(host: tuple[Host, int]) -> None:
+    gateway, port = host
+    engine = gateway.engine
+    gateway.open_agent_episode("episode-4", CallLimits(2, 64, 600))
+    endless = sampling()
+    endless["logit_bias"][str(tokenizer().eos_token_id)] = -100  # no end of turn: 64 tokens
+
+    def close_while_paused() -> EpisodeRecords:
+        engine.call(engine.pause())  # nothing more is sampled until the close is done
+        try:
+            return gateway.close_agent_episode("episode-4")
+        finally:
+            engine.call(engine.resume())
+
+    async def call() -> tuple[list[int], str | None, EpisodeRecords | None]:
+        stream = await client(port, "episode-4").chat.completions.create(
+            model=SERVED_MODEL,
+            messages=[SYSTEM, QUESTION],  # type: ignore[list-item]
+            max_tokens=64,
+            stream=True,
+            extra_body=endless,
+        )
+        sampled: list[int] = []
+        finish: str | None = None
+        records: EpisodeRecords | None = None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                sampled += getattr(choice, "token_ids", None) or []
+                finish = choice.finish_reason or finish
+            if sampled and records is None:  # the call is under way: the trainer closes
+                records = await asyncio.to_thread(close_while_paused)
+        return sampled, finish, records
+
+    sampled, finish, records = asyncio.run(call())
+    assert finish == "abort" and len(sampled) < 64
+    assert records is not None and records.calls == ()  # closed before the call ended
