@@ -6,7 +6,8 @@ against the bare imports of torch, vLLM and Ray, each in a fresh process, summed
                 (`start_s`: the first line of metrics.jsonl less the step's own seconds,
                 which hold vLLM's first, slow generate), and the CPU-seconds every process
                 of the run had used when that line appeared (`start_cpu_s`, the step's
-                included: the tree's CPU is read when the line is seen)
+                included: the tree's CPU is read when the line is seen), the driver's
+                own among them (`driver_cpu_s`), and seconds to the run's end (`run_s`)
     imports     `python -c "import torch"`, then vllm, then ray, each in a fresh process:
                 wall and CPU seconds, summed (vLLM's import includes torch's)
 
@@ -50,28 +51,33 @@ def first_step(checkout: Path = REPO) -> Measurement:
         metrics = Path(run_dir) / "metrics.jsonl"
         command = [sys.executable, "-c", CLI, "train", "--cpu", "--steps", "1",
                    "--run-dir", run_dir, str(checkout / EXAMPLE)]  # fmt: skip
+        log = Path(run_dir) / "run.log"  # the run's output: its tail, if it fails
         started = time.monotonic()
-        run = psutil.Popen(command, cwd=run_dir, env=env, stdout=subprocess.DEVNULL)
-        line, cpu_s = first_line(run, metrics)
+        with log.open("w") as output:
+            run = psutil.Popen(command, cwd=run_dir, env=env, stdout=output, stderr=output)
+        try:
+            line, cpu = first_line(run, metrics)
+        except (RuntimeError, TimeoutError) as error:
+            raise RuntimeError(f"{error}; its output ends:\n{log.read_text()[-2000:]}") from None
         to_line_s = time.monotonic() - started
-        _, wait_status, usage = os.wait4(run.pid, 0)
-        status = os.waitstatus_to_exitcode(wait_status)
+        status = run.wait()
         total_s = time.monotonic() - started
-    if status != 0:
-        raise RuntimeError(f"rlhfjob train in {checkout} exited with status {status}")
+        if status != 0:
+            raise RuntimeError(
+                f"rlhfjob train in {checkout}: status {status}\n{log.read_text()[-2000:]}"
+            )
     step_s = float(json.loads(line)["seconds"])
     return {
         "start_s": to_line_s - step_s,
         "first_step_s": step_s,
-        "start_cpu_s": cpu_s,
-        "run_s": total_s,
-        "run_cpu_s": usage.ru_utime + usage.ru_stime,
+        **cpu,
+        "run_s": total_s,  # to its end: the step, the held-out answers, the export
     }
 
 
-def first_line(run: psutil.Popen, metrics: Path) -> tuple[str, float]:
+def first_line(run: psutil.Popen, metrics: Path) -> tuple[str, Measurement]:
     """The first line of `metrics` once written, and the CPU-seconds `run` and every
-    process under it (Ray's, the workers') have used by then."""
+    process under it (Ray's, the workers') have used by then (`tree_cpu_s`)."""
     deadline = time.monotonic() + FIRST_STEP_TIMEOUT_S
     while time.monotonic() < deadline:
         if run.poll() is not None:
@@ -84,17 +90,22 @@ def first_line(run: psutil.Popen, metrics: Path) -> tuple[str, float]:
     raise TimeoutError(f"no first step in {FIRST_STEP_TIMEOUT_S:.0f} s")
 
 
-def tree_cpu_s(root: psutil.Process) -> float:
+def tree_cpu_s(root: psutil.Process) -> Measurement:
     """CPU-seconds of `root` and its live descendants, with what each has collected of
-    its children that ended (a worker that exited counts in its raylet's)."""
-    total = 0.0
+    its children that ended (a worker that exited counts in its raylet's): all of them
+    (`start_cpu_s`), and the driver's own (`driver_cpu_s`, `python -m rlhf_trainer`:
+    its part is spent before the roles start, in series with everything else)."""
+    total = driver = 0.0
     for process in [root, *root.children(recursive=True)]:
         try:
             times = process.cpu_times()
+            command = process.cmdline()
         except psutil.NoSuchProcess:
             continue  # ended just now: its parent collects it
         total += times.user + times.system + times.children_user + times.children_system
-    return total
+        if command[1:3] == ["-m", "rlhf_trainer"]:
+            driver = times.user + times.system
+    return {"start_cpu_s": total, "driver_cpu_s": driver}
 
 
 def bare_imports() -> Measurement:
@@ -120,7 +131,7 @@ def compare(run: dict[str, Measurement]) -> Measurement:
         "start_cpu_over_imports": run["first_step"]["start_cpu_s"] / run["imports"]["sum_cpu_s"],
     }
     if "before" in run:
-        for figure in ("start_s", "start_cpu_s", "run_cpu_s"):
+        for figure in ("start_s", "start_cpu_s", "driver_cpu_s", "run_s"):
             ratios[f"after_over_before.{figure}"] = (
                 run["first_step"][figure] / run["before"][figure]
             )
