@@ -194,5 +194,5 @@ bench-contention: install  ## benchmark: two processes training at once vs one a
 bench-overhead: install  ## benchmark: a fully-async job's rollout pool vs vLLM's LLM.generate, its actor update vs a bare FSDP2 loop, and the start-up (~10 min)
 	$(PY) -m bench.overhead.run
 
-bench-operator: install  ## benchmark: create->RayJob and ->first status vs KubeRay's, on equal terms, and RSS among 10,000 unrelated pods (~15 min)
+bench-operator: install  ## benchmark: create->RayJob and ->first status vs KubeRay's, on equal terms, and RSS among 10,000 unrelated pods (N = 300: 26 min on a busy shared machine)
 	$(PY) -m bench.operator.run
