@@ -14,7 +14,9 @@ and, like ours, no client-side rate limit. Our jobs are created with suspend: tr
 KubeRay starts no pods for our RayJobs.
 Ratios (ours / KubeRay, p50 and p99, to the child and to the first status) are taken
 within each repeat and reported as median (min-max). The operator's RSS is read after it
-listed the clutter at start-up and after each of its phases.
+listed the clutter at start-up and after each of its phases, and the requests it made to
+the API server per job, by verb and kind (its rlhf_operator_api_requests_total), from the
+burst until it and KubeRay went quiet (reads answered by its cache are not requests).
 
 Run: make bench-operator, or `.venv/bin/python -m bench.operator.run --n 100 --repeats 3`.
 """
@@ -89,6 +91,21 @@ def compare(run: dict[str, Measurement]) -> Measurement:
     return {f"ratio_{key.removesuffix('_s')}": ours[key] / theirs[key] for key in keys}
 
 
+def api_requests(op: OperatorProcess) -> dict[str, float]:
+    """The operator's requests to the API server so far, by "verb kind"."""
+    return {
+        f"{labels['verb']} {labels['kind']}": value
+        for labels, value in op.metrics("rlhf_operator_api_requests_total")
+    }
+
+
+def per_job(before: dict[str, float], after: dict[str, float], n: int) -> Measurement:
+    """Requests made between two counts, per job: {"requests.create_RayJob": 1.0, ...}."""
+    moved = {key: after[key] - before.get(key, 0.0) for key in sorted(after)}
+    counts = {f"requests.{key.replace(' ', '_')}": v / n for key, v in moved.items() if v}
+    return {**counts, "requests.all": sum(moved.values()) / n}
+
+
 def operator_memory(op: OperatorProcess) -> dict[str, float]:
     """The operator's resident memory now and at its peak (VmRSS, VmHWM)."""
     assert op.proc is not None
@@ -144,8 +161,12 @@ class Bench:
         rayjobs = Appearances(api, RAYJOBS, ns, child_added)
         statuses = Appearances(api, RLHFJOBS, ns, status_written)
         jobs = [tiny_job(f"job-{i}", ns) for i in range(self.n)]
+        counted = api_requests(self.op)
         child, status = self.burst(jobs, rayjobs, statuses)
-        measured = {**latency_figures(child, status), **operator_memory(self.op)}
+        # The later passes too (KubeRay's status on each RayJob brings one), not the deletion's.
+        wait_quiet([self.kuberay.activity, lambda: operator_activity(self.op)])
+        requests = per_job(counted, api_requests(self.op), self.n)
+        measured = {**latency_figures(child, status), **operator_memory(self.op), **requests}
         self.clear(ns, measured)
         return measured
 
