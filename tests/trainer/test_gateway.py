@@ -125,15 +125,16 @@ def test_an_extending_conversation_is_one_token_exact_trajectory(
 ) -> None:
     gateway, port = host
     gateway.open_agent_episode("episode-1", LIMITS)
+    v = gateway.engine.policy_version  # what earlier tests left (their order is random)
     first_messages: list[dict[str, Any]] = [SYSTEM, QUESTION]
 
     async def conversation() -> tuple[Any, Any, list[dict[str, Any]], Any]:
         agent = client(port, "episode-1")
         first = await complete(agent, first_messages, seed=1)
-        # New weights between the calls: the second call is sampled under version 1.
+        # New weights between the calls: the second call is sampled under version v + 1.
         original = AutoModelForCausalLM.from_pretrained(model_dir)
         await asyncio.to_thread(
-            gateway.engine.load_weights, rollout_state_dict(original).items(), 1
+            gateway.engine.load_weights, rollout_state_dict(original).items(), v + 1
         )
         answer = {"role": "assistant", "content": first.choices[0].message.content}
         messages = [*first_messages, answer, {"role": "user", "content": "Look it up."}]
@@ -148,7 +149,7 @@ def test_an_extending_conversation_is_one_token_exact_trajectory(
     # The records are the engine's ids, as vLLM returned them: never the text re-encoded.
     (p1, s1), (p2, s2) = ids_of(first), ids_of(second)
     assert [(c.prompt_ids, c.choices[0].ids) for c in records.calls] == [(p1, s1), (p2, s2)]
-    assert [c.choices[0].version for c in records.calls] == [0, 1]
+    assert [c.choices[0].version for c in records.calls] == [v, v + 1]
     assert p2[: len(p1 + s1)] == p1 + s1  # the second call extends the first
     (sample,) = merge_calls(records.calls)
     trajectory = sample.trajectory
@@ -175,7 +176,7 @@ def test_an_extending_conversation_is_one_token_exact_trajectory(
     assert chat.encode(chat.decode(s1, skip_special_tokens=False)) != s1, "pick another seed"
     assert retokenised != p2
     (rollout,) = episode_rollouts(records.calls, reward=1.0, discount=1.0, cut=records.cut)
-    assert rollout.version_spans == ((0, 0), (1, len(p2) - len(p1)))
+    assert rollout.version_spans == ((v, 0), (v + 1, len(p2) - len(p1)))
 
     # The third call was past maxCalls: refused in OpenAI's shape, and the episode cut.
     body = refused.body
@@ -363,3 +364,50 @@ def test_closing_an_episode_aborts_its_calls_in_flight(host: tuple[Host, int]) -
     sampled, finish, records = asyncio.run(call())
     assert finish == "abort" and len(sampled) < 64
     assert records is not None and records.calls == ()  # closed before the call ended
+
+
+def test_a_weight_sync_pauses_a_call_and_its_record_keeps_both_versions(
+    host: tuple[Host, int], model_dir: Path
+) -> None:
+    gateway, port = host
+    engine = gateway.engine
+    gateway.open_agent_episode("episode-5", CallLimits(2, 60, 600))
+    endless = sampling()
+    endless["logit_bias"][str(tokenizer().eos_token_id)] = -100  # no end of turn: 60 tokens
+    weights = rollout_state_dict(AutoModelForCausalLM.from_pretrained(model_dir))
+    before = engine.policy_version
+
+    def sync() -> None:
+        """A weight sync of the fully-async trainer's kind, while the call is under way:
+        the engine paused first (so that the call cannot end meanwhile), loaded, resumed."""
+        engine.call(engine.pause())
+        try:
+            engine.load_weights(weights.items(), before + 1)
+        finally:
+            engine.call(engine.resume())
+
+    async def call() -> list[int]:
+        stream = await client(port, "episode-5").chat.completions.create(
+            model=SERVED_MODEL,
+            messages=[SYSTEM, QUESTION],  # type: ignore[list-item]
+            max_tokens=60,
+            stream=True,
+            extra_body=endless,
+        )
+        sampled: list[int] = []
+        synced = False
+        async for chunk in stream:
+            for choice in chunk.choices:
+                sampled += getattr(choice, "token_ids", None) or []
+            if sampled and not synced:  # under way: a weight sync pauses it, then resumes
+                synced = True
+                await asyncio.to_thread(sync)
+        return sampled
+
+    sampled = asyncio.run(call())
+    records = gateway.close_agent_episode("episode-5")
+    ((choice,),) = [call.choices for call in records.calls]
+    assert choice.ids == sampled and len(sampled) == 60 and choice.finish_reason == "length"
+    (first, start), (second, resumed) = choice.version_spans
+    assert (first, start, second) == (before, 0, before + 1) and 0 < resumed < 60
+    assert choice.version == before  # a call that spans a sync counts as its oldest weights
