@@ -411,3 +411,29 @@ def test_a_weight_sync_pauses_a_call_and_its_record_keeps_both_versions(
     (first, start), (second, resumed) = choice.version_spans
     assert (first, start, second) == (before, 0, before + 1) and 0 < resumed < 60
     assert choice.version == before  # a call that spans a sync counts as its oldest weights
+
+
+def test_each_choice_of_a_call_is_recorded(host: tuple[Host, int]) -> None:
+    gateway, port = host
+    gateway.open_agent_episode("episode-6", LIMITS)
+
+    async def call() -> Any:
+        return await client(port, "episode-6").chat.completions.create(
+            model=SERVED_MODEL,
+            messages=[SYSTEM, QUESTION],  # type: ignore[list-item]
+            max_tokens=8,
+            n=2,
+            seed=7,
+            extra_body=sampling(),
+        )
+
+    response = asyncio.run(call())
+    records = gateway.close_agent_episode("episode-6")
+    ((record),) = records.calls
+    returned = sorted((c.index, list(c.token_ids)) for c in response.choices)
+    assert [(c.index, c.ids) for c in record.choices] == returned
+    assert record.prompt_ids == list(response.prompt_token_ids)
+    # Two answers to one prompt: two samples (neither extends the other).
+    assert [s.token_ids for s in merge_calls(records.calls)] == [
+        record.prompt_ids + ids for _, ids in returned
+    ]
