@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
 REPLACEMENT = "\ufffd"  # what decoding puts for bytes that are no whole character
 
 
