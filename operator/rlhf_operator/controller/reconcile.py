@@ -78,9 +78,6 @@ WORKLOAD_JOB_UID = "kueue.x-k8s.io/job-uid"  # Kueue's label: the uid of the Wor
 class Reconciled:
     status: RLHFJobStatus | None  # None: the job is gone
     requeue_after: float | None = None  # seconds: nothing else will bring the job back
-    # A new job's RayJob was made and its report (status, Event) waits for the next
-    # pass, which the queue gives a lower priority than other new jobs' first.
-    report_later: bool = False
 
 
 class JobGone(Exception):
@@ -106,8 +103,9 @@ class Reconciler:
         self.kuberay = KubeRayCheck(kube)
         self.events = EventRecorder(kube, now)
         self.fanout = ThreadPoolExecutor(CHILD_REQUESTS, thread_name_prefix="children")
-        # Jobs whose children this process made and whose first report is still to
-        # come. They are no longer new: their children may have been collected since.
+        # Jobs whose children this process made in a pass that ended before their first
+        # status (its write failed). They are no longer new: their children may have
+        # been collected since.
         self._unreported: set[tuple[str, str]] = set()
 
     def reconcile(self, namespace: str, name: str) -> Reconciled:
@@ -117,8 +115,7 @@ class Reconciler:
             result = self._reconcile(namespace, name)
         except JobGone:
             result = Reconciled(None)
-        if not result.report_later:
-            self._unreported.discard((namespace, name))
+        self._unreported.discard((namespace, name))
         return result
 
     def _reconcile(self, namespace: str, name: str) -> Reconciled:
@@ -173,6 +170,8 @@ class Reconciler:
                 new = blocked_status(old, generation, KUBERAY_INCOMPATIBLE, blocked, now)
                 self._write_status(job, old, new)
                 return Reconciled(new, requeue_after=RECHECK_SECONDS)
+            if new_job:  # until its status is written: a pass that fails leaves it here
+                self._unreported.add((namespace, name))
             rayjob, live = self._ensure_children(ref, spec, children, rayjob)
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
@@ -185,11 +184,8 @@ class Reconciler:
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
         observed = self._observe(ref, spec, rayjob, workload, live, old)
         new = compute_status(spec, generation, observed, old, now, restart, resize)
-        if new_job and rayjob is not None:
-            # Its RayJob first: in a burst of new jobs, the API server makes the other
-            # jobs' RayJobs before it takes this one's status patch and Event.
-            self._unreported.add((namespace, name))
-            return Reconciled(new, report_later=True)
+        # A new job's status and first Event come in the pass that made its children: in
+        # a burst, each job's report follows its own RayJob, not every other job's.
         if new.driver_restarts > old.driver_restarts:
             self._replace_workers_of_the_lost_head(ref, observed, new)
         self._write_status(job, old, new)
@@ -266,16 +262,17 @@ class Reconciler:
         *dependencies, desired_rayjob = children
         # No RayJob means a new job (or one whose children were wiped): try creating
         # first, which saves a read per child on the path users wait on. Two rounds of
-        # requests at once. The RayJob's pods need its ServiceAccount and ConfigMap, so
-        # it waits for the first round; a RoleBinding waits for its Role: the operator
-        # has no `bind` verb, so the API server checks that it holds the Role's rules,
-        # and answers 404 while the Role is not there. The trainer needs the binding
-        # only once it runs, so the RayJob goes beside it.
+        # requests at once, the RayJob in the first: nothing mounts or names it, and
+        # what its pods need (the ServiceAccount, the ConfigMap) is asked for beside it,
+        # rounds before KubeRay makes a pod (it makes the RayCluster, which makes the
+        # pods; a pod refused for a missing ServiceAccount is made again). A RoleBinding
+        # waits for its Role: the operator has no `bind` verb, so the API server checks
+        # that it holds the Role's rules, and answers 404 while the Role is not there.
         bindings = [obj for obj in dependencies if obj["kind"] == "RoleBinding"]
         others = [obj for obj in dependencies if obj["kind"] != "RoleBinding"]
         if rayjob is None:
-            live = self._ensure_all(ref, others, likely_missing=True)
-            live += self._ensure_all(ref, [*bindings, desired_rayjob], likely_missing=True)
+            live = self._ensure_all(ref, [desired_rayjob, *others], likely_missing=True)
+            live += self._ensure_all(ref, bindings, likely_missing=True)
             made = next((obj for obj in live if obj["kind"] == "RayJob"), None)
             return made, [obj for obj in live if obj is not made]
         live = self._ensure_all(ref, others) + self._ensure_all(ref, bindings)
