@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
@@ -149,6 +149,7 @@ class Reconciler:
         if restart is not None and restart.action is Action.NONE:
             resize = decide_resize(spec, rayjob, old.training)
         workload, live = None, None
+        binding: list[Future[Obj | None]] = []  # a new job's RoleBindings, being made
         if resize is not None and resize.action is ResizeAction.REPLACE and rayjob is not None:
             # As for a restart, the deletion's event brings the reconcile that creates
             # the next attempt, with the spec's sizes. Asked once: KubeRay's finalizer
@@ -172,7 +173,7 @@ class Reconciler:
                 return Reconciled(new, requeue_after=RECHECK_SECONDS)
             if new_job:  # until its status is written: a pass that fails leaves it here
                 self._unreported.add((namespace, name))
-            rayjob, live = self._ensure_children(ref, spec, children, rayjob)
+            rayjob, live, binding = self._ensure_children(ref, spec, children, rayjob)
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
             workload = self._sync_workload(spec, rayjob)
@@ -189,6 +190,8 @@ class Reconciler:
         if new.driver_restarts > old.driver_restarts:
             self._replace_workers_of_the_lost_head(ref, observed, new)
         self._write_status(job, old, new)
+        for made in binding:  # the pass ends once they are made (or raises as they did)
+            made.result()
         wait = restart.wait_seconds if restart and restart.action in WAITING else None
         if new.phase is Phase.QUEUED:
             wait = QUEUED_RECHECK_SECONDS
@@ -257,8 +260,9 @@ class Reconciler:
 
     def _ensure_children(
         self, ref: JobRef, spec: RLHFJobSpec, children: list[Obj], rayjob: Obj | None
-    ) -> tuple[Obj | None, list[Obj]]:
-        """The RayJob as it now is, and the other children (those that exist)."""
+    ) -> tuple[Obj | None, list[Obj], list[Future[Obj | None]]]:
+        """The RayJob as it now is, the other children (those that exist), and a new
+        job's RoleBindings, still being made."""
         *dependencies, desired_rayjob = children
         # No RayJob means a new job (or one whose children were wiped): try creating
         # first, which saves a read per child on the path users wait on. Two rounds of
@@ -268,16 +272,18 @@ class Reconciler:
         # pods; a pod refused for a missing ServiceAccount is made again). A RoleBinding
         # waits for its Role: the operator has no `bind` verb, so the API server checks
         # that it holds the Role's rules, and answers 404 while the Role is not there.
+        # The status needs nothing of the bindings: they are made while it is reported
+        # (its Event, then its patch), a round trip less on the path users wait on.
         bindings = [obj for obj in dependencies if obj["kind"] == "RoleBinding"]
         others = [obj for obj in dependencies if obj["kind"] != "RoleBinding"]
         if rayjob is None:
             live = self._ensure_all(ref, [desired_rayjob, *others], likely_missing=True)
-            live += self._ensure_all(ref, bindings, likely_missing=True)
+            binding = [self.fanout.submit(self._ensure, ref, obj, True) for obj in bindings]
             made = next((obj for obj in live if obj["kind"] == "RayJob"), None)
-            return made, [obj for obj in live if obj is not made]
+            return made, [obj for obj in live if obj is not made], binding
         live = self._ensure_all(ref, others) + self._ensure_all(ref, bindings)
         self._check_owner(ref, rayjob)
-        return self._sync_rayjob(ref, spec, rayjob, desired_rayjob), live
+        return self._sync_rayjob(ref, spec, rayjob, desired_rayjob), live, []
 
     def _ensure_all(
         self, ref: JobRef, objects: list[Obj], likely_missing: bool = False
