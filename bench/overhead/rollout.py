@@ -8,6 +8,10 @@
     vllm   `vllm.LLM` in a process of its own, built from the same `engine_settings`,
            given the same requests with the same sampling parameters in one
            `generate` call, timed by its own clock
+    async_llm
+           the job's own `RolloutEngine` (vLLM's `AsyncLLM`) in a process of its own,
+           a coroutine per request: what vLLM's async engine costs, apart from our
+           Ray actors, streaming and queue
 
 Nothing trains while either generates, and no weights are pushed: on 2 cores a rank
 that trains takes the engine's CPU, which is the machine's cost, not our machinery's.
@@ -17,18 +21,21 @@ generated; with the same seeds the responses are the same, up to batching numeri
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from bench.harness import Measurement
+from bench.overhead.cpu import tree_cpu_seconds
+from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer
 from rlhf_trainer.models import model_path
-from rlhf_trainer.rollout.engine import EngineOptions
+from rlhf_trainer.rollout.engine import EngineOptions, RolloutEngine
 from rlhf_trainer.rollout.engine_settings import (
     engine_settings,
     platform_in_environment,
@@ -51,8 +58,9 @@ class Requests:
 class JobRollout:
     """The job's rollout pool, fed `prompts` prompts (samplesPerPrompt each) a measurement."""
 
-    def __init__(self, streaming: AsyncPPOTrainer, prompts: int) -> None:
+    def __init__(self, streaming: AsyncPPOTrainer, prompts: int, cpu: Callable[[], float]) -> None:
         self.streaming = streaming
+        self.cpu = cpu  # the job's processes' CPU-seconds so far
         self.prompts = prompts
         self.next_prompt = streaming.admission.admitted_total  # run.start() admitted these
         self.last: Requests | None = None  # what the last measurement generated
@@ -83,70 +91,111 @@ class JobRollout:
         admitted: list[Admitted] = list(
             zip(requests.uids, requests.prompt_indices, requests.prompts, strict=True)
         )
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), self.cpu()
         streaming.admissions.give(admitted)
         samples = streaming.take_groups(self.prompts)
-        seconds = time.perf_counter() - started
+        seconds, cpu_s = time.perf_counter() - started, self.cpu() - cpu
         streaming.admissions.wait_for_admissions(60)  # answered long ago: only the futures
-        return figures(
-            sum(len(s.rollout.response_token_ids) for s in samples), len(samples), seconds
-        )
+        tokens = sum(len(s.rollout.response_token_ids) for s in samples)
+        return figures(tokens, len(samples), seconds, cpu_s)
 
 
 class BareVLLM:
-    """vLLM's `LLM` on the job's engine settings (`engine_settings`), in a process of its
-    own that starts with the environment the job's engine core starts with (vLLM's
-    OpenMP threads read it as they load; set later in a process that has run torch, it
-    is ignored). Its own clock times each `generate`."""
+    """A bare engine (`serve_bare_vllm`) on the job's engine settings (`engine_settings`),
+    in a process of its own that starts with the environment the job's engine core
+    starts with, as that core does. (Built in the bench's own process, after Ray and
+    torch, `LLM` ran 12x slower; the cause was not isolated.) Its own clock times each
+    generation."""
 
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig, engine: str = "llm") -> None:
         # Sets vLLM's environment here, for the child: start processes meant to run
         # without it (the bare torch ranks) before this.
         platform_in_environment(config.generation.tensor_parallel_size)
         context = mp.get_context("spawn")
         self.pipe, theirs = context.Pipe()
-        self.process = context.Process(target=serve_bare_vllm, args=(config, theirs))
+        self.process = context.Process(target=serve_bare_vllm, args=(config, engine, theirs))
         self.process.start()
         self.pipe.recv()  # built
 
     def measure(self, requests: Requests) -> Measurement:
+        pid = self.process.pid
+        assert pid is not None, "started"
+        cpu = tree_cpu_seconds(pid)  # with AsyncLLM, its engine core's process too
         self.pipe.send(requests)
         tokens, samples, seconds = self.pipe.recv()
-        return figures(tokens, samples, seconds)
+        return figures(tokens, samples, seconds, tree_cpu_seconds(pid) - cpu)
 
     def close(self) -> None:
         self.pipe.send(None)
         self.process.join(timeout=30)
 
 
-def serve_bare_vllm(config: JobConfig, pipe: Connection) -> None:
-    """The bare engine's process: build `LLM`, then generate each `Requests` sent, in one
-    `generate` call, answering (tokens, samples, seconds)."""
+def serve_bare_vllm(config: JobConfig, engine: str, pipe: Connection) -> None:
+    """The bare engine's process: build it, then generate each `Requests` sent, all at
+    once, answering (tokens, samples, seconds). `engine`: "llm", vLLM's `LLM` (one
+    `generate` call); "async_llm", the job's own `RolloutEngine` (vLLM's `AsyncLLM`, a
+    request a coroutine, as the streaming rollout sends them) without Ray or the queue."""
+    options = EngineOptions.of(config)
+    model = model_path(config.models.actor, config.trainer.seed)  # the job's weights
+    generate = llm_generate(config, model, options) if engine == "llm" else None
+    if generate is None:
+        generate = async_llm_generate(config, RolloutEngine(model, **asdict(options)))
+    pipe.send("ready")
+    while (requests := pipe.recv()) is not None:
+        started = time.perf_counter()
+        lengths = generate(requests)
+        seconds = time.perf_counter() - started
+        pipe.send((sum(lengths), len(lengths), seconds))
+
+
+def llm_generate(
+    config: JobConfig, model: str, options: EngineOptions
+) -> Callable[[Requests], list[int]]:
+    """vLLM's `LLM`: the requests in one `generate` call; the response lengths."""
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
-    options = EngineOptions.of(config)
-    model = model_path(config.models.actor, config.trainer.seed)  # the job's weights
     llm = LLM(**engine_settings(model, **asdict(options)), disable_log_stats=True)
-    pipe.send("ready")
-    generation = config.generation
-    while (requests := pipe.recv()) is not None:
+    generation, cap = config.generation, config.data.max_response_length
+
+    def generate(requests: Requests) -> list[int]:
         params = [
-            sampling_params(
-                config.data.max_response_length, generation.temperature, generation.top_p, seed
-            )
+            sampling_params(cap, generation.temperature, generation.top_p, seed)
             for seed in requests.seeds
         ]
         prompts: list[Any] = [TokensPrompt(prompt_token_ids=p) for p in requests.prompts]
-        started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        pipe.send((sum(len(o.outputs[0].token_ids) for o in outputs), len(outputs), seconds))
+        return [len(o.outputs[0].token_ids) for o in outputs]
+
+    return generate
 
 
-def figures(tokens: int, samples: int, seconds: float) -> Measurement:
+def async_llm_generate(config: JobConfig, engine: RolloutEngine) -> Callable[[Requests], list[int]]:
+    """The job's `RolloutEngine`: a coroutine per request, as `StreamingRollout` starts
+    them; the response lengths."""
+    generation, cap = config.generation, config.data.max_response_length
+
+    async def one(uid: int, prompt: list[int], seed: int) -> Rollout:
+        return await engine.generate(
+            str(uid),
+            prompt,
+            max_tokens=cap,
+            temperature=generation.temperature,
+            top_p=generation.top_p,
+            seed=seed,
+        )
+
+    async def all_of(requests: Requests) -> list[Rollout]:
+        ones = zip(requests.uids, requests.prompts, requests.seeds, strict=True)
+        return list(await asyncio.gather(*(one(*request) for request in ones)))
+
+    return lambda requests: [len(r.response_token_ids) for r in engine.call(all_of(requests))]
+
+
+def figures(tokens: int, samples: int, seconds: float, cpu_s: float) -> Measurement:
     return {
         "tokens_per_s": tokens / seconds,
+        "tokens_per_cpu_s": tokens / cpu_s,
         "seconds": seconds,
         "response_tokens": tokens / samples,
     }

@@ -9,7 +9,10 @@ One job (job.py) is started on a simulated local cluster and kept; the bare engi
 run beside it, in processes of their own, each
 idle while the other side is measured. The four variants are interleaved, after one
 warm-up of each, and each ratio is taken within a repeat. The weight push into the
-idle engine is reported apart (`train_job.push_s`). The start-up figures come from
+idle engine is reported apart (`train_job.push_s`). Beside each wall-clock ratio, the
+same in CPU-seconds (`rollout_cpu`, `training_cpu`: the job's every process, this one,
+Ray's daemons and actors, against the bare engine's), which a loaded machine changes
+least. The start-up figures come from
 bench/overhead/startup.py when it is there, measured first, before the job starts.
 
 Run: make bench-overhead (a few minutes, and the start-up's). Arguments, all optional:
@@ -20,12 +23,15 @@ training measurement, start-up repeats (0: none).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Measurement, run_bench
+from bench.harness import Measurement, Variant, run_bench
+from bench.overhead.cpu import tree_cpu_seconds
 from rlhf_trainer.cluster.local import local_ray_cluster
 from rlhf_trainer.loop.run import open_run
 from rlhf_trainer.telemetry.report import ConsoleReporter
@@ -35,15 +41,24 @@ from .rollout import BareVLLM, JobRollout, requests_of
 from .training import BareTorch, JobTraining, experience_of
 
 REPEATS = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-PROMPTS = int(sys.argv[2]) if len(sys.argv) > 2 else 32
-UPDATES = int(sys.argv[3]) if len(sys.argv) > 3 else 4
-STARTUP_REPEATS = int(sys.argv[4]) if len(sys.argv) > 4 else REPEATS  # 0: none
+PROMPTS = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+UPDATES = int(sys.argv[3]) if len(sys.argv) > 3 else 8
+STARTUP_REPEATS = int(sys.argv[4]) if len(sys.argv) > 4 else 3  # 0: none (each ~1.5 min)
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:
     return {
         "rollout": run["rollout_job"]["tokens_per_s"] / run["rollout_vllm"]["tokens_per_s"],
+        "rollout_cpu": run["rollout_job"]["tokens_per_cpu_s"]
+        / run["rollout_vllm"]["tokens_per_cpu_s"],
+        # the rollout ratio in two: our machinery over AsyncLLM, AsyncLLM over LLM
+        "rollout_job_of_async_llm": run["rollout_job"]["tokens_per_s"]
+        / run["rollout_async_llm"]["tokens_per_s"],
+        "async_llm_of_llm": run["rollout_async_llm"]["tokens_per_s"]
+        / run["rollout_vllm"]["tokens_per_s"],
         "training": run["train_job"]["samples_per_s"] / run["train_torch"]["samples_per_s"],
+        "training_cpu": run["train_job"]["samples_per_cpu_s"]
+        / run["train_torch"]["samples_per_cpu_s"],
     }
 
 
@@ -69,26 +84,33 @@ def main() -> None:
         with local_ray_cluster(config), open_run(config, "overhead", quiet) as run:
             run.start()
             assert run.streaming is not None, "a fully-async job"
-            rollout = JobRollout(run.streaming, PROMPTS)
+            bare: list[int] = []  # the bare engines' processes: not the job's
+            job_cpu = partial(tree_cpu_seconds, os.getpid(), bare)  # this process, Ray's, ...
+            rollout = JobRollout(run.streaming, PROMPTS, job_cpu)
             first = rollout.first_samples()  # the engine's warm-up
             experience = experience_of(
                 first[: config.samples_per_step], run.trainer.parts.tokens.pad_id
             )
-            training = JobTraining(run.trainer, experience, UPDATES)
+            training = JobTraining(run.trainer, experience, UPDATES, job_cpu)
             bare_torch = BareTorch(config, experience, UPDATES, ACTOR_RANKS)
             bare_vllm = BareVLLM(config)  # last: it sets vLLM's environment here
+            bare_async_llm = BareVLLM(config, "async_llm")
+            processes = [*bare_torch.processes, bare_vllm.process, bare_async_llm.process]
+            bare += [p.pid for p in processes if p.pid is not None]
             try:
                 bare_vllm.measure(requests_of(run.streaming, first))
+                bare_async_llm.measure(requests_of(run.streaming, first))
                 training.measure()
                 bare_torch.measure()
 
-                def rollout_vllm() -> Measurement:
+                def same_requests(bare: BareVLLM) -> Measurement:
                     assert rollout.last is not None, "rollout_job runs first in each repeat"
-                    return bare_vllm.measure(rollout.last)
+                    return bare.measure(rollout.last)
 
-                variants = {
+                variants: dict[str, Variant] = {
                     "rollout_job": rollout.measure,
-                    "rollout_vllm": rollout_vllm,
+                    "rollout_vllm": partial(same_requests, bare_vllm),
+                    "rollout_async_llm": partial(same_requests, bare_async_llm),
                     "train_job": training.measure,
                     "train_torch": bare_torch.measure,
                 }
@@ -106,6 +128,7 @@ def main() -> None:
             finally:
                 bare_torch.close()
                 bare_vllm.close()
+                bare_async_llm.close()
 
 
 if __name__ == "__main__":

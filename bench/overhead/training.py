@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.harness import Measurement
+from bench.overhead.cpu import tree_cpu_seconds
 from rlhf_trainer.algo.experience import Experience, micro_batch_rows, minibatches, pack_rollouts
 from rlhf_trainer.algo.ppo import clipped_policy_loss, log_probs_from_logits
 from rlhf_trainer.api.config import JobConfig, Role
@@ -80,18 +81,21 @@ def rank_plan(
 class JobTraining:
     """The job's actor ranks, `updates` updates a measurement, then one weight push."""
 
-    def __init__(self, core: PPOTrainer, experience: Experience, updates: int) -> None:
+    def __init__(
+        self, core: PPOTrainer, experience: Experience, updates: int, cpu: Callable[[], float]
+    ) -> None:
         self.core, self.experience, self.updates = core, experience, updates
+        self.cpu = cpu  # the job's processes' CPU-seconds so far
         self.step = 0
 
     def measure(self) -> Measurement:
         actor = self.core.groups[Role.ACTOR]
         join(actor.drain_calls())  # forget the calls before
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), self.cpu()
         for _ in range(self.updates):
             self.step += 1
             join(actor.run_sharded("update", self.experience, self.step, phase=Phase.UPDATE_ACTOR))
-        seconds = time.perf_counter() - started
+        seconds, cpu_s = time.perf_counter() - started, self.cpu() - cpu
         in_ranks = [
             sum(end - start for _, start, end in calls) for calls in join(actor.drain_calls())
         ]
@@ -100,6 +104,7 @@ class JobTraining:
         self.core.weight_sync.push(self.core.policy_version)
         return {
             "samples_per_s": self.updates * len(self.experience) / seconds,
+            "samples_per_cpu_s": self.updates * len(self.experience) / cpu_s,
             "update_s": seconds / self.updates,
             "in_rank_share": sum(in_ranks) / len(in_ranks) / seconds,
             "push_s": time.perf_counter() - pushed,
@@ -133,16 +138,20 @@ class BareTorch:
             [rank_plan(self.experience, self.config, step, rank, self.world) for step in steps]
             for rank in range(self.world)
         ]
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), self.cpu_seconds()
         for pipe, plan in zip(self.pipes, plans, strict=True):
             pipe.send(plan)
         for pipe in self.pipes:
             pipe.recv()
-        seconds = time.perf_counter() - started
+        seconds, cpu_s = time.perf_counter() - started, self.cpu_seconds() - cpu
         return {
             "samples_per_s": self.updates * len(self.experience) / seconds,
+            "samples_per_cpu_s": self.updates * len(self.experience) / cpu_s,
             "update_s": seconds / self.updates,
         }
+
+    def cpu_seconds(self) -> float:
+        return sum(tree_cpu_seconds(p.pid) for p in self.processes if p.pid is not None)
 
     def close(self) -> None:
         for pipe in self.pipes:
