@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from transformers import AutoModelForCausalLM
@@ -237,6 +238,15 @@ def test_unknown_keys_and_greedy_calls_are_refused(host: tuple[Host, int]) -> No
         models = [m.id async for m in agent.models.list()]
         return unknown.value, greedy.value, models
 
+    gateway.open_agent_episode("episode-7", LIMITS)
+    malformed = httpx.post(  # no messages: refused naming the field, before any call counts
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json={"model": SERVED_MODEL},
+        headers={"Authorization": "Bearer episode-7"},
+    )
+    assert malformed.status_code == 400, malformed.text
+    assert malformed.json()["error"]["param"] == "messages"
+    assert gateway.close_agent_episode("episode-7").refusals == {}
     unknown, greedy, models = asyncio.run(calls())
     assert unknown.status_code == 401 and isinstance(unknown.body, dict)
     assert set(unknown.body) == {"message", "type", "param", "code"}
@@ -251,11 +261,12 @@ async def letters_agent(task: dict[str, Any], client: openai.AsyncOpenAI) -> flo
     """A plain agent written with the openai client: asks, then asks again with its answer
     in the history; fails after its first call when the task says so."""
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": task["question"]}]
-    for _ in range(2):
+    for turn in range(2):
         answer = await client.chat.completions.create(
             model=SERVED_MODEL,
             messages=messages,
             max_tokens=8,
+            seed=11 + turn,  # the same answers in every run
             extra_body=sampling(),  # type: ignore[arg-type]
         )
         if task.get("fail"):

@@ -228,6 +228,12 @@ def test_a_continued_conversation_keeps_the_sampled_ids() -> None:
     text = prompt_text + "green<|im_end|>" + glue
     exact = contexts.prompt_ids("k", text, tokenizer.encode(text))
     assert exact == prompt + sampled + tokenizer.encode(glue)
+    # Bytes cut mid-character decode as U+FFFD, whichever side held them back.
+    first_byte = tokenizer.convert_tokens_to_ids("â")  # byte-level BPE's byte 0xE2
+    cut = [*prompt, *tokenizer.encode("gre"), first_byte]
+    contexts.add("k", prompt_text, prompt, cut[len(prompt) :])
+    held_back = prompt_text + "gre<|im_end|>" + glue
+    assert contexts.prompt_ids("k", held_back, [7]) == cut + tokenizer.encode("<|im_end|>" + glue)
     edited = text.replace("lime", "lemon")  # the history changed: vLLM's ids stand
     assert contexts.prompt_ids("k", edited, [7, 7]) == [7, 7]
     contexts.close("k")

@@ -31,7 +31,7 @@ REPLACEMENT = "\ufffd"  # what decoding puts for bytes that are no whole charact
 class Context:
     """What one earlier choice left: the text the template would render for it, and its ids."""
 
-    text: str  # the call's prompt text, then the sampled ids decoded (specials kept)
+    text: str  # the call's prompt text, then the sampled ids decoded (specials kept; no U+FFFD)
     ids: list[int]  # (P + n,) the call's prompt ids, then the sampled ids
 
 
@@ -54,19 +54,40 @@ class Contexts:
         contexts = self._by_key.get(key)
         if contexts is None or prompt_text is None or not sampled:
             return
-        # A turn cut mid-character ends in the replacement character, which vLLM holds
-        # back from the text it returns: the agent never sent it back.
-        sampled_text = self._tokenizer.decode(sampled, skip_special_tokens=False)
-        text = prompt_text + sampled_text.rstrip(REPLACEMENT)
+        sampled_text = self._tokenizer.decode(
+            sampled, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        text = _whole_characters(prompt_text + sampled_text)
         contexts.append(Context(text, [*prompt_ids, *sampled]))
 
     def prompt_ids(self, key: str, text: str, ids: list[int]) -> list[int]:
         """The ids to sample the call rendered as `text` (tokenised as `ids`) from: those
         of the longest earlier context whose text it continues, then the rest encoded;
         else `ids` as vLLM tokenised them."""
-        fits = [c for c in self._by_key.get(key, ()) if text.startswith(c.text)]
+        whole = _whole_characters(text)
+        fits = [c for c in self._by_key.get(key, ()) if whole.startswith(c.text)]
         if not fits:
             return ids
         context = max(fits, key=lambda c: len(c.text))
-        rest = text[len(context.text) :]
+        rest = text[_position(text, len(context.text)) :]
         return [*context.ids, *self._tokenizer.encode(rest, add_special_tokens=False)]
+
+
+def _whole_characters(text: str) -> str:
+    """`text` without U+FFFD: bytes that are no whole character decode as it, and vLLM's
+    streaming detokenizer and a whole decode do not always put it in the same places (a
+    turn cut mid-character: vLLM holds the bytes back, and the agent never sees them)."""
+    return text.replace(REPLACEMENT, "")
+
+
+def _position(text: str, characters: int) -> int:
+    """Where in `text` its first `characters` characters other than U+FFFD end, and any
+    U+FFFD right after them (the context's own cut bytes)."""
+    seen = 0
+    for index, character in enumerate(text):
+        if character == REPLACEMENT:
+            continue
+        if seen == characters:
+            return index
+        seen += 1
+    return len(text)
