@@ -289,3 +289,54 @@ def row_environment(
             f"column {ENVIRONMENT_COLUMN!r}: expected one of environments ({names}), got {name!r}"
         )
     return name
+
+
+def multi_turn_rules() -> tuple[Rule, ...]:
+    """JobConfig's: generation.multiTurn's environments are declared (its default, and
+    each data row's, checked at load: row_environment); their score is the reward."""
+    multi_turn = "self.generation.multiTurn"
+    return (
+        Rule(
+            "environments",
+            "environment names must be unique",
+            "!has(self.environments) "
+            "|| self.environments.all(e, self.environments.exists_one(f, f.name == e.name))",
+            lambda c: len({e.name for e in c.environments}) == len(c.environments),
+        ),
+        Rule(
+            "environments",
+            "must declare at least one environment with generation.multiTurn (its "
+            "episodes run in them)",
+            f"!has({multi_turn}) || has(self.environments) && size(self.environments) > 0",
+            lambda c: c.multi_turn is None or bool(c.environments),
+        ),
+        Rule(
+            "generation.multiTurn.environment",
+            "must name one of environments",
+            f"!has({multi_turn}) || !has({multi_turn}.environment) || has(self.environments) "
+            f"&& self.environments.exists(e, e.name == {multi_turn}.environment)",
+            lambda c: (
+                c.multi_turn is None
+                or c.multi_turn.environment is None
+                or any(e.name == c.multi_turn.environment for e in c.environments)
+            ),
+            lambda c: (
+                f"got {c.multi_turn.environment!r}; declared: "
+                + (", ".join(e.name for e in c.environments) or "none")
+            ),
+        ),
+        Rule(
+            "generation.multiTurn.maxTokens",
+            "must exceed data.maxPromptLength (the episode's budget holds its prompt)",
+            f"!has({multi_turn}) || {multi_turn}.maxTokens > self.data.maxPromptLength",
+            lambda c: c.multi_turn is None or c.multi_turn.max_tokens > c.data.max_prompt_length,
+        ),
+        Rule(
+            "models.reward.environment",
+            "is required with generation.multiTurn, and only there (the reward is each "
+            "episode's final score from its environment)",
+            f"has({multi_turn}) == (has(self.models.reward.environment) "
+            "&& self.models.reward.environment)",
+            lambda c: (c.multi_turn is not None) == c.models.reward.environment,
+        ),
+    )

@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 from pydantic.config import JsonDict
 
-from rlhf_trainer.api.agentic import EnvironmentConfig, MultiTurnConfig
+from rlhf_trainer.api.agentic import EnvironmentConfig, MultiTurnConfig, multi_turn_rules
 from rlhf_trainer.api.agents import AgentConfig, agent_rules
 from rlhf_trainer.api.algorithm import GROUP_ESTIMATORS, AlgorithmConfig
 from rlhf_trainer.api.lora import lora_rules
@@ -257,57 +257,6 @@ def _declared_pool_rule(role: Role, optional: bool) -> Rule:
     )
 
 
-def _multi_turn_rules() -> tuple[Rule, ...]:
-    """generation.multiTurn's environments are declared (its default, and each data
-    row's, checked at load: agentic.row_environment); their score is the reward."""
-    multi_turn = "self.generation.multiTurn"
-    return (
-        Rule(
-            "environments",
-            "environment names must be unique",
-            "!has(self.environments) "
-            "|| self.environments.all(e, self.environments.exists_one(f, f.name == e.name))",
-            lambda c: len({e.name for e in c.environments}) == len(c.environments),
-        ),
-        Rule(
-            "environments",
-            "must declare at least one environment with generation.multiTurn (its "
-            "episodes run in them)",
-            f"!has({multi_turn}) || has(self.environments) && size(self.environments) > 0",
-            lambda c: c.multi_turn is None or bool(c.environments),
-        ),
-        Rule(
-            "generation.multiTurn.environment",
-            "must name one of environments",
-            f"!has({multi_turn}) || !has({multi_turn}.environment) || has(self.environments) "
-            f"&& self.environments.exists(e, e.name == {multi_turn}.environment)",
-            lambda c: (
-                c.multi_turn is None
-                or c.multi_turn.environment is None
-                or any(e.name == c.multi_turn.environment for e in c.environments)
-            ),
-            lambda c: (
-                f"got {c.multi_turn.environment!r}; declared: "
-                + (", ".join(e.name for e in c.environments) or "none")
-            ),
-        ),
-        Rule(
-            "generation.multiTurn.maxTokens",
-            "must exceed data.maxPromptLength (the episode's budget holds its prompt)",
-            f"!has({multi_turn}) || {multi_turn}.maxTokens > self.data.maxPromptLength",
-            lambda c: c.multi_turn is None or c.multi_turn.max_tokens > c.data.max_prompt_length,
-        ),
-        Rule(
-            "models.reward.environment",
-            "is required with generation.multiTurn, and only there (the reward is each "
-            "episode's final score from its environment)",
-            f"has({multi_turn}) == (has(self.models.reward.environment) "
-            "&& self.models.reward.environment)",
-            lambda c: (c.multi_turn is not None) == c.models.reward.environment,
-        ),
-    )
-
-
 POOLS_DESCRIPTION = "The GPU pools; names must be unique."
 # A list keyed by name: the API server rejects duplicates and merges pools by name.
 POOLS_LIST_MAP: JsonDict = {
@@ -418,7 +367,7 @@ class JobConfig(SpecModel):
         ),
         *_critic_rules(),
         *_group_rules(),
-        *_multi_turn_rules(),
+        *multi_turn_rules(),
         *agent_rules(),
         *lora_rules(),
         Rule(
