@@ -234,6 +234,18 @@ def test_an_admitted_job_follows_kuberay_and_a_suspended_one_is_suspended() -> N
     assert queued_status(True, None, SPEC).phase is Phase.SUSPENDED
 
 
+def test_the_cluster_kuberay_names_for_a_suspended_rayjob_is_not_reported() -> None:
+    """KubeRay names the cluster as it initialises a suspended RayJob, and clears the name
+    once Suspended: no such cluster is made. Once the RayJob runs, its cluster is named;
+    suspended again, the status keeps the last cluster that ran."""
+    initializing = rayjob("Initializing", "NEW") | {"spec": {"suspend": True}}
+    assert status(Observed(initializing, [])).ray_cluster is None
+    running = status(Observed(rayjob() | {"spec": {"suspend": False}}, []))
+    assert running.ray_cluster == "asymmetric-6-2-abcde"
+    suspending = rayjob("Suspending", "RUNNING") | {"spec": {"suspend": True}}
+    assert status(Observed(suspending, []), running).ray_cluster == "asymmetric-6-2-abcde"
+
+
 def with_container(
     pool: str | None, name: str, state: dict[str, Any], **extra: Any
 ) -> dict[str, Any]:

@@ -137,7 +137,11 @@ def compute_status(
     else:
         phase = Phase.RESIZING if resizing else _phase(spec, observed.rayjob)
     rayjob_status = (observed.rayjob or {}).get("status") or {}
-    cluster = rayjob_status.get("rayClusterName") or old.ray_cluster
+    # KubeRay names a suspended RayJob's cluster while it initialises it, then clears the
+    # name: that cluster is never made, and the status does not say it (nor is patched
+    # once more, in a burst of queued or suspended jobs, to say it).
+    suspended = ((observed.rayjob or {}).get("spec") or {}).get("suspend", False)
+    cluster = (None if suspended else rayjob_status.get("rayClusterName")) or old.ray_cluster
     head = observed.head or observe_head(observed.rayjob, observed.pods, old, now)
     failure = restart.failure if restart and restart.failure else head.failure
     recorded = restart is not None and restart.action is Action.RECORD
