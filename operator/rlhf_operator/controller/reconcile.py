@@ -103,9 +103,8 @@ class Reconciler:
         self.kuberay = KubeRayCheck(kube)
         self.events = EventRecorder(kube, now)
         self.fanout = ThreadPoolExecutor(CHILD_REQUESTS, thread_name_prefix="children")
-        # Jobs whose children this process made in a pass that ended before their first
-        # status (its write failed). They are no longer new: their children may have
-        # been collected since.
+        # Jobs whose children this process made in a pass that failed before their first
+        # status: no longer new (their children may have been collected since).
         self._unreported: set[tuple[str, str]] = set()
 
     def reconcile(self, namespace: str, name: str) -> Reconciled:
@@ -171,7 +170,7 @@ class Reconciler:
                 new = blocked_status(old, generation, KUBERAY_INCOMPATIBLE, blocked, now)
                 self._write_status(job, old, new)
                 return Reconciled(new, requeue_after=RECHECK_SECONDS)
-            if new_job:  # until its status is written: a pass that fails leaves it here
+            if new_job:  # its status, written in this pass, makes it no longer new
                 self._unreported.add((namespace, name))
             rayjob, live, binding = self._ensure_children(ref, spec, children, rayjob)
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
@@ -185,8 +184,6 @@ class Reconciler:
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
         observed = self._observe(ref, spec, rayjob, workload, live, old)
         new = compute_status(spec, generation, observed, old, now, restart, resize)
-        # A new job's status and first Event come in the pass that made its children: in
-        # a burst, each job's report follows its own RayJob, not every other job's.
         if new.driver_restarts > old.driver_restarts:
             self._replace_workers_of_the_lost_head(ref, observed, new)
         self._write_status(job, old, new)
