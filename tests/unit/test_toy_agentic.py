@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rlhf_env.protocol import FunctionCall, Message, ToolCall
-from rlhf_env.toys import LetterLookup
+from rlhf_env.toys import Calculator, LetterLookup
 from rlhf_trainer.api.sections import DataConfig, ModelSource, TinyModel
 from rlhf_trainer.data.sources import PromptRow, load_prompt_rows
 from rlhf_trainer.data.tasks import (
@@ -281,3 +281,22 @@ def test_a_scripted_episode_builds_the_tokens_of_the_whole_rendered_conversation
         "<s> c = call d </s> result 0 = call c </s> result x = x </s>"
     )
     assert trajectory.loss_mask == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1]
+
+
+def calculate_call(expression: str) -> Message:
+    arguments = f'{{"expression": "{expression}"}}'
+    call = ToolCall(id="call000000", function=FunctionCall(name="calculate", arguments=arguments))
+    return Message(role="assistant", tool_calls=[call])
+
+
+def test_calculator_rewards_the_first_valid_call_only_when_the_row_asks() -> None:
+    shaped = Calculator()
+    shaped.reset({"numbers": [3, 9], "call_reward": 0.5})
+    assert shaped.step(calculate_call("3 +")).reward is None  # an error: not a valid call
+    assert shaped.step(calculate_call("3 + 9")).reward == 0.5
+    assert shaped.step(calculate_call("3 + 9")).reward is None  # the first valid turn only
+    shaped.step(Message(role="assistant", content="12"))
+    assert shaped.score() == 1.0  # the score is the answer's alone
+    plain = Calculator()
+    plain.reset({"numbers": [3, 9]})
+    assert plain.step(calculate_call("3 + 9")).reward is None

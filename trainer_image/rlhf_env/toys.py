@@ -112,12 +112,17 @@ def evaluate(node: ast.AST) -> int:
 
 
 class Calculator:
-    """Row: `{"numbers": [12, 30, 7]}`; the answer is their sum."""
+    """Row: `{"numbers": [12, 30, 7]}`; the answer is their sum.
+
+    With `"call_reward": r` in the row, the first turn whose every call is a valid one
+    (the calculate tool, an expression it evaluates) gets the per-turn reward r (a
+    shaping reward, for a model that rarely calls tools); the score stays the answer's."""
 
     def reset(self, row: dict[str, Any]) -> Start:
         numbers = [int(n) for n in row["numbers"]]
         self.expected = sum(numbers)
         self.answer: str | None = None
+        self.call_reward: float | None = float(row["call_reward"]) if "call_reward" in row else None
         question = (
             f"What is {' + '.join(map(str, numbers))}? Use the calculate tool, "
             "then reply with the number alone."
@@ -132,7 +137,12 @@ class Calculator:
             self.answer = (message.content or "").strip()
             return Step(messages=[], done=True)
         handlers: dict[str, Handler] = {"calculate": lambda a: str(calculate(a["expression"]))}
-        return Step(messages=answer_tool_calls(message, handlers))
+        answers = answer_tool_calls(message, handlers)
+        reward = None
+        valid = not any((a.content or "").startswith("error:") for a in answers)
+        if self.call_reward is not None and valid:
+            reward, self.call_reward = self.call_reward, None  # the first valid turn only
+        return Step(messages=answers, reward=reward)
 
     def score(self) -> float:
         return 1.0 if self.answer == str(self.expected) else 0.0
