@@ -6,14 +6,16 @@
               model, micro-batches and ranks (training.py)
 
 One job (job.py) is started on a simulated local cluster and kept; the bare engines
-run beside it, in processes of their own, each
-idle while the other side is measured. The four variants are interleaved, after one
-warm-up of each, and each ratio is taken within a repeat. The weight push into the
-idle engine is reported apart (`train_job.push_s`). Beside each wall-clock ratio, the
-same in CPU-seconds (`rollout_cpu`, `training_cpu`: the job's every process, this one,
-Ray's daemons and actors, against the bare engine's), which a loaded machine changes
-least. The start-up figures come from
-bench/overhead/startup.py when it is there, measured first, before the job starts.
+run beside it, in processes of their own, each idle while the other side is measured.
+The five variants (rollout.py, training.py: the job's rollout, `LLM`, `AsyncLLM` alone,
+the job's update, bare FSDP2) are interleaved after one warm-up of each, and each ratio
+is taken within a repeat; the rollout ratio is also split in two, our machinery over
+`AsyncLLM` and `AsyncLLM` over `LLM`. The weight push into the idle engine is reported
+apart (`train_job.push_s`). Beside each wall-clock ratio, the same in CPU-seconds
+(`rollout_cpu`, `training_cpu`: every process of the job, this one, Ray's daemons and
+actors, against the bare engine's), which a loaded machine changes least. The start-up
+figures come from bench/overhead/startup.py when it is there, measured first, before
+the job starts.
 
 Run: make bench-overhead (a few minutes, and the start-up's). Arguments, all optional:
 repeats, prompts per rollout measurement (samplesPerPrompt samples each), updates per
@@ -76,6 +78,29 @@ def startup_figures(repeats: int) -> dict[str, Any]:
     return figures
 
 
+def interleaved(
+    rollout: JobRollout,
+    bare_vllm: BareVLLM,
+    bare_async_llm: BareVLLM,
+    training: JobTraining,
+    bare_torch: BareTorch,
+) -> dict[str, Variant]:
+    """The variants, in the order each repeat runs them: the bare engines generate what
+    the job generated just before them."""
+
+    def same_requests(engine: BareVLLM) -> Measurement:
+        assert rollout.last is not None, "rollout_job runs first in each repeat"
+        return engine.measure(rollout.last)
+
+    return {
+        "rollout_job": rollout.measure,
+        "rollout_vllm": partial(same_requests, bare_vllm),
+        "rollout_async_llm": partial(same_requests, bare_async_llm),
+        "train_job": training.measure,
+        "train_torch": bare_torch.measure,
+    }
+
+
 def main() -> None:
     startup = startup_figures(STARTUP_REPEATS)
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,22 +123,11 @@ def main() -> None:
             processes = [*bare_torch.processes, bare_vllm.process, bare_async_llm.process]
             bare += [p.pid for p in processes if p.pid is not None]
             try:
-                bare_vllm.measure(requests_of(run.streaming, first))
+                bare_vllm.measure(requests_of(run.streaming, first))  # their warm-ups
                 bare_async_llm.measure(requests_of(run.streaming, first))
                 training.measure()
                 bare_torch.measure()
-
-                def same_requests(bare: BareVLLM) -> Measurement:
-                    assert rollout.last is not None, "rollout_job runs first in each repeat"
-                    return bare.measure(rollout.last)
-
-                variants: dict[str, Variant] = {
-                    "rollout_job": rollout.measure,
-                    "rollout_vllm": partial(same_requests, bare_vllm),
-                    "rollout_async_llm": partial(same_requests, bare_async_llm),
-                    "train_job": training.measure,
-                    "train_torch": bare_torch.measure,
-                }
+                variants = interleaved(rollout, bare_vllm, bare_async_llm, training, bare_torch)
                 run_bench(
                     "overhead",
                     variants,
