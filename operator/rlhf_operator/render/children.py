@@ -11,11 +11,11 @@ from rlhf_operator.api.job import (
     GROUP,
     PLURAL,
     Device,
-    Pool,
     RLHFJobSpec,
     Separation,
 )
 from rlhf_operator.api.podspec import PodResources
+from rlhf_operator.api.pools import Pool
 from rlhf_operator.render.agents import AGENT_LABEL, render_agents
 from rlhf_operator.render.environments import ENVIRONMENT_LABEL, render_environments
 from rlhf_operator.render.meta import JOB_LABEL as JOB_LABEL  # re-exported
