@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_trainer.api.config import JobConfig
@@ -105,45 +106,74 @@ def tool_model(directory: Path) -> Path:
     return model
 
 
-def calculator_rows(path: Path, count: int, first: int = 0) -> Path:
+def calculator_rows(
+    path: Path, count: int, first: int = 0, call_reward: float | None = None
+) -> Path:
     """Rows of the Calculator environment, `{"numbers": [a, b]}`, with the addends of
     tests.real_model.sums (so two ranges share no question). The `prompt` column is
-    only what the data loader requires; the environment writes the question."""
+    only what the data loader requires; the environment writes the question.
+    `call_reward`: the Calculator's per-turn reward for a first valid call (shaping)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"prompt": f"{a} + {b}", "numbers": [a, b]} for a, b in addends(count, first)]
+    shaping = {} if call_reward is None else {"call_reward": call_reward}
+    rows = [
+        {"prompt": f"{a} + {b}", "numbers": [a, b], **shaping} for a, b in addends(count, first)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
 
-def job(tmp: Path, steps: int, learning_rate: float) -> JobConfig:
-    train = calculator_rows(tmp / "train.parquet", TRAIN_QUESTIONS)
-    held_out = calculator_rows(tmp / "held-out.parquet", HELD_OUT, first=TRAIN_QUESTIONS)
+@dataclass(frozen=True)
+class Episodes:
+    """What a run plays: its questions, its batch, its turns, its format."""
+
+    train_questions: int = TRAIN_QUESTIONS
+    held_out: int = HELD_OUT
+    prompts: int = PROMPTS  # questions a step
+    answers: int = ANSWERS  # episodes a question
+    turn_tokens: int = 48
+    chat_template: str | None = None  # None: TOOL_TEMPLATE in a copy of the model
+    tool_parser: str = "hermes"
+    call_reward: float | None = None  # the Calculator's shaping reward (training rows)
+    seed: int = 0
+
+
+def job(tmp: Path, steps: int, learning_rate: float, plays: Episodes = Episodes()) -> JobConfig:
+    """GRPO on Calculator episodes (the module doc), every role on one simulated GPU."""
+    rows = calculator_rows(tmp / "train.parquet", plays.train_questions, 0, plays.call_reward)
+    held_out = calculator_rows(tmp / "held-out.parquet", plays.held_out, plays.train_questions)
     base = real_model_job(
-        train, tmp / "checkpoints", total_steps=steps, batch=PROMPTS, max_response_length=48
+        rows,
+        tmp / "checkpoints",
+        total_steps=steps,
+        batch=plays.prompts,
+        max_response_length=plays.turn_tokens,
     )
     spec = base.to_dict()
     spec["roles"].pop("critic")
-    spec["models"] = {"actor": {"path": str(tool_model(tmp))}, "reward": {"environment": True}}
+    model = real_model_dir() if plays.chat_template else tool_model(tmp)
+    spec["models"] = {"actor": {"path": str(model)}, "reward": {"environment": True}}
     spec["environments"] = [{"name": "calculator", "serve": "rlhf_env.toys:Calculator"}]
     spec["algorithm"] = {"advantageEstimator": "grpo", "klCoef": 0.01}
     spec["generation"].update(
-        samplesPerPrompt=ANSWERS,
+        samplesPerPrompt=plays.answers,
         # The prompt (tools listed in the system message) is ~250 tokens; room for 3 turns.
         multiTurn={
             "environment": "calculator",
-            "toolParser": "hermes",
+            "toolParser": plays.tool_parser,
             "maxTurns": 3,
-            "maxTokens": 512,
+            "maxTokens": 768,
+            **({"chatTemplate": plays.chat_template} if plays.chat_template else {}),
         },
     )
     spec["data"]["eval"] = str(held_out)
     spec["trainer"].update(
         evalEverySteps=None,  # before training and after the last step only
-        miniBatchSize=PROMPTS * ANSWERS,
+        miniBatchSize=plays.prompts * plays.answers,
         microBatchSize=8,
         actorLearningRate=learning_rate,
+        seed=plays.seed,
     )
     return JobConfig.model_validate(spec)
 
