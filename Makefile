@@ -17,7 +17,7 @@ include tests/images/images.mk
 # The control plane's launcher needs the venv's kubernetes client; it loads the images
 # into its real node.
 cluster: install images
-.PHONY: help images install tmux real-model test test-shuffled test-gpu gpu-stack unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-gpu-train-step bench-gpu-ipc bench-contention bench-overhead bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled test-gpu gpu-stack unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-real-agentic bench-gpu-train-step bench-gpu-ipc bench-contention bench-overhead bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -181,6 +181,9 @@ bench-weight-sync: install  ## benchmark: a 400 MB policy into one and two vLLM 
 
 bench-real-model: install real-model  ## benchmark: the real instruct model's generation and training tokens/s (about 10 minutes)
 	$(PY) -m bench.real_model.run
+
+bench-real-agentic: install real-model  ## benchmark: the real instruct model calling a calculator tool, GRPO-trained vs an untrained control, 3 seeds (~1 h on 2 cores)
+	$(PY) -m bench.real_model.agentic
 
 bench-gpu-ipc: install  ## benchmark: CUDA IPC between two processes on one GPU (vLLM's IPC transfer) against a copy in one process (no GPU: says so)
 	$(PY) -m bench.gpu_ipc.run

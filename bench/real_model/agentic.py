@@ -45,20 +45,22 @@ from rlhf_trainer.loop.run import run_job
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.report import ConsoleReporter
 
-FORMAT = "json_list"
-STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
+FORMAT = "pythonic"
+DEMONSTRATION = True  # one worked exchange before each question (tool_formats.py)
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 LEARNING_RATE = float(sys.argv[3]) if len(sys.argv) > 3 else 2e-5
 CONTROL_RATE = 1e-12
 CALL_REWARD = 0.5
-EVAL_SAMPLES = 2
+EVAL_SAMPLES = 4
 PLAYS = Episodes(
     train_questions=32,
     held_out=8,
-    prompts=2,
+    prompts=4,
     answers=4,
-    turn_tokens=40,
+    turn_tokens=32,
     chat_template=chat_template(FORMAT),
+    template_kwargs=(("demonstration", DEMONSTRATION),),
     tool_parser=FORMATS[FORMAT].parser,
     call_reward=CALL_REWARD,
 )

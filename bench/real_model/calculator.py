@@ -134,6 +134,7 @@ class Episodes:
     answers: int = ANSWERS  # episodes a question
     turn_tokens: int = 48
     chat_template: str | None = None  # None: TOOL_TEMPLATE in a copy of the model
+    template_kwargs: tuple[tuple[str, bool], ...] = ()  # multiTurn.chatTemplateKwargs
     tool_parser: str = "hermes"
     call_reward: float | None = None  # the Calculator's shaping reward (training rows)
     seed: int = 0
@@ -164,6 +165,7 @@ def job(tmp: Path, steps: int, learning_rate: float, plays: Episodes = Episodes(
             "toolParser": plays.tool_parser,
             "maxTurns": 3,
             "maxTokens": 768,
+            "chatTemplateKwargs": dict(plays.template_kwargs),
             **({"chatTemplate": plays.chat_template} if plays.chat_template else {}),
         },
     )
