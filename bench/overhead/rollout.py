@@ -137,15 +137,22 @@ def serve_bare_vllm(config: JobConfig, engine: str, pipe: Connection) -> None:
     request a coroutine, as the streaming rollout sends them) without Ray or the queue."""
     options = EngineOptions.of(config)
     model = model_path(config.models.actor, config.trainer.seed)  # the job's weights
-    generate = llm_generate(config, model, options) if engine == "llm" else None
-    if generate is None:
-        generate = async_llm_generate(config, RolloutEngine(model, **asdict(options)))
+    async_engine = RolloutEngine(model, **asdict(options)) if engine == "async_llm" else None
+    if async_engine is None:
+        generate = llm_generate(config, model, options)
+    else:
+        generate = async_llm_generate(config, async_engine)
     pipe.send("ready")
-    while (requests := pipe.recv()) is not None:
-        started = time.perf_counter()
-        lengths = generate(requests)
-        seconds = time.perf_counter() - started
-        pipe.send((sum(lengths), len(lengths), seconds))
+    try:
+        while (requests := pipe.recv()) is not None:
+            started = time.perf_counter()
+            lengths = generate(requests)
+            seconds = time.perf_counter() - started
+            pipe.send((sum(lengths), len(lengths), seconds))
+    finally:
+        # AsyncLLM's engine core is a child: left running, this process never exits.
+        if async_engine is not None:
+            async_engine.shutdown()
 
 
 def llm_generate(
