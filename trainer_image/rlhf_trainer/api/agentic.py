@@ -295,6 +295,7 @@ def multi_turn_rules() -> tuple[Rule, ...]:
     """JobConfig's: generation.multiTurn's environments are declared (its default, and
     each data row's, checked at load: row_environment); their score is the reward."""
     multi_turn = "self.generation.multiTurn"
+    environment = "has(self.models.reward.environment) && self.models.reward.environment"
     return (
         Rule(
             "environments",
@@ -333,10 +334,14 @@ def multi_turn_rules() -> tuple[Rule, ...]:
         ),
         Rule(
             "models.reward.environment",
-            "is required with generation.multiTurn, and only there (the reward is each "
-            "episode's final score from its environment)",
-            f"has({multi_turn}) == (has(self.models.reward.environment) "
-            "&& self.models.reward.environment)",
-            lambda c: (c.multi_turn is not None) == c.models.reward.environment,
+            "is required with generation.multiTurn, and allowed only there or with "
+            "generation.agent (the reward is each episode's own: its environment's final "
+            "score, or its agent's reward)",
+            f"has({multi_turn}) ? {environment} : (!({environment}) || has(self.generation.agent))",
+            lambda c: (
+                c.models.reward.environment
+                if c.multi_turn is not None
+                else not c.models.reward.environment or c.generation.agent is not None
+            ),
         ),
     )

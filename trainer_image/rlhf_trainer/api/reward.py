@@ -105,7 +105,8 @@ class RewardSource(SpecModel):
     environment: bool = Field(
         False,
         description=(
-            "The reward is the final score of each episode's environment (generation.multiTurn)."
+            "The reward is each episode's own: its environment's final score "
+            "(generation.multiTurn), or the reward its agent returned (generation.agent)."
         ),
     )
     url: str | None = Field(

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_trainer.api.agents import AgentConfig
 from rlhf_trainer.api.config import Device, JobConfig
 from rlhf_trainer.api.names import POOL_LABEL, pool_resource
 
@@ -154,6 +155,26 @@ def environment_variable(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = before
 
 
+def local_agent(agent: AgentConfig) -> contextlib.AbstractContextManager[str]:
+    """The agent given by its function, served on this machine (`python -m rlhf_env
+    agent`), taking as many episodes at once as the trainer sends it."""
+    from rlhf_env.process import served_locally
+
+    episodes = ["--max-episodes", str(agent.max_concurrent_episodes)]
+    return served_locally(agent.serve or "", episodes, command="agent")
+
+
+def local_gateways(config: JobConfig) -> dict[str, str]:
+    """With generation.agent, where the engines' gateways listen (rollout.agent_shared):
+    on loopback, where the local agents run, each on a free port (the simulated nodes
+    share this host, so GATEWAY_PORT would clash)."""
+    from rlhf_trainer.rollout.agent_shared import GATEWAY_HOST_VARIABLE, GATEWAY_PORT_VARIABLE
+
+    if config.generation.agent is None:
+        return {}
+    return {GATEWAY_HOST_VARIABLE: "127.0.0.1", GATEWAY_PORT_VARIABLE: "0"}
+
+
 def signal_all(processes: list[Any], how: str) -> None:
     """psutil's `how` ("suspend", "kill") on each of `processes` that still lives."""
     import psutil
@@ -165,10 +186,10 @@ def signal_all(processes: list[Any], how: str) -> None:
 
 @contextmanager
 def local_environments(config: JobConfig) -> Iterator[JobConfig]:
-    """The job with each environment it names by class (`serve`) served on this machine
-    until the block ends, and its url filled in (rlhf_env.process): every one declared,
-    so each that a data row names is. A chat template kept in a ConfigMap is refused
-    first: a local run has none to mount."""
+    """The job with each environment it names by class (`serve`), and each agent it names
+    by function, served on this machine until the block ends, and its url filled in
+    (rlhf_env.process): every one declared, so each that a data row names is. A chat
+    template kept in a ConfigMap is refused first: a local run has none to mount."""
     from rlhf_env.process import served_locally
 
     # The server's deadlines are the episodes', as the operator gives its pods.
@@ -197,7 +218,15 @@ def local_environments(config: JobConfig) -> Iterator[JobConfig]:
             )
             for environment in config.environments
         ]
-        yield config.model_copy(update={"environments": environments})
+        agents = [
+            agent
+            if agent.serve is None
+            else agent.model_copy(
+                update={"url": stack.enter_context(local_agent(agent)), "serve": None}
+            )
+            for agent in config.agents
+        ]
+        yield config.model_copy(update={"environments": environments, "agents": agents})
 
 
 @contextmanager
@@ -239,12 +268,13 @@ def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
             local.add_node(pool_name)
         # Ray's INFO lines here say where a dashboard is (there is none) in ANSI colours,
         # even into a pipe: a local run's output stays plain without them.
+        workers = gpus.worker_environment() | local_gateways(config)
         ray.init(
             address=cluster.address,
             include_dashboard=False,
             log_to_driver=False,
             logging_level=logging.WARNING,
-            runtime_env={"env_vars": workers} if (workers := gpus.worker_environment()) else None,
+            runtime_env={"env_vars": workers} if workers else None,
         )
         yield local
     finally:

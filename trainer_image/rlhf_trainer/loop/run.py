@@ -22,6 +22,7 @@ from rlhf_trainer.loop.setup import open_parts
 from rlhf_trainer.loop.sync import PPOTrainer, StepResult
 from rlhf_trainer.roles import checkpoint
 from rlhf_trainer.roles.checkpoint import TrainerState, capture_rng, restore_rng
+from rlhf_trainer.rollout.agent_shared import EpisodeTally
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.progress import STEP_LOG
 from rlhf_trainer.telemetry.report import Reporter
@@ -180,6 +181,9 @@ class Run:
         if result.episodes is not None:
             m.observe_episodes(result.episodes)
             self.trainer.timeline.add_episodes(rollout.pool, result.episodes.episodes)
+        if self.config.generation.agent is not None:  # the agent episodes the ranks closed
+            for rank in join(rollout.run("drain_agent_tallies")):
+                count_agent_episodes(m, rank)
         for evaluation in result.evaluations:
             m.observe_eval(evaluation)
         progress = self.progress(result)
@@ -248,6 +252,13 @@ def export_due(config: JobConfig, step: int) -> bool:
         return False
     every, total = config.trainer.export.every_steps, config.trainer.total_steps
     return step == total or (every is not None and step > 0 and step % every == 0)
+
+
+def count_agent_episodes(metrics: TrainerMetrics, tallies: list[EpisodeTally]) -> None:
+    """rlhf_agent_*: closed agent episodes, and the samples v1 left out of training."""
+    for t in tallies:
+        metrics.agents.count_episode(t.cut, t.calls, t.refusals, t.prompt_tokens, t.sampled_tokens)
+        metrics.agents.samples_left_out.inc(t.samples_left_out)
 
 
 def log_step(result: StepResult, total: int) -> None:

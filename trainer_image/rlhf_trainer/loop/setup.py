@@ -11,6 +11,7 @@ group behind. The trainers take the parts; they build nothing and close nothing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -40,7 +41,13 @@ from rlhf_trainer.loop.scores_ahead import scores_ahead
 from rlhf_trainer.loop.weights import WeightSync
 from rlhf_trainer.models import load_tokenizer
 from rlhf_trainer.roles.export_files import check_export
-from rlhf_trainer.rollout.episodes import check_episodes
+from rlhf_trainer.rollout.agent_client import AgentClient, AgentEpisodeFailed
+from rlhf_trainer.rollout.episodes import (
+    ENVIRONMENT_WAIT_SECONDS,
+    HEALTH_CALL_SECONDS,
+    HEALTH_POLL_SECONDS,
+    check_episodes,
+)
 from rlhf_trainer.rollout.queue import admission_limit, remembered_uids
 from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.timeline import Timeline
@@ -142,6 +149,7 @@ def load_inputs(config: JobConfig, reward_files: Path | None) -> Inputs:
     check_export(config)  # an export that would fail at the end fails now
     if config.multi_turn is not None:  # so does an environment out of reach, or the template
         check_episodes(config, (p.fields for p in [*prompts.prompts, *held_out]))
+    check_agent(config)  # and an agent's
     rule = reward_function(config.models.reward, reward_files)
     if rule is not None:
         check_reward_arguments(rule, prompts.prompts[0].fields, "data.train")
@@ -152,6 +160,45 @@ def load_inputs(config: JobConfig, reward_files: Path | None) -> Inputs:
         int(tokenizer.pad_token_id),
     )
     return Inputs(tokens, prompts, held_out, rule)
+
+
+class AgentUnreachable(RuntimeError):
+    pass
+
+
+def check_agent(config: JobConfig, wait_seconds: float = ENVIRONMENT_WAIT_SECONDS) -> None:
+    """generation.agent's agent answers its health check, waited for as an environment
+    is (rollout.episodes.check_environment), or the run fails naming it before any role
+    starts. Nothing to check without generation.agent."""
+    settings = config.generation.agent
+    if settings is None:
+        return
+    agent = config.agent(settings.agent)
+    if agent.url is None:  # the operator gives a served agent's url; a local run serves it
+        raise AgentUnreachable(
+            f"agent {agent.name!r} has no url: an agent given by its function (serve) is "
+            "served by the operator in a cluster, or by a local run (rlhfjob train --local)"
+        )
+
+    async def healthy() -> None:
+        deadline = time.monotonic() + wait_seconds
+        async with AgentClient.of(agent) as client:
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    await client.health(timeout=max(min(HEALTH_CALL_SECONDS, left), 0.1))
+                    return
+                except AgentEpisodeFailed:
+                    if left <= HEALTH_POLL_SECONDS:
+                        raise
+                await asyncio.sleep(HEALTH_POLL_SECONDS)
+
+    try:
+        asyncio.run(healthy())
+    except AgentEpisodeFailed as failed:
+        raise AgentUnreachable(
+            f"agent {agent.name!r} did not answer within {wait_seconds:g} s: {failed}"
+        ) from failed
 
 
 def row_check(config: JobConfig) -> CheckRow | None:

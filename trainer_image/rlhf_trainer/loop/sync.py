@@ -240,7 +240,7 @@ class PPOTrainer:
         sample comes from its engine as it finishes, and a reward service is given it
         then (`scores_ahead`). An engine lost meanwhile is replaced, and the batch
         generated again: the same samples (`membership`)."""
-        method = PHASE_METHOD[Phase.GENERATE] if self.config.multi_turn is None else "run_episodes"
+        method = "run_episodes" if runs_episodes(self.config) else PHASE_METHOD[Phase.GENERATE]
         grouped = self.grouped(prompts)
         inputs = [rollout_input(self.config, p) for p in grouped]
 
@@ -317,8 +317,13 @@ def critic_stats(updates: Calls, experience: Experience) -> CriticStats | None:
 
 def rollout_input(config: JobConfig, prompt: Prompt) -> list[int] | dict[str, Any]:
     """What a rollout engine is given for a prompt: its token ids, or with
-    generation.multiTurn the row its environment starts an episode from."""
-    return prompt.token_ids if config.multi_turn is None else prompt.fields
+    generation.multiTurn (generation.agent) the row an episode starts from."""
+    return prompt.fields if runs_episodes(config) else prompt.token_ids
+
+
+def runs_episodes(config: JobConfig) -> bool:
+    """Rollouts are episodes: of an environment (multiTurn) or of an agent (agent)."""
+    return config.multi_turn is not None or config.generation.agent is not None
 
 
 def gather_if(calls: Calls, phase: Phase) -> torch.Tensor | None:

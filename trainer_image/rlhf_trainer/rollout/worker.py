@@ -14,7 +14,7 @@ import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from rlhf_env.replicas import EnvironmentReplicas
 from rlhf_trainer.algo.experience import Rollout
@@ -22,6 +22,8 @@ from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.sections import EvalGeneration, GenerationConfig
 from rlhf_trainer.gateway.host import GatewayHost
 from rlhf_trainer.models import chat_tokenizer, model_path
+from rlhf_trainer.rollout.agent_episodes import agent_runner
+from rlhf_trainer.rollout.agent_shared import EpisodeTally
 from rlhf_trainer.rollout.chat_template import job_template
 from rlhf_trainer.rollout.engine import EngineOptions, OnFinished, RolloutEngine
 from rlhf_trainer.rollout.engine_death import EngineDied
@@ -33,6 +35,7 @@ from rlhf_trainer.telemetry.engine_stats import EngineStats, read_engine_stats
 from rlhf_trainer.worker import RankInfo, Worker, derive_seed
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The exit status of a rollout rank whose vLLM engine died (EX_SOFTWARE).
 ENGINE_DIED_EXIT = 70
@@ -70,6 +73,7 @@ class EngineWorker(GatewayHost, Worker):
         )
         self.relay: Relay | None = None  # host transfer, on another node than the sender
         self.episodes = episode_runner(config)  # generation.multiTurn only
+        self.agents = agent_runner(self, info.world_size)  # generation.agent only
 
     @property
     def host_transfer(self) -> bool:
@@ -133,7 +137,7 @@ class EngineWorker(GatewayHost, Worker):
         it holds this worker: the next weights load only after it (one version)."""
         sampling = self.config.generation.eval
         seed = derive_seed(self.config.trainer.seed, "eval", step, self.info.rank)
-        if self.episodes is not None:
+        if self.episodes is not None or self.agents is not None:
             return self.engine.call(self.episodes_of(prompts, f"eval-{step}", seed, sampling))
 
         async def answer_all() -> list[Rollout]:
@@ -162,9 +166,14 @@ class EngineWorker(GatewayHost, Worker):
     ) -> list[Rollout]:
         """An episode per row (generation.multiTurn), sampled as `sampling` says (the
         training sampling by default); requests are named `episode-<name>-<i>-<turn>`.
-        `on_finished(i, episode)` is told of each as it ends, as `generate_batch` does."""
+        `on_finished(i, episode)` is told of each as it ends, as `generate_batch` does.
+        With generation.agent, an agent's episode per row, its one trained sample each
+        (the agent samples as it asks: `seed` and `sampling` are not its)."""
+        if self.agents is not None:
+            version = self.engine.policy_version
+            return await self.agents.trained_samples(rows, name, version, on_finished)
         if self.episodes is None:
-            raise RuntimeError("episodes need generation.multiTurn")
+            raise RuntimeError("episodes need generation.multiTurn or generation.agent")
         runner, sampled = self.episodes, sampling or self.config.generation
 
         async def episode(index: int, row: dict[str, Any]) -> Rollout:
@@ -195,9 +204,16 @@ class EngineWorker(GatewayHost, Worker):
         engine: RolloutEngine | None = getattr(self, "engine", None)  # None: being built
         return read_engine_stats() if engine is None else engine.stats()
 
+    def drain_agent_tallies(self) -> list[EpisodeTally]:
+        """The agent episodes closed since the last drain, for the driver's rlhf_agent_*."""
+        agents = self.agents
+        return [] if agents is None else self.engine.call(_now(agents.drain_tallies))
+
     def close(self) -> None:
         if self.episodes is not None:
             self.engine.call(self.episodes.aclose())
+        if self.agents is not None:
+            self.engine.call(self.agents.aclose())
         self.engine.shutdown()
         if self.relay is not None:
             self.relay.close()
@@ -267,6 +283,11 @@ def as_finished(generate: Callable[[OnFinished], object]) -> Iterator[tuple[int,
         while (item := finished.get()) is not None:
             yield item
         generating.result()
+
+
+async def _now(call: Callable[[], T]) -> T:
+    """`call()` on the engine's event loop (engine.call runs coroutines there)."""
+    return call()
 
 
 def episode_runner(config: JobConfig) -> EpisodeRunners | None:

@@ -129,6 +129,12 @@ class AgentMetrics:
             ["kind"],
             registry=r,
         )
+        self.samples_left_out = Counter(
+            "rlhf_agent_samples_left_out",
+            "Samples of agent episodes not trained on: each episode trains only the sample "
+            "holding its last call; its earlier calls that extend nothing are left out",
+            registry=r,
+        )
 
     def count_episode(
         self,
