@@ -220,6 +220,8 @@ async def _work(memo: kopf.Memo) -> None:
             result = await loop.run_in_executor(memo.executor, memo.reconciler.reconcile, *key)
             memo.gauges.observe(*key, result.status)
             memo.failures.pop(key, None)
+            if result.report_later:
+                queue.add(key)  # at normal priority: after the new jobs that wait
             if result.requeue_after is not None:
                 queue.add_later(key, max(result.requeue_after, 0.1))
         except Exception:

@@ -78,6 +78,9 @@ WORKLOAD_JOB_UID = "kueue.x-k8s.io/job-uid"  # Kueue's label: the uid of the Wor
 class Reconciled:
     status: RLHFJobStatus | None  # None: the job is gone
     requeue_after: float | None = None  # seconds: nothing else will bring the job back
+    # A new job's RayJob was made; its RoleBindings and report (Event, status) wait for
+    # the next pass, which the queue gives a lower priority than other new jobs' first.
+    report_later: bool = False
 
 
 class JobGone(Exception):
@@ -103,8 +106,9 @@ class Reconciler:
         self.kuberay = KubeRayCheck(kube)
         self.events = EventRecorder(kube, now)
         self.fanout = ThreadPoolExecutor(CHILD_REQUESTS, thread_name_prefix="children")
-        # Jobs whose children this process made in a pass that failed before their first
-        # status: no longer new (their children may have been collected since).
+        # Jobs whose children this process made but for their RoleBindings, and whose
+        # first report is still to come. They are no longer new: their children may have
+        # been collected since.
         self._unreported: set[tuple[str, str]] = set()
 
     def reconcile(self, namespace: str, name: str) -> Reconciled:
@@ -114,7 +118,8 @@ class Reconciler:
             result = self._reconcile(namespace, name)
         except JobGone:
             result = Reconciled(None)
-        self._unreported.discard((namespace, name))
+        if not result.report_later:
+            self._unreported.discard((namespace, name))
         return result
 
     def _reconcile(self, namespace: str, name: str) -> Reconciled:
@@ -148,7 +153,7 @@ class Reconciler:
         if restart is not None and restart.action is Action.NONE:
             resize = decide_resize(spec, rayjob, old.training)
         workload, live = None, None
-        binding: list[Future[Obj | None]] = []  # a new job's RoleBindings, being made
+        binding: list[Future[Obj | None]] = []  # RoleBindings being made
         if resize is not None and resize.action is ResizeAction.REPLACE and rayjob is not None:
             # As for a restart, the deletion's event brings the reconcile that creates
             # the next attempt, with the spec's sizes. Asked once: KubeRay's finalizer
@@ -170,9 +175,10 @@ class Reconciler:
                 new = blocked_status(old, generation, KUBERAY_INCOMPATIBLE, blocked, now)
                 self._write_status(job, old, new)
                 return Reconciled(new, requeue_after=RECHECK_SECONDS)
-            if new_job:  # its status, written in this pass, makes it no longer new
-                self._unreported.add((namespace, name))
-            rayjob, live, binding = self._ensure_children(ref, spec, children, rayjob)
+            unbound = (namespace, name) in self._unreported
+            rayjob, live, binding = self._ensure_children(
+                ref, spec, children, rayjob, new_job, unbound
+            )
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
             workload = self._sync_workload(spec, rayjob)
@@ -184,6 +190,13 @@ class Reconciler:
             self.kube.delete("RayJob", namespace, ref.rayjob, uid=restart.failure.ray_job_uid)
         observed = self._observe(ref, spec, rayjob, workload, live, old)
         new = compute_status(spec, generation, observed, old, now, restart, resize)
+        if new_job and rayjob is not None:
+            # Its RayJob first: in a burst of new jobs, the API server makes the other
+            # jobs' RayJobs before it takes this one's RoleBinding, Event and status.
+            self._unreported.add((namespace, name))
+            for made in binding:  # any (its RayJob was made before, by this process)
+                made.result()
+            return Reconciled(new, report_later=True)
         if new.driver_restarts > old.driver_restarts:
             self._replace_workers_of_the_lost_head(ref, observed, new)
         self._write_status(job, old, new)
@@ -256,31 +269,40 @@ class Reconciler:
         return Observed(rayjob, pods, workload, deployments, head)
 
     def _ensure_children(
-        self, ref: JobRef, spec: RLHFJobSpec, children: list[Obj], rayjob: Obj | None
-    ) -> tuple[Obj | None, list[Obj], list[Future[Obj | None]]]:
-        """The RayJob as it now is, the other children (those that exist), and a new
-        job's RoleBindings, still being made."""
+        self, ref: JobRef, spec: RLHFJobSpec, children: list[Obj], rayjob: Obj | None,
+        new_job: bool, unbound: bool,
+    ) -> tuple[Obj | None, list[Obj], list[Future[Obj | None]]]:  # fmt: skip
+        """The RayJob as it now is, the other children (those that exist), and the
+        RoleBindings still being made. `unbound`: this process made the job's other
+        children and not yet its RoleBindings."""
         *dependencies, desired_rayjob = children
         # No RayJob means a new job (or one whose children were wiped): try creating
-        # first, which saves a read per child on the path users wait on. Two rounds of
-        # requests at once, the RayJob in the first: nothing mounts or names it, and
-        # what its pods need (the ServiceAccount, the ConfigMap) is asked for beside it,
-        # rounds before KubeRay makes a pod (it makes the RayCluster, which makes the
-        # pods; a pod refused for a missing ServiceAccount is made again). A RoleBinding
-        # waits for its Role: the operator has no `bind` verb, so the API server checks
-        # that it holds the Role's rules, and answers 404 while the Role is not there.
-        # The status needs nothing of the bindings: they are made while it is reported
-        # (its Event, then its patch), a round trip less on the path users wait on.
+        # first, which saves a read per child on the path users wait on. The RayJob
+        # goes with the first round: nothing mounts or names it, and what its pods need
+        # (the ServiceAccount, the ConfigMap) is asked for beside it, rounds before
+        # KubeRay makes a pod (it makes the RayCluster, which makes the pods; a pod
+        # refused for a missing ServiceAccount is made again). A RoleBinding waits for
+        # its Role: the operator has no `bind` verb, so the API server checks that it
+        # holds the Role's rules, and answers 404 while the Role is not there. Only the
+        # trainer needs it, once it runs: a new job's is made in its report's pass, and
+        # any is made while the status is reported (its Event, then its patch).
         bindings = [obj for obj in dependencies if obj["kind"] == "RoleBinding"]
         others = [obj for obj in dependencies if obj["kind"] != "RoleBinding"]
         if rayjob is None:
             live = self._ensure_all(ref, [desired_rayjob, *others], likely_missing=True)
-            binding = [self.fanout.submit(self._ensure, ref, obj, True) for obj in bindings]
+            binding = [] if new_job else self._ensure_later(ref, bindings, likely_missing=True)
             made = next((obj for obj in live if obj["kind"] == "RayJob"), None)
             return made, [obj for obj in live if obj is not made], binding
-        live = self._ensure_all(ref, others) + self._ensure_all(ref, bindings)
+        live = self._ensure_all(ref, others)
         self._check_owner(ref, rayjob)
-        return self._sync_rayjob(ref, spec, rayjob, desired_rayjob), live, []
+        binding = self._ensure_later(ref, bindings, likely_missing=unbound)
+        return self._sync_rayjob(ref, spec, rayjob, desired_rayjob), live, binding
+
+    def _ensure_later(
+        self, ref: JobRef, objects: list[Obj], likely_missing: bool
+    ) -> list[Future[Obj | None]]:
+        """_ensure each, in the background: the caller waits for them before it ends."""
+        return [self.fanout.submit(self._ensure, ref, obj, likely_missing) for obj in objects]
 
     def _ensure_all(
         self, ref: JobRef, objects: list[Obj], likely_missing: bool = False
