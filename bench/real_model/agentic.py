@@ -24,7 +24,8 @@ and per seed the trained run's gains less the control's (calls_gain_vs_control,
 reward_gain_vs_control); on stderr a line per run.
 
 Run: make bench-real-agentic (after make real-model). Arguments, optional: steps
-(STEPS), seeds (3; fewer runs them without a median's minimum), learning rate.
+(4), seeds (3; fewer runs them without a median's minimum), learning rate (2e-5), the
+first seed (0).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from functools import partial
 from pathlib import Path
 
 from bench.harness import Measurement, figures, run_bench
-from bench.real_model.calculator import Episodes, job
+from bench.real_model.calculator import Episodes, job, show
 from bench.real_model.tool_formats import FORMATS, chat_template
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.cluster.local import local_environments, local_ray_cluster
@@ -50,6 +51,7 @@ DEMONSTRATION = True  # one worked exchange before each question (tool_formats.p
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 LEARNING_RATE = float(sys.argv[3]) if len(sys.argv) > 3 else 2e-5
+FIRST_SEED = int(sys.argv[4]) if len(sys.argv) > 4 else 0
 CONTROL_RATE = 1e-12
 CALL_REWARD = 0.5
 EVAL_SAMPLES = 4
@@ -70,7 +72,7 @@ SEEN: dict[str, int] = {}  # variant -> runs so far (its next seed)
 
 def train(variant: str, learning_rate: float) -> Measurement:
     """The variant's next seed: held-out calls and reward before and after training."""
-    seed = SEEN.get(variant, 0)
+    seed = SEEN.get(variant, FIRST_SEED)
     SEEN[variant] = seed + 1
     steps: list[StepResult] = []
     started = time.time()
@@ -80,7 +82,7 @@ def train(variant: str, learning_rate: float) -> Measurement:
         spec["generation"]["eval"] = {"samplesPerPrompt": EVAL_SAMPLES, "temperature": 1.0}
         config = JobConfig.model_validate(spec)
         with local_environments(config) as config, local_ray_cluster(config):
-            run_job(config, "agentic", ConsoleReporter(every=1e9), on_step=steps.append)
+            run_job(config, "agentic", ConsoleReporter(every=1e9), on_step=partial(keep, steps))
     evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
     before, after = evaluations[0], evaluations[-1]
     assert before.step == 0, "no held-out evaluation before training"
@@ -96,6 +98,11 @@ def train(variant: str, learning_rate: float) -> Measurement:
     line = f"run: {variant} seed {seed}, {len(steps)} steps: {shown}; training calls {train_calls}"
     print(line, file=sys.stderr, flush=True)
     return measured
+
+
+def keep(steps: list[StepResult], step: StepResult) -> None:
+    steps.append(step)
+    show(step)  # a line a step on stderr, to watch the run
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:
