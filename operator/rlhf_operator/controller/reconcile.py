@@ -14,14 +14,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from kubernetes.client.exceptions import ApiException
-
 from rlhf_operator.api.job import Phase, RLHFJobSpec, RLHFJobStatus
 from rlhf_operator.api.validation import InvalidJob, parse_spec
-from rlhf_operator.controller.drift import OWNED_FIELDS, drifted, replica_ops
+from rlhf_operator.controller.attempts import sync_rayjob, sync_workload
+from rlhf_operator.controller.drift import OWNED_FIELDS, drifted
 from rlhf_operator.controller.events import EventRecorder
 from rlhf_operator.controller.heads import observe_head, record_patch, workers_of_a_lost_head
-from rlhf_operator.controller.kube import JSON_PATCH, Kube, Obj
+from rlhf_operator.controller.kube import Kube, Obj
 from rlhf_operator.controller.kuberay import RECHECK_SECONDS, KubeRayCheck, ask_head
 from rlhf_operator.controller.report import (
     driver_restart_message,
@@ -71,7 +70,6 @@ WAITING = (Action.RECORD, Action.WAIT)  # a failed attempt waits out the backoff
 # A queued job's Kueue Workload carries no job label, so no event tells of its changes
 # (its reason while it waits): look again this often. Admission is an event (the RayJob).
 QUEUED_RECHECK_SECONDS = 15.0
-WORKLOAD_JOB_UID = "kueue.x-k8s.io/job-uid"  # Kueue's label: the uid of the Workload's job
 
 
 @dataclass(frozen=True)
@@ -181,7 +179,7 @@ class Reconciler:
             )
             if resize is not None and resize.action is ResizeAction.WAIT and rayjob is not None:
                 rayjob = self._ask_stop(ref, rayjob, resize.resizes)
-            workload = self._sync_workload(spec, rayjob)
+            workload = sync_workload(self.kube, spec, rayjob)
         elif finished(old):
             stopped = render_stopped_environments(ref, spec) + render_stopped_agents(ref, spec)
             live = self._ensure_all(ref, stopped)
@@ -296,7 +294,7 @@ class Reconciler:
         live = self._ensure_all(ref, others)
         self._check_owner(ref, rayjob)
         binding = self._ensure_later(ref, bindings, likely_missing=unbound)
-        return self._sync_rayjob(ref, spec, rayjob, desired_rayjob), live, binding
+        return sync_rayjob(self.kube, ref, spec, rayjob, desired_rayjob), live, binding
 
     def _ensure_later(
         self, ref: JobRef, objects: list[Obj], likely_missing: bool
@@ -348,74 +346,12 @@ class Reconciler:
                 f"RLHFJob {ref.name}; delete or rename it"
             )
 
-    def _sync_rayjob(self, ref: JobRef, spec: RLHFJobSpec, rayjob: Obj, desired: Obj) -> Obj:
-        """Apply the spec's mutable fields: suspend (unless Kueue owns it), and the
-        replicas of the pools that change size in place (resizes.py)."""
-        ops = []
-        suspend = rayjob["spec"].get("suspend", False)
-        if spec.queue_name is None and suspend != desired["spec"]["suspend"]:
-            ops.append({"op": "add", "path": "/spec/suspend", "value": desired["spec"]["suspend"]})
-        live_groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-        wanted_groups = [
-            group
-            for group in desired["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-            if group["groupName"] in spec.elastic_pools  # the others: a new attempt
-        ]
-        ops += replica_ops(live_groups, wanted_groups, at="/spec/rayClusterSpec")
-        if ops:
-            log.info("updating RayJob %s/%s: %s", ref.namespace, ref.rayjob, ops)
-            rayjob = self.kube.patch("RayJob", ref.namespace, ref.rayjob, ops, JSON_PATCH)
-        self._sync_cluster_replicas(ref, rayjob, wanted_groups)
-        return rayjob
-
     def _ask_stop(self, ref: JobRef, rayjob: Obj, resizes: tuple[PoolResize, ...]) -> Obj:
         """Record the ask on the attempt before the status (which the trainer reads)
         makes it: an exit 0 from then on is a stop for a resize (resizes.stopped_early)."""
         if stop_asked(rayjob):
             return rayjob
         return self.kube.patch("RayJob", ref.namespace, ref.rayjob, stop_asked_patch(resizes))
-
-    def _sync_workload(self, spec: RLHFJobSpec, rayjob: Obj | None) -> Obj | None:
-        """A queued job's Kueue Workload (None if Kueue has not made it). Kueue owns the
-        RayJob's suspend: suspending the job deactivates the Workload, which Kueue then
-        evicts; resuming activates it, and it queues again."""
-        if spec.queue_name is None or rayjob is None:
-            return None
-        rayjob_meta = rayjob["metadata"]
-        selector = f"{WORKLOAD_JOB_UID}={rayjob_meta['uid']}"
-        try:
-            found = self.kube.list("Workload", rayjob_meta["namespace"], selector)
-        except ApiException as error:
-            if error.status == 404:  # Kueue is not installed: the status says so
-                return None
-            raise
-        if not found:
-            return None
-        workload = found[0]
-        active = not spec.suspend
-        if (workload.get("spec") or {}).get("active", True) != active:
-            meta = workload["metadata"]
-            workload = self.kube.patch(
-                "Workload", meta["namespace"], meta["name"], {"spec": {"active": active}}
-            )
-        return workload
-
-    def _sync_cluster_replicas(self, ref: JobRef, rayjob: Obj, wanted_groups: list[Obj]) -> None:
-        """KubeRay does not push a RayJob's cluster spec to a running cluster, so scale
-        the live RayCluster too (checked every time: the RayJob may have been patched by
-        a reconcile that died before getting here). Not read when no pool resizes in
-        place: there is nothing to scale."""
-        name = (rayjob.get("status") or {}).get("rayClusterName")
-        if not wanted_groups or not name:
-            return
-        cluster = self.kube.get("RayCluster", ref.namespace, name)
-        if cluster is None:
-            return
-        ops = replica_ops(cluster["spec"]["workerGroupSpecs"], wanted_groups, at="/spec")
-        if ops:
-            self.kube.patch(
-                "RayCluster", ref.namespace, cluster["metadata"]["name"], ops, JSON_PATCH
-            )
 
     def _write_status(self, job: Obj, old: RLHFJobStatus, new: RLHFJobStatus) -> None:
         """Patch status only when it changed; leave the trainer's `training` alone. The
