@@ -4,9 +4,9 @@ it is being processed is queued again when that processing ends. A key has at mo
 delayed add pending: the latest asked for.
 
 Two priorities, as controller-runtime's priority queue has. A new job's key (one whose
-RayJob is still to be made) is urgent; every other key (a child's event, a retry) waits
-while urgent keys do, so a burst of new jobs gets its RayJobs and first statuses before
-the API server spends itself on the later passes of the jobs already made. Once the oldest
+RayJob is still to be made) is urgent; every other key (a child's event, a job's report
+with its RoleBinding, a retry) waits while urgent keys do, so a burst of new jobs gets its
+RayJobs before the API server spends itself on the reports of the jobs already made. Once the oldest
 normal key has waited MAX_DEFER_SECONDS, the two lines take turns until it has not: a
 long burst neither starves the other jobs nor loses its own order to them at once.
 """
