@@ -25,7 +25,9 @@ reward_gain_vs_control); on stderr a line per run.
 
 Run: make bench-real-agentic (after make real-model). Arguments, optional: steps
 (4), seeds (3; fewer runs them without a median's minimum), learning rate (2e-5), the
-first seed (0).
+first seed (0), the variants to run (trained,control; one of them alone runs that arm
+only, without the comparison: to redo one run of a seed, e.g. `python -m
+bench.real_model.agentic 4 1 2e-5 1 control`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 LEARNING_RATE = float(sys.argv[3]) if len(sys.argv) > 3 else 2e-5
 FIRST_SEED = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+ARMS = sys.argv[5].split(",") if len(sys.argv) > 5 else ["trained", "control"]
 CONTROL_RATE = 1e-12
 CALL_REWARD = 0.5
 EVAL_SAMPLES = 4
@@ -118,10 +121,9 @@ def compare(run: dict[str, Measurement]) -> Measurement:
 
 
 def main() -> None:
-    variants = {
-        "trained": partial(train, "trained", LEARNING_RATE),
-        "control": partial(train, "control", CONTROL_RATE),
-    }
+    rates = {"trained": LEARNING_RATE, "control": CONTROL_RATE}
+    variants = {arm: partial(train, arm, rates[arm]) for arm in ARMS}
+    both = set(variants) == set(rates)  # the comparison needs the pair
     settings = {
         "steps": STEPS,
         "format": FORMAT,
@@ -130,10 +132,11 @@ def main() -> None:
         "eval_samples": EVAL_SAMPLES,
     }
     if SEEDS >= 3:
-        run_bench("real_agentic", variants, SEEDS, compare, **settings)
+        run_bench("real_agentic", variants, SEEDS, compare if both else None, **settings)
         return
     runs = [{name: variant() for name, variant in variants.items()} for _ in range(SEEDS)]
-    spreads = figures(runs, compare)  # fewer seeds than a median needs: shown as they are
+    # Fewer seeds than a median needs: shown as they are.
+    spreads = figures(runs, compare if both else None)
     record = {
         "bench": "real_agentic",
         "repeats": SEEDS,
