@@ -85,7 +85,12 @@ IMAGES = {
     "environment": Image(
         f"localhost/rlhf-environment:{VERSION}",
         "environment_image/Dockerfile",
-        (*_CODE[:3], "trainer_image/requirements-cpu.txt", "trainer_image/rlhf_env"),
+        (
+            *_CODE[:3],
+            "trainer_image/requirements-cpu.txt",
+            "trainer_image/rlhf_env",
+            "examples/agents",  # the example agent, served from this image
+        ),
     ),
     "trainer-gpu": Image(
         f"localhost/rlhf-trainer:{VERSION}",
