@@ -30,6 +30,7 @@ from rlhf_operator.render.network import (
 )
 from tests.controlplane.harness import BIN_DIR
 from tests.controlplane.scan_manifests import helm_template
+from tests.rendered import matches
 from tests.unit.celcheck import assert_refused
 from tests.unit.conftest import EXAMPLES, load
 
@@ -92,19 +93,6 @@ def allows(rules: list[Obj], address: str, port: int) -> bool:
         if any(in_block(peer["ipBlock"], address) for peer in rule["to"] if "ipBlock" in peer):
             return True
     return False
-
-
-def matches(selector: Obj, pod: dict[str, str]) -> bool:
-    """A label selector against a pod's labels."""
-    if any(pod.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    tests = {
-        "In": lambda e: pod.get(e["key"]) in e["values"],
-        "NotIn": lambda e: pod.get(e["key"]) not in e["values"],
-        "Exists": lambda e: e["key"] in pod,
-        "DoesNotExist": lambda e: e["key"] not in pod,
-    }
-    return all(tests[e["operator"]](e) for e in selector.get("matchExpressions", []))
 
 
 def admits_pod(policy: Obj, pod: dict[str, str]) -> bool:

@@ -17,6 +17,7 @@ from rlhf_operator.render.network import KUBE_DNS, NetworkAccess, Peers
 from rlhf_operator.render.pod import container_security, pod_security
 from rlhf_trainer.api.agents import GATEWAY_PORT
 from rlhf_trainer.api.names import POOL_LABEL
+from tests.rendered import matches, named, of_kind, pod_labels
 from tests.unit.conftest import EXAMPLES, load
 
 Obj = dict[str, Any]
@@ -48,39 +49,6 @@ def manifest(*agents: Obj) -> Obj:
 
 def children(*agents: Obj, network: NetworkAccess | None = None) -> list[Obj]:
     return render_children(JOB, parse_job(manifest(*agents)).spec, network)
-
-
-def of_kind(objects: list[Obj], kind: str) -> list[Obj]:
-    return [o for o in objects if o["kind"] == kind]
-
-
-def named(objects: list[Obj], kind: str, name: str) -> Obj:
-    [found] = [o for o in of_kind(objects, kind) if o["metadata"]["name"] == name]
-    return found
-
-
-def matches(selector: Obj, labels: dict[str, str]) -> bool:
-    """A label selector (matchLabels, matchExpressions with In) against a pod's labels."""
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for expression in selector.get("matchExpressions", []):
-        assert expression["operator"] == "In"
-        if labels.get(expression["key"]) not in expression["values"]:
-            return False
-    return True
-
-
-def pod_labels(objects: list[Obj]) -> dict[str, dict[str, str]]:
-    """The labels of every pod template: head, each pool, submitter, each agent."""
-    rayjob = of_kind(objects, "RayJob")[0]["spec"]
-    cluster = rayjob["rayClusterSpec"]
-    templates = {"head": cluster["headGroupSpec"]["template"]}
-    templates |= {g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}
-    templates["submitter"] = rayjob["submitterPodTemplate"]
-    templates |= {
-        d["metadata"]["name"]: d["spec"]["template"] for d in of_kind(objects, "Deployment")
-    }
-    return {name: t["metadata"]["labels"] for name, t in templates.items()}
 
 
 def test_a_served_agent_runs_the_function_on_the_jobs_image_secured_and_owned() -> None:

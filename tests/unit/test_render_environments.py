@@ -14,6 +14,7 @@ from rlhf_operator.controller.drift import OWNED_FIELDS, drifted
 from rlhf_operator.render.children import JobRef, render_children
 from rlhf_operator.render.network import NetworkAccess, Peers
 from rlhf_operator.render.pod import container_security, pod_security
+from tests.rendered import matches, of_kind, pod_labels
 from tests.unit.conftest import EXAMPLES, load
 
 Obj = dict[str, Any]
@@ -35,31 +36,6 @@ def children(*environments: Obj, network: NetworkAccess | None = None) -> list[O
     manifest["spec"]["generation"]["multiTurn"]["environment"] = environments[0]["name"]
     manifest["spec"]["pods"] = {"env": [{"name": "HF_TOKEN", "value": "secret"}]}
     return render_children(JOB, parse_job(manifest).spec, network)
-
-
-def of_kind(objects: list[Obj], kind: str) -> list[Obj]:
-    return [o for o in objects if o["kind"] == kind]
-
-
-def matches(selector: Obj, labels: dict[str, str]) -> bool:
-    """A label selector (matchLabels, matchExpressions with In) against a pod's labels."""
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for expression in selector.get("matchExpressions", []):
-        assert expression["operator"] == "In"
-        if labels.get(expression["key"]) not in expression["values"]:
-            return False
-    return True
-
-
-def ray_pod_labels(objects: list[Obj]) -> dict[str, dict[str, str]]:
-    """The labels of each pod template of the RayJob: head, each pool, submitter."""
-    rayjob = of_kind(objects, "RayJob")[0]["spec"]
-    cluster = rayjob["rayClusterSpec"]
-    templates = {"head": cluster["headGroupSpec"]["template"]}
-    templates |= {g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}
-    templates["submitter"] = rayjob["submitterPodTemplate"]
-    return {name: t["metadata"]["labels"] for name, t in templates.items()}
 
 
 def test_a_served_environment_runs_the_class_on_the_jobs_image_secured() -> None:
@@ -193,7 +169,8 @@ def test_only_the_jobs_ray_pods_reach_an_environment_and_it_reaches_no_ray_pod()
     job_policy, env_policy = policies["agentic"], policies["agentic-env-lookup"]
     [deployment] = of_kind(objects, "Deployment")
     env_pod = deployment["spec"]["template"]["metadata"]["labels"]
-    ray_pods = ray_pod_labels(objects)
+    ray_pods = pod_labels(objects)
+    del ray_pods[deployment["metadata"]["name"]]  # the environment's own
     [ingress] = env_policy["spec"]["ingress"]
     [source] = ingress["from"]
     assert list(source) == ["podSelector"]  # this namespace only
