@@ -89,7 +89,25 @@ class EnvironmentCallFailed(Exception):
         return not self.connected or self.status == 503
 
 
-class EnvironmentClient:
+class ClosedOnExit:
+    """`async with client:` closes it on the way out (its `aclose`)."""
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class EnvironmentClient(ClosedOnExit):
     """Calls one environment server. `timeout` is each call's whole deadline, in seconds
     (connecting, sending, the environment's work, the answer); each call can override it.
     `connect_timeout`: opening a connection, within that deadline. `service` names the
@@ -149,17 +167,6 @@ class EnvironmentClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def call(
         self,

@@ -31,11 +31,10 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from types import TracebackType
-from typing import Any, Self, get_args
+from typing import Any, get_args
 
 from rlhf_env.agent_protocol import EPISODES_PATH, EpisodeRequest, EpisodeResult
-from rlhf_env.client import EnvironmentCallFailed, EnvironmentClient, FailureKind
+from rlhf_env.client import ClosedOnExit, EnvironmentCallFailed, EnvironmentClient, FailureKind
 from rlhf_env.protocol import Health
 from rlhf_env.replicas import EnvironmentReplicas, Resolve, resolve_replicas
 from rlhf_trainer.api.agents import AgentConfig
@@ -72,7 +71,7 @@ class AgentEpisodeFailed(Exception):
         return f"{self.reason}: {self}"
 
 
-class AgentClient:
+class AgentClient(ClosedOnExit):
     """Runs episodes on one agent service (its URL: a headless Service's name, one
     replica per address). At most `max_concurrent_episodes` at once; past it, an episode
     waits for one to end (that wait is not part of its deadline: the agent has not
@@ -137,17 +136,6 @@ class AgentClient:
 
     async def aclose(self) -> None:
         await self.replicas.aclose()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
 
 def _bodies(request: EpisodeRequest) -> Callable[[], dict[str, Any]]:
