@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from bench.harness import Measurement
-from bench.overhead.cpu import tree_cpu_seconds
+from bench.overhead.cpu import tree_cpu_by_part
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer
@@ -58,9 +58,11 @@ class Requests:
 class JobRollout:
     """The job's rollout pool, fed `prompts` prompts (samplesPerPrompt each) a measurement."""
 
-    def __init__(self, streaming: AsyncPPOTrainer, prompts: int, cpu: Callable[[], float]) -> None:
+    def __init__(
+        self, streaming: AsyncPPOTrainer, prompts: int, cpu: Callable[[], dict[str, float]]
+    ) -> None:
         self.streaming = streaming
-        self.cpu = cpu  # the job's processes' CPU-seconds so far
+        self.cpu = cpu  # the job's processes' CPU-seconds so far, by part (cpu.PARTS)
         self.prompts = prompts
         self.next_prompt = streaming.admission.admitted_total  # run.start() admitted these
         self.last: Requests | None = None  # what the last measurement generated
@@ -94,10 +96,14 @@ class JobRollout:
         started, cpu = time.perf_counter(), self.cpu()
         streaming.admissions.give(admitted)
         samples = streaming.take_groups(self.prompts)
-        seconds, cpu_s = time.perf_counter() - started, self.cpu() - cpu
+        seconds, parts = time.perf_counter() - started, self.cpu()
         streaming.admissions.wait_for_admissions(60)  # answered long ago: only the futures
         tokens = sum(len(s.rollout.response_token_ids) for s in samples)
-        return figures(tokens, len(samples), seconds, cpu_s)
+        spent = {part: parts[part] - cpu[part] for part in parts}
+        return {
+            **figures(tokens, len(samples), seconds, sum(spent.values())),
+            **{f"cpu_s.{part}": cpu_s for part, cpu_s in spent.items()},
+        }
 
 
 class BareVLLM:
@@ -120,10 +126,16 @@ class BareVLLM:
     def measure(self, requests: Requests) -> Measurement:
         pid = self.process.pid
         assert pid is not None, "started"
-        cpu = tree_cpu_seconds(pid)  # with AsyncLLM, its engine core's process too
+        cpu = tree_cpu_by_part(pid)  # with AsyncLLM, its engine core's process too
         self.pipe.send(requests)
         tokens, samples, seconds = self.pipe.recv()
-        return figures(tokens, samples, seconds, tree_cpu_seconds(pid) - cpu)
+        after = tree_cpu_by_part(pid)
+        client, core = (after[p] - cpu[p] for p in ("driver", "engine_core"))
+        return {
+            **figures(tokens, samples, seconds, sum(after.values()) - sum(cpu.values())),
+            "cpu_s.client": client,  # this process: LLM, or AsyncLLM's client
+            "cpu_s.engine_core": core,  # AsyncLLM's engine core (LLM's runs in the client)
+        }
 
     def close(self) -> None:
         self.pipe.send(None)
@@ -204,6 +216,7 @@ def figures(tokens: int, samples: int, seconds: float, cpu_s: float) -> Measurem
         "tokens_per_s": tokens / seconds,
         "tokens_per_cpu_s": tokens / cpu_s,
         "seconds": seconds,
+        "cpu_s": cpu_s,
         "response_tokens": tokens / samples,
     }
 

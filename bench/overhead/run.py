@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Measurement, Variant, run_bench
-from bench.overhead.cpu import tree_cpu_seconds
+from bench.overhead.cpu import tree_cpu_by_part, tree_cpu_seconds
 from rlhf_trainer.cluster.local import local_ray_cluster
 from rlhf_trainer.loop.run import open_run
 from rlhf_trainer.telemetry.report import ConsoleReporter
@@ -58,6 +58,8 @@ def compare(run: dict[str, Measurement]) -> Measurement:
         / run["rollout_async_llm"]["tokens_per_s"],
         "async_llm_of_llm": run["rollout_async_llm"]["tokens_per_s"]
         / run["rollout_vllm"]["tokens_per_s"],
+        "rollout_job_of_async_llm_cpu": run["rollout_job"]["tokens_per_cpu_s"]
+        / run["rollout_async_llm"]["tokens_per_cpu_s"],
         "training": run["train_job"]["samples_per_s"] / run["train_torch"]["samples_per_s"],
         "training_cpu": run["train_job"]["samples_per_cpu_s"]
         / run["train_torch"]["samples_per_cpu_s"],
@@ -111,7 +113,8 @@ def main() -> None:
             assert run.streaming is not None, "a fully-async job"
             bare: list[int] = []  # the bare engines' processes: not the job's
             job_cpu = partial(tree_cpu_seconds, os.getpid(), bare)  # this process, Ray's, ...
-            rollout = JobRollout(run.streaming, PROMPTS, job_cpu)
+            by_part = partial(tree_cpu_by_part, os.getpid(), bare)
+            rollout = JobRollout(run.streaming, PROMPTS, by_part)
             first = rollout.first_samples()  # the engine's warm-up
             experience = experience_of(
                 first[: config.samples_per_step], run.trainer.parts.tokens.pad_id
