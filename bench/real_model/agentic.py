@@ -40,13 +40,9 @@ from functools import partial
 from pathlib import Path
 
 from bench.harness import Measurement, figures, run_bench
-from bench.real_model.calculator import Episodes, job, show
+from bench.real_model.calculator import Episodes, job, play
 from bench.real_model.tool_formats import FORMATS, chat_template
 from rlhf_trainer.api.config import JobConfig
-from rlhf_trainer.cluster.local import local_environments, local_ray_cluster
-from rlhf_trainer.loop.run import run_job
-from rlhf_trainer.loop.sync import StepResult
-from rlhf_trainer.telemetry.report import ConsoleReporter
 
 FORMAT = "pythonic"
 DEMONSTRATION = True  # one worked exchange before each question (tool_formats.py)
@@ -77,16 +73,12 @@ def train(variant: str, learning_rate: float) -> Measurement:
     """The variant's next seed: held-out calls and reward before and after training."""
     seed = SEEN.get(variant, FIRST_SEED)
     SEEN[variant] = seed + 1
-    steps: list[StepResult] = []
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         plays = Episodes(**{**vars(PLAYS), "seed": seed})
         spec = job(Path(tmp), STEPS, learning_rate, plays).to_dict()
         spec["generation"]["eval"] = {"samplesPerPrompt": EVAL_SAMPLES, "temperature": 1.0}
-        config = JobConfig.model_validate(spec)
-        with local_environments(config) as config, local_ray_cluster(config):
-            run_job(config, "agentic", ConsoleReporter(every=1e9), on_step=partial(keep, steps))
-    evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
+        steps, evaluations = play(JobConfig.model_validate(spec), "agentic")
     before, after = evaluations[0], evaluations[-1]
     assert before.step == 0, "no held-out evaluation before training"
     measured = {
@@ -101,11 +93,6 @@ def train(variant: str, learning_rate: float) -> Measurement:
     line = f"run: {variant} seed {seed}, {len(steps)} steps: {shown}; training calls {train_calls}"
     print(line, file=sys.stderr, flush=True)
     return measured
-
-
-def keep(steps: list[StepResult], step: StepResult) -> None:
-    steps.append(step)
-    show(step)  # a line a step on stderr, to watch the run
 
 
 def compare(run: dict[str, Measurement]) -> Measurement:

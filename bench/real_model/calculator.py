@@ -39,7 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.real_model.tool_formats import chat_template
 from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.api.progress import EvalProgress
 from rlhf_trainer.cluster.local import local_environments, local_ray_cluster
 from rlhf_trainer.loop.run import run_job
 from rlhf_trainer.loop.sync import StepResult
@@ -50,48 +52,9 @@ TRAIN_QUESTIONS, HELD_OUT = 32, 16
 PROMPTS, ANSWERS = 4, 4  # a step: 4 questions, 4 episodes each
 FIRST_LAST = 2  # steps averaged at each end of the run
 
-# ChatML as SmolLM2's own template writes it (its default system message included),
-# with tools, tool calls and tool results as Qwen2.5's template writes them. A message
-# renders the same whatever follows it (ChatRenderer appends tool results as tokens);
-# a run of tool messages shares one user turn, as in Qwen2.5.
-TOOL_TEMPLATE = """\
-{%- if messages[0].role == 'system' %}{% set system = messages[0].content %}
-{%- else %}{% set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' %}
-{%- endif %}
-{{- '<|im_start|>system\\n' + system }}
-{%- if tools %}
-{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.'
-    '\\n\\nYou are provided with function signatures within <tools></tools> XML tags:'
-    '\\n<tools>' }}
-{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}
-{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and'
-    ' arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name":'
-    ' <function-name>, "arguments": <args-json-object>}\\n</tool_call>' }}
-{%- endif %}
-{{- '<|im_end|>\\n' }}
-{%- for message in messages %}
-{%- if message.role == 'system' and loop.first %}
-{%- elif message.role == 'assistant' and message.tool_calls %}
-{{- '<|im_start|>assistant' }}
-{%- if message.content %}{{ '\\n' + message.content }}{% endif %}
-{%- for call in message.tool_calls %}
-{%- if call.function is defined %}{% set call = call.function %}{% endif %}
-{{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
-{%- if call.arguments is string %}{{ call.arguments }}
-{%- else %}{{ call.arguments | tojson }}{% endif %}
-{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}
-{%- else %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}
-"""
+# ChatML in the Hermes/Qwen2.5 style (tool_formats.py's "hermes" format, which the
+# format probe shares): a message renders the same whatever follows it.
+TOOL_TEMPLATE = chat_template("hermes")
 
 
 def tool_model(directory: Path) -> Path:
@@ -200,23 +163,27 @@ def ends(steps: list[StepResult], value: Callable[[StepResult], float]) -> tuple
     )
 
 
-def main() -> None:
-    total = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-    learning_rate = float(sys.argv[2]) if len(sys.argv) > 2 else 1e-5
+def play(config: JobConfig, name: str) -> tuple[list[StepResult], list[EvalProgress]]:
+    """Runs the job, its environments served locally, a line a step on stderr; returns
+    its steps and its held-out evaluations in step order."""
     steps: list[StepResult] = []
-    started = time.time()
 
     def on_step(step: StepResult) -> None:
         steps.append(step)
         show(step)
 
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        local_environments(job(Path(tmp), total, learning_rate)) as config,
-        local_ray_cluster(config),
-    ):
-        run_job(config, "calculator", ConsoleReporter(every=1e9), on_step=on_step)
+    with local_environments(config) as config, local_ray_cluster(config):
+        run_job(config, name, ConsoleReporter(every=1e9), on_step=on_step)
     evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
+    return steps, evaluations
+
+
+def main() -> None:
+    total = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    learning_rate = float(sys.argv[2]) if len(sys.argv) > 2 else 1e-5
+    started = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        steps, evaluations = play(job(Path(tmp), total, learning_rate), "calculator")
     record = {
         "bench": "real_model_calculator",
         "steps": total,
