@@ -20,14 +20,18 @@ job's max_turns cut does by default.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import openai
-from openai.types.chat import ChatCompletionMessageToolCallUnion
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageParam,
+    ChatCompletionMessageToolCallUnion,
+)
 
 TURNS = 2  # a lookup, then the answer
 NO_SUCH_KEY = "0"  # the tool's answer to a key the task does not hold
-LOOKUP_TOOL = {
+LOOKUP_TOOL: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "lookup",
@@ -44,14 +48,15 @@ LOOKUP_TOOL = {
 async def run(task: dict[str, Any], client: openai.AsyncOpenAI, model: str) -> float:
     """One episode: the model's calls of `lookup` answered here, until it answers."""
     key, value = str(task["key"]), str(task["value"])
-    messages: list[dict[str, Any]] = [{"role": "user", "content": key}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": key}]
     asked: list[str] = []  # the keys the model looked up
     for _ in range(TURNS):
         completion = await client.chat.completions.create(
             model=model, messages=messages, tools=[LOOKUP_TOOL]
         )
         reply = completion.choices[0].message
-        messages.append(reply.model_dump(exclude_none=True))
+        # The reply as the next call sends it back (its tool calls with their ids).
+        messages.append(cast(ChatCompletionMessageParam, reply.model_dump(exclude_none=True)))
         if not reply.tool_calls:
             return grade(key, value, asked, reply.content)
         for call in reply.tool_calls:
