@@ -16,7 +16,13 @@ the node forwards, so every target is a pod: the API server stands behind a Clus
 Service (the enforcer judges its endpoint's address, after kube-proxy's translation),
 and the metadata address and the internet are pods whose addresses the rendering is
 given as such (`NetworkAccess(cluster_ranges=..., metadata=...)`), the cluster's ranges
-being the Service range and the other pods' addresses."""
+being the Service range and the other pods' addresses.
+
+An agent (issue 75), the policies as the operator renders them with the chart's peers
+(the job's own, the agent's and the gateway's), its pods' and the Ray pods' labels taken
+from the rendered Deployment and RayJob: the agent reaches the rollout worker's gateway
+port and is refused by the head and the API server; the gateway's port refuses another
+job's agent and an outsider."""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from typing import Any
 import pytest
 import yaml
 
+from rlhf_operator.api.agents import service_name
 from rlhf_operator.api.validation import parse_job
 from rlhf_operator.render.children import HEAD_PORTS as RAY_HEAD_PORTS
 from rlhf_operator.render.children import TRAINER_METRICS_PORT, render_children
@@ -40,6 +47,7 @@ from rlhf_operator.render.network import (
     Peers,
     render_network_policy,
 )
+from rlhf_trainer.api.agents import GATEWAY_PORT
 
 from .harness import REPO_ROOT, SERVICE_CIDR, ControlPlane
 from .network_policies import enforcer_log, network_policies_enforced
@@ -281,4 +289,111 @@ def test_an_environment_with_egress_is_refused_by_the_head_the_api_server_and_th
         },
         # The head's policy refuses environments' pods, of any job, and admits the rest.
         {"outsider": True, "other-environment": False},
+    ), after
+
+
+GATEWAY = "examples/agents/letters-cluster.yaml"  # an agent job, rendered by the operator
+
+
+def agent_job_objects(job: JobRef, network: NetworkAccess) -> dict[str, dict[str, Any]]:
+    """The agent example's objects as the operator renders them with the chart's peers
+    (so the job has its own policy and the gateway's), by kind and name."""
+    manifest = yaml.safe_load((REPO_ROOT / GATEWAY).read_text())
+    manifest["metadata"]["name"] = job.name
+    objects = render_children(job, parse_job(manifest).spec, network)
+    for obj in objects:
+        obj["metadata"].pop("ownerReferences", None)  # no RLHFJob here to own them
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in objects}
+
+
+def ray_pod_labels(rayjob: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The head's and the (one) worker group's pod labels, as the RayJob gives them."""
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    (workers,) = cluster["workerGroupSpecs"]
+    head = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
+    return head, workers["template"]["metadata"]["labels"]
+
+
+def test_an_agent_reaches_the_gateway_only_and_only_the_jobs_agents_reach_it(
+    controlplane: ControlPlane, real_node: RealNode
+) -> None:
+    """The agent pod, its policy and the gateway's as rendered: it reaches the rollout
+    worker's gateway port and is refused by the head (dashboard and GCS) and the API
+    server; another job's agent and an outsider are refused by the gateway port."""
+    cp = controlplane
+    real_node.import_go_image("nettool", NETTOOL_IMAGE)
+    namespace = f"t-agent-{uuid.uuid4().hex[:6]}"
+    cp.create_namespace(namespace)
+    job = JobRef(name="gw", namespace=namespace, uid=str(uuid.uuid4()))
+    other_job = JobRef(name="other", namespace=namespace, uid=str(uuid.uuid4()))
+    network = NetworkAccess(peers=Peers(**chart_network_access()))
+    rendered = agent_job_objects(job, network)
+    deployment = rendered[f"Deployment/{service_name(job.name, 'letters')}"]
+    agent_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    other_agent = agent_job_objects(other_job, network)[
+        f"Deployment/{service_name(other_job.name, 'letters')}"
+    ]["spec"]["template"]["metadata"]["labels"]
+    head_labels, rollout_labels = ray_pod_labels(rendered[f"RayJob/{job.name}"])
+    policies = [o for o in rendered.values() if o["kind"] == "NetworkPolicy"]
+    servers = {
+        "head": (head_labels, (RAY_DASHBOARD_PORT, GCS_PORT)),
+        "rollout": (rollout_labels, (GATEWAY_PORT,)),
+        "api": ({"app": "api"}, (API_PORT,)),
+    }
+    clients = {"agent": agent_labels, "other-agent": other_agent, "outsider": {"app": "outsider"}}
+    api_service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"},
+        "spec": {"selector": {"app": "api"},
+                 "ports": [{"port": API_SERVICE_PORT, "targetPort": API_PORT}]},
+    }  # fmt: skip
+    objects = [*(server_pod(name, pod_labels, ports) for name, (pod_labels, ports) in servers.items()),
+               *(client_pod(name, pod_labels) for name, pod_labels in clients.items()), api_service]  # fmt: skip
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects))
+    try:
+        ips = {name: wait_ready(cp, namespace, name)["status"]["podIP"] for name in servers}
+        for name in clients:
+            wait_ready(cp, namespace, name)
+        api = get_json(cp, "service", "-n", namespace, "api")["spec"]["clusterIP"]
+        gateway = f"{ips['rollout']}:{GATEWAY_PORT}"
+        targets = {
+            "gateway": gateway,
+            "head-dashboard": f"{ips['head']}:{RAY_DASHBOARD_PORT}",
+            "head-gcs": f"{ips['head']}:{GCS_PORT}",
+            "api-server": f"{api}:{API_SERVICE_PORT}",
+        }
+
+        def agent_dials() -> dict[str, bool]:
+            found = dials(cp, namespace, "agent", list(targets.values()))
+            return {name: found[target] for name, target in targets.items()}
+
+        def gateway_dials() -> dict[str, bool]:
+            return {c: dials(cp, namespace, c, [gateway])[gateway] for c in clients}
+
+        with network_policies_enforced(cp) as enforcer:
+            eventually(lambda: all(agent_dials().values()), "every target reached before")
+            before = agent_dials(), gateway_dials()
+            cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(policies))
+            # The enforcer writes its rules as the policies arrive: each side in place first.
+            eventually(lambda: not agent_dials()["api-server"] and not gateway_dials()["outsider"],
+                       "the agent and the outsider refused once the policies are in place")  # fmt: skip
+            after = agent_dials(), gateway_dials()
+            log = enforcer_log(cp, enforcer)
+    finally:
+        cp.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+    assert sorted(p["metadata"]["name"] for p in policies) == [
+        "gw", "gw-agent-letters", "gw-gateway"
+    ]  # fmt: skip
+    assert enforcer["spec"]["nodeName"] == real_node.name
+    assert 'verdict="drop"' in log and 'verdict="accept"' in log, log[-3000:]
+    assert before == (dict.fromkeys(targets, True), dict.fromkeys(clients, True)), before
+    assert after == (
+        {
+            "gateway": True,  # the rollout pool's gateway: what the agent is for
+            "head-dashboard": False,  # the Ray head: its job API runs any code
+            "head-gcs": False,
+            "api-server": False,  # through its Service, judged at its endpoint's address
+        },
+        # Only the job's own agents reach the gateway's port.
+        {"agent": True, "other-agent": False, "outsider": False},
     ), after
