@@ -45,6 +45,8 @@ class Row:
     # Series only a multi-turn job exports (generation.multiTurn): its panels are empty
     # for any other job, and the tests check them on a multi-turn run.
     multi_turn: bool = False
+    # Series only an agent job exports (generation.agent), tested on an agent's counts.
+    agent: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,3 +95,8 @@ def quantile(q: float, histogram: str, labels: str = JOB, by: str = "rlhfjob") -
     buckets = f"rate({series(histogram + '_bucket', labels)}[$__rate_interval])"
     grouping = ", ".join(label for label in ("le", by) if label)
     return f"histogram_quantile({q}, sum by ({grouping}) ({buckets}))"
+
+
+def step_gauges(*gauges: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """Last-step gauges, one query each, with the job in the legend."""
+    return tuple((series(name), f"{{{{rlhfjob}}}} {legend}") for name, legend in gauges)

@@ -8,7 +8,19 @@ joined to the job's pods through kube-state-metrics' `kube_pod_labels`.
 
 from __future__ import annotations
 
-from monitoring.charts import JOB, POOL, Dashboard, Row, Style, chart, quantile, rate, series
+from monitoring.agentic import AGENTS, MULTI_TURN
+from monitoring.charts import (
+    JOB,
+    POOL,
+    Dashboard,
+    Row,
+    Style,
+    chart,
+    quantile,
+    rate,
+    series,
+    step_gauges,
+)
 
 DCGM = "DCGM exporter and kube-state-metrics"
 
@@ -147,11 +159,6 @@ POOLS = Dashboard(
 )
 
 
-def step_gauges(*gauges: tuple[str, str]) -> tuple[tuple[str, str], ...]:
-    """Last-step gauges, one query each, with the job in the legend."""
-    return tuple((series(name), f"{{{{rlhfjob}}}} {legend}") for name, legend in gauges)
-
-
 TRAINING = Dashboard(
     uid="rlhf-training",
     title="RLHF training",
@@ -274,56 +281,8 @@ TRAINING = Dashboard(
                 ),
             ),
         ),
-        Row(
-            "Multi-turn episodes",
-            (
-                chart(
-                    "Episodes and cuts",
-                    "Episodes trained on per second, and those cut by a limit or an "
-                    "environment error (masked, not trained on), by reason.",
-                    (rate("rlhf_env_episodes_total"), "{{rlhfjob}} episodes"),
-                    (
-                        rate("rlhf_env_cut_episodes_total", by="rlhfjob, reason"),
-                        "{{rlhfjob}} cut: {{reason}}",
-                    ),
-                    unit="ops",
-                ),
-                chart(
-                    "Turns and tool calls",
-                    "Per episode, median and p95: assistant turns, and the tool calls "
-                    "parsed from them.",
-                    (quantile(0.5, "rlhf_env_turns"), "{{rlhfjob}} turns p50"),
-                    (quantile(0.95, "rlhf_env_turns"), "{{rlhfjob}} turns p95"),
-                    (quantile(0.5, "rlhf_env_tool_calls"), "{{rlhfjob}} tool calls p50"),
-                ),
-                chart(
-                    "Held-out episodes",
-                    "The held-out rows' episodes at the last evaluation: the share with "
-                    "at least one tool call, and the share cut by a limit or an error.",
-                    *step_gauges(
-                        ("rlhf_eval_tool_call_rate", "tool-call rate"),
-                        ("rlhf_eval_cut_ratio", "cut"),
-                    ),
-                ),
-                chart(
-                    "Environment calls",
-                    "Seconds of each step call to the environment (its tools, answered): "
-                    "median and p95. Slow tools hold every episode's next turn.",
-                    (quantile(0.5, "rlhf_env_step_seconds"), "{{rlhfjob}} p50"),
-                    (quantile(0.95, "rlhf_env_step_seconds"), "{{rlhfjob}} p95"),
-                    unit="s",
-                ),
-                chart(
-                    "Version span and restarts",
-                    "Policy versions between an episode's oldest and newest turn (p95: "
-                    "fully async's partial rollouts), and sessions per second started again "
-                    "on another replica because theirs died.",
-                    (quantile(0.95, "rlhf_env_version_span"), "{{rlhfjob}} version span p95"),
-                    (rate("rlhf_env_session_restarts_total"), "{{rlhfjob}} restarts"),
-                ),
-            ),
-            multi_turn=True,
-        ),
+        MULTI_TURN,
+        AGENTS,
         Row(
             "Fully asynchronous",
             (

@@ -163,13 +163,16 @@ class Prometheus:
         """Until every target has been scraped `count` times within a minute."""
         self.wait_for(f"min(count_over_time(up[1m])) >= {count}")
 
-    def panels_without_data(self, dashboard: Dashboard, multi_turn: bool = False) -> dict[str, str]:
+    def panels_without_data(
+        self, dashboard: Dashboard, multi_turn: bool = False, agent: bool = False
+    ) -> dict[str, str]:
         """Each query of the dashboard's own series run as Grafana would (every variable
         at "All"): those that return nothing, by chart title. A query Prometheus refuses
         raises PromQLError. Charts of other exporters are only parsed. `multi_turn`: the
-        rows of multi-turn jobs' series (Row.multi_turn) only; else every other row."""
+        rows of multi-turn jobs' series (Row.multi_turn) only; `agent`: those of agent
+        jobs' (Row.agent) only; else every other row."""
         empty = {}
-        rows = [row for row in dashboard.rows if row.multi_turn == multi_turn]
+        rows = [r for r in dashboard.rows if (r.multi_turn, r.agent) == (multi_turn, agent)]
         for chart in (chart for row in rows for chart in row.charts):
             for query in chart.queries:
                 try:

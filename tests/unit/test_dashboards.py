@@ -8,10 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from monitoring.charts import Dashboard
 from monitoring.dashboards import DASHBOARDS, OPERATOR, POOLS, TRAINING
 from monitoring.grafana import to_json
+from rlhf_trainer.telemetry.metrics import AgentMetrics
 
 SHIPPED = Path(__file__).parents[2] / "charts" / "rlhf-operator" / "dashboards"
 GRAFANA_BUILTINS = {"__rate_interval", "__range"}
@@ -51,3 +53,19 @@ def test_every_panel_has_a_unique_id_and_a_data_source() -> None:
         panels = json.loads(to_json(dashboard))["panels"]
         assert len({p["id"] for p in panels}) == len(panels)
         assert all(p["datasource"]["uid"] == "${datasource}" for p in panels if p["type"] != "row")
+
+
+def test_the_agent_row_charts_every_agent_series_and_only_those() -> None:
+    """A counter added to AgentMetrics without a panel, or a panel naming a series the
+    trainer does not export, fails here; test_agent_dashboard runs the row's queries."""
+    registry = CollectorRegistry()
+    AgentMetrics(registry)
+    exported = {f"{family.name}_total" for family in registry.collect()}
+    [agents] = [row for row in TRAINING.rows if row.agent]
+    charted = {
+        name
+        for chart in agents.charts
+        for query in chart.queries
+        for name in re.findall(r"rlhf_\w+", query.expr)
+    }
+    assert charted == exported
