@@ -242,6 +242,20 @@ def log_probs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
     return log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def log_probs_and_entropy(
+    logits: Tensor, tokens: Tensor, entropy_grad: bool = False
+) -> tuple[Tensor, Tensor]:
+    """`log_probs_from_logits` and `entropy_from_logits` from one log-softmax:
+    (B, T, V) and (B, T) -> (B, T), (B, T). H = -Σ exp(log π)·log π, on the log-softmax
+    the log-probs need anyway (the two apart take a softmax, a logsumexp and their
+    product more). Without `entropy_grad` the entropy is a report: no graph is kept."""
+    log_softmax = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    log_probs = log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
+    return log_probs, entropy
+
+
 def aggregate(
     loss: Tensor, mask: Tensor, mode: LossAggregation, normalizer: float | Tensor | None = None
 ) -> Tensor:

@@ -33,8 +33,8 @@ from rlhf_trainer.algo.ppo import (
     aggregate,
     approx_kl,
     clipped_policy_loss,
-    entropy_from_logits,
     kl_penalty,
+    log_probs_and_entropy,
     log_probs_from_logits,
     masked_mean,
     truncated_importance_weights,
@@ -83,11 +83,12 @@ def policy_outputs(
         ).logits[:, :-1]
         / temperature
     )  # (B, T-1, V): position t predicts token t+1
-    log_probs = nn.functional.pad(log_probs_from_logits(logits, batch.input_ids[:, 1:]), (1, 0))
+    tokens = batch.input_ids[:, 1:]
     if not with_entropy:
+        log_probs = nn.functional.pad(log_probs_from_logits(logits, tokens), (1, 0))
         return log_probs, torch.zeros_like(log_probs)
-    entropy_logits = logits.float() if entropy_grad else logits.detach().float()
-    return log_probs, nn.functional.pad(entropy_from_logits(entropy_logits), (1, 0))
+    log_probs, entropy = log_probs_and_entropy(logits, tokens, entropy_grad)
+    return nn.functional.pad(log_probs, (1, 0)), nn.functional.pad(entropy, (1, 0))
 
 
 def without_dropout(model: nn.Module) -> nn.Module:
