@@ -2,9 +2,10 @@
 
 The rollouter (the rollout role on its own pool) admits prompts through an
 `AdmissionControl`, generates, and `put`s each finished `Sample` into a `SampleQueue`
-as soon as it is done, one at a time; the trainer takes mini-batches with `get_batch`
-as they fill. Both classes are plain Python and thread-safe where they need to be;
-Ray is only at the edge: `spawn_queue` runs a `SampleQueue` as a threaded actor.
+as soon as it is done (`put_many`: those one engine step finished, in one call); the
+trainer takes mini-batches with `get_batch` as they fill. Both classes are plain Python
+and thread-safe where they need to be; Ray is only at the edge: `spawn_queue` runs a
+`SampleQueue` as a threaded actor.
 
 Checkpoint contract (a resumed run loses no sample and trains none twice):
 
@@ -297,6 +298,20 @@ class SampleQueue:
                 return self._depth()
             self._add(sample)
             self._ready.notify_all()  # getters wait for different sizes: let each check
+            return self._depth()
+
+    def put_many(self, samples: Iterable[Sample]) -> int:
+        """`put` each sample, in order, in one step under the lock (one call for all the
+        samples an engine step finished); returns the depth after them. A uid that came
+        before, or twice in `samples`, is queued once. Raises QueueClosed once closed,
+        queuing none of them."""
+        with self._ready:
+            if self._closed:
+                raise QueueClosed("samples put into a closed queue")
+            for sample in samples:
+                if self._remember(sample.uid):
+                    self._add(sample)
+            self._ready.notify_all()
             return self._depth()
 
     def _add(self, sample: Sample) -> None:

@@ -4,12 +4,14 @@ continuously and streaming each finished sample into the queue on its own.
 The engine (`engine.RolloutEngine`) lives on an asyncio loop of its own thread; the
 worker's methods (called one at a time by Ray) hand work to that loop and return, and
 its bookkeeping runs on that loop too. Every admitted prompt becomes one request; when it
-finishes, its sample is put into the queue and it leaves `in_flight` in the same
-step of the loop, so a snapshot taken on the loop sees each sample in exactly one
-place. With generation.multiTurn a prompt is an environment row, and its sample a whole
-episode: a weight sync pauses it within a turn (the engine keeps the request) or between
-turns (its next turn waits for the engine), and its turns carry the versions that
-sampled them, so its staleness is its oldest turn's.
+finishes, its sample moves from `in_flight` to `finished` in the same step of the loop,
+and the samples finished in one turn of the loop go to the queue in one `put_many` at
+its end (one Ray call for a whole engine step's samples, not one a sample). A snapshot
+taken on the loop sends what is finished first, so it sees each sample in exactly one
+place: in flight, or delivered. With generation.multiTurn a prompt is an environment
+row, and its sample a whole episode: a weight sync pauses it within a turn (the engine
+keeps the request) or between turns (its next turn waits for the engine), and its turns
+carry the versions that sampled them, so its staleness is its oldest turn's.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class StreamingRollout(EngineWorker):
         self.activity: list[tuple[str, float, float]] = []  # generating spans, for the timeline
         # Marked on the loop, drained from Ray's telemetry thread (never waiting on the loop).
         self.activity_lock = threading.Lock()
-        self.delivering: list[Any] = []  # queue.put futures not yet confirmed
+        self.finished: list[Sample] = []  # not sent yet: `_deliver` sends them at the turn's end
+        self.delivering: list[Any] = []  # queue.put_many futures not yet confirmed
 
     def admit(self, prompts: Sequence[Admitted]) -> None:
         """Start generating each prompt; returns at once."""
@@ -73,12 +76,21 @@ class StreamingRollout(EngineWorker):
             log.exception("rollout rank %d: sample %d failed", self.info.rank, uid)
             self.queue.fail.remote(f"rollout rank {self.info.rank}, sample {uid}: {error!r}")
             return
-        # No await between these: a snapshot sees the sample in flight or delivering.
+        # No await between these: a snapshot sees the sample in flight or finished.
         versions = tuple(version for version, _ in rollout.version_spans)
-        sample = Sample(uid, index, rollout, versions)
-        self.delivering.append(self.queue.put.remote(sample))
+        if not self.finished:  # the first of this turn: send them all once it ends
+            asyncio.get_running_loop().call_soon(self._deliver)
+        self.finished.append(Sample(uid, index, rollout, versions))
         del self.in_flight[uid]
         self._mark_activity()
+
+    def _deliver(self) -> None:
+        """Send the finished samples to the queue in one call (on the loop). Requests
+        that one engine step finished wake in the same turn of the loop; this runs after
+        them all."""
+        if self.finished:
+            finished, self.finished = self.finished, []
+            self.delivering.append(self.queue.put_many.remote(finished))
 
     def _mark_activity(self) -> None:
         """Open or close the current generating span (on the loop thread). The clock is
@@ -130,6 +142,7 @@ class StreamingRollout(EngineWorker):
         return self.engine.call(self._snapshot())
 
     async def _snapshot(self) -> list[Admitted]:
+        self._deliver()  # a turn's finished samples, not yet sent
         delivering, self.delivering = self.delivering, []
         await asyncio.gather(*delivering)
         return sorted(self.in_flight.values())
