@@ -2,11 +2,13 @@
 engine's gateway, a real agent served as a local run serves one (`python -m rlhf_env
 agent`, this module's `run`, written only against the `openai` client), real Ray and vLLM.
 
-Each episode makes two calls, the second appending to the first's conversation, and
-answers with a reward of its own (1 + the length of its last reply: never 0). The third
-episode the agent is sent fails after its first call (an event: the count of episodes,
-not a timer): it is cut (agent_error), masked, counted, and the run goes on. The check
-that holds it together is the engine's log-probs against the actor's over each trained
+Each episode makes two calls and answers with a reward of its own (1 + the length of its
+last reply: never 0). In an odd episode the second call appends to the first's
+conversation (one sample); in an even one it replaces the history with a summary, so it
+extends nothing and the episode has two samples, both trained on (the count of episodes
+picks which: an event, not a timer). The third episode the agent is sent fails after its
+first call: it is cut (agent_error), masked, counted, and the run goes on. The check that
+holds it together is the engine's log-probs against the actor's over each trained
 sample's loss mask, as in test_multi_turn_run.
 """
 
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.slow  # a whole run
 STEPS = 2
 EPISODES_A_STEP = 8  # batchSize 4, samplesPerPrompt 2
 FAILING_EPISODE = 3  # the agent's third episode raises after its first call
+EDITED = STEPS * EPISODES_A_STEP // 2  # the even episodes summarise: two samples each
 CALL_TOKENS = 4
 LOG_PROB_TOLERANCE = 1e-4  # as test_multi_turn_run's
 EXAMPLE = Path(__file__).parents[2] / "examples" / "agentic-tools.yaml"
@@ -35,7 +38,8 @@ _started = itertools.count(1)  # in the agent's process: the episodes it was sen
 
 
 async def run(task: dict[str, Any], client: openai.AsyncOpenAI, model: str) -> float:
-    """The test's agent: a question, the model's answer, a follow-up that extends it."""
+    """The test's agent: a question, the model's answer, a follow-up that extends it or,
+    in an even episode, a call on a summary of it (which extends nothing)."""
     episode = next(_started)
     messages: list[dict[str, Any]] = [{"role": "user", "content": str(task["key"])}]
     first = await client.chat.completions.create(
@@ -43,10 +47,13 @@ async def run(task: dict[str, Any], client: openai.AsyncOpenAI, model: str) -> f
     )
     if episode == FAILING_EPISODE:
         raise RuntimeError("the test's agent fails mid-episode")
-    messages += [
-        {"role": "assistant", "content": first.choices[0].message.content or ""},
-        {"role": "user", "content": "again"},
-    ]
+    if episode % 2 == 0:
+        messages = [{"role": "user", "content": f"summary: {task['key']} asked"}]
+    else:
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "again"},
+        ]
     second = await client.chat.completions.create(
         model=model, messages=messages, max_tokens=CALL_TOKENS
     )
@@ -98,15 +105,13 @@ def test_agent_episodes_are_trained_with_the_engines_log_probs(trained: Any) -> 
         assert step.episodes is not None and len(step.episodes.episodes) == EPISODES_A_STEP
         # The loss mask covers the sampled tokens, which the actor scores as the engine did.
         assert step.response_tokens > 0 and step.rollout_log_prob_diff < LOG_PROB_TOLERANCE
-    episodes = [e for step in trained.steps for e in step.episodes.episodes]
-    done = [e for e in episodes if e.cut is None]
-    left_out = value(trained, "rlhf_agent_samples_left_out_total")
-    # Every call of a finished episode is in its trained sample, or counted as left out.
-    assert sum(e.turns for e in done) + left_out == 2 * len(done)
+    # Every sample of a finished episode is trained: a summarising one's two.
+    assert value(trained, "rlhf_agent_samples_left_out_total") == 0
+    assert sum(step.samples for step in trained.steps) == STEPS * EPISODES_A_STEP + EDITED
     sampled = value(trained, "rlhf_agent_tokens_total", {"kind": "sampled"})
     trained_tokens = sum(step.response_tokens for step in trained.steps)
-    # Trained: what the finished episodes' kept samples sampled, never a cut one's tokens.
-    assert sampled - CALL_TOKENS * (1 + left_out) <= trained_tokens <= sampled
+    # Trained: every call the finished episodes sampled, never the cut one's first call.
+    assert sampled - CALL_TOKENS <= trained_tokens < sampled
 
 
 def test_the_reward_is_the_agents(trained: Any) -> None:

@@ -254,6 +254,9 @@ class Rollout:
     # chat template and the environment added between turns; () = all sampled.
     loss_mask: tuple[int, ...] = ()
     episode: Episode | None = None  # multi-turn rollouts only
+    # An agent episode's other samples (generation.agent: calls that extended nothing),
+    # trained beside this one, the sample holding its last call; earliest first.
+    others: tuple[EpisodeSample, ...] = ()
 
     def __post_init__(self) -> None:
         if self.loss_mask and len(self.loss_mask) != len(self.response_token_ids):
@@ -264,6 +267,15 @@ class Rollout:
     @property
     def sampled_mask(self) -> list[int]:  # (len(response_token_ids),) the loss mask, in full
         return list(self.loss_mask) or [1] * len(self.response_token_ids)
+
+
+@dataclass(frozen=True)
+class EpisodeSample:
+    """A sample of an agent episode other than the one holding its last call: it shares
+    the episode's reward, discounted (gateway.merge.sample_shares)."""
+
+    rollout: Rollout
+    share: float  # of the episode's reward: callDiscount**k, the k-th sample from the last
 
 
 def tokens_per_version(spans: Sequence[tuple[int, int]], num_tokens: int) -> dict[int, int]:

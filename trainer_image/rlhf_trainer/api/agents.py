@@ -11,6 +11,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from rlhf_trainer.api.agentic import ENVIRONMENT_NAME, URL
+from rlhf_trainer.api.cuts import AgentCutPolicies
 from rlhf_trainer.api.rules import Rule, SpecModel
 
 # An agent's entry point in its image: `python -m rlhf_env agent module:function` serves
@@ -71,7 +72,8 @@ class AgentEpisodes(SpecModel):
     """Rollouts as episodes of an agent that owns its loop: the trainer hands it a data
     row and a gateway URL and key; the gateway records every call's token ids, log-probs
     and weight versions. Calls whose prompt extends the last call's tokens are merged into
-    one trajectory; the others are samples of their own, sharing the episode's reward."""
+    one trajectory; the others are samples of their own, sharing the episode's reward,
+    all trained on (up to maxSamplesPerEpisode)."""
 
     agent: str = Field(max_length=40, description="The agents[] entry each episode runs on.")
     tool_parser: str | None = Field(
@@ -101,6 +103,26 @@ class AgentEpisodes(SpecModel):
         description=(
             "Samples of one episode that do not extend each other share its reward: the "
             "k-th from the last gets it times this to the power k (1: all in full)."
+        ),
+    )
+    max_samples_per_episode: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description=(
+            "Samples an episode trains on, at most: the latest (by their last call); its "
+            "earlier ones are counted (rlhf_agent_samples_left_out_total), not trained on. "
+            "A step trains up to batchSize x samplesPerPrompt x this many, and the memory "
+            "estimate counts that many rows."
+        ),
+    )
+    cuts: AgentCutPolicies = Field(
+        default_factory=AgentCutPolicies,
+        description=(
+            "What an episode cut at a limit does, per reason: {maxCalls: {policy: train, "
+            "score: -1}}. Unset: masked (counted, never trained on). The agent's own "
+            "faults (agent_error, agent_unreachable, agent_timeout, agent_protocol) are "
+            "always masked."
         ),
     )
 

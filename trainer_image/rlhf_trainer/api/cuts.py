@@ -1,5 +1,6 @@
-"""What a cut episode does (`generation.multiTurn.cuts`): masked (not trained on) or
-trained on with a given score, per reason. See docs/concepts/environments.md."""
+"""What a cut episode does (`generation.multiTurn.cuts`, `generation.agent.cuts`): masked
+(not trained on) or trained on with a given score, per reason. See
+docs/concepts/environments.md and docs/concepts/agents.md."""
 
 from __future__ import annotations
 
@@ -75,7 +76,22 @@ def _policy_field(reason: str, when: str) -> Any:
     return Field(None, description=f"Episodes cut ({reason}) when {when}. Unset: {default}.")
 
 
-class CutPolicies(SpecModel):
+class PoliciesByReason(SpecModel):
+    """A CutPolicy per cut reason: each field is a reason's, named by its kind."""
+
+    def of(self, cut: str) -> CutPolicy:
+        """The policy of a cut, given its reason ("environment_error: HTTP 500 ..."). A
+        kind without a field here is masked: nothing is trained on that no policy allowed."""
+        kind = cut.split(":", 1)[0]
+        if kind not in type(self).model_fields:
+            return CutPolicy(policy="mask")
+        chosen: CutPolicy | None = getattr(self, kind)
+        if chosen is not None:
+            return chosen
+        return CutPolicy(policy="train" if kind in TRAINED_BY_DEFAULT else "mask")
+
+
+class CutPolicies(PoliciesByReason):
     """A policy per cut reason; a reason left unset keeps its default: the policy's own
     overruns (maxTurns, tokenBudget, turnTimeout) are trained on with score 0, every
     other cut masked."""
@@ -111,13 +127,20 @@ class CutPolicies(SpecModel):
         "tool_parser_error", "the tool parser fails on a turn"
     )
 
-    def of(self, cut: str) -> CutPolicy:
-        """The policy of a cut, given its reason ("environment_error: HTTP 500 ..."). An
-        unknown kind is masked: nothing is trained on that no policy allowed."""
-        kind = cut.split(":", 1)[0]
-        if kind not in CUT_REASONS:
-            return CutPolicy(policy="mask")
-        chosen: CutPolicy | None = getattr(self, kind)
-        if chosen is not None:
-            return chosen
-        return CutPolicy(policy="train" if kind in TRAINED_BY_DEFAULT else "mask")
+
+class AgentCutPolicies(PoliciesByReason):
+    """A policy for each limit the gateway cuts an agent episode at, all masked unless
+    set. The agent's own faults (agent_error, agent_unreachable, agent_timeout,
+    agent_protocol) have none: they are its code's, its pod's or its tools', not the
+    policy's doing, and are always masked; so are agent_no_calls (nothing sampled) and
+    agent_unjudged (no reward)."""
+
+    max_calls: CutPolicy | None = _policy_field(
+        "max_calls", "the agent makes a call past maxCalls (the policy kept calling)"
+    )
+    max_call_tokens: CutPolicy | None = _policy_field(
+        "max_call_tokens", "a call asks for more than maxCallTokens"
+    )
+    episode_timeout: CutPolicy | None = _policy_field(
+        "episode_timeout", "a call comes after episodeTimeoutSeconds (the agent's time too)"
+    )

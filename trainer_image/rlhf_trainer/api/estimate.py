@@ -37,6 +37,7 @@ from pydantic import Field, ValidationError
 
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.lora import LoraConfig
+from rlhf_trainer.api.memory import trained_rows
 from rlhf_trainer.api.plan import DRIVER, Phase, PlacementPlan, plan_placement
 from rlhf_trainer.api.rules import SpecModel
 from rlhf_trainer.api.shape import ModelShape
@@ -144,7 +145,8 @@ def alone_seconds(
 ) -> dict[Phase, float]:
     """Each phase's seconds a step when it runs alone on its role's GPUs."""
     samples = config.samples_per_step
-    tokens = samples * (profile.prompt_tokens + profile.response_tokens)
+    # What the pools score and train: an agent episode's samples, up to its bound each.
+    tokens = trained_rows(config) * (profile.prompt_tokens + profile.response_tokens)
     rate = {
         Phase.GENERATE: profile.generate_tokens_per_second,
         **dict.fromkeys(FORWARD_PHASES, profile.forward_tokens_per_second),

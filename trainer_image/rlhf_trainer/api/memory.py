@@ -168,11 +168,18 @@ def scoring_bytes(
     """A forward without gradients over one micro-batch (log-probs, values, rewards): one
     layer's MLP and attention at a time, and the head's output."""
     trainer = config.trainer
-    rows = trainer.micro_batch_size or -(-config.samples_per_step // ranks)
+    rows = trainer.micro_batch_size or -(-trained_rows(config) // ranks)
     tokens = rows * sequence_tokens(config)
     layer = compute * (4 * shape.hidden_size + 3 * shape.intermediate_size)
     head = logits_bytes(shape, compute, backward=False) if lm_head else 0
     return tokens * (layer + head)
+
+
+def trained_rows(config: JobConfig) -> int:
+    """The most rows a step trains on: one per sample, and with generation.agent up to
+    maxSamplesPerEpisode per episode (its calls that extended nothing: algo.row_samples)."""
+    agent = config.generation.agent
+    return config.samples_per_step * (agent.max_samples_per_episode if agent else 1)
 
 
 def _shard(parameters: int, ranks: int) -> int:

@@ -10,7 +10,8 @@ an earlier turn's text as other tokens. When several samples are extended, the l
 wins (the most context reused). Both cases are token-exact: every id is the engine's.
 
 All samples of an episode share its reward, discounted per sample as AReaL does: with
-samples ordered by their last call, the k-th from the last gets reward * discount**k.
+samples ordered by their last call, the k-th from the last gets reward * discount**k
+(its share, discount**k: `sample_shares`).
 """
 
 from __future__ import annotations
@@ -73,31 +74,50 @@ def _extended(samples: list[AgentSample], prompt: Sequence[int]) -> AgentSample 
     return best
 
 
+def latest_first(samples: Sequence[AgentSample]) -> list[int]:
+    """The samples' indices from the one whose last call came last (k = 0) back."""
+    return sorted(range(len(samples)), key=lambda i: (samples[i].calls[-1], i), reverse=True)
+
+
+def sample_shares(samples: Sequence[AgentSample], discount: float) -> list[float]:
+    """Each sample's share of the episode's reward: discount**k, k counted from the
+    sample whose last call came last (k = 0)."""
+    shares = [0.0] * len(samples)
+    for k, i in enumerate(latest_first(samples)):
+        shares[i] = discount**k
+    return shares
+
+
 def sample_rewards(samples: Sequence[AgentSample], reward: float, discount: float) -> list[float]:
-    """Each sample's share of the episode's reward: reward * discount**k, k counted from
-    the sample whose last call came last (k = 0)."""
-    order = sorted(range(len(samples)), key=lambda i: (samples[i].calls[-1], i), reverse=True)
-    rewards = [0.0] * len(samples)
-    for k, i in enumerate(order):
-        rewards[i] = reward * discount**k
-    return rewards
+    """Each sample's reward: the episode's times its share."""
+    return [reward * share for share in sample_shares(samples, discount)]
 
 
 def episode_rollouts(
-    calls: Sequence[CallRecord], reward: float, discount: float, cut: str | None = None
+    calls: Sequence[CallRecord],
+    reward: float,
+    discount: float,
+    cut: str | None = None,
+    trains_cut: bool = False,
 ) -> list[Rollout]:
     """The trainer's samples of one agent episode (algo.experience.Rollout, as multi-turn
     episodes give them). A `cut` episode (a limit, an agent that failed or hung) is not
-    trained on: each sample's loss mask is all 0, its score 0."""
+    trained on: each sample's loss mask is all 0, its score 0; unless `trains_cut` (its
+    cut's policy trains it, and `reward` is the policy's score)."""
     samples = merge_calls(calls)
     rewards = sample_rewards(samples, reward, discount)
-    return [_rollout(sample, score, cut) for sample, score in zip(samples, rewards, strict=True)]
+    return [
+        _rollout(sample, score, cut, trains_cut)
+        for sample, score in zip(samples, rewards, strict=True)
+    ]
 
 
-def _rollout(sample: AgentSample, score: float, cut: str | None) -> Rollout:
+def _rollout(sample: AgentSample, score: float, cut: str | None, trains_cut: bool) -> Rollout:
     trajectory = sample.trajectory
     if cut is not None:
         trajectory.cut_short(cut)
+    trained = cut is None or trains_cut
+    mask = trajectory.sampled_mask if trained else trajectory.loss_mask
     prompt = len(trajectory.prompt_ids)
     versions = [version for version, _ in sample.spans]
     return Rollout(
@@ -107,9 +127,9 @@ def _rollout(sample: AgentSample, score: float, cut: str | None) -> Rollout:
         finished=cut is None and sample.finish_reason == "stop",
         policy_version=min(versions),
         version_spans=tuple(_joined(sample.spans)),
-        loss_mask=tuple(trajectory.loss_mask[prompt:]),
+        loss_mask=tuple(mask[prompt:]),
         episode=Episode(
-            score=0.0 if cut is not None else score,
+            score=score if trained else 0.0,
             turns=trajectory.turns,
             tool_calls=0,  # the gateway does not count the calls' tool calls yet
             version_span=max(versions) - min(versions),

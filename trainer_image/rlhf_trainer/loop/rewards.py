@@ -181,10 +181,14 @@ class Scorer:
         rollouts: Sequence[Rollout],
         model: list[ObjectRef[Any]] | None,
         keys: Sequence[int] | None = None,
+        model_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B,) one reward per response: from the reward model (`model`: its calls), the
         rule here, the reward service (NaN for a sample it failed; with `keys`, offered
-        as they finished), or each episode's environment (its score came with it)."""
+        as they finished), or each episode's environment (its score came with it).
+        `model_rows` (B,): where each response is in the batch the reward model scored
+        (an agent episode's own sample among its others: algo.row_samples); None: the
+        same rows."""
         if self.source.environment:
             return torch.tensor([episode_score(r) for r in rollouts])
         if self.ahead is not None:
@@ -195,7 +199,7 @@ class Scorer:
         if self.rule is None:
             assert model is not None, "no reward source: the reward model was not asked"
             scores: torch.Tensor = gather(model)
-            return scores
+            return scores if model_rows is None else scores[model_rows]
         with self.timeline.span(DRIVER, Role.REWARD, Phase.REWARD):
             responses = [self.tokens.decode(r.response_token_ids) for r in rollouts]
             return torch.tensor(rule_rewards(self.rule, prompts, responses))

@@ -25,6 +25,7 @@ from rlhf_trainer.algo.estimators import compute_advantages, scored_mean, withou
 from rlhf_trainer.algo.experience import Experience, Rollout, Sequences, mean_kl, pack_rollouts
 from rlhf_trainer.algo.kl_control import next_kl_coef
 from rlhf_trainer.algo.ppo import explained_variance
+from rlhf_trainer.algo.row_samples import RowSamples
 from rlhf_trainer.algo.turn_rewards import TurnRewardTable, turn_token_rewards
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.api.plan import DRIVER, Phase
@@ -82,18 +83,20 @@ class StepResult:
     rollout_engines: int = 0  # fully async: the engines serving as the step ended
     episodes: EpisodeStats | None = None  # multi-turn rollouts only
     unscored: int = 0  # samples without a reward (the reward service failed them): masked
+    samples: int = 0  # trained on: one a data row, an agent episode's several (row_samples)
 
 
 @dataclass(frozen=True)
 class Batch:
-    """What a step trains on: the samples of whole groups, a group's rows together."""
+    """What a step trains on: the rows of whole groups, a group's rows together. A row
+    is one sample, or an agent episode's several (Rollout.others: algo.row_samples)."""
 
-    prompts: list[Prompt]  # (B·n,) each sample's prompt
+    prompts: list[Prompt]  # (B·n,) each row's prompt
     rollouts: list[Rollout]  # (B·n,)
     # (B·n,) each sample's key: a reward service that scores samples as they finish
     # (the trainer's `scores_ahead`) keeps its reward by it
     keys: list[int]
-    scores: torch.Tensor | None = None  # (B·n,) when already scored (dynamic sampling)
+    scores: torch.Tensor | None = None  # (B·n,) the rows', when already scored (dynamic sampling)
     dropped_groups: int = 0
 
 
@@ -166,20 +169,24 @@ class PPOTrainer:
         """Score the batch, compute advantages and update the actor and the critic
         (the caller bumps the policy version). Without timings. Raises TooManyCuts
         first when too many steps in a row cut too many episodes (multiTurn.maxCutRatio)."""
-        episodes = EpisodeStats.of(sampled.rollouts)
+        episodes = EpisodeStats.of(sampled.rollouts)  # one a row: an agent episode once
         if self.cut_steps is not None and episodes is not None:
             self.cut_steps.count(step, episodes)
-        batch = pack_rollouts(sampled.rollouts, self.parts.tokens.pad_id)
+        samples = RowSamples.of(sampled.rollouts)  # (S,) an agent episode's several
+        batch = pack_rollouts(samples.rollouts, self.parts.tokens.pad_id)
 
-        # Score: every pool at once; the rule-based reward runs here meanwhile.
+        # Score: every pool at once; the rule-based reward runs here meanwhile. A row is
+        # scored once (an agent episode by its own sample), its samples share the reward.
         scores = sampled.scores
         scoring = self.run_stage("score", batch, skip=(Phase.REWARD,) if scores is not None else ())
         if scores is None:
-            model = scoring.get(Phase.REWARD)  # a reward model's calls
-            scores = self.scorer.score(sampled.prompts, sampled.rollouts, model, sampled.keys)
+            model = scoring.get(Phase.REWARD)  # a reward model's calls, on the S samples
+            scores = self.scorer.score(
+                sampled.prompts, sampled.rollouts, model, sampled.keys, samples.own
+            )
         unscored = self.scorer.unscored.count(step, scores)
         reward_mean = scored_mean(scores)
-        scores, unscored_masked = without_unscored(scores, batch.response_mask)
+        scores, unscored_masked = without_unscored(samples.scores(scores), batch.response_mask)
         batch = replace(batch, response_mask=unscored_masked)
         recomputed = gather_if(scoring, Phase.ACTOR_LOG_PROB)  # unless oldLogProbs: rollout
         old_log_probs = batch.rollout_log_probs if recomputed is None else recomputed
@@ -195,7 +202,8 @@ class PPOTrainer:
             self.config.algorithm,
             self.group_size,
             self.kl_coef,
-            self.turn_rewards(sampled.rollouts, mask),
+            self.turn_rewards(samples.rollouts, mask),
+            groups=samples.groups(self.group_size),
         )
         experience = Experience.of(
             batch,
@@ -220,10 +228,11 @@ class PPOTrainer:
             rollout_log_prob_diff=max_abs_diff(old_log_probs, batch.rollout_log_probs, mask),
             actor=ActorStats(**mean_stats(join(updates[Phase.UPDATE_ACTOR]))),
             critic=critic_stats(updates, experience),
-            responses=ResponseStats.of(sampled.rollouts),
+            responses=ResponseStats.of(samples.rollouts),
             episodes=episodes,
             dropped_groups=sampled.dropped_groups,
             unscored=unscored,
+            samples=len(samples),
         )
 
     def turn_rewards(self, rollouts: Sequence[Rollout], mask: torch.Tensor) -> torch.Tensor | None:

@@ -6,39 +6,44 @@
       -> close the episode: every call's token-exact record -> merged into samples
 
 One episode gives one or more samples (gateway.merge): calls that extend each other make
-one trajectory, the others a sample each, all sharing the episode's reward. An episode
-the agent did not end (it failed, hung, or its pod died: AgentEpisodeFailed) or that the
-gateway cut (a limit) is cut: its samples are not trained on, and the reason is kept in
-each sample's Episode.cut. Every method runs on the engine's event loop.
+one trajectory, the others a sample each, all sharing the episode's reward (the k-th from
+the last times callDiscount**k). An episode the agent did not end (it failed, hung, or
+its pod died: AgentEpisodeFailed) or that the gateway cut (a limit) is cut, and the
+reason is kept in each sample's Episode.cut: a limit's policy (generation.agent.cuts) may
+train it with a score, every other cut is masked. Every method runs on the engine's
+event loop.
 
-The loop takes one sample per data row (a batch, a GRPO group), so in v1 each episode
-trains exactly one: the sample holding its last call (`AgentEpisode.trained`), the one
-the reward judges and, for an agent that appends to its history, its only one. Its
-earlier samples that extend nothing are left out, counted (`EpisodeTally`,
-rlhf_agent_samples_left_out_total). An episode without a call is cut (NO_CALLS), masked.
-Agent cuts are always masked: they are not CUT_REASONS, which multiTurn.cuts sets.
+The loop takes one Rollout per data row: the sample holding the episode's last call (the
+one the reward judges), carrying the episode's other samples, the latest first up to
+maxSamplesPerEpisode in all (`Rollout.others`; algo.row_samples spreads them out). The
+earlier ones are left out, counted (`EpisodeTally`, rlhf_agent_samples_left_out_total);
+so are a masked episode's others, which teach nothing. An episode without a call is cut
+(NO_CALLS), masked.
+
+The reward: the agent's, with models.reward `environment: true` (an agent that returns
+none is cut, UNJUDGED); otherwise the job's reward judges the row's sample, as it does
+any rollout, and what the agent returned is not used.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rlhf_env.agent_protocol import EpisodeRequest
-from rlhf_trainer.algo.experience import Episode, Rollout
+from rlhf_trainer.algo.experience import Episode, EpisodeSample, Rollout
 from rlhf_trainer.api.agents import SERVED_MODEL, AgentEpisodes
 from rlhf_trainer.gateway.host import GatewayHost
-from rlhf_trainer.gateway.merge import episode_rollouts, merge_calls
-from rlhf_trainer.gateway.records import CallLimits, CallRecord, EpisodeRecords
+from rlhf_trainer.gateway.merge import episode_rollouts, latest_first, merge_calls, sample_shares
+from rlhf_trainer.gateway.records import CallLimits, EpisodeRecords
 from rlhf_trainer.gateway.server import Gateway
 from rlhf_trainer.rollout.agent_client import AgentClient, AgentEpisodeFailed
 from rlhf_trainer.rollout.agent_shared import EpisodeTally, gateway_address
 from rlhf_trainer.rollout.engine import OnFinished
 
-# The agent returned no reward: the job's reward must judge its transcript. Not wired yet:
+# The agent returned no reward, and the job's reward is the agent's (environment: true):
 # such an episode is cut under this reason rather than trained on with a made-up reward.
 UNJUDGED = "agent_unjudged"
 # The episode made no call: nothing was sampled, nothing to train on.
@@ -52,25 +57,53 @@ class AgentEpisode:
     rollouts: list[Rollout]  # in the order their samples started (gateway.merge)
     records: EpisodeRecords  # for rlhf_agent_* (TrainerMetrics.agents.count_episode)
     cut: str | None
-    last: int | None = None  # the sample holding its last call (None: no call)
+    latest: list[int]  # the samples' indices, the one holding the last call first
+    shares: list[float]  # (len(rollouts),) each one's share of the reward (merge)
+    trains_cut: bool = False  # its cut's policy trains it (generation.agent.cuts)
 
-    def trained(self, version: int) -> Rollout:
-        """The episode's one sample for the loop (v1): the one holding its last call. An
-        episode without one is a masked placeholder, cut (its own reason, or NO_CALLS),
-        labelled with `version` (the engine's now)."""
-        if self.last is not None:
-            return self.rollouts[self.last]
-        # One token so that it packs, as a multi-turn episode cut before its first turn.
-        episode = Episode(score=0.0, turns=0, tool_calls=0, version_span=0,
-                          cut=self.cut or NO_CALLS)  # fmt: skip
-        return Rollout([PLACEHOLDER_ID], [], [], False, version, episode=episode)
+    @classmethod
+    def of(
+        cls,
+        records: EpisodeRecords,
+        score: float,
+        discount: float,
+        cut: str | None,
+        trains_cut: bool = False,
+    ) -> AgentEpisode:
+        """The episode of `records`, its samples sharing `score` (the agent's reward, or
+        a trained cut's policy score)."""
+        samples = merge_calls(records.calls)
+        rollouts = episode_rollouts(records.calls, score, discount, cut, trains_cut)
+        return cls(rollouts, records, cut, latest_first(samples),
+                   sample_shares(samples, discount), trains_cut)  # fmt: skip
 
-    def tally(self) -> EpisodeTally:
+    def kept(self, max_samples: int) -> list[int]:
+        """The samples the loop takes, the last call's first: the latest `max_samples`,
+        or only that one when the episode is masked (its others would teach nothing)."""
+        masked = self.cut is not None and not self.trains_cut
+        return self.latest[: 1 if masked else max_samples]
+
+    def trained(self, version: int, max_samples: int) -> Rollout:
+        """The episode's row for the loop: the sample holding its last call, carrying the
+        others kept (earliest first). An episode without one is a masked placeholder, cut
+        (its own reason, or NO_CALLS), labelled with `version` (the engine's now)."""
+        kept = self.kept(max_samples)
+        if not kept:
+            # One token so that it packs, as a multi-turn episode cut before its first turn.
+            episode = Episode(score=0.0, turns=0, tool_calls=0, version_span=0,
+                              cut=self.cut or NO_CALLS)  # fmt: skip
+            return Rollout([PLACEHOLDER_ID], [], [], False, version, episode=episode)
+        own, *others = kept
+        shared = (EpisodeSample(self.rollouts[i], self.shares[i]) for i in reversed(others))
+        return replace(self.rollouts[own], others=tuple(shared))
+
+    def tally(self, max_samples: int) -> EpisodeTally:
         records = self.records
-        cut = self.cut if self.last is not None else self.cut or NO_CALLS
+        cut = self.cut if self.latest else self.cut or NO_CALLS
+        left_out = len(self.rollouts) - len(self.kept(max_samples))
         return EpisodeTally(
             cut, len(records.calls), dict(records.refusals),
-            records.prompt_tokens, records.sampled_tokens, max(len(self.rollouts) - 1, 0),
+            records.prompt_tokens, records.sampled_tokens, left_out,
         )  # fmt: skip
 
 
@@ -78,36 +111,37 @@ class AgentEpisode:
 PLACEHOLDER_ID = 0
 
 
-def last_sample(calls: Sequence[CallRecord]) -> int | None:
-    """The index, among gateway.merge's samples of `calls`, of the one holding the last
-    call (k = 0 in merge.sample_rewards' order); None when nothing was sampled."""
-    samples = merge_calls(calls)
-    if not samples:
-        return None
-    return max(range(len(samples)), key=lambda i: (samples[i].calls[-1], i))
-
-
 class AgentEpisodeRunner:
     """Runs generation.agent's episodes on `gateway` (this engine's), served at `base_url`
     (as the agent reaches it: http://<this pod>:<GATEWAY_PORT>/v1)."""
 
     def __init__(
-        self, gateway: Gateway, base_url: str, agent: AgentClient, settings: AgentEpisodes
+        self,
+        gateway: Gateway,
+        base_url: str,
+        agent: AgentClient,
+        settings: AgentEpisodes,
+        job_judges: bool = False,
     ) -> None:
         self.gateway, self.base_url, self.agent, self.settings = gateway, base_url, agent, settings
+        # The job's reward (a function, a service, a model) judges each episode's row,
+        # not the agent (models.reward environment: true).
+        self.job_judges = job_judges
         self.tallies: list[EpisodeTally] = []  # closed since the driver last drained them
 
     async def trained_samples(
         self, rows: list[dict[str, Any]], name: str, version: int, on_finished: OnFinished | None
     ) -> list[Rollout]:
-        """An episode per row, all at once, each giving its one trained sample (v1);
-        episodes are named `<name>-<i>`, and `on_finished(i, sample)` told of each as it
-        ends. `version`: the engine's now, the label of an episode without a call."""
+        """An episode per row, all at once, each giving its row's Rollout (its samples:
+        AgentEpisode.trained); episodes are named `<name>-<i>`, and `on_finished(i,
+        sample)` told of each as it ends. `version`: the engine's now, the label of an
+        episode without a call."""
+        max_samples = self.settings.max_samples_per_episode
 
         async def episode(index: int, row: dict[str, Any]) -> Rollout:
             ended = await self.run(row, f"{name}-{index}")
-            self.tallies.append(ended.tally())
-            sample = ended.trained(version)
+            self.tallies.append(ended.tally(max_samples))
+            sample = ended.trained(version, max_samples)
             if on_finished is not None:
                 on_finished(index, sample)
             return sample
@@ -142,9 +176,13 @@ class AgentEpisodeRunner:
             failed = failure.cut
         finally:
             records = await self.gateway.close_episode(key)  # aborts calls still in flight
-        cut = records.cut or failed or (UNJUDGED if reward is None else None)
-        rollouts = episode_rollouts(records.calls, reward or 0.0, settings.call_discount, cut)
-        return AgentEpisode(rollouts, records, cut, last_sample(records.calls))
+        unjudged = reward is None and not self.job_judges
+        cut = records.cut or failed or (UNJUDGED if unjudged else None)
+        policy = settings.cuts.of(cut) if cut is not None else None
+        trains_cut = policy is not None and policy.trains
+        # A reward the job's judges: the agent's is a placeholder (Scorer ignores it).
+        score = policy.reward if policy is not None else reward or 0.0
+        return AgentEpisode.of(records, score, settings.call_discount, cut, trains_cut)
 
 
 def agent_runner(worker: GatewayHost, engines: int) -> AgentEpisodeRunner | None:
@@ -157,4 +195,5 @@ def agent_runner(worker: GatewayHost, engines: int) -> AgentEpisodeRunner | None
     served = worker.start_gateway(port)
     assert worker.gateway is not None
     client = AgentClient.of(worker.config.agent(settings.agent), engines=engines)
-    return AgentEpisodeRunner(worker.gateway, f"http://{host}:{served}/v1", client, settings)
+    base_url, job_judges = f"http://{host}:{served}/v1", not worker.config.models.reward.environment
+    return AgentEpisodeRunner(worker.gateway, base_url, client, settings, job_judges)

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from rlhf_trainer.algo.experience import Episode, EpisodePhase, Rollout, TurnReward
+from rlhf_trainer.algo.experience import Episode, EpisodePhase, EpisodeSample, Rollout, TurnReward
 
 DEFAULT_QUEUE_CONCURRENCY = 16
 # The last uids put are remembered, so that a sample generated twice is queued once
@@ -145,45 +145,60 @@ class Sample:
 
     @property
     def oldest_version(self) -> int:
-        return min(self.policy_versions)
+        """Its own versions' and its agent episode's other samples' (Rollout.others)."""
+        others = (other.rollout.policy_version for other in self.rollout.others)
+        return min(*self.policy_versions, *others)
 
     def to_json(self) -> dict[str, Any]:
-        r = self.rollout
         return {
             "uid": self.uid,
             "prompt_index": self.prompt_index,
             "policy_versions": list(self.policy_versions),
-            "rollout": {
-                "prompt_token_ids": list(r.prompt_token_ids),
-                "response_token_ids": list(r.response_token_ids),
-                "response_log_probs": list(r.response_log_probs),
-                "finished": r.finished,
-                "policy_version": r.policy_version,
-                "version_spans": [list(span) for span in r.version_spans],
-                "loss_mask": list(r.loss_mask),
-                "episode": None if r.episode is None else asdict(r.episode),
-            },
+            "rollout": self.rollout_json(self.rollout),
+        }
+
+    @staticmethod
+    def rollout_json(r: Rollout) -> dict[str, Any]:
+        return {
+            "prompt_token_ids": list(r.prompt_token_ids),
+            "response_token_ids": list(r.response_token_ids),
+            "response_log_probs": list(r.response_log_probs),
+            "finished": r.finished,
+            "policy_version": r.policy_version,
+            "version_spans": [list(span) for span in r.version_spans],
+            "loss_mask": list(r.loss_mask),
+            "episode": None if r.episode is None else asdict(r.episode),
+            "others": [
+                {"rollout": Sample.rollout_json(o.rollout), "share": o.share} for o in r.others
+            ],
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Sample:
-        r = data["rollout"]
         return cls(
             uid=int(data["uid"]),
             prompt_index=int(data["prompt_index"]),
-            rollout=Rollout(
-                prompt_token_ids=[int(t) for t in r["prompt_token_ids"]],
-                response_token_ids=[int(t) for t in r["response_token_ids"]],
-                response_log_probs=[float(p) for p in r["response_log_probs"]],
-                finished=bool(r["finished"]),
-                policy_version=int(r["policy_version"]),
-                version_spans=tuple(
-                    (int(version), int(start)) for version, start in r["version_spans"]
-                ),
-                loss_mask=tuple(int(m) for m in r.get("loss_mask", ())),
-                episode=episode_from_json(r.get("episode")),
-            ),
+            rollout=cls.rollout_of_json(data["rollout"]),
             policy_versions=tuple(int(v) for v in data["policy_versions"]),
+        )
+
+    @staticmethod
+    def rollout_of_json(r: Mapping[str, Any]) -> Rollout:
+        return Rollout(
+            prompt_token_ids=[int(t) for t in r["prompt_token_ids"]],
+            response_token_ids=[int(t) for t in r["response_token_ids"]],
+            response_log_probs=[float(p) for p in r["response_log_probs"]],
+            finished=bool(r["finished"]),
+            policy_version=int(r["policy_version"]),
+            version_spans=tuple(
+                (int(version), int(start)) for version, start in r["version_spans"]
+            ),
+            loss_mask=tuple(int(m) for m in r.get("loss_mask", ())),
+            episode=episode_from_json(r.get("episode")),
+            others=tuple(
+                EpisodeSample(Sample.rollout_of_json(o["rollout"]), float(o["share"]))
+                for o in r.get("others", ())
+            ),
         )
 
 
