@@ -255,7 +255,7 @@ def export_due(config: JobConfig, step: int) -> bool:
 
 
 def count_agent_episodes(metrics: TrainerMetrics, tallies: list[EpisodeTally]) -> None:
-    """rlhf_agent_*: closed agent episodes, and the samples v1 left out of training."""
+    """rlhf_agent_*: closed agent episodes, and their samples left out of training."""
     for t in tallies:
         metrics.agents.count_episode(t.cut, t.calls, t.refusals, t.prompt_tokens, t.sampled_tokens)
         metrics.agents.samples_left_out.inc(t.samples_left_out)

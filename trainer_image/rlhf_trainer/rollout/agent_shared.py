@@ -14,15 +14,15 @@ from rlhf_trainer.api.agents import GATEWAY_PORT
 
 @dataclass(frozen=True)
 class EpisodeTally:
-    """One closed episode: AgentMetrics.count_episode's arguments, and the samples v1
-    leaves out (rollout.agent_episodes: one trained sample per episode)."""
+    """One closed episode: AgentMetrics.count_episode's arguments, and the samples left
+    out of training (rollout.agent_episodes: past maxSamplesPerEpisode, or masked)."""
 
     cut: str | None  # its reason (None: the agent ended it with a reward)
     calls: int
     refusals: dict[str, int]  # the gateway's, by reason
     prompt_tokens: int
     sampled_tokens: int
-    samples_left_out: int  # its samples other than the one trained
+    samples_left_out: int  # its samples not in the batch
 
 
 # Where a local run's gateways listen (cluster.local sets them in its workers): several

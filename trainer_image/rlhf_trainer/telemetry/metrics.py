@@ -131,8 +131,9 @@ class AgentMetrics:
         )
         self.samples_left_out = Counter(
             "rlhf_agent_samples_left_out",
-            "Samples of agent episodes not trained on: each episode trains only the sample "
-            "holding its last call; its earlier calls that extend nothing are left out",
+            "Samples of agent episodes not trained on: those past "
+            "generation.agent.maxSamplesPerEpisode (the earliest), and a masked cut "
+            "episode's others",
             registry=r,
         )
 
