@@ -13,7 +13,7 @@ import psutil  # type: ignore[import-untyped]
 PARTS = ("driver", "engine_core", "rollout_rank", "queue", "ranks", "ray_daemons", "other")
 
 
-def _processes(root: int, skip: Iterable[int]) -> list[psutil.Process]:
+def tree_processes(root: int, skip: Iterable[int]) -> list[psutil.Process]:
     """`root` and its descendants, without the trees rooted at `skip`."""
     top = psutil.Process(root)
     left_out: set[int] = set()
@@ -33,7 +33,7 @@ def _cpu(process: psutil.Process) -> float:
 def tree_cpu_seconds(root: int, skip: Iterable[int] = ()) -> float:
     """User and system CPU-seconds used so far by process `root` and its descendants,
     leaving out the trees rooted at `skip`."""
-    return sum(_cpu(process) for process in _processes(root, skip))
+    return sum(_cpu(process) for process in tree_processes(root, skip))
 
 
 def part_of(process: psutil.Process, root: int) -> str:
@@ -61,6 +61,6 @@ def part_of(process: psutil.Process, root: int) -> str:
 def tree_cpu_by_part(root: int, skip: Iterable[int] = ()) -> dict[str, float]:
     """`tree_cpu_seconds` split by PARTS."""
     parts = dict.fromkeys(PARTS, 0.0)
-    for process in _processes(root, skip):
+    for process in tree_processes(root, skip):
         parts[part_of(process, root)] += _cpu(process)
     return parts
