@@ -107,3 +107,28 @@ def test_a_queued_episode_keeps_its_other_samples_and_is_as_stale_as_the_oldest(
     assert sample.oldest_version == 2
     again = Sample.from_json(sample.to_json())
     assert again == sample
+
+
+@pytest.mark.parametrize(
+    ("samples", "multiple", "padding"), [(6, 4, 2), (9, 4, 3), (7, 4, 5), (8, 4, 0), (5, 1, 0)]
+)
+def test_padding_fills_whole_multiples_never_with_one_row_alone(
+    samples: int, multiple: int, padding: int
+) -> None:
+    from rlhf_trainer.algo.row_samples import padding_rows
+
+    assert padding_rows(samples, multiple) == padding
+
+
+def test_a_padded_batch_masks_its_padding_in_a_group_of_its_own() -> None:
+    episode = rollout(5, others=(EpisodeSample(rollout(3), 0.5),))
+    samples = RowSamples.of([rollout(1), episode, rollout(2), rollout(4)], multiple=4)
+    assert len(samples) == 5 and samples.padding == 3 and len(samples.batch) == 8
+    assert all(r.response_token_ids == [] for r in samples.batch[5:])
+    assert samples.groups(group_size=2).tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    scores = samples.scores(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert scores.tolist() == [1.0, 1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0]
+    loo = estimators.leave_one_out(scores, samples.groups(group_size=2))
+    assert loo[5:].tolist() == [0.0, 0.0, 0.0]
+    # Rows of one sample each are never padded: the batch is as it always was.
+    assert RowSamples.of([rollout(1), rollout(2), rollout(3)], multiple=4).padding == 0

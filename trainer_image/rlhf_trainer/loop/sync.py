@@ -172,8 +172,9 @@ class PPOTrainer:
         episodes = EpisodeStats.of(sampled.rollouts)  # one a row: an agent episode once
         if self.cut_steps is not None and episodes is not None:
             self.cut_steps.count(step, episodes)
-        samples = RowSamples.of(sampled.rollouts)  # (S,) an agent episode's several
-        batch = pack_rollouts(samples.rollouts, self.parts.tokens.pad_id)
+        # (S,) an agent episode's several, padded to whole mini-batches
+        samples = RowSamples.of(sampled.rollouts, self.config.trainer.mini_batch_size)
+        batch = pack_rollouts(samples.batch, self.parts.tokens.pad_id)
 
         # Score: every pool at once; the rule-based reward runs here meanwhile. A row is
         # scored once (an agent episode by its own sample), its samples share the reward.
@@ -202,7 +203,7 @@ class PPOTrainer:
             self.config.algorithm,
             self.group_size,
             self.kl_coef,
-            self.turn_rewards(samples.rollouts, mask),
+            self.turn_rewards(samples.batch, mask),
             groups=samples.groups(self.group_size),
         )
         experience = Experience.of(
