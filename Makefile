@@ -17,7 +17,7 @@ include tests/images/images.mk
 # The control plane's launcher needs the venv's kubernetes client; it loads the images
 # into its real node.
 cluster: install images
-.PHONY: help images install tmux real-model test test-shuffled test-gpu gpu-stack unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-real-model bench-real-agentic bench-gpu-train-step bench-gpu-ipc bench-contention bench-overhead bench dashboards
+.PHONY: help images install tmux real-model test test-shuffled test-gpu gpu-stack unit demo crds docs docs-serve docs-screenshots lint constraints trainer-lock clean bench-operator bench-split bench-async bench-slow-reward bench-elastic bench-weight-sync bench-algorithms bench-learning bench-agentic bench-agent-gateway bench-real-model bench-real-agentic bench-gpu-train-step bench-gpu-ipc bench-contention bench-overhead bench dashboards
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -175,6 +175,9 @@ bench-learning: install  ## benchmark: held-out reward of sync, split and fully 
 
 bench-agentic: install  ## benchmark: the tiny model learning a tool task (examples/agentic-tools.yaml), held-out score and tool calls (~10 min)
 	$(PY) -m bench.agentic.run
+
+bench-agent-gateway: install  ## benchmark: the tool task driven by a plain openai agent through the gateway vs the trainer-driven job: learning and rollout throughput, 3 seeds (~25 min)
+	$(PY) -m bench.agent_gateway.run
 
 bench-weight-sync: install  ## benchmark: a 400 MB policy into one and two vLLM engines, end to end, vs memcpy
 	$(PY) -m bench.weight_sync.run

@@ -21,6 +21,7 @@ BENCHES = {  # name -> module
     "algorithms": "bench.algorithms.run",
     "learning": "bench.learning.run",
     "agentic": "bench.agentic.run",
+    "agent_gateway": "bench.agent_gateway.run",
     "weight_sync": "bench.weight_sync.run",
     "operator": "bench.operator.run",
     "real_model": "bench.real_model.run",
@@ -70,6 +71,12 @@ HEADLINES = {  # name -> the figures its summary shows
         "example.held_out_final",
         "example.tool_calls_first",
         "example.tool_calls_last",
+    ],
+    "agent_gateway": [
+        "agent.held_out_final",
+        "trainer.held_out_final",
+        "episodes_per_s_ratio",
+        "tokens_per_s_ratio",
     ],
     "weight_sync": [
         "transfer_one_of_memcpy",

@@ -1,0 +1,252 @@
+"""Benchmark: the toy tool task driven by a plain `openai` agent through the gateway,
+against the trainer-driven multi-turn job on the same task.
+
+Both variants train examples/agentic-tools.yaml (toy:lookup: call the lookup tool with
+the key, answer with what it returned; GRPO, 8 episodes a key, synchronous, one
+simulated GPU) for the same steps and seed, interleaved within each seed:
+
+    trainer   the example as it is: the trainer samples each turn, parses the call
+              (rlhf_toy) and steps rlhf_env.toys:LetterLookup, served in a process of
+              its own (`python -m rlhf_env serve`), which scores the episode
+    agent     generation.agent: examples/agents/letters_agent.py (bench/agent_gateway/
+              timed_agent.py: the same `run`, timed), served in a process of its own
+              (`python -m rlhf_env agent`), runs its own loop against each engine's
+              gateway (vLLM's chat serving, the rlhf_toy parser) and grades the answer
+              as LetterLookup scores it; up to 2 calls of up to 2 tokens, as the
+              example's 2 turns of up to 2 tokens, all 64 episodes of a step at once
+
+Reported per variant, median (min-max) over the seeds:
+    reward_first, reward_last   the training reward: the first step's, the last 5 steps'
+    held_out_start, held_out_final   the held-out keys' score (8 episodes each, at
+                                temperature 1) before training and after the last step
+    tool_calls_first, tool_calls_last   tool calls per training episode (trainer only:
+                                an agent's calls are its own)
+    episodes_per_s, tokens_per_s   the rollout's throughput: a step's episodes and its
+                                trained sampled tokens over its generate phase, over the
+                                steps after the first (start-up and compilation)
+    step_s                      the mean step, the same steps
+and, for the agent, from its own timings of those steps: call_s (a call's mean round
+trip through the gateway), own_share (the share of an episode spent outside its calls:
+the agent's loop), span_share (the step's episodes from the first start to the last end,
+as a share of the generate phase: the rest is the trainer's side, opening and closing
+episodes and the POST /episodes hop), starts_share (from the step's first episode
+start to its last, the same share: the episodes are all sent at once, so this is how
+long the agent's server takes to start them) and sampled_tokens_per_s (every sampled
+token, those of samples left out too). Within each seed: agent over trainer of the throughput,
+and of the final held-out score less the trainer's.
+
+Run: make bench-agent-gateway (about 25 minutes). Arguments, optional: steps (60), seeds (3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.agent_gateway.timed_agent import TIMINGS_VARIABLE
+from bench.harness import Measurement, run_bench
+from rlhf_trainer.api.config import JobConfig
+from rlhf_trainer.cluster.local import local_environments, local_ray_cluster
+from rlhf_trainer.loop.run import run_job
+from rlhf_trainer.loop.sync import StepResult
+from rlhf_trainer.telemetry.metrics import TrainerMetrics
+from rlhf_trainer.telemetry.report import ConsoleReporter
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "agentic-tools.yaml"
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+WARMUP_STEPS = 1
+LAST_STEPS = 5  # the final training reward: a mean over these, one step is noisy
+EPISODES_A_STEP = 64  # the example's batchSize 8 x samplesPerPrompt 8
+AGENT = "bench.agent_gateway.timed_agent:run"
+
+Spec = dict[str, Any]
+
+
+def trainer_driven(spec: Spec) -> None:
+    """The example as it is (its environment served by class, in a process of its own)."""
+
+
+def agent_driven(spec: Spec) -> None:
+    """The letters agent in place of the trainer's loop: its calls as the example's turns
+    (2 of up to 2 tokens), the engine's context room for the second call's prompt."""
+    del spec["environments"], spec["generation"]["multiTurn"]
+    spec["agents"] = [{"name": "letters", "serve": AGENT, "maxConcurrentEpisodes": 64}]
+    spec["generation"]["agent"] = {
+        "agent": "letters",
+        "toolParser": "rlhf_toy",
+        "maxCalls": 2,
+        "maxCallTokens": spec["data"]["maxResponseLength"],
+    }
+    spec["data"]["maxResponseLength"] = 16  # the example's multiTurn.maxTokens
+
+
+VARIANTS = {"trainer": trainer_driven, "agent": agent_driven}
+
+
+def job(variant: str, seed: int, checkpoints: Path) -> JobConfig:
+    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    trainer = spec["trainer"]
+    trainer.update(seed=seed, totalSteps=STEPS, evalEverySteps=STEPS)
+    trainer["checkpoint"] = {"path": str(checkpoints), "everySteps": 1_000_000}
+    VARIANTS[variant](spec)
+    return JobConfig.model_validate(spec)
+
+
+SEEN: dict[str, int] = {}  # variant -> runs so far (its next seed)
+
+
+def train(variant: str) -> Measurement:
+    """The variant's next seed, trained: its figures (the module doc)."""
+    seed = SEEN.get(variant, 0)
+    SEEN[variant] = seed + 1
+    return train_seed(variant, seed)
+
+
+def train_seed(variant: str, seed: int) -> Measurement:
+    """One run of `variant` on `seed`: its figures (the module doc)."""
+    seen: list[Seen] = []
+    with tempfile.TemporaryDirectory() as tmp, agent_timings(Path(tmp)) as timings:
+        config = job(variant, seed, Path(tmp) / "checkpoints")
+        metrics = TrainerMetrics(pools=[p.name for p in config.pools])
+        on_step = partial(record, seen, metrics)
+        with local_environments(config) as served, local_ray_cluster(served):
+            run_job(served, "bench", ConsoleReporter(every=1e9), metrics, None, on_step)
+        episodes = read_timings(timings)
+    steps = [s.result for s in seen]
+    measured = {**learning(steps), **throughput(steps[WARMUP_STEPS:])}
+    if variant == "agent":
+        measured |= agent_figures(seen[WARMUP_STEPS:], seen[WARMUP_STEPS - 1], episodes)
+    shown = ", ".join(f"{key} {value:.3f}" for key, value in measured.items())
+    print(f"run: {variant} seed {seed}, {len(steps)} steps: {shown}", file=sys.stderr, flush=True)
+    return measured
+
+
+@contextmanager
+def agent_timings(tmp: Path) -> Iterator[Path]:
+    """The file the timed agent appends its episodes to, named in its environment."""
+    path = tmp / "agent-timings.jsonl"
+    path.touch()
+    before = os.environ.get(TIMINGS_VARIABLE)
+    os.environ[TIMINGS_VARIABLE] = str(path)
+    try:
+        yield path
+    finally:
+        if before is None:
+            del os.environ[TIMINGS_VARIABLE]
+        else:
+            os.environ[TIMINGS_VARIABLE] = before
+
+
+def read_timings(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A step as the bench saw it end: when, and the agents' sampled tokens so far."""
+
+    result: StepResult
+    ended: float  # time.time()
+    agent_sampled: float  # rlhf_agent_tokens_total{kind="sampled"}
+
+
+def record(seen: list[Seen], metrics: TrainerMetrics, step: StepResult) -> None:
+    """Keep the step, when it ended and the agents' sampled tokens; a line every 5 steps."""
+    found = metrics.registry.get_sample_value("rlhf_agent_tokens_total", {"kind": "sampled"})
+    seen.append(Seen(step, time.time(), found or 0.0))
+    if step.step % 5 == 0:
+        print(
+            f"  step {step.step}: reward {step.reward_mean:.3f}, generate "
+            f"{step.phase_seconds.get('generate', 0.0):.2f} s of {step.seconds:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def learning(steps: list[StepResult]) -> Measurement:
+    """The training reward and the held-out score at the start and the end."""
+    evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
+    assert evaluations and evaluations[0].step == 0, "no held-out evaluation before training"
+    last = steps[-LAST_STEPS:]
+    figures = {
+        "reward_first": steps[0].reward_mean,
+        "reward_last": sum(s.reward_mean for s in last) / len(last),
+        "held_out_start": evaluations[0].reward_mean,
+        "held_out_final": evaluations[-1].reward_mean,
+    }
+    first, final = steps[0].episodes, steps[-1].episodes
+    if first is not None and final is not None and any(e.tool_calls for e in first.episodes):
+        figures |= {
+            "tool_calls_first": first.tool_calls_mean,
+            "tool_calls_last": final.tool_calls_mean,
+        }
+    return figures
+
+
+def throughput(measured: list[StepResult]) -> Measurement:
+    generate = sum(s.phase_seconds["generate"] for s in measured)
+    return {
+        "episodes_per_s": EPISODES_A_STEP * len(measured) / generate,
+        "tokens_per_s": sum(s.response_tokens for s in measured) / generate,
+        "step_s": sum(s.seconds for s in measured) / len(measured),
+    }
+
+
+def agent_figures(
+    measured: list[Seen], before: Seen, episodes: list[dict[str, Any]]
+) -> Measurement:
+    """Where the measured steps' generate phases go, from the agent's own timings of the
+    episodes that started within those steps (held-out evaluations' left out)."""
+    generate = sum(s.result.phase_seconds["generate"] for s in measured)
+    spans, starts, calls, seconds = [], [], [], []
+    for seen in measured:
+        started = seen.ended - seen.result.seconds
+        ran = [e for e in episodes if started <= e["start"] <= seen.ended]
+        assert len(ran) == EPISODES_A_STEP, f"step {seen.result.step}: {len(ran)} episodes timed"
+        first = min(e["start"] for e in ran)
+        spans.append(max(e["end"] for e in ran) - first)
+        starts.append(max(e["start"] for e in ran) - first)
+        calls += [c for e in ran for c in e["calls"]]
+        seconds += [e["end"] - e["start"] for e in ran]
+    return {
+        "call_s": statistics.mean(calls),
+        "calls_per_episode": len(calls) / len(seconds),
+        "own_share": 1 - sum(calls) / sum(seconds),
+        "span_share": sum(spans) / generate,
+        "starts_share": sum(starts) / generate,
+        "sampled_tokens_per_s": (measured[-1].agent_sampled - before.agent_sampled) / generate,
+    }
+
+
+def compare(run: dict[str, Measurement]) -> Measurement:
+    """Within one seed: the agent's throughput over the trainer's, and its final
+    held-out score less the trainer's."""
+    agent, trainer = run["agent"], run["trainer"]
+    return {
+        "episodes_per_s_ratio": agent["episodes_per_s"] / trainer["episodes_per_s"],
+        "tokens_per_s_ratio": agent["tokens_per_s"] / trainer["tokens_per_s"],
+        "step_s_ratio": agent["step_s"] / trainer["step_s"],
+        "held_out_vs_trainer": agent["held_out_final"] - trainer["held_out_final"],
+    }
+
+
+def main() -> None:
+    variants = {name: partial(train, name) for name in VARIANTS}
+    run_bench("agent_gateway", variants, SEEDS, compare, steps=STEPS)
+
+
+if __name__ == "__main__":
+    main()
