@@ -269,6 +269,16 @@ class Rollout:
         return list(self.loss_mask) or [1] * len(self.response_token_ids)
 
 
+# A masked row's one token: any id of the vocabulary (it is never trained on).
+PLACEHOLDER_ID = 0
+
+
+def masked_placeholder(version: int, episode: Episode | None = None) -> Rollout:
+    """A row that packs and trains nothing: one prompt token, no response (an agent
+    episode without a call; the padding of a batch of agent samples)."""
+    return Rollout([PLACEHOLDER_ID], [], [], False, version, episode=episode)
+
+
 @dataclass(frozen=True)
 class EpisodeSample:
     """A sample of an agent episode other than the one holding its last call: it shares

@@ -23,10 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlhf_trainer.algo.experience import Rollout
-
-# A padding row's one token: any id of the vocabulary (it is never trained).
-PADDING_ID = 0
+from rlhf_trainer.algo.experience import Rollout, masked_placeholder
 
 
 @dataclass(frozen=True)
@@ -72,8 +69,7 @@ class RowSamples:
     def batch(self) -> list[Rollout]:
         """(S + padding,) what the step packs: the samples, then the padding rows."""
         version = self.rollouts[0].policy_version if self.rollouts else 0
-        pad = Rollout([PADDING_ID], [], [], False, version)
-        return [*self.rollouts, *[pad] * self.padding]
+        return [*self.rollouts, *[masked_placeholder(version)] * self.padding]
 
     def scores(self, row_scores: Tensor) -> Tensor:
         """(R,) the rows' rewards -> (S + padding,) each sample's: its row's times its

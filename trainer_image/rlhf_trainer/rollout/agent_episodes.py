@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rlhf_env.agent_protocol import EpisodeRequest
-from rlhf_trainer.algo.experience import Episode, EpisodeSample, Rollout
+from rlhf_trainer.algo.experience import Episode, EpisodeSample, Rollout, masked_placeholder
 from rlhf_trainer.api.agents import SERVED_MODEL, AgentEpisodes
 from rlhf_trainer.gateway.host import GatewayHost
 from rlhf_trainer.gateway.merge import episode_rollouts, latest_first, merge_calls, sample_shares
@@ -92,7 +92,7 @@ class AgentEpisode:
             # One token so that it packs, as a multi-turn episode cut before its first turn.
             episode = Episode(score=0.0, turns=0, tool_calls=0, version_span=0,
                               cut=self.cut or NO_CALLS)  # fmt: skip
-            return Rollout([PLACEHOLDER_ID], [], [], False, version, episode=episode)
+            return masked_placeholder(version, episode)
         own, *others = kept
         shared = (EpisodeSample(self.rollouts[i], self.shares[i]) for i in reversed(others))
         return replace(self.rollouts[own], others=tuple(shared))
@@ -105,10 +105,6 @@ class AgentEpisode:
             cut, len(records.calls), dict(records.refusals),
             records.prompt_tokens, records.sampled_tokens, left_out,
         )  # fmt: skip
-
-
-# A masked placeholder's one prompt token: any id of the vocabulary (it is never trained).
-PLACEHOLDER_ID = 0
 
 
 class AgentEpisodeRunner:
