@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from torch import Tensor, nn
 
 from rlhf_trainer.algo.ppo import log_probs_from_logits
@@ -61,6 +61,11 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(vocabulary(vocab_size))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Words joined by spaces in every decode: without a decoder, vLLM's streaming
+    # detokenizer (the gateway's text) joins them with none ("callc": no tool call is
+    # ever parsed). No token starts with the "##" this decoder would join on; decode()
+    # is unchanged.
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
@@ -252,10 +257,11 @@ def token_log_probs(model: PreTrainedModel, input_ids: Tensor, attention_mask: T
 
 
 def write_tiny_model(tiny: TinyModel, directory: Path, seed: int = 0) -> Path:
-    """Build the model and its tokenizer and save both into directory (HF format)."""
+    """Build the model and its tokenizer and save both into directory (HF format), the
+    tokenizer into directory/tokenizer as well, which vLLM loads (save_tokenizer)."""
     directory.mkdir(parents=True, exist_ok=True)
     build_tiny_model(tiny, seed).save_pretrained(directory)
-    build_tokenizer(tiny.vocab_size).save_pretrained(directory)
+    save_tokenizer(build_tokenizer(tiny.vocab_size), directory)
     return directory
 
 

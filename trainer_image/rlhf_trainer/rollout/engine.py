@@ -77,6 +77,7 @@ class EngineOptions:
     enforce_eager: bool  # no CUDA graphs (on CPU always: engine_settings)
     transfer_backend: str
     max_lora_rank: int | None  # LoRA RL: the engine serves the actor's adapter
+    gateway: bool  # generation.agent: vLLM's own text (its tokenizer) is served and parsed
 
     @classmethod
     def of(cls, config: JobConfig) -> EngineOptions:
@@ -94,6 +95,7 @@ class EngineOptions:
             # The job's one decision; the actor takes it from the engines (WeightSync).
             transfer_backend=choose_transfer(config, torch.cuda.is_available()).backend.value,
             max_lora_rank=None if lora is None else engine_max_lora_rank(lora.rank),
+            gateway=config.generation.agent is not None,
         )
 
     @property
@@ -126,6 +128,7 @@ class RolloutEngine(WeightUpdates):
         initial_version: int = 0,
         transfer_backend: str = HOST_TRANSFER,
         max_lora_rank: int | None = None,
+        gateway: bool = False,
         name: str = "rollout engine",
         on_death: Callable[[EngineDied], None] | None = None,
     ) -> None:
@@ -139,6 +142,7 @@ class RolloutEngine(WeightUpdates):
             enforce_eager=enforce_eager,
             transfer_backend=transfer_backend,
             max_lora_rank=max_lora_rank,
+            own_tokenizer=gateway,
         )
         self._llm: Any = build_llm(self._settings)
         self.policy_version = initial_version

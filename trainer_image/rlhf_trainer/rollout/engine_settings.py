@@ -146,9 +146,12 @@ def engine_settings(
     enforce_eager: bool,
     transfer_backend: str,
     max_lora_rank: int | None = None,
+    own_tokenizer: bool = False,
 ) -> dict[str, Any]:
     """The vLLM engine arguments, and the environment the engine needs (set here).
-    `max_lora_rank`: serve one LoRA adapter of up to that rank (LoRA RL); None: none."""
+    `max_lora_rank`: serve one LoRA adapter of up to that rank (LoRA RL); None: none.
+    `own_tokenizer`: a tiny model's tokenizer as written (tokenizer_settings), where
+    vLLM's text is used (the gateway); elsewhere the engine sees token ids only."""
     current_platform = platform_in_environment(tensor_parallel_size)
     # On CPU always eager: vLLM's torch.compile of a model takes minutes there.
     enforce_eager = enforce_eager or current_platform.is_cpu()
@@ -162,6 +165,7 @@ def engine_settings(
     lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
     return (
         (cpu_scheduling(max_model_len) if current_platform.is_cpu() else {})
+        | (tokenizer_settings(model_dir) if own_tokenizer else {})
         | {
             "model": str(model_dir),
             "dtype": dtype,
@@ -179,6 +183,18 @@ def engine_settings(
         }
         | (lora if max_lora_rank is not None else {})
     )
+
+
+def tokenizer_settings(model_dir: Path | str) -> dict[str, Any]:
+    """A tiny model's word-level tokenizer from its own directory (models.save_tokenizer):
+    beside a qwen2 config vLLM loads it as the byte-level Qwen2Tokenizer, which splits
+    "call" into letters and decodes words without spaces. Else the model's own. (vLLM
+    then looks for a model config there, and waits 2 s in each process before it gives
+    up: only where its text is used.)"""
+    from rlhf_trainer.models import TOKENIZER_SUBDIR
+
+    own = Path(model_dir) / TOKENIZER_SUBDIR
+    return {"tokenizer": str(own)} if (own / "tokenizer.json").is_file() else {}
 
 
 def sampling_params(
