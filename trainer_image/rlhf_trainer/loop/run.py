@@ -171,7 +171,7 @@ class Run:
     def observe(self, result: StepResult) -> None:
         m = self.metrics
         m.tokens_generated.inc(result.response_tokens)
-        m.samples_trained.inc(self.config.samples_per_step)
+        m.samples_trained.inc(result.samples)  # an agent episode's several
         m.dropped_groups.inc(result.dropped_groups)
         m.unscored_samples.inc(result.unscored)
         m.kl.set(result.kl)
