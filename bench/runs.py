@@ -4,6 +4,8 @@ phase times, each pool's idle share, the driver's share)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +32,8 @@ def measure_run(
         with local_ray_cluster(config):
             run_job(config, "bench", ConsoleReporter(every=1e9), None, trace_path, steps.append)
         trace = Trace.load(trace_path)
+        if keep := os.environ.get("BENCH_KEEP_TRACES"):  # a directory: each run's trace, kept
+            shutil.copy(trace_path, Path(keep) / f"trace-{len(list(Path(keep).iterdir()))}.json")
     measured = steps[warmup_steps:]
     windows = trace.step_windows([s.seconds for s in measured])
     driver = trace.driver_shares(windows)
