@@ -147,7 +147,7 @@ class Sample:
     def oldest_version(self) -> int:
         """Its own versions' and its agent episode's other samples' (Rollout.others)."""
         others = (other.rollout.policy_version for other in self.rollout.others)
-        return min(*self.policy_versions, *others)
+        return min((*self.policy_versions, *others))  # min(x) of one int would raise
 
     def to_json(self) -> dict[str, Any]:
         return {
