@@ -121,6 +121,7 @@ class BareVLLM:
         self.pipe, theirs = context.Pipe()
         self.process = context.Process(target=serve_bare_vllm, args=(config, engine, theirs))
         self.process.start()
+        theirs.close()  # the child's end: if it dies, recv raises rather than waits
         self.pipe.recv()  # built
 
     def measure(self, requests: Requests) -> Measurement:
@@ -174,7 +175,9 @@ def llm_generate(
     from vllm import LLM
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(**engine_settings(model, **asdict(options)), disable_log_stats=True)
+    settings = asdict(options)
+    settings["own_tokenizer"] = settings.pop("gateway")  # as RolloutEngine passes it
+    llm = LLM(**engine_settings(model, **settings), disable_log_stats=True)
     generation, cap = config.generation, config.data.max_response_length
 
     def generate(requests: Requests) -> list[int]:
