@@ -158,3 +158,19 @@ def test_put_many_queues_each_uid_once_and_whole_groups_only() -> None:
     with pytest.raises(QueueClosed):
         queue.put_many([sample(4)])
     assert queue.snapshot() == []
+
+
+def test_generating_spans_open_with_the_first_request_and_close_with_the_last(
+    rollout: Any,
+) -> None:
+    rollout.admit([(uid, uid, [1, 2]) for uid in range(3)])
+    while len(rollout.in_flight) < 3:
+        time.sleep(0.01)
+    (cut,) = rollout.drain_activity()  # the open span, cut at now and open from there
+    release(rollout, range(2))
+    assert rollout.drain_activity()[0][1] == cut[2]  # still one span: one still in flight
+    release(rollout, range(2, 3))
+    rollout.drain()
+    (last,) = rollout.drain_activity()
+    assert cut[1] <= cut[2] <= last[1] <= last[2]
+    assert rollout.busy_since is None and rollout.drain_activity() == []

@@ -97,6 +97,8 @@ class StreamingRollout(EngineWorker):
         read under the lock, as in `drain_activity`: read before it, a span could end
         before the other thread's start."""
         busy = bool(self.in_flight) and not self.paused
+        if busy == (self.busy_since is not None):
+            return  # no change (only this thread opens or closes a span): no lock, no clock
         with self.activity_lock:
             now = time.time()
             if busy and self.busy_since is None:
