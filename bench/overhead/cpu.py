@@ -14,12 +14,18 @@ PARTS = ("driver", "engine_core", "rollout_rank", "queue", "ranks", "ray_daemons
 
 
 def tree_processes(root: int, skip: Iterable[int]) -> list[psutil.Process]:
-    """`root` and its descendants, without the trees rooted at `skip`."""
-    top = psutil.Process(root)
-    left_out: set[int] = set()
-    for pid in skip:
-        left_out |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
-    return [p for p in [top, *top.children(recursive=True)] if p.pid not in left_out]
+    """`root` and its descendants, without the trees rooted at `skip`: one scan of the
+    machine's processes (each `Process.children` call is a scan of its own)."""
+    children: dict[int, list[psutil.Process]] = {}
+    for process in psutil.process_iter(["ppid"]):
+        children.setdefault(process.info["ppid"], []).append(process)
+    left_out, found, todo = set(skip), [], [psutil.Process(root)]
+    while todo:
+        process = todo.pop()
+        if process.pid not in left_out:
+            found.append(process)
+            todo += children.get(process.pid, [])
+    return found
 
 
 def _cpu(process: psutil.Process) -> float:
@@ -36,15 +42,13 @@ def tree_cpu_seconds(root: int, skip: Iterable[int] = ()) -> float:
     return sum(_cpu(process) for process in tree_processes(root, skip))
 
 
-def part_of(process: psutil.Process, root: int) -> str:
-    """Which of PARTS a process of the job's tree is. A rank host whose child is a vLLM
-    engine core is the rollout rank; the other rank hosts are the training roles'."""
+def part_of(process: psutil.Process, root: int, rollout_ranks: set[int]) -> str:
+    """Which of PARTS a process of the job's tree is; `rollout_ranks`: the rank hosts
+    that are an engine core's parents (`engine_parents`)."""
     if process.pid == root:
         return "driver"
     try:
-        name = process.name()
-        command = " ".join(process.cmdline()[:1])
-        children = [child.name() for child in process.children()]
+        name, command = process.name(), " ".join(process.cmdline()[:1])
     except psutil.NoSuchProcess:
         return "other"
     if "EngineCore" in name or "EngineCore" in command:
@@ -52,15 +56,30 @@ def part_of(process: psutil.Process, root: int) -> str:
     if "SampleQueue" in command:
         return "queue"
     if "RankHost" in command:
-        return "rollout_rank" if any("EngineCore" in c for c in children) else "ranks"
-    if name in ("raylet", "gcs_server") or "dashboard.py" in " ".join(process.cmdline()):
+        return "rollout_rank" if process.pid in rollout_ranks else "ranks"
+    if name in ("raylet", "gcs_server") or "dashboard.py" in command:
         return "ray_daemons"
     return "other"
+
+
+def engine_parents(processes: Iterable[psutil.Process]) -> set[int]:
+    """The parents of vLLM engine cores among `processes`: the rollout ranks. One read
+    of each process (`Process.children` would scan every process of the machine)."""
+    parents = set()
+    for process in processes:
+        try:
+            if "EngineCore" in process.name():
+                parents.add(process.ppid())
+        except psutil.NoSuchProcess:
+            continue
+    return parents
 
 
 def tree_cpu_by_part(root: int, skip: Iterable[int] = ()) -> dict[str, float]:
     """`tree_cpu_seconds` split by PARTS."""
     parts = dict.fromkeys(PARTS, 0.0)
-    for process in tree_processes(root, skip):
-        parts[part_of(process, root)] += _cpu(process)
+    processes = tree_processes(root, skip)
+    rollout_ranks = engine_parents(processes)
+    for process in processes:
+        parts[part_of(process, root, rollout_ranks)] += _cpu(process)
     return parts

@@ -14,7 +14,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from bench.overhead.cpu import part_of, tree_cpu_by_part, tree_processes
+from bench.overhead.cpu import engine_parents, part_of, tree_cpu_by_part, tree_processes
 from rlhf_trainer.cluster.local import local_ray_cluster
 from rlhf_trainer.loop.run import open_run
 from rlhf_trainer.telemetry.report import ConsoleReporter
@@ -28,8 +28,10 @@ PROMPTS = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 
 def pids_by_part() -> dict[str, list[int]]:
     parts: dict[str, list[int]] = {}
-    for process in tree_processes(os.getpid(), ()):
-        parts.setdefault(part_of(process, os.getpid()), []).append(process.pid)
+    processes = tree_processes(os.getpid(), ())
+    rollout_ranks = engine_parents(processes)
+    for process in processes:
+        parts.setdefault(part_of(process, os.getpid(), rollout_ranks), []).append(process.pid)
     return parts
 
 
