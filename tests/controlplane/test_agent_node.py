@@ -1,0 +1,158 @@
+"""An agent that owns its loop, trained on the real node (issue 75): the example
+examples/agents/letters-cluster.yaml, whose agent (examples/agents/letters_agent.py,
+written only against the `openai` package) runs as the job's own pod from the
+environment image. For each episode the trainer POSTs the row to the agent's headless
+Service; the agent calls the policy through the gateway of the rollout pool's Ray pod
+(port 8100), over the pod network and the cluster's DNS, and returns its grade. The job
+trains a few steps to Succeeded.
+
+What proves the steps ran on agent episodes is the driver's own count, rlhf_agent_*
+on its metrics port, read from the head pod while the job runs (each poll keeps the
+last reading; the head goes with the job). That the reward rises needs some 25 steps of
+64 episodes (the trainer-driven task's climb, bench/README.md's bench-agentic), more than
+CI affords here: docs/concepts/agents.md gives the rise as measured once.
+
+Kept small for CI, the example in one way: STEPS steps. One job (module fixture); the
+tests read what it left. Its images and fixtures are test_agentic_node.py's."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlhf_operator.render.children import TRAINER_METRICS_PORT
+from tests.conftest import skip_or_fail
+
+from . import demo
+from .harness import REPO_ROOT, ControlPlane
+from .operator_process import OperatorProcess
+from .util import eventually, get_json, rlhfjob
+
+pytestmark = pytest.mark.slow  # the images, Ray pods, vLLM and the agent's pod: minutes
+
+NAMESPACE = "agents"
+EXAMPLE = yaml.safe_load((REPO_ROOT / "examples/agents/letters-cluster.yaml").read_text())
+JOB = EXAMPLE["metadata"]["name"]
+SPEC = EXAMPLE["spec"]
+STEPS = 3
+EPISODES_A_STEP = SPEC["trainer"]["batchSize"] * SPEC["generation"]["samplesPerPrompt"]
+AGENT = SPEC["agents"][0]["name"]
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, labels) -> value
+
+
+def small_job() -> dict[str, Any]:
+    job = yaml.safe_load(yaml.safe_dump(EXAMPLE))
+    job["spec"]["trainer"]["totalSteps"] = STEPS
+    return job
+
+
+@dataclass
+class Run:
+    status: dict[str, Any] = field(default_factory=dict)
+    conditions_at_first_step: list[dict[str, Any]] = field(default_factory=list)
+    metrics: Samples = field(default_factory=dict)  # the driver's, last read
+    agent_pods: list[dict[str, Any]] = field(default_factory=list)  # while it ran
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def driver_metrics(cp: ControlPlane, status: dict[str, Any]) -> Samples:
+    """The driver's rlhf_agent_* and rlhf_samples_trained on the head pod's metrics
+    port (from this machine: root's connections are not the pods' to refuse), or {}
+    while there is no head to ask."""
+    head = status.get("rayHead")
+    if not head:
+        return {}
+    by_name = f"metadata.name={head}"
+    pods = get_json(cp, "pods", "-n", NAMESPACE, "--field-selector", by_name)["items"]
+    ip = pods[0]["status"].get("podIP") if pods else None
+    if not ip:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{TRAINER_METRICS_PORT}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith(("rlhf_agent_", "rlhf_samples_trained"))
+    }
+
+
+def agent_pods(cp: ControlPlane) -> list[dict[str, Any]]:
+    selector = f"rlhf.dev/job={JOB},rlhf.dev/agent={AGENT}"
+    pods: list[dict[str, Any]] = get_json(cp, "pods", "-n", NAMESPACE, "-l", selector)["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+@pytest.fixture(scope="module")
+def run(controlplane: ControlPlane) -> Iterator[Run]:
+    cp = controlplane
+    if cp.real_node is None:
+        skip_or_fail(f"no real node: {cp.real_node_absent}")
+    demo.load_images(cp.real_node, ("trainer-cpu", "environment"))
+    demo.real_node_namespace(cp, NAMESPACE)
+    operator = OperatorProcess(cp, "agents-operator", "--standalone", f"--namespace={NAMESPACE}")
+    operator.start()
+    result = Run()
+    try:
+        cp.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(small_job()))
+
+        def status() -> dict[str, Any]:
+            return (rlhfjob(cp, JOB, NAMESPACE) or {}).get("status") or {}
+
+        eventually(lambda: (status().get("training") or {}).get("step"), "the first step", 900)
+        result.conditions_at_first_step = status()["conditions"]
+        result.agent_pods = agent_pods(cp)
+
+        def ended() -> bool:
+            now = status()
+            result.metrics = driver_metrics(cp, now) or result.metrics
+            return now.get("phase") in ("Succeeded", "Failed")
+
+        eventually(ended, "the end", 900)
+        result.status = status()
+        yield result
+    finally:
+        cp.kubectl("delete", "rlhfjob", JOB, "-n", NAMESPACE, "--wait=false", check=False)
+        operator.stop()
+
+
+def test_the_agent_job_trains_to_succeeded_on_the_real_node(run: Run) -> None:
+    assert run.status["phase"] == "Succeeded", run.status
+    training = run.status["training"]
+    assert training["step"] == training["totalSteps"] == STEPS, training
+    # An agent episode's turns are its calls through the gateway: one or two each, none
+    # for a cut one (masked). Few are cut.
+    cut = training.get("cutRatio", 0.0)
+    assert cut < 0.5 and training["turnsMean"] >= 1 - cut, training
+    ready = {c["type"]: c["status"] for c in run.conditions_at_first_step}
+    assert ready.get("AgentsReady") == "True", run.conditions_at_first_step
+    # The agent ran as the job's own pod, from the environment image.
+    (pod,) = run.agent_pods
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == demo.IMAGE_NAMES["environment"], container
+
+
+def test_the_steps_trained_on_the_agents_episodes_counted_by_the_driver(run: Run) -> None:
+    """Every step's episodes went through the agent and the gateway: the driver counted
+    them (at the last reading, at least a step's), their calls and the tokens sampled."""
+    episodes = sum(v for (name, _), v in run.metrics.items() if name == "rlhf_agent_episodes_total")
+    done = run.metric("rlhf_agent_episodes_total", outcome="done")
+    assert episodes >= EPISODES_A_STEP, run.metrics
+    assert done >= EPISODES_A_STEP / 2, run.metrics  # the rest cut (masked), not most
+    assert run.metric("rlhf_agent_calls_total") >= done, run.metrics
+    assert run.metric("rlhf_agent_tokens_total", kind="sampled") >= done, run.metrics
+    # Each episode trains the sample holding its last call at least: a step's samples are
+    # as many as its episodes, or more.
+    assert run.metric("rlhf_samples_trained_total") >= EPISODES_A_STEP, run.metrics
