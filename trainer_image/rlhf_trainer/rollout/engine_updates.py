@@ -3,10 +3,11 @@
 
 A weight update is `open_update()` -> `load_bucket()` per bucket -> `close_update(version)`:
 
-- `open_update` pauses a running engine with vLLM's
-  `pause_generation(mode="keep", clear_cache=False)`: the scheduler stops stepping and
-  in-flight requests stay where they are (tokens, log-probs, sampler state) - a partial
-  rollout, not an abort - then `start_weight_update`.
+- `open_update` pauses a running engine as vLLM's
+  `pause_generation(mode="keep", clear_cache=False)` does (`pause_scheduler`, without its
+  closing sleep): the scheduler stops stepping and in-flight requests stay where they
+  are (tokens, log-probs, sampler state) - a partial rollout, not an abort - then
+  `start_weight_update`.
 - `load_bucket` is vLLM's `update_weights`: the transfer engine in vLLM's worker loads
   the bucket into the model.
 - `close_update` is `finish_weight_update(weight_version=...)`, which labels the
@@ -91,7 +92,7 @@ class WeightUpdates:
 
         async def start(llm: Any) -> None:
             if not await utility(llm, llm.is_paused()):
-                await self._pause(llm)
+                await pause_scheduler(llm)
                 self._resume_after_update = True
             await utility(llm, llm.start_weight_update())
 
@@ -209,6 +210,15 @@ class WeightUpdates:
             self.close_update(version)
         finally:
             packed.close()
+
+
+async def pause_scheduler(llm: Any) -> None:
+    """vLLM's `pause_generation(mode="keep", clear_cache=False)` without its closing
+    20 ms sleep, which only lets the last outputs reach their streams first (vLLM says it
+    is not needed for correctness). A push waits for it: 20 ms of a 45-50 ms push of the
+    async bench's model. The outputs keep their versions (vLLM labels each step's outputs
+    in the engine core), so their order against the update does not matter."""
+    await utility(llm, llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
 
 
 def packed_weights(weights: Iterable[tuple[str, Tensor]]) -> PackedWeights:
