@@ -34,7 +34,7 @@ ran at once, on average; 64 are sent at once) and sampled_tokens_per_s (every sa
 token, those of samples left out too). Within each seed: agent over trainer of the
 throughput and the step, and the agent's final held-out score less the trainer's.
 
-Run: make bench-agent-gateway (about 25 minutes). Arguments, optional: steps (50), seeds (3).
+Run: make bench-agent-gateway (about 15 minutes). Arguments, optional: steps (50), seeds (3).
 """
 
 from __future__ import annotations
