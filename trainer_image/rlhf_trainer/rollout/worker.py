@@ -167,8 +167,9 @@ class EngineWorker(GatewayHost, Worker):
         """An episode per row (generation.multiTurn), sampled as `sampling` says (the
         training sampling by default); requests are named `episode-<name>-<i>-<turn>`.
         `on_finished(i, episode)` is told of each as it ends, as `generate_batch` does.
-        With generation.agent, an agent's episode per row, its one trained sample each
-        (the agent samples as it asks: `seed` and `sampling` are not its)."""
+        With generation.agent, an agent's episode per row: a row's Rollout is the sample
+        holding its last call, its other samples in `Rollout.others` (the agent samples as
+        it asks: `seed` and `sampling` are not its)."""
         if self.agents is not None:
             version = self.engine.policy_version
             return await self.agents.trained_samples(rows, name, version, on_finished)
