@@ -102,6 +102,14 @@ async def wordy(task: dict[str, Any], client: openai.AsyncOpenAI) -> Any:
     return task["returns"]
 
 
+POOLS: list[Any] = []  # the HTTP client under each episode's openai client, in order
+
+
+async def pooled(task: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    POOLS.append(client._client)
+    return 1.0
+
+
 def hanging(cancelled: threading.Event) -> Any:
     async def hang(task: dict[str, Any], client: openai.AsyncOpenAI) -> float:
         try:
@@ -135,7 +143,7 @@ class Gate:
 def agents() -> Iterator[str]:
     apps = {name: app_for_agent(run) for name, run in
             [("rewarded", rewarded), ("undecided", undecided), ("reporting", reporting),
-             ("failing", failing), ("wordy", wordy)]}  # fmt: skip
+             ("failing", failing), ("wordy", wordy), ("pooled", pooled)]}  # fmt: skip
     with served(apps) as url:
         yield url
 
@@ -145,6 +153,14 @@ def agents() -> Iterator[str]:
 
 def test_the_agents_reward_comes_back(agents: str) -> None:
     assert episode([f"{agents}/rewarded"], {"reward": 0.75}) == EpisodeResult(reward=0.75)
+
+
+def test_every_episode_shares_one_open_connection_pool(agents: str) -> None:
+    POOLS.clear()
+    for _ in range(2):
+        assert episode([f"{agents}/pooled"], {}) == EpisodeResult(reward=1.0)
+    first, second = POOLS
+    assert first is second and not first.is_closed
 
 
 def test_an_agent_that_returns_none_leaves_the_reward_to_the_job(agents: str) -> None:
