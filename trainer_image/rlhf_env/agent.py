@@ -35,7 +35,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
@@ -111,9 +110,9 @@ class _AgentHost:
         self.running = 0
         # Every episode's client shares one pool: a client of its own took 16-30 ms to
         # build and a new connection per episode (bench-agent-gateway).
-        self.http: httpx.AsyncClient | None = None
+        self.http: openai.DefaultAsyncHttpxClient | None = None
 
-    def shared_http(self) -> httpx.AsyncClient:
+    def shared_http(self) -> openai.DefaultAsyncHttpxClient:
         if self.http is None or self.http.is_closed:
             self.http = openai.DefaultAsyncHttpxClient()
         return self.http
