@@ -32,7 +32,7 @@ from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.loop.fully_async import AsyncPPOTrainer
 from rlhf_trainer.loop.run import open_run
 from rlhf_trainer.loop.sync import Batch
-from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.samples import Sample
 from rlhf_trainer.telemetry.report import ConsoleReporter
 
 BATCHES = 6  # admitted after the run's first admission, to keep the engines full

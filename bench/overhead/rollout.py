@@ -41,7 +41,8 @@ from rlhf_trainer.rollout.engine_settings import (
     platform_in_environment,
     sampling_params,
 )
-from rlhf_trainer.rollout.queue import Admitted, Sample
+from rlhf_trainer.rollout.queue import Admitted
+from rlhf_trainer.rollout.samples import Sample
 from rlhf_trainer.worker import derive_seed
 
 

@@ -41,7 +41,7 @@ from rlhf_trainer.api.plan import Phase
 from rlhf_trainer.cluster.waits import join
 from rlhf_trainer.loop.sync import PPOTrainer
 from rlhf_trainer.roles.trainable import load_policy
-from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.samples import Sample
 from rlhf_trainer.worker import CPU_THREADS_PER_RANK, derive_seed, free_port
 
 RankPlan = list[list[Experience]]  # an update's mini-batches, each its micro-batches

@@ -27,13 +27,11 @@ from rlhf_trainer.rollout.queue import (
     AdmissionControl,
     QueueClosed,
     RolloutFailed,
-    Sample,
     SampleQueue,
     admission_limit,
-    group_staleness,
     remembered_uids,
-    staleness,
 )
+from rlhf_trainer.rollout.samples import Sample, group_staleness, staleness
 from tests.environments import served
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

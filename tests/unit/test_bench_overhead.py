@@ -17,7 +17,7 @@ from bench.overhead.training import experience_of, rank_plan
 from rlhf_trainer.algo.experience import Experience, Rollout
 from rlhf_trainer.api.config import JobConfig, Role
 from rlhf_trainer.roles.trainable import Stats, Trainable
-from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.samples import Sample
 from rlhf_trainer.worker import RankInfo, free_port, init_distributed
 
 

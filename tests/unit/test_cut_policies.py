@@ -24,7 +24,7 @@ from rlhf_trainer.algo.experience import Rollout, TurnReward
 from rlhf_trainer.api.cuts import CUT_REASONS, TRAINED_BY_DEFAULT, CutPolicies, CutPolicy
 from rlhf_trainer.rollout.chat_template import ChatRenderer
 from rlhf_trainer.rollout.episodes import EpisodeLimits, EpisodeRunner
-from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.samples import Sample
 from tests.chat_families import HERMES_CALL, LOOKUP, qwen, template_text, tokenizer_of
 from tests.environments import served
 from tests.unit.celcheck import assert_refused, cel_errors

@@ -13,7 +13,7 @@ import torch
 from rlhf_trainer.algo import estimators
 from rlhf_trainer.algo.experience import EpisodeSample, Rollout
 from rlhf_trainer.algo.row_samples import RowSamples
-from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.samples import Sample
 
 
 def rollout(tag: int, version: int = 0, others: tuple[EpisodeSample, ...] = ()) -> Rollout:

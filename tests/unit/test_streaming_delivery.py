@@ -19,7 +19,8 @@ import pytest
 from rlhf_trainer.algo.experience import Rollout
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.rollout import streaming, worker
-from rlhf_trainer.rollout.queue import QueueClosed, Sample, SampleQueue
+from rlhf_trainer.rollout.queue import QueueClosed, SampleQueue
+from rlhf_trainer.rollout.samples import Sample
 from rlhf_trainer.worker import RankInfo
 from tests.specs import local_async_job
 

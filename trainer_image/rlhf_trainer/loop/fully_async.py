@@ -35,7 +35,8 @@ from rlhf_trainer.loop.dynamic_sampling import keep_informative_groups
 from rlhf_trainer.loop.scores_ahead import QueueArrivals
 from rlhf_trainer.loop.setup import RunParts
 from rlhf_trainer.loop.sync import Batch, PPOTrainer, StepResult, rollout_input, split_list
-from rlhf_trainer.rollout.queue import AdmissionControl, Admitted, Sample, group_staleness
+from rlhf_trainer.rollout.queue import AdmissionControl, Admitted
+from rlhf_trainer.rollout.samples import Sample, group_staleness
 
 log = logging.getLogger(__name__)
 

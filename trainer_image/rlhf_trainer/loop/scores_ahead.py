@@ -29,7 +29,7 @@ import torch
 from rlhf_env.rewards import RewardClient, ScoredSample
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.cluster.waits import join
-from rlhf_trainer.rollout.queue import Sample
+from rlhf_trainer.rollout.samples import Sample
 
 log = logging.getLogger(__name__)
 

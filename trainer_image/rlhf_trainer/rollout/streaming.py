@@ -25,7 +25,8 @@ from typing import Any
 
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.api.plan import Phase
-from rlhf_trainer.rollout.queue import Admitted, Sample
+from rlhf_trainer.rollout.queue import Admitted
+from rlhf_trainer.rollout.samples import Sample
 from rlhf_trainer.rollout.worker import EngineWorker
 from rlhf_trainer.worker import RankInfo, derive_seed
 
