@@ -176,7 +176,7 @@ bench-learning: install  ## benchmark: held-out reward of sync, split and fully 
 bench-agentic: install  ## benchmark: the tiny model learning a tool task (examples/agentic-tools.yaml), held-out score and tool calls (~10 min)
 	$(PY) -m bench.agentic.run
 
-bench-agent-gateway: install  ## benchmark: the tool task driven by a plain openai agent through the gateway vs the trainer-driven job: learning and rollout throughput, 3 seeds (~15 min)
+bench-agent-gateway: install  ## benchmark: the tool task driven by a plain openai agent through the gateway vs the trainer-driven job: learning and rollout throughput, 3 seeds (~8 min)
 	$(PY) -m bench.agent_gateway.run
 
 bench-weight-sync: install  ## benchmark: a 400 MB policy into one and two vLLM engines, end to end, vs memcpy
