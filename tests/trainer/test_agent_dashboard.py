@@ -27,7 +27,9 @@ from tests.prometheus import BINARY, Prometheus, Target, as_promql
 
 pytestmark = needs(None if BINARY.exists() else "no Prometheus: run make controlplane")
 
-DONE = EpisodeTally(None, 2, {}, 20, 4, 1)  # two calls, one sample left out (past maxSamplesPerEpisode)
+DONE = EpisodeTally(
+    None, 2, {}, 20, 4, 1
+)  # two calls, one sample left out (past maxSamplesPerEpisode)
 CUT_BY_THE_GATEWAY = EpisodeTally("max_calls", 2, {"max_calls": 1}, 12, 2, 0)
 AGENT_FAILED = EpisodeTally("agent_error: KeyError: 'key'", 1, {}, 5, 2, 0)
 
