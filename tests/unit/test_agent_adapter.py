@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +31,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from examples.agents import letters_agent
 from rlhf_env.agent import NotAnAgent, app_for_agent
@@ -296,6 +299,43 @@ def test_an_episode_a_full_replica_refuses_is_run_on_another() -> None:
 
 def test_an_episode_on_a_replica_that_is_gone_is_run_on_another(agents: str) -> None:
     assert episode([GONE, f"{agents}/rewarded"], {"reward": 1.0}).reward == 1.0
+
+
+async def killed_at_its_call(task: dict[str, Any], client: openai.AsyncOpenAI) -> float:
+    """Calls the gateway with its process id: the killing stand-in kills it there."""
+    messages: list[Any] = [{"role": "user", "content": "c"}]
+    pid = {"x-agent-pid": str(os.getpid())}
+    await client.chat.completions.create(model="policy", messages=messages, extra_headers=pid)
+    return 1.0
+
+
+def test_an_agent_killed_mid_episode_is_agent_unreachable_and_its_client_goes_on(
+    agents: str,
+) -> None:
+    """The agent's process is killed (SIGKILL, as a pod's container is) at its first call
+    to the gateway, an event: the episode in flight is cut, named; the next one runs."""
+    killed: list[int] = []
+    killer = FastAPI()
+
+    @killer.post("/v1/chat/completions")
+    async def kill(request: Request) -> JSONResponse:
+        killed.append(int(request.headers["x-agent-pid"]))
+        os.kill(killed[-1], signal.SIGKILL)
+        return JSONResponse({"error": "killed"}, status_code=500)
+
+    async def scenario(dying: str, url: str) -> tuple[AgentEpisodeFailed, EpisodeResult]:
+        async with client_of([dying]) as dies, client_of([f"{agents}/rewarded"]) as lives:
+            with pytest.raises(AgentEpisodeFailed) as failed:
+                await dies.run(request({}, base_url=f"{url}/gateway/v1"))
+            return failed.value, await lives.run(request({"reward": 0.5}))
+
+    target = f"{__name__}:killed_at_its_call"
+    with served({"gateway": killer}) as url, served_locally(target, command="agent") as dying:
+        failed, next_episode = asyncio.run(scenario(dying, url))
+    assert len(killed) == 1
+    assert failed.reason == "agent_unreachable", failed
+    assert failed.cut.startswith("agent_unreachable: agent 'coder' episode at "), failed.cut
+    assert next_episode == EpisodeResult(reward=0.5)
 
 
 def test_with_every_replica_gone_the_episode_is_agent_unreachable() -> None:
