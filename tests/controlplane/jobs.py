@@ -4,13 +4,19 @@ control-plane tests share."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tests.conftest import skip_or_fail
+
+from . import demo
 from .harness import REPO_ROOT, ControlPlane
-from .util import bound_claim, get_json, rlhfjob
+from .operator_process import OperatorProcess
+from .util import bound_claim, eventually, get_json, rlhfjob
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # local-cpu targets a laptop (one logical GPU, no tolerations); the GPU nodes are tainted.
@@ -97,3 +103,50 @@ def node_pools(cp: ControlPlane) -> dict[str, str]:
         n["metadata"]["name"]: n["metadata"]["labels"]["pool"]
         for n in get_json(cp, "nodes", "-l", "type=kwok")["items"]
     }
+
+
+@contextmanager
+def real_node_job(
+    cp: ControlPlane, namespace: str, manifest: dict[str, Any], operator: str
+) -> Iterator[str]:
+    """MANIFEST applied in NAMESPACE, a namespace whose pods run on the tests' real node
+    (the trainer's and the environment's images loaded into its containerd), and run by an
+    operator of its own (standalone, NAMESPACE only) named OPERATOR; the job's name.
+    Skips (fails, in CI) without a real node. On the way out the job is deleted and the
+    operator stopped."""
+    if cp.real_node is None:
+        skip_or_fail(f"no real node: {cp.real_node_absent}")
+    demo.load_images(cp.real_node, ("trainer-cpu", "environment"))
+    demo.real_node_namespace(cp, namespace)
+    process = OperatorProcess(cp, operator, "--standalone", f"--namespace={namespace}")
+    process.start()
+    name: str = manifest["metadata"]["name"]
+    try:
+        apply(cp, namespace, manifest)
+        yield name
+    finally:
+        cp.kubectl("delete", "rlhfjob", name, "-n", namespace, "--wait=false", check=False)
+        process.stop()
+
+
+def poll_to_the_end(
+    cp: ControlPlane,
+    name: str,
+    namespace: str,
+    at_first_step: Callable[[dict[str, Any]], object],
+    each_poll: Callable[[dict[str, Any]], object] = lambda status: None,
+    timeout: float = 900,
+) -> dict[str, Any]:
+    """The job's status once it ended (Succeeded or Failed). On the way: at_first_step
+    with the status once a first step is reported (an event to act on, or to read the
+    job at), and each_poll with every status polled (at 2 Hz: some steps, not all)."""
+
+    def polled() -> dict[str, Any]:
+        status = job_status(cp, name, namespace)
+        each_poll(status)
+        return status
+
+    eventually(lambda: (polled().get("training") or {}).get("step"), "the first step", timeout)
+    at_first_step(job_status(cp, name, namespace))
+    eventually(lambda: polled().get("phase") in ("Succeeded", "Failed"), "the end", timeout)
+    return job_status(cp, name, namespace)

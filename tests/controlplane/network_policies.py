@@ -13,8 +13,10 @@ whose packets pass, not a node that drops every pod's traffic for the next test.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -107,3 +109,65 @@ def network_policies_enforced(cp: ControlPlane) -> Iterator[dict[str, Any]]:
         # (foreground), and --wait waits for both, so the rules are gone at the return.
         cp.kubectl("delete", "--cascade=foreground", "--wait=true", "--timeout=90s",
                    "-f", "-", input=objects, check=False)  # fmt: skip
+
+
+def dials(cp: ControlPlane, namespace: str, client: str, targets: list[str]) -> dict[str, bool]:
+    """Which of `targets` (HOST:PORT) `client`, a nettool pod, connects to from inside
+    (kubectl exec; nettool's dial: 3 s, then a timeout: the enforcer drops a refused
+    connection's first packet)."""
+    checks = [f"dial={target}" for target in targets]
+    out = cp.kubectl("exec", "-n", namespace, client, "--", "/nettool", "check", *checks).stdout
+    found = {r["check"]: r["ok"] for r in map(json.loads, out.splitlines())}
+    return {target: found[f"dial={target}"] for target in targets}
+
+
+# What a Proof's dials found: the client's, by target name; the others', by client name.
+Dialled = tuple[dict[str, bool], dict[str, bool]]
+
+
+@dataclass(frozen=True)
+class Proof:
+    """A policy's proof by dials, each from inside a pod: from `client` to each of
+    `targets` (name -> HOST:PORT), and from each of `others` to `guarded` (HOST:PORT)."""
+
+    namespace: str
+    client: str
+    targets: dict[str, str]
+    others: tuple[str, ...]
+    guarded: str
+
+    def dial(self, cp: ControlPlane) -> Dialled:
+        found = dials(cp, self.namespace, self.client, list(self.targets.values()))
+        guarded = {
+            c: dials(cp, self.namespace, c, [self.guarded])[self.guarded] for c in self.others
+        }
+        return {name: found[target] for name, target in self.targets.items()}, guarded
+
+
+@dataclass(frozen=True)
+class Enforced:
+    """A proof's dials before its policies and after, the enforcer's pod and its log."""
+
+    before: Dialled
+    after: Dialled
+    enforcer: dict[str, Any]
+    log: str
+
+
+def dialled_across(
+    cp: ControlPlane,
+    proof: Proof,
+    policies: list[dict[str, Any]],
+    in_place: Callable[[Dialled], bool],
+    what: str,
+) -> Enforced:
+    """The proof's dials with the enforcer running, before `policies` exist (once its
+    client reaches every target: what is refused afterwards is refused by the policies)
+    and after they are applied, once `in_place` says of the dials that the enforcer wrote
+    their rules (it writes them as the policies arrive; `what` names the wait)."""
+    with network_policies_enforced(cp) as enforcer:
+        eventually(lambda: all(proof.dial(cp)[0].values()), "every target reached before")
+        before = proof.dial(cp)
+        cp.kubectl("apply", "-n", proof.namespace, "-f", "-", input=yaml.safe_dump_all(policies))
+        eventually(lambda: in_place(proof.dial(cp)), what)
+        return Enforced(before, proof.dial(cp), enforcer, enforcer_log(cp, enforcer))

@@ -27,12 +27,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlhf_operator.render.children import TRAINER_METRICS_PORT
-from tests.conftest import skip_or_fail
 
 from . import demo
 from .harness import REPO_ROOT, ControlPlane
-from .operator_process import OperatorProcess
-from .util import eventually, get_json, rlhfjob
+from .jobs import poll_to_the_end, real_node_job
+from .util import get_json
 
 pytestmark = pytest.mark.slow  # the images, Ray pods, vLLM and the agent's pod: minutes
 
@@ -99,42 +98,24 @@ def agent_pods(cp: ControlPlane) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def run(controlplane: ControlPlane) -> Iterator[Run]:
     cp = controlplane
-    if cp.real_node is None:
-        skip_or_fail(f"no real node: {cp.real_node_absent}")
-    demo.load_images(cp.real_node, ("trainer-cpu", "environment"))
-    demo.real_node_namespace(cp, NAMESPACE)
-    operator = OperatorProcess(cp, "agents-operator", "--standalone", f"--namespace={NAMESPACE}")
-    operator.start()
     result = Run()
-    try:
-        cp.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(small_job()))
 
-        def status() -> dict[str, Any]:
-            return (rlhfjob(cp, JOB, NAMESPACE) or {}).get("status") or {}
-
-        def seen() -> dict[str, Any]:
-            """The status, its step's reward recorded (polls see some steps, not all)."""
-            now = status()
-            training = now.get("training") or {}
-            if training.get("step") and "rewardMean" in training:
-                result.rewards.setdefault(int(training["step"]), float(training["rewardMean"]))
-            return now
-
-        eventually(lambda: (seen().get("training") or {}).get("step"), "the first step", 900)
-        result.conditions_at_first_step = status()["conditions"]
+    def at_first_step(status: dict[str, Any]) -> None:
+        result.conditions_at_first_step = status["conditions"]
         result.agent_pods = agent_pods(cp)
 
-        def ended() -> bool:
-            now = seen()
-            result.metrics = driver_metrics(cp, now) or result.metrics
-            return now.get("phase") in ("Succeeded", "Failed")
+    def each_poll(status: dict[str, Any]) -> None:
+        """Its step's reward recorded, and once steps are reported the driver's counts
+        (the last reading kept: the head goes with the job)."""
+        training = status.get("training") or {}
+        if training.get("step") and "rewardMean" in training:
+            result.rewards.setdefault(int(training["step"]), float(training["rewardMean"]))
+        if training:
+            result.metrics = driver_metrics(cp, status) or result.metrics
 
-        eventually(ended, "the end", 900)
-        result.status = status()
+    with real_node_job(cp, NAMESPACE, small_job(), "agents-operator") as job:
+        result.status = poll_to_the_end(cp, job, NAMESPACE, at_first_step, each_poll)
         yield result
-    finally:
-        cp.kubectl("delete", "rlhfjob", JOB, "-n", NAMESPACE, "--wait=false", check=False)
-        operator.stop()
 
 
 def test_the_agent_job_trains_to_succeeded_on_the_real_node(run: Run) -> None:

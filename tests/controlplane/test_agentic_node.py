@@ -26,12 +26,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import skip_or_fail
-
-from . import demo
 from .harness import REPO_ROOT, ControlPlane
-from .operator_process import OperatorProcess
-from .util import eventually, get_json, rlhfjob
+from .jobs import job_status, poll_to_the_end, real_node_job
+from .util import eventually, get_json
 
 pytestmark = pytest.mark.slow  # the images, Ray pods, vLLM and two environment pods: minutes
 
@@ -80,23 +77,12 @@ def sessions_started(cp: ControlPlane, pod: str) -> int:
 @pytest.fixture(scope="module")
 def run(controlplane: ControlPlane) -> Iterator[Run]:
     cp = controlplane
-    if cp.real_node is None:
-        skip_or_fail(f"no real node: {cp.real_node_absent}")
-    demo.load_images(cp.real_node, ("trainer-cpu", "environment"))
-    demo.real_node_namespace(cp, NAMESPACE)
-    operator = OperatorProcess(cp, "agentic-operator", "--standalone", f"--namespace={NAMESPACE}")
-    operator.start()
     result = Run()
-    try:
-        cp.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(small_job()))
 
-        def status() -> dict[str, Any]:
-            return (rlhfjob(cp, JOB, NAMESPACE) or {}).get("status") or {}
-
-        eventually(lambda: (status().get("training") or {}).get("step"), "the first step", 900)
-        first = status()
-        result.conditions_at_first_step = first["conditions"]
-        result.step_at_the_kill = first["training"]["step"]  # or fewer: read before it
+    def at_first_step(status: dict[str, Any]) -> None:
+        """The sessions each replica started so far, then one replica deleted at once."""
+        result.conditions_at_first_step = status["conditions"]
+        result.step_at_the_kill = status["training"]["step"]  # or fewer: read before it
         pods = environment_pods(cp)
         result.sessions_before_kill = {
             p["metadata"]["name"]: sessions_started(cp, p["metadata"]["name"]) for p in pods
@@ -104,15 +90,14 @@ def run(controlplane: ControlPlane) -> Iterator[Run]:
         result.deleted = pods[0]["metadata"]["name"]
         cp.kubectl("delete", "pod", "-n", NAMESPACE, result.deleted,
                    "--grace-period=0", "--force", "--wait=false")  # fmt: skip
-        eventually(lambda: status().get("phase") in ("Succeeded", "Failed"), "the end", 900)
+
+    with real_node_job(cp, NAMESPACE, small_job(), "agentic-operator") as job:
+        poll_to_the_end(cp, job, NAMESPACE, at_first_step)
         # A finished job's environments are stopped (scaled to none): nothing runs on.
         eventually(lambda: not environment_pods(cp), "the environment stopped with the job", 120)
-        result.status = status()
-        result.deployment = get_json(cp, "deployment", "-n", NAMESPACE, f"{JOB}-env-{ENVIRONMENT}")
+        result.status = job_status(cp, job, NAMESPACE)
+        result.deployment = get_json(cp, "deployment", "-n", NAMESPACE, f"{job}-env-{ENVIRONMENT}")
         yield result
-    finally:
-        cp.kubectl("delete", "rlhfjob", JOB, "-n", NAMESPACE, "--wait=false", check=False)
-        operator.stop()
 
 
 def test_the_multi_turn_job_trains_to_succeeded_on_the_real_node(run: Run) -> None:

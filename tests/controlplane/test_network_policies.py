@@ -26,9 +26,10 @@ job's agent and an outsider."""
 
 from __future__ import annotations
 
-import json
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -50,7 +51,13 @@ from rlhf_operator.render.network import (
 from rlhf_trainer.api.agents import GATEWAY_PORT
 
 from .harness import REPO_ROOT, SERVICE_CIDR, ControlPlane
-from .network_policies import enforcer_log, network_policies_enforced
+from .network_policies import (
+    Proof,
+    dialled_across,
+    dials,
+    enforcer_log,
+    network_policies_enforced,
+)
 from .node import NETTOOL_IMAGE, RealNode
 from .scan_manifests import chart_network_access
 from .test_node import nettool_pod, wait_ready
@@ -98,21 +105,23 @@ def client_pod(name: str, pod_labels: dict[str, str]) -> dict[str, Any]:
     return pod
 
 
+@contextmanager
+def nettool_namespace(cp: ControlPlane, real_node: RealNode, prefix: str) -> Iterator[str]:
+    """A namespace of its own for a proof's pods (nettool's image on the node), deleted
+    with them at the end."""
+    real_node.import_go_image("nettool", NETTOOL_IMAGE)
+    namespace = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cp.create_namespace(namespace)
+    try:
+        yield namespace
+    finally:
+        cp.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
 def reaches(cp: ControlPlane, namespace: str, client: str, ip: str) -> dict[int, bool]:
-    """Which of the head's ports `client` connects to (nettool's dial: 3 s, then a
-    timeout: the enforcer drops a refused connection's first packet)."""
-    checks = [f"dial={ip}:{port}" for port in HEAD_PORTS]
-    out = cp.kubectl("exec", "-n", namespace, client, "--", "/nettool", "check", *checks).stdout
-    found = {r["check"]: r["ok"] for r in map(json.loads, out.splitlines())}
-    return {port: found[f"dial={ip}:{port}"] for port in HEAD_PORTS}
-
-
-def dials(cp: ControlPlane, namespace: str, client: str, targets: list[str]) -> dict[str, bool]:
-    """Which of `targets` (HOST:PORT) `client` connects to."""
-    checks = [f"dial={target}" for target in targets]
-    out = cp.kubectl("exec", "-n", namespace, client, "--", "/nettool", "check", *checks).stdout
-    found = {r["check"]: r["ok"] for r in map(json.loads, out.splitlines())}
-    return {target: found[f"dial={target}"] for target in targets}
+    """Which of the head's ports `client` connects to."""
+    found = dials(cp, namespace, client, [f"{ip}:{port}" for port in HEAD_PORTS])
+    return {port: found[f"{ip}:{port}"] for port in HEAD_PORTS}
 
 
 def reachability(cp: ControlPlane, namespace: str, names: list[str], ip: str) -> dict[str, Any]:
@@ -125,14 +134,11 @@ def test_a_jobs_policy_admits_its_pods_prometheus_and_kuberay_and_refuses_the_re
     controlplane: ControlPlane, real_node: RealNode
 ) -> None:
     cp = controlplane
-    real_node.import_go_image("nettool", NETTOOL_IMAGE)
-    namespace = f"t-netpol-{uuid.uuid4().hex[:6]}"
-    cp.create_namespace(namespace)
-    job = JobRef(name="netpol", namespace=namespace, uid=str(uuid.uuid4()))
-    peers = clients(job)
-    pods = [head_pod(job), *(client_pod(name, peer) for name, peer in peers.items())]
-    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(pods))
-    try:
+    with nettool_namespace(cp, real_node, "t-netpol") as namespace:
+        job = JobRef(name="netpol", namespace=namespace, uid=str(uuid.uuid4()))
+        peers = clients(job)
+        pods = [head_pod(job), *(client_pod(name, peer) for name, peer in peers.items())]
+        cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(pods))
         head_ip = wait_ready(cp, namespace, "head")["status"]["podIP"]
         for name in peers:
             wait_ready(cp, namespace, name)
@@ -152,8 +158,6 @@ def test_a_jobs_policy_admits_its_pods_prometheus_and_kuberay_and_refuses_the_re
             )
             after = reachability(cp, namespace, list(peers), head_ip)
             log = enforcer_log(cp, enforcer)
-    finally:
-        cp.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
     assert enforcer["spec"]["nodeName"] == real_node.name
     # The refusals are its verdicts, not a network fault.
@@ -181,6 +185,30 @@ DECLARED_PORT, UNDECLARED_PORT = 5432, 2222  # a database the environment may us
 INTERNET_PORT = 8443
 
 
+# A proof's pods: each server's labels and the ports it serves, by name.
+Servers = dict[str, tuple[dict[str, str], tuple[int, ...]]]
+
+
+def serve(
+    cp: ControlPlane, namespace: str, servers: Servers, clients: dict[str, dict[str, str]]
+) -> tuple[dict[str, str], str]:
+    """The servers' and the clients' (labels by name) pods, and the Service `api` in front
+    of the `api` server, as the kubernetes Service is: every pod's IP once Ready, and the
+    Service's ClusterIP."""
+    api_service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"},
+        "spec": {"selector": {"app": "api"},
+                 "ports": [{"port": API_SERVICE_PORT, "targetPort": API_PORT}]},
+    }  # fmt: skip
+    objects = [*(server_pod(name, pod_labels, ports) for name, (pod_labels, ports) in servers.items()),
+               *(client_pod(name, pod_labels) for name, pod_labels in clients.items()), api_service]  # fmt: skip
+    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects))
+    ips = {
+        name: wait_ready(cp, namespace, name)["status"]["podIP"] for name in [*servers, *clients]
+    }
+    return ips, get_json(cp, "service", "-n", namespace, "api")["spec"]["clusterIP"]
+
+
 def egress_policies(job: JobRef, declared_ip: str, network: NetworkAccess) -> list[dict[str, Any]]:
     """The NetworkPolicies of the agentic example as the operator renders them without
     the chart's peers, its environment given egress: true and one declared address."""
@@ -199,39 +227,24 @@ def test_an_environment_with_egress_is_refused_by_the_head_the_api_server_and_th
     controlplane: ControlPlane, real_node: RealNode
 ) -> None:
     cp = controlplane
-    real_node.import_go_image("nettool", NETTOOL_IMAGE)
-    namespace = f"t-egress-{uuid.uuid4().hex[:6]}"
-    cp.create_namespace(namespace)
-    job = JobRef(name="egress", namespace=namespace, uid=str(uuid.uuid4()))
-    other_job = JobRef(name="other", namespace=namespace, uid=str(uuid.uuid4()))
-    servers = {
-        "head": (labels(job, "head"), (RAY_DASHBOARD_PORT, GCS_PORT)),
-        "api": ({"app": "api"}, (API_PORT,)),
-        "metadata": ({"app": "metadata"}, (METADATA_PORT,)),
-        "database": ({"app": "database"}, (DECLARED_PORT, UNDECLARED_PORT)),
-        "internet": ({"app": "internet"}, (INTERNET_PORT,)),
-    }
-    clients = {
-        "environment": {**labels(job, "environment"), ENVIRONMENT_LABEL: "lookup"},
-        # Another job's environment, whose own policy gives it no egress to refuse it:
-        # only the head's policy stands in its way.
-        "other-environment": {**labels(other_job, "environment"), ENVIRONMENT_LABEL: "calc"},
-        "outsider": {"app": "outsider"},
-    }
-    api_service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"},
-        "spec": {"selector": {"app": "api"},
-                 "ports": [{"port": API_SERVICE_PORT, "targetPort": API_PORT}]},
-    }  # fmt: skip
-    objects = [*(server_pod(name, pod_labels, ports) for name, (pod_labels, ports) in servers.items()),
-               *(client_pod(name, pod_labels) for name, pod_labels in clients.items()), api_service]  # fmt: skip
-    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects))
-    try:
-        ips = {
-            name: wait_ready(cp, namespace, name)["status"]["podIP"]
-            for name in [*servers, *clients]
+    with nettool_namespace(cp, real_node, "t-egress") as namespace:
+        job = JobRef(name="egress", namespace=namespace, uid=str(uuid.uuid4()))
+        other_job = JobRef(name="other", namespace=namespace, uid=str(uuid.uuid4()))
+        servers: Servers = {
+            "head": (labels(job, "head"), (RAY_DASHBOARD_PORT, GCS_PORT)),
+            "api": ({"app": "api"}, (API_PORT,)),
+            "metadata": ({"app": "metadata"}, (METADATA_PORT,)),
+            "database": ({"app": "database"}, (DECLARED_PORT, UNDECLARED_PORT)),
+            "internet": ({"app": "internet"}, (INTERNET_PORT,)),
         }
-        api = get_json(cp, "service", "-n", namespace, "api")["spec"]["clusterIP"]
+        clients = {
+            "environment": {**labels(job, "environment"), ENVIRONMENT_LABEL: "lookup"},
+            # Another job's environment, whose own policy gives it no egress to refuse it:
+            # only the head's policy stands in its way.
+            "other-environment": {**labels(other_job, "environment"), ENVIRONMENT_LABEL: "calc"},
+            "outsider": {"app": "outsider"},
+        }
+        ips, api = serve(cp, namespace, servers, clients)
         targets = {
             "head-dashboard": f"{ips['head']}:{RAY_DASHBOARD_PORT}",
             "head-gcs": f"{ips['head']}:{GCS_PORT}",
@@ -250,28 +263,14 @@ def test_an_environment_with_egress_is_refused_by_the_head_the_api_server_and_th
             metadata=(f"{ips['metadata']}/32",),
         )
         policies = egress_policies(job, ips["database"], network)
-        head = targets["head-dashboard"]
-
-        def environment_dials() -> dict[str, bool]:
-            found = dials(cp, namespace, "environment", list(targets.values()))
-            return {name: found[target] for name, target in targets.items()}
-
-        def head_dials() -> dict[str, bool]:
-            return {
-                c: dials(cp, namespace, c, [head])[head] for c in ("outsider", "other-environment")
-            }
-
-        with network_policies_enforced(cp) as enforcer:
-            eventually(lambda: all(environment_dials().values()), "every target reached before")
-            before = environment_dials(), head_dials()
-            cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(policies))
-            # The enforcer writes its rules as the policies arrive: both in place first.
-            eventually(lambda: not environment_dials()["metadata"] and not head_dials()["other-environment"],
-                       "the environments refused once the policies are in place")  # fmt: skip
-            after = environment_dials(), head_dials()
-            log = enforcer_log(cp, enforcer)
-    finally:
-        cp.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        # The environment dials every target; the others, the head.
+        proof = Proof(namespace, "environment", targets, ("outsider", "other-environment"),
+                      guarded=targets["head-dashboard"])  # fmt: skip
+        # The enforcer writes its rules as the policies arrive: both in place first.
+        enforced = dialled_across(cp, proof, policies,
+                                  lambda now: not now[0]["metadata"] and not now[1]["other-environment"],
+                                  "the environments refused once the policies are in place")  # fmt: skip
+    before, after, enforcer, log = enforced.before, enforced.after, enforced.enforcer, enforced.log
 
     assert sorted(p["metadata"]["name"] for p in policies) == ["egress", "egress-env-lookup"]
     assert enforcer["spec"]["nodeName"] == real_node.name
@@ -321,65 +320,42 @@ def test_an_agent_reaches_the_gateway_only_and_only_the_jobs_agents_reach_it(
     worker's gateway port and is refused by the head (dashboard and GCS) and the API
     server; another job's agent and an outsider are refused by the gateway port."""
     cp = controlplane
-    real_node.import_go_image("nettool", NETTOOL_IMAGE)
-    namespace = f"t-agent-{uuid.uuid4().hex[:6]}"
-    cp.create_namespace(namespace)
-    job = JobRef(name="gw", namespace=namespace, uid=str(uuid.uuid4()))
-    other_job = JobRef(name="other", namespace=namespace, uid=str(uuid.uuid4()))
-    network = NetworkAccess(peers=Peers(**chart_network_access()))
-    rendered = agent_job_objects(job, network)
-    deployment = rendered[f"Deployment/{service_name(job.name, 'letters')}"]
-    agent_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    other_agent = agent_job_objects(other_job, network)[
-        f"Deployment/{service_name(other_job.name, 'letters')}"
-    ]["spec"]["template"]["metadata"]["labels"]
-    head_labels, rollout_labels = ray_pod_labels(rendered[f"RayJob/{job.name}"])
-    policies = [o for o in rendered.values() if o["kind"] == "NetworkPolicy"]
-    servers = {
-        "head": (head_labels, (RAY_DASHBOARD_PORT, GCS_PORT)),
-        "rollout": (rollout_labels, (GATEWAY_PORT,)),
-        "api": ({"app": "api"}, (API_PORT,)),
-    }
-    clients = {"agent": agent_labels, "other-agent": other_agent, "outsider": {"app": "outsider"}}
-    api_service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"},
-        "spec": {"selector": {"app": "api"},
-                 "ports": [{"port": API_SERVICE_PORT, "targetPort": API_PORT}]},
-    }  # fmt: skip
-    objects = [*(server_pod(name, pod_labels, ports) for name, (pod_labels, ports) in servers.items()),
-               *(client_pod(name, pod_labels) for name, pod_labels in clients.items()), api_service]  # fmt: skip
-    cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects))
-    try:
-        ips = {name: wait_ready(cp, namespace, name)["status"]["podIP"] for name in servers}
-        for name in clients:
-            wait_ready(cp, namespace, name)
-        api = get_json(cp, "service", "-n", namespace, "api")["spec"]["clusterIP"]
-        gateway = f"{ips['rollout']}:{GATEWAY_PORT}"
+    with nettool_namespace(cp, real_node, "t-agent") as namespace:
+        job = JobRef(name="gw", namespace=namespace, uid=str(uuid.uuid4()))
+        other_job = JobRef(name="other", namespace=namespace, uid=str(uuid.uuid4()))
+        network = NetworkAccess(peers=Peers(**chart_network_access()))
+        rendered = agent_job_objects(job, network)
+        deployment = rendered[f"Deployment/{service_name(job.name, 'letters')}"]
+        agent_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        other_agent = agent_job_objects(other_job, network)[
+            f"Deployment/{service_name(other_job.name, 'letters')}"
+        ]["spec"]["template"]["metadata"]["labels"]
+        head_labels, rollout_labels = ray_pod_labels(rendered[f"RayJob/{job.name}"])
+        policies = [o for o in rendered.values() if o["kind"] == "NetworkPolicy"]
+        servers: Servers = {
+            "head": (head_labels, (RAY_DASHBOARD_PORT, GCS_PORT)),
+            "rollout": (rollout_labels, (GATEWAY_PORT,)),
+            "api": ({"app": "api"}, (API_PORT,)),
+        }
+        clients = {
+            "agent": agent_labels,
+            "other-agent": other_agent,
+            "outsider": {"app": "outsider"},
+        }
+        ips, api = serve(cp, namespace, servers, clients)
         targets = {
-            "gateway": gateway,
+            "gateway": f"{ips['rollout']}:{GATEWAY_PORT}",
             "head-dashboard": f"{ips['head']}:{RAY_DASHBOARD_PORT}",
             "head-gcs": f"{ips['head']}:{GCS_PORT}",
             "api-server": f"{api}:{API_SERVICE_PORT}",
         }
-
-        def agent_dials() -> dict[str, bool]:
-            found = dials(cp, namespace, "agent", list(targets.values()))
-            return {name: found[target] for name, target in targets.items()}
-
-        def gateway_dials() -> dict[str, bool]:
-            return {c: dials(cp, namespace, c, [gateway])[gateway] for c in clients}
-
-        with network_policies_enforced(cp) as enforcer:
-            eventually(lambda: all(agent_dials().values()), "every target reached before")
-            before = agent_dials(), gateway_dials()
-            cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(policies))
-            # The enforcer writes its rules as the policies arrive: each side in place first.
-            eventually(lambda: not agent_dials()["api-server"] and not gateway_dials()["outsider"],
-                       "the agent and the outsider refused once the policies are in place")  # fmt: skip
-            after = agent_dials(), gateway_dials()
-            log = enforcer_log(cp, enforcer)
-    finally:
-        cp.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        # The agent dials every target; every client, the gateway.
+        proof = Proof(namespace, "agent", targets, tuple(clients), guarded=targets["gateway"])
+        # The enforcer writes its rules as the policies arrive: each side in place first.
+        enforced = dialled_across(cp, proof, policies,
+                                  lambda now: not now[0]["api-server"] and not now[1]["outsider"],
+                                  "the agent and the outsider refused once the policies are in place")  # fmt: skip
+    before, after, enforcer, log = enforced.before, enforced.after, enforced.enforcer, enforced.log
 
     assert sorted(p["metadata"]["name"] for p in policies) == [
         "gw", "gw-agent-letters", "gw-gateway"
