@@ -7,21 +7,33 @@ empty for any other job, and the tests check each row on a run of its kind.
 
 from __future__ import annotations
 
-from monitoring.charts import Row, chart, quantile, rate, step_gauges
+from monitoring.charts import Chart, Row, chart, quantile, rate, step_gauges
+
+
+def counted_and_cut(
+    title: str, description: str, counted: tuple[str, str], cut: tuple[str, str]
+) -> Chart:
+    """Ops per second of two counters, each a (counter, legend) pair: what was done, and
+    what was cut or refused, by its `reason` label. Both rows open with one."""
+    (total, total_legend), (by_reason, reason_legend) = counted, cut
+    return chart(
+        title,
+        description,
+        (rate(total), f"{{{{rlhfjob}}}} {total_legend}"),
+        (rate(by_reason, by="rlhfjob, reason"), f"{{{{rlhfjob}}}} {reason_legend}: {{{{reason}}}}"),
+        unit="ops",
+    )
+
 
 MULTI_TURN = Row(
     "Multi-turn episodes",
     (
-        chart(
+        counted_and_cut(
             "Episodes and cuts",
             "Episodes trained on per second, and those cut by a limit or an "
             "environment error (masked, not trained on), by reason.",
-            (rate("rlhf_env_episodes_total"), "{{rlhfjob}} episodes"),
-            (
-                rate("rlhf_env_cut_episodes_total", by="rlhfjob, reason"),
-                "{{rlhfjob}} cut: {{reason}}",
-            ),
-            unit="ops",
+            ("rlhf_env_episodes_total", "episodes"),
+            ("rlhf_env_cut_episodes_total", "cut"),
         ),
         chart(
             "Turns and tool calls",
@@ -75,17 +87,13 @@ AGENTS = Row(
             (rate("rlhf_agent_episodes_total", by="rlhfjob, outcome"), "{{rlhfjob}} {{outcome}}"),
             unit="ops",
         ),
-        chart(
+        counted_and_cut(
             "Gateway calls and refusals",
             "Chat completions per second the gateway served to the agents, and the calls "
             "it refused with OpenAI's error shape, by the limit they passed: each refusal "
             "cuts its episode.",
-            (rate("rlhf_agent_calls_total"), "{{rlhfjob}} calls"),
-            (
-                rate("rlhf_agent_refusals_total", by="rlhfjob, reason"),
-                "{{rlhfjob}} refused: {{reason}}",
-            ),
-            unit="ops",
+            ("rlhf_agent_calls_total", "calls"),
+            ("rlhf_agent_refusals_total", "refused"),
         ),
         chart(
             "Calls per episode",
