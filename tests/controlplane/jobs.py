@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -129,24 +130,37 @@ def real_node_job(
         process.stop()
 
 
+@dataclass
+class Polled:
+    """What poll_to_the_end records of a job: its conditions once it reported its first
+    step, and its status at the end."""
+
+    conditions_at_first_step: list[dict[str, Any]] = field(default_factory=list)
+    status: dict[str, Any] = field(default_factory=dict)
+
+
 def poll_to_the_end(
     cp: ControlPlane,
     name: str,
     namespace: str,
-    at_first_step: Callable[[dict[str, Any]], object],
+    polled: Polled,
+    at_first_step: Callable[[dict[str, Any]], object] = lambda status: None,
     each_poll: Callable[[dict[str, Any]], object] = lambda status: None,
     timeout: float = 900,
-) -> dict[str, Any]:
-    """The job's status once it ended (Succeeded or Failed). On the way: at_first_step
-    with the status once a first step is reported (an event to act on, or to read the
-    job at), and each_poll with every status polled (at 2 Hz: some steps, not all)."""
+) -> None:
+    """Poll the job's status to its end (Succeeded or Failed), recorded in `polled`. On
+    the way: at_first_step with the status once a first step is reported (an event to act
+    on, or to read the job at), and each_poll with every status polled (at 2 Hz: some
+    steps, not all)."""
 
-    def polled() -> dict[str, Any]:
-        status = job_status(cp, name, namespace)
-        each_poll(status)
-        return status
+    def status() -> dict[str, Any]:
+        now = job_status(cp, name, namespace)
+        each_poll(now)
+        return now
 
-    eventually(lambda: (polled().get("training") or {}).get("step"), "the first step", timeout)
-    at_first_step(job_status(cp, name, namespace))
-    eventually(lambda: polled().get("phase") in ("Succeeded", "Failed"), "the end", timeout)
-    return job_status(cp, name, namespace)
+    eventually(lambda: (status().get("training") or {}).get("step"), "the first step", timeout)
+    first = job_status(cp, name, namespace)
+    polled.conditions_at_first_step = first["conditions"]
+    at_first_step(first)
+    eventually(lambda: status().get("phase") in ("Succeeded", "Failed"), "the end", timeout)
+    polled.status = job_status(cp, name, namespace)

@@ -30,7 +30,7 @@ from rlhf_operator.render.children import TRAINER_METRICS_PORT
 
 from . import demo
 from .harness import REPO_ROOT, ControlPlane
-from .jobs import poll_to_the_end, real_node_job
+from .jobs import Polled, poll_to_the_end, real_node_job
 from .util import get_json
 
 pytestmark = pytest.mark.slow  # the images, Ray pods, vLLM and the agent's pod: minutes
@@ -53,9 +53,7 @@ def small_job() -> dict[str, Any]:
 
 
 @dataclass
-class Run:
-    status: dict[str, Any] = field(default_factory=dict)
-    conditions_at_first_step: list[dict[str, Any]] = field(default_factory=list)
+class Run(Polled):
     metrics: Samples = field(default_factory=dict)  # the driver's, last read
     agent_pods: list[dict[str, Any]] = field(default_factory=list)  # while it ran
     rewards: dict[int, float] = field(default_factory=dict)  # step -> rewardMean, as seen
@@ -100,10 +98,6 @@ def run(controlplane: ControlPlane) -> Iterator[Run]:
     cp = controlplane
     result = Run()
 
-    def at_first_step(status: dict[str, Any]) -> None:
-        result.conditions_at_first_step = status["conditions"]
-        result.agent_pods = agent_pods(cp)
-
     def each_poll(status: dict[str, Any]) -> None:
         """Its step's reward recorded, and once steps are reported the driver's counts
         (the last reading kept: the head goes with the job)."""
@@ -113,8 +107,11 @@ def run(controlplane: ControlPlane) -> Iterator[Run]:
         if training:
             result.metrics = driver_metrics(cp, status) or result.metrics
 
+    def at_first_step(_: dict[str, Any]) -> None:
+        result.agent_pods = agent_pods(cp)
+
     with real_node_job(cp, NAMESPACE, small_job(), "agents-operator") as job:
-        result.status = poll_to_the_end(cp, job, NAMESPACE, at_first_step, each_poll)
+        poll_to_the_end(cp, job, NAMESPACE, result, at_first_step, each_poll)
         yield result
 
 

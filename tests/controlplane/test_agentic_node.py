@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from .harness import REPO_ROOT, ControlPlane
-from .jobs import job_status, poll_to_the_end, real_node_job
+from .jobs import Polled, job_status, poll_to_the_end, real_node_job
 from .util import eventually, get_json
 
 pytestmark = pytest.mark.slow  # the images, Ray pods, vLLM and two environment pods: minutes
@@ -54,9 +54,7 @@ def small_job() -> dict[str, Any]:
 
 
 @dataclass
-class Run:
-    status: dict[str, Any] = field(default_factory=dict)
-    conditions_at_first_step: list[dict[str, Any]] = field(default_factory=list)
+class Run(Polled):
     sessions_before_kill: dict[str, int] = field(default_factory=dict)  # pod -> sessions
     deleted: str = ""
     step_at_the_kill: int = 0
@@ -81,7 +79,6 @@ def run(controlplane: ControlPlane) -> Iterator[Run]:
 
     def at_first_step(status: dict[str, Any]) -> None:
         """The sessions each replica started so far, then one replica deleted at once."""
-        result.conditions_at_first_step = status["conditions"]
         result.step_at_the_kill = status["training"]["step"]  # or fewer: read before it
         pods = environment_pods(cp)
         result.sessions_before_kill = {
@@ -92,7 +89,7 @@ def run(controlplane: ControlPlane) -> Iterator[Run]:
                    "--grace-period=0", "--force", "--wait=false")  # fmt: skip
 
     with real_node_job(cp, NAMESPACE, small_job(), "agentic-operator") as job:
-        poll_to_the_end(cp, job, NAMESPACE, at_first_step)
+        poll_to_the_end(cp, job, NAMESPACE, result, at_first_step)
         # A finished job's environments are stopped (scaled to none): nothing runs on.
         eventually(lambda: not environment_pods(cp), "the environment stopped with the job", 120)
         result.status = job_status(cp, job, NAMESPACE)

@@ -185,28 +185,42 @@ DECLARED_PORT, UNDECLARED_PORT = 5432, 2222  # a database the environment may us
 INTERNET_PORT = 8443
 
 
-# A proof's pods: each server's labels and the ports it serves, by name.
+# A proof's servers: each one's labels and the ports it serves, by name.
 Servers = dict[str, tuple[dict[str, str], tuple[int, ...]]]
 
 
 def serve(
-    cp: ControlPlane, namespace: str, servers: Servers, clients: dict[str, dict[str, str]]
-) -> tuple[dict[str, str], str]:
-    """The servers' and the clients' (labels by name) pods, and the Service `api` in front
-    of the `api` server, as the kubernetes Service is: every pod's IP once Ready, and the
-    Service's ClusterIP."""
+    cp: ControlPlane,
+    namespace: str,
+    head_labels: dict[str, str],
+    servers: Servers,
+    clients: dict[str, dict[str, str]],
+) -> tuple[dict[str, str], dict[str, str]]:
+    """A proof's pods: a head (dashboard and GCS) with `head_labels`, an API server behind
+    the Service `api` as the kubernetes Service is, `servers`, and `clients` (labels by
+    name). Every pod's IP once Ready, and the targets (HOST:PORT) that both proofs dial:
+    the head's two ports and the API server through its Service (the enforcer judges its
+    endpoint's address, after kube-proxy's translation)."""
+    every: Servers = {
+        "head": (head_labels, (RAY_DASHBOARD_PORT, GCS_PORT)),
+        "api": ({"app": "api"}, (API_PORT,)),
+        **servers,
+    }
     api_service = {
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"},
         "spec": {"selector": {"app": "api"},
                  "ports": [{"port": API_SERVICE_PORT, "targetPort": API_PORT}]},
     }  # fmt: skip
-    objects = [*(server_pod(name, pod_labels, ports) for name, (pod_labels, ports) in servers.items()),
+    objects = [*(server_pod(name, pod_labels, ports) for name, (pod_labels, ports) in every.items()),
                *(client_pod(name, pod_labels) for name, pod_labels in clients.items()), api_service]  # fmt: skip
     cp.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(objects))
-    ips = {
-        name: wait_ready(cp, namespace, name)["status"]["podIP"] for name in [*servers, *clients]
+    ips = {name: wait_ready(cp, namespace, name)["status"]["podIP"] for name in [*every, *clients]}
+    api = get_json(cp, "service", "-n", namespace, "api")["spec"]["clusterIP"]
+    return ips, {
+        "head-dashboard": f"{ips['head']}:{RAY_DASHBOARD_PORT}",
+        "head-gcs": f"{ips['head']}:{GCS_PORT}",
+        "api-server": f"{api}:{API_SERVICE_PORT}",
     }
-    return ips, get_json(cp, "service", "-n", namespace, "api")["spec"]["clusterIP"]
 
 
 def egress_policies(job: JobRef, declared_ip: str, network: NetworkAccess) -> list[dict[str, Any]]:
@@ -231,8 +245,6 @@ def test_an_environment_with_egress_is_refused_by_the_head_the_api_server_and_th
         job = JobRef(name="egress", namespace=namespace, uid=str(uuid.uuid4()))
         other_job = JobRef(name="other", namespace=namespace, uid=str(uuid.uuid4()))
         servers: Servers = {
-            "head": (labels(job, "head"), (RAY_DASHBOARD_PORT, GCS_PORT)),
-            "api": ({"app": "api"}, (API_PORT,)),
             "metadata": ({"app": "metadata"}, (METADATA_PORT,)),
             "database": ({"app": "database"}, (DECLARED_PORT, UNDECLARED_PORT)),
             "internet": ({"app": "internet"}, (INTERNET_PORT,)),
@@ -244,11 +256,9 @@ def test_an_environment_with_egress_is_refused_by_the_head_the_api_server_and_th
             "other-environment": {**labels(other_job, "environment"), ENVIRONMENT_LABEL: "calc"},
             "outsider": {"app": "outsider"},
         }
-        ips, api = serve(cp, namespace, servers, clients)
+        ips, head_and_api = serve(cp, namespace, labels(job, "head"), servers, clients)
         targets = {
-            "head-dashboard": f"{ips['head']}:{RAY_DASHBOARD_PORT}",
-            "head-gcs": f"{ips['head']}:{GCS_PORT}",
-            "api-server": f"{api}:{API_SERVICE_PORT}",
+            **head_and_api,
             "metadata": f"{ips['metadata']}:{METADATA_PORT}",
             "declared": f"{ips['database']}:{DECLARED_PORT}",
             "undeclared-port": f"{ips['database']}:{UNDECLARED_PORT}",
@@ -332,23 +342,14 @@ def test_an_agent_reaches_the_gateway_only_and_only_the_jobs_agents_reach_it(
         ]["spec"]["template"]["metadata"]["labels"]
         head_labels, rollout_labels = ray_pod_labels(rendered[f"RayJob/{job.name}"])
         policies = [o for o in rendered.values() if o["kind"] == "NetworkPolicy"]
-        servers: Servers = {
-            "head": (head_labels, (RAY_DASHBOARD_PORT, GCS_PORT)),
-            "rollout": (rollout_labels, (GATEWAY_PORT,)),
-            "api": ({"app": "api"}, (API_PORT,)),
-        }
+        servers: Servers = {"rollout": (rollout_labels, (GATEWAY_PORT,))}
         clients = {
             "agent": agent_labels,
             "other-agent": other_agent,
             "outsider": {"app": "outsider"},
         }
-        ips, api = serve(cp, namespace, servers, clients)
-        targets = {
-            "gateway": f"{ips['rollout']}:{GATEWAY_PORT}",
-            "head-dashboard": f"{ips['head']}:{RAY_DASHBOARD_PORT}",
-            "head-gcs": f"{ips['head']}:{GCS_PORT}",
-            "api-server": f"{api}:{API_SERVICE_PORT}",
-        }
+        ips, head_and_api = serve(cp, namespace, head_labels, servers, clients)
+        targets = {"gateway": f"{ips['rollout']}:{GATEWAY_PORT}", **head_and_api}
         # The agent dials every target; every client, the gateway.
         proof = Proof(namespace, "agent", targets, tuple(clients), guarded=targets["gateway"])
         # The enforcer writes its rules as the policies arrive: each side in place first.
