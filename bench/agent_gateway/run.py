@@ -19,6 +19,7 @@ Reported per variant, median (min-max) over the seeds:
     reward_first, reward_last   the training reward: the first step's, the last 5 steps'
     held_out_start, held_out_final   the held-out keys' score (8 episodes each, at
                                 temperature 1) before training and after the last step
+    pass_final                  the share of held-out episodes scoring 1, after it
     tool_calls_first, tool_calls_last   tool calls per training episode (trainer only:
                                 an agent's calls are its own)
     episodes_per_s, tokens_per_s   the rollout's throughput: a step's episodes and its
@@ -56,6 +57,7 @@ import yaml
 
 from bench.agent_gateway.timed_agent import TIMINGS_VARIABLE
 from bench.harness import Measurement, run_bench
+from bench.seeds import Seeds, learned, show_run
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.cluster.local import local_environments, local_ray_cluster
 from rlhf_trainer.loop.run import run_job
@@ -64,8 +66,6 @@ from rlhf_trainer.telemetry.metrics import TrainerMetrics
 from rlhf_trainer.telemetry.report import ConsoleReporter
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "agentic-tools.yaml"
-STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 50
-SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 WARMUP_STEPS = 1
 LAST_STEPS = 5  # the final training reward: a mean over these, one step is noisy
 EPISODES_A_STEP = 64  # the example's batchSize 8 x samplesPerPrompt 8
@@ -95,41 +95,36 @@ def agent_driven(spec: Spec) -> None:
 VARIANTS = {"trainer": trainer_driven, "agent": agent_driven}
 
 
-def job(variant: str, seed: int, checkpoints: Path) -> JobConfig:
+def job(variant: str, seed: int, steps: int, checkpoints: Path) -> JobConfig:
     spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
     trainer = spec["trainer"]
-    trainer.update(seed=seed, totalSteps=STEPS, evalEverySteps=STEPS)
+    trainer.update(seed=seed, totalSteps=steps, evalEverySteps=steps)
     trainer["checkpoint"] = {"path": str(checkpoints), "everySteps": 1_000_000}
     VARIANTS[variant](spec)
     return JobConfig.model_validate(spec)
 
 
-SEEN: dict[str, int] = {}  # variant -> runs so far (its next seed)
-
-
-def train(variant: str) -> Measurement:
+def train(variant: str, seeds: Seeds, steps: int) -> Measurement:
     """The variant's next seed, trained: its figures (the module doc)."""
-    seed = SEEN.get(variant, 0)
-    SEEN[variant] = seed + 1
-    return train_seed(variant, seed)
+    return train_seed(variant, seeds.take(variant), steps)
 
 
-def train_seed(variant: str, seed: int) -> Measurement:
-    """One run of `variant` on `seed`: its figures (the module doc)."""
+def train_seed(variant: str, seed: int, steps: int) -> Measurement:
+    """One run of `variant` on `seed`, `steps` steps: its figures (the module doc)."""
     seen: list[Seen] = []
     with tempfile.TemporaryDirectory() as tmp, agent_timings(Path(tmp)) as timings:
-        config = job(variant, seed, Path(tmp) / "checkpoints")
+        config = job(variant, seed, steps, Path(tmp) / "checkpoints")
         metrics = TrainerMetrics(pools=[p.name for p in config.pools])
         on_step = partial(record, seen, metrics)
         with local_environments(config) as served, local_ray_cluster(served):
             run_job(served, "bench", ConsoleReporter(every=1e9), metrics, None, on_step)
         episodes = read_timings(timings)
-    steps = [s.result for s in seen]
-    measured = {**learning(steps), **throughput(steps[WARMUP_STEPS:])}
+    results = [s.result for s in seen]
+    measured = {**rewards(results), **learned(results, tool_calls=variant == "trainer")}
+    measured |= throughput(results[WARMUP_STEPS:])
     if variant == "agent":
         measured |= agent_figures(seen[WARMUP_STEPS:], seen[WARMUP_STEPS - 1], episodes)
-    shown = ", ".join(f"{key} {value:.3f}" for key, value in measured.items())
-    print(f"run: {variant} seed {seed}, {len(steps)} steps: {shown}", file=sys.stderr, flush=True)
+    show_run(variant, seed, len(results), measured)
     return measured
 
 
@@ -175,24 +170,13 @@ def record(seen: list[Seen], metrics: TrainerMetrics, step: StepResult) -> None:
         )
 
 
-def learning(steps: list[StepResult]) -> Measurement:
-    """The training reward and the held-out score at the start and the end."""
-    evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
-    assert evaluations and evaluations[0].step == 0, "no held-out evaluation before training"
+def rewards(steps: list[StepResult]) -> Measurement:
+    """The training reward at the first step and over the last LAST_STEPS."""
     last = steps[-LAST_STEPS:]
-    figures = {
+    return {
         "reward_first": steps[0].reward_mean,
         "reward_last": sum(s.reward_mean for s in last) / len(last),
-        "held_out_start": evaluations[0].reward_mean,
-        "held_out_final": evaluations[-1].reward_mean,
     }
-    first, final = steps[0].episodes, steps[-1].episodes
-    if first is not None and final is not None and any(e.tool_calls for e in first.episodes):
-        figures |= {
-            "tool_calls_first": first.tool_calls_mean,
-            "tool_calls_last": final.tool_calls_mean,
-        }
-    return figures
 
 
 def throughput(measured: list[StepResult]) -> Measurement:
@@ -239,10 +223,14 @@ def compare(run: dict[str, Measurement]) -> Measurement:
     }
 
 
-def main() -> None:
-    variants = {name: partial(train, name) for name in VARIANTS}
-    run_bench("agent_gateway", variants, SEEDS, compare, steps=STEPS)
+def main(argv: list[str]) -> None:
+    """argv: steps (50), seeds (3)."""
+    steps = int(argv[0]) if argv else 50
+    repeats = int(argv[1]) if len(argv) > 1 else 3
+    seeds = Seeds()
+    variants = {name: partial(train, name, seeds, steps) for name in VARIANTS}
+    run_bench("agent_gateway", variants, repeats, compare, steps=steps)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from bench.harness import Measurement, run_bench
+from bench.seeds import Seeds, learned, show_run
 from rlhf_env.server import app_for
 from rlhf_env.toys import LetterLookup
 from rlhf_trainer.api.config import JobConfig
@@ -47,9 +48,6 @@ from rlhf_trainer.telemetry.report import ConsoleReporter
 from tests.environments import served
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "agentic-tools.yaml"
-STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else None  # None: the example's
-SEEDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-OTHERS = sys.argv[3].split(",") if len(sys.argv) > 3 else []
 EVAL_EVERY = 25
 
 Spec = dict[str, Any]
@@ -86,34 +84,30 @@ VARIANTS: dict[str, Callable[[Spec], None]] = {
 }
 
 
-def job(variant: str, seed: int, url: str, checkpoints: Path) -> JobConfig:
-    """The example as `variant` changes it, for `seed`, talking to the environment at `url`."""
+def job(variant: str, seed: int, steps: int | None, url: str, checkpoints: Path) -> JobConfig:
+    """The example as `variant` changes it, for `seed` and `steps` (None: the example's),
+    talking to the environment at `url`."""
     spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
     spec["environments"] = [{"name": "lookup", "url": url}]
     trainer = spec["trainer"]
     trainer.update(seed=seed, evalEverySteps=EVAL_EVERY)
-    trainer["totalSteps"] = STEPS or trainer["totalSteps"]
+    trainer["totalSteps"] = steps or trainer["totalSteps"]
     trainer["checkpoint"] = {"path": str(checkpoints), "everySteps": 1_000_000}
     VARIANTS[variant](spec)
     return JobConfig.model_validate(spec)
 
 
-SEEN: dict[str, int] = {}  # variant -> runs so far (its next seed)
-
-
-def train(variant: str, url: str) -> Measurement:
+def train(variant: str, seeds: Seeds, steps: int | None, url: str) -> Measurement:
     """The variant's next seed: its held-out scores and tool-call rates."""
-    seed = SEEN.get(variant, 0)
-    SEEN[variant] = seed + 1
-    steps: list[StepResult] = []
+    seed = seeds.take(variant)
+    seen: list[StepResult] = []
     with tempfile.TemporaryDirectory() as tmp:
-        config = job(variant, seed, url, Path(tmp))
+        config = job(variant, seed, steps, url, Path(tmp))
         with local_ray_cluster(config):
-            on_step = partial(record, steps)
+            on_step = partial(record, seen)
             run_job(config, "bench", ConsoleReporter(every=1e9), on_step=on_step)
-    measured = figures(steps)
-    shown = ", ".join(f"{key} {value:.3f}" for key, value in measured.items())
-    print(f"run: {variant} seed {seed}, {len(steps)} steps: {shown}", file=sys.stderr, flush=True)
+    measured = {**learned(seen, tool_calls=True), "seconds": sum(s.seconds for s in seen)}
+    show_run(variant, seed, len(seen), measured)
     return measured
 
 
@@ -129,22 +123,6 @@ def record(steps: list[StepResult], step: StepResult) -> None:
         )
 
 
-def figures(steps: list[StepResult]) -> Measurement:
-    """One run's figures (see the module doc) from its steps."""
-    evaluations = sorted((e for s in steps for e in s.evaluations), key=lambda e: e.step)
-    first, last = steps[0].episodes, steps[-1].episodes
-    assert evaluations[0].step == 0, "no held-out evaluation before training"
-    assert first is not None and last is not None, "no multi-turn episodes reported"
-    return {
-        "held_out_start": evaluations[0].reward_mean,
-        "held_out_final": evaluations[-1].reward_mean,
-        "pass_final": evaluations[-1].pass_at_1,
-        "tool_calls_first": first.tool_calls_mean,
-        "tool_calls_last": last.tool_calls_mean,
-        "seconds": sum(s.seconds for s in steps),
-    }
-
-
 def compare(run: dict[str, Measurement]) -> Measurement:
     """Within one seed, every other variant's final held-out score less the example's."""
     base = run["example"]["held_out_final"]
@@ -155,12 +133,17 @@ def compare(run: dict[str, Measurement]) -> Measurement:
     }
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    """argv: steps (the example's), seeds (3), the other variants (comma-separated)."""
+    steps = int(argv[0]) if argv else None
+    repeats = int(argv[1]) if len(argv) > 1 else 3
+    names = ["example", *(argv[2].split(",") if len(argv) > 2 else [])]
+    seeds = Seeds()
     with served({"lookup": app_for(LetterLookup)}) as root:
-        names = ["example", *OTHERS]
-        variants = {name: partial(train, name, f"{root}/lookup") for name in names}
-        run_bench("agentic", variants, SEEDS, compare, steps=STEPS, eval_every=EVAL_EVERY)
+        url = f"{root}/lookup"
+        variants = {name: partial(train, name, seeds, steps, url) for name in names}
+        run_bench("agentic", variants, repeats, compare, steps=steps, eval_every=EVAL_EVERY)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
