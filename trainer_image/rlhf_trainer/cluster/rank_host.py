@@ -88,6 +88,11 @@ class RankHost:
         self.calls: list[tuple[Role, str, float, float]] = []  # (role, phase, start, end)
         self.calls_lock = threading.Lock()  # calls are timed on one thread, drained on another
 
+    def __repr__(self) -> str:
+        """What Ray names this actor by in its logs (a worker's log file, the driver's
+        log prefix): the role and rank it hosts, not the class alone."""
+        return f"RankHost({self.info.role.value} rank {self.info.rank})"
+
     @property
     def worker(self) -> Worker | None:
         """This rank's own worker (its role's), once built."""
