@@ -21,7 +21,10 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from torch import Tensor
 
 from rlhf_trainer.api.config import Role
 from rlhf_trainer.api.plan import PlacementPlan
@@ -225,7 +228,7 @@ class WorkerGroup:
         role on the same GPUs, so colocated roles take turns instead of overlapping).
         `phase`: the step phase the call is, for the timeline.
         """
-        shards = split_batch(batch, self.world_size)
+        shards = [own_storage(s) for s in split_batch(batch, self.world_size)]
         return self.run_each(method, shards, *args, after=after, phase=phase, **kwargs)
 
     def run_each(
@@ -314,6 +317,20 @@ class WorkerGroup:
             ray.get([h.shutdown.remote() for h in self.hosts], timeout=grace_s)
         for h in self.hosts:
             ray.kill(h)
+
+
+def own_storage(shard: BatchT) -> BatchT:
+    """`shard` in tensors of its own. `split_batch` cuts views of the whole batch, and
+    a pickled view (a Ray call's argument) carries the whole storage under it: each rank
+    would be sent, and would unpickle, every rank's rows. The same values, copied."""
+    if isinstance(shard, Tensor):
+        return _owned(shard)
+    return replace(shard, **{name: _owned(t) for name, t in shard.tensors().items()})
+
+
+def _owned(tensor: Tensor) -> Tensor:
+    whole = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if whole and tensor.is_contiguous() else tensor.clone()
 
 
 def started_up(groups: Sequence[WorkerGroup], timeout_s: float) -> WorkerGroup:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 DECODER_LAYER_SUFFIX = "DecoderLayer"  # Qwen2DecoderLayer, LlamaDecoderLayer, ...
 
@@ -134,11 +134,14 @@ def _whole(parameter: Tensor) -> Tensor:
 def clip_gradients(model: nn.Module, max_norm: float) -> float:
     """Scale the gradients so their global L2 norm is at most max_norm; returns the
     norm before clipping (the same on every rank). With sharded (DTensor) gradients the
-    norm is a replicated DTensor, gathered here into a plain number."""
+    norm is a DTensor: replicated (clipping all-reduced it already), so this rank's
+    copy is the number, with no gather (`full_tensor` runs DTensor's redistribution
+    machinery only to find nothing to do); any other placement is gathered."""
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm.item())
+        replicated = all(isinstance(p, Replicate) for p in norm.placements)
+        norm = norm.to_local() if replicated else norm.full_tensor()
+    return float(norm)
 
 
 def _storages(model: nn.Module) -> set[int]:

@@ -118,8 +118,27 @@ def micro_batches(
     length together and each cut to its own width, on `device`: (rows, columns,
     micro-batch)."""
     for rows in micro_batch_rows(batch, size):
-        micro, columns = batch.select(rows).trimmed()
-        yield rows, columns, micro.to(device)
+        micro, columns = cut(batch, rows, device)
+        yield rows, columns, micro
+
+
+def cut(batch: BatchT, rows: Tensor, device: torch.device) -> tuple[BatchT, slice]:
+    """The micro-batch of `rows`, trimmed to its own width (`Sequences.trimmed`), on
+    `device`; and the columns it kept. A batch already there is not rebuilt."""
+    micro, columns = batch.select(rows).trimmed()
+    return (micro if micro.input_ids.device == device else micro.to(device)), columns
+
+
+def update_plan(batch: Sequences, minis: list[Tensor], size: int | None) -> list[list[Tensor]]:
+    """The rows of `batch` in each micro-batch of each mini-batch `minis` (row indices):
+    what `micro_batch_rows` cuts of each mini-batch, found once for the update, without
+    copying the mini-batches (their rows are cut from `batch` itself)."""
+    lengths = batch.attention_mask.sum(dim=1)
+    plan = []
+    for indices in minis:
+        order = torch.argsort(lengths[indices], descending=True, stable=True)
+        plan.append(list(torch.split(indices[order], size or max(len(indices), 1))))
+    return plan
 
 
 def per_token(
@@ -168,35 +187,43 @@ class Trainable(Worker):
         generator = torch.Generator().manual_seed(
             derive_seed(trainer.seed, "minibatches", step, self.info.rank)
         )
-        rows = len(batch)
+        minis = [
+            indices
+            for _ in range(trainer.epochs)
+            for indices in minibatches(len(batch), trainer.mini_batch_size // world, generator)
+        ]
+        normalizers = self.normalizers(batch, minis)
         micro_stats: list[Stats] = []
         grad_norms: list[float] = []
         self.model.train()
-        for _ in range(trainer.epochs):
-            for indices in minibatches(rows, trainer.mini_batch_size // world, generator):
-                mini = batch.select(indices)
-                mode = self.config.algorithm.loss_aggregation
-                # The whole mini-batch's token (or sequence) count over all ranks, so
-                # micro-batch losses add up to the mini-batch loss.
-                count = aggregation_normalizer(mini.response_mask, mode).to(self.info.device)
-                normalizer = all_ranks_sum(count)
-                self.optimizer.zero_grad(set_to_none=True)
-                for _, _, micro in micro_batches(mini, trainer.micro_batch_size, self.info.device):
-                    loss, stats = self.loss(micro, normalizer)
-                    # FSDP averages gradients over the ranks; the normalizer already
-                    # divides by the global count, so undo the average.
-                    (loss * world).backward()  # type: ignore[no-untyped-call]
-                    micro_stats.append(stats)
-                grad_norms.append(clip_gradients(self.model, trainer.max_grad_norm))
-                # Nothing counted on any rank (every sample unscored): no step, or AdamW's
-                # momentum and weight decay would move the weights on no data.
-                if normalizer > 0:
-                    self.optimizer.step()
+        plan = update_plan(batch, minis, trainer.micro_batch_size)
+        for micro_rows, normalizer in zip(plan, normalizers, strict=True):
+            self.optimizer.zero_grad(set_to_none=True)
+            for rows in micro_rows:
+                loss, stats = self.loss(cut(batch, rows, self.info.device)[0], normalizer)
+                # FSDP averages gradients over the ranks; the normalizer already
+                # divides by the global count, so undo the average.
+                (loss * world).backward()  # type: ignore[no-untyped-call]
+                micro_stats.append(stats)
+            grad_norms.append(clip_gradients(self.model, trainer.max_grad_norm))
+            # Nothing counted on any rank (every sample unscored): no step, or AdamW's
+            # momentum and weight decay would move the weights on no data.
+            if normalizer > 0:
+                self.optimizer.step()
         self.model.eval()
         means = {
             name: sum(s[name] for s in micro_stats) / len(micro_stats) for name in micro_stats[0]
         }
         return {**means, "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+    def normalizers(self, batch: Experience, minis: list[Tensor]) -> Tensor:
+        """Each mini-batch's token (or sequence) count over all ranks, so micro-batch
+        losses add up to the mini-batch loss: (len(minis),), on this rank's device. One
+        all-reduce for the update's mini-batches, not one each (every rank draws as many:
+        FSDP's collectives already need that)."""
+        mode = self.config.algorithm.loss_aggregation
+        counts = [aggregation_normalizer(batch.response_mask[i], mode) for i in minis]
+        return all_ranks_sum(torch.stack(counts).to(self.info.device))
 
     def save(self, directory: str) -> None:
         save_role_state(Path(directory), self.model, self.optimizer)
