@@ -59,7 +59,9 @@ T = TypeVar("T")
 # actor names itself in the worker's log (a RankHost by its role, the fully-async queue
 # as "queue"); a worker's children by what they are (vLLM's engine core) or whose they are.
 RAY_PROGRAMS = {"gcs_server": "gcs", "raylet": "raylet"}
-RAY_SCRIPTS = {
+RAY_SCRIPTS = {  # by their script, or by the title they give themselves
+    "ray::DashboardAgent": "dashboard_agent",
+    "ray::RuntimeEnvAgent": "runtime_env_agent",
     "dashboard/agent.py": "dashboard_agent",
     "runtime_env/agent/main.py": "runtime_env_agent",
     "dashboard/dashboard.py": "dashboard",
@@ -314,6 +316,7 @@ def record_imports() -> None:
     def timed(name: str, import_: Any) -> Any:
         stack: list[str] = local.__dict__.setdefault("stack", [])
         stack.append(name)
+        loads = name not in sys.modules  # not a look-up of one loaded, or being loaded
         started = time.thread_time()
         try:
             return find_and_load(name, import_)
@@ -322,7 +325,7 @@ def record_imports() -> None:
             stack.pop()
             if not stack:
                 outermost[name] = outermost.get(name, 0.0) + cpu_s
-            if name in WATCHED and name not in watched:
+            if loads and name in WATCHED and name not in watched:
                 watched[name] = {"cpu_s": cpu_s, "by": list(stack)}
 
     def write() -> None:
@@ -345,6 +348,13 @@ def record_imports() -> None:
     threading.Thread(target=write, name="startup-imports", daemon=True).start()
 
 
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(psutil.Process(pid).ppid())
+    except psutil.NoSuchProcess:
+        return None
+
+
 def profile_imports(checkout: Path = REPO) -> dict[str, Any]:
     """One run of the example in `checkout` to its first step, each of its Python
     processes recording its imports (`record_imports`, started by a sitecustomize on
@@ -355,11 +365,15 @@ def profile_imports(checkout: Path = REPO) -> dict[str, Any]:
 
         def records(run: psutil.Popen) -> list[dict[str, Any]]:
             time.sleep(2 * PROFILE_EVERY_S)  # every process's record written since
-            found = []
-            for process, kind in run_processes(run).items():
-                path = Path(folder) / f"{process.pid}.json"
-                record = json.loads(path.read_text()) if path.exists() else {}
-                found.append({"kind": kind, "pid": process.pid, **record})
+            kinds = {process.pid: kind for process, kind in run_processes(run).items()}
+            found = [{"kind": kind, "pid": pid} for pid, kind in kinds.items()]
+            for path in Path(folder).glob("*.json"):  # those not found in the run's tree too
+                pid = int(path.stem)
+                if pid not in kinds:
+                    found.append({"kind": "outside", "pid": pid, "ppid": parent_of(pid)})
+            for entry in found:
+                path = Path(folder) / f"{entry['pid']}.json"
+                entry |= json.loads(path.read_text()) if path.exists() else {}
             return sorted(found, key=lambda record: record["kind"])
 
         environment = {PROFILE_VARIABLE: folder}

@@ -33,6 +33,8 @@ RAY = "/venv/lib/python3.11/site-packages/ray"
          "runtime_env_agent"),
         (["ray::RankHost.call"], "raylet", "critic", "critic"),
         (["ray::IDLE"], "raylet", None, "idle_worker"),
+        (["ray::DashboardAgent"], "raylet", None, "dashboard_agent"),
+        (["ray::RuntimeEnvAgent"], "raylet", None, "runtime_env_agent"),
         (["VLLM::EngineCore"], "rollout", None, "engine_core"),
         (["python", "-c", "from multiprocessing.resource_tracker import main"], "rollout", None,
          "rollout.child"),
