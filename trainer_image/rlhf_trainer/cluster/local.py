@@ -256,6 +256,11 @@ def local_ray_cluster(config: JobConfig) -> Iterator[LocalCluster]:
                 "no_monitor": True,
                 "_system_config": {
                     "enable_worker_prestart": False,
+                    # Nor the worker Ray starts ahead for the first driver: on CPUs the
+                    # run's workers take a runtime env of their own (`worker_environment`),
+                    # which that one lacks, so it stayed idle (~0.5 CPU-s of every start,
+                    # bench/overhead/startup.py).
+                    "prestart_worker_first_driver": False,
                     # A node killed is found dead in about 3 s, not 15 or more.
                     "health_check_period_ms": 1000,
                     "health_check_failure_threshold": 3,
