@@ -1,9 +1,10 @@
 """Benchmark: a fully-async job whose rollout pool grows from 1 engine to 2 in mid-run,
 against two runs of fixed size (1 and 2 engines), interleaved.
 
-The job is bench/async's (`run.job`). The growing run starts with one rollout node and
-gets a second after step GROW_AFTER, as a bigger `replicas` gives it: an engine starts
-there in the background and joins at the first weight sync after it is up. Figures:
+The job is bench/async's (`run.job`) at its old size (`run.TRAIN_BOUND`, the size this
+bench's figures were measured at). The growing run starts with one rollout node and gets
+a second after step GROW_AFTER, as a bigger `replicas` gives it: an engine starts there
+in the background and joins at the first weight sync after it is up. Figures:
 
 - samples/s of the growing run before the node came, and once the new engine served,
   beside the fixed runs' samples/s over the same steps;
@@ -30,7 +31,7 @@ from rlhf_trainer.loop.run import run_job
 from rlhf_trainer.loop.sync import StepResult
 from rlhf_trainer.telemetry.report import ConsoleReporter
 
-from .run import BATCH, job  # (`bench.async` is no importable name)
+from .run import TRAIN_BOUND, job  # (`bench.async` is no importable name)
 
 STEPS = 40
 REPEATS = 3
@@ -39,7 +40,7 @@ GROW_AFTER = 8  # the growing run's second rollout node comes after this step
 
 
 def elastic_job(engines: int, checkpoints: Path) -> JobConfig:
-    spec = job(True, checkpoints).to_dict()
+    spec = job(True, checkpoints, TRAIN_BOUND).to_dict()
     spec["trainer"]["totalSteps"] = STEPS
     (rollout,) = [p for p in spec["pools"] if p["name"] == "rollout"]
     rollout["replicas"] = engines
@@ -66,7 +67,9 @@ def train(engines: int, grow: bool) -> tuple[list[StepResult], float]:
 
 
 def rate(steps: list[StepResult]) -> float:
-    return BATCH * len(steps) / sum(s.seconds for s in steps) if steps else float("nan")
+    if not steps:
+        return float("nan")
+    return TRAIN_BOUND.samples * len(steps) / sum(s.seconds for s in steps)
 
 
 def fixed(engines: int) -> Measurement:

@@ -2,7 +2,8 @@
 (ScoresAhead) against scored when the step takes them, fully async and synchronous, in
 one run.
 
-The jobs are bench-async's (rollout and train pools of one simulated GPU each; fully
+The jobs are bench-async's at its old size, `run.TRAIN_BOUND`, where this bench's
+figures were measured (rollout and train pools of one simulated GPU each; fully
 async at stalenessThreshold 1 with a weight sync every 2 steps, and the same job
 synchronous, split) with models.reward.url: the toy copy rule served over HTTP by
 rlhf_env's reward app in a process of its own, taking SECONDS_PER_SAMPLE (0.06) for
@@ -41,7 +42,7 @@ from rlhf_env.process import free_port
 from rlhf_trainer.api.config import JobConfig
 from rlhf_trainer.data.tasks import toy_copy
 
-from .run import BATCH, WARMUP_STEPS
+from .run import TRAIN_BOUND, WARMUP_STEPS
 from .run import job as async_job
 
 ARGS = sys.argv if __name__ == "__main__" else sys.argv[:1]  # (the service imports this)
@@ -58,7 +59,7 @@ def slow_copy_reward(prompt: str, response: str, **row: object) -> float:
 
 
 def job(url: str, concurrency: int, fully_async: bool, checkpoints: Path) -> JobConfig:
-    config = async_job(fully_async, checkpoints)
+    config = async_job(fully_async, checkpoints, TRAIN_BOUND)
     spec = config.model_dump(by_alias=True, exclude_none=True)
     spec["models"]["reward"] = {"url": url, "requests": {"concurrency": concurrency}}
     spec["trainer"]["totalSteps"] = WARMUP_STEPS + MEASURED_STEPS
@@ -70,7 +71,7 @@ def measure(url: str, ahead: bool, concurrency: int = 8, fully_async: bool = Tru
     with mock.patch("rlhf_trainer.loop.setup.scores_ahead", return_value=ahead):
         measured, figures = measure_run(partial(job, url, concurrency, fully_async), WARMUP_STEPS)
     return {
-        "samples_per_s": BATCH * len(measured) / sum(s.seconds for s in measured),
+        "samples_per_s": TRAIN_BOUND.samples * len(measured) / sum(s.seconds for s in measured),
         "step_s": figures["step_s"],
     }
 
