@@ -364,8 +364,10 @@ def profile_imports(checkout: Path = REPO) -> dict[str, Any]:
         hook.write_text("from bench.overhead.startup import record_imports\nrecord_imports()\n")
 
         def records(run: psutil.Popen) -> list[dict[str, Any]]:
-            time.sleep(2 * PROFILE_EVERY_S)  # every process's record written since
+            # The processes now, their records once each has written one since: a run of
+            # one step goes on to its end meanwhile (a process that ends keeps its last).
             kinds = {process.pid: kind for process, kind in run_processes(run).items()}
+            time.sleep(2 * PROFILE_EVERY_S)
             found = [{"kind": kind, "pid": pid} for pid, kind in kinds.items()]
             for path in Path(folder).glob("*.json"):  # those not found in the run's tree too
                 pid = int(path.stem)
