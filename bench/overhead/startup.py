@@ -1,13 +1,17 @@
 """Start-up: how long `rlhfjob train examples/local-cpu.yaml` takes to its first step,
 against the bare imports of torch, vLLM and Ray, each in a fresh process, summed.
 
-    first_step  `rlhfjob train --cpu --steps 1` (as `make demo` runs it) in a fresh run
+    first_step  `rlhfjob train --cpu --steps 2` (as `make demo` runs it) in a fresh run
                 folder: seconds from the launch until the run starts its first step
                 (`start_s`: the first line of metrics.jsonl less the step's own seconds,
                 which hold vLLM's first, slow generate), and the CPU-seconds every process
                 of the run had used when that line appeared (`start_cpu_s`, the step's
-                included: the tree's CPU is read when the line is seen), the driver's
-                own among them (`driver_cpu_s`), and seconds to the run's end (`run_s`);
+                included: the tree's CPU is read when the line is seen). Two steps, so
+                that the line is the first step's alone: a run's last step writes its
+                line after its held-out answers, checkpoint and export, and its roles
+                stop right after (the actor's process often gone when the tree is read).
+                The driver's own among them (`driver_cpu_s`), and seconds to the run's
+                end (`run_s`);
                 the CPU-seconds split by the kind of process (`cpu_s.<kind>`, `kind_of`:
                 the driver, Ray's daemons, each role's ranks, vLLM's engine core) and how
                 many processes of each kind there were (`processes.<kind>`)
@@ -50,6 +54,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = Path("examples/local-cpu.yaml")
 CLI = "import sys; from rlhf_operator.app.cli import main; sys.exit(main())"
 BARE_IMPORTS = ("torch", "vllm", "ray")
+STEPS = 2  # the first step's line, written while every process of the run lives
 FIRST_STEP_TIMEOUT_S = 600.0
 POLL_S = 0.05
 T = TypeVar("T")
@@ -93,7 +98,7 @@ def run_example(
     at_first_step: Callable[[psutil.Popen], T],
     pythonpath: Iterable[Path] = (),
 ) -> tuple[str, T, float, float]:
-    """`rlhfjob train --cpu --steps 1` of the example in `checkout` (its code ahead of
+    """`rlhfjob train --cpu --steps 2` of the example in `checkout` (its code ahead of
     the editable install, then `pythonpath`), in a fresh run folder, with `environment`
     added: the first line of its metrics, what `at_first_step` found of the run once
     that line was written, and the seconds to that line and to the run's end."""
@@ -101,7 +106,7 @@ def run_example(
     env = os.environ | environment | {"PYTHONPATH": os.pathsep.join(map(str, code))}
     with tempfile.TemporaryDirectory(prefix="startup-") as run_dir:
         metrics = Path(run_dir) / "metrics.jsonl"
-        command = [sys.executable, "-c", CLI, "train", "--cpu", "--steps", "1",
+        command = [sys.executable, "-c", CLI, "train", "--cpu", "--steps", str(STEPS),
                    "--run-dir", run_dir, str(checkout / EXAMPLE)]  # fmt: skip
         log = Path(run_dir) / "run.log"  # the run's output: its tail, if it fails
         started = time.monotonic()
