@@ -1,19 +1,42 @@
 """Benchmark: synchronous and fully-async PPO on the same two simulated GPUs, in one run.
 
-Both runs: the rollout on pool "rollout" (1 GPU), actor and critic on pool "train"
-(1 GPU; no ref, klCoef 0). Synchronous: generate, then train, then sync, so each pool
-waits for the other. Fully async (stalenessThreshold 1, partial rollout, a weight sync
-every 2 steps): the rollout pool keeps generating while the train pool trains.
+Both runs: the rollout on pool "rollout" (1 GPU), the actor on pool "train" (1 GPU; no
+ref, klCoef 0; GRPO, so no critic: see the sizing below). Synchronous: generate, then
+train, then sync, so each pool waits for the other. Fully async (stalenessThreshold 1,
+partial rollout, a weight sync every 2 steps): the rollout pool keeps generating while
+the train pool trains.
 
 Response lengths are long-tailed: the tiny random policy rarely samples its
-end-of-sequence token, so lengths spread from 1 to the 192-token cap (mean ~53) and a
+end-of-sequence token, so lengths spread from 1 to the 192-token cap (mean ~49) and a
 synchronous batch waits for its longest response. The learning rates are tiny so the
 distribution does not drift while measuring.
 
-The model (hidden 96, 2 layers) is sized so that generating a batch and training on it
-take about the same time (0.74 s and 0.76 s): that is where overlapping them pays
-most, and the only place both pools can be busy; with unequal work the faster pool
-idles for the difference whatever the scheduling.
+The sizing (`DESIGN`): a step is 8 prompts x 4 samples of the tiny qwen2 (hidden 96, 2
+layers), GRPO. Overlap pays most where both pools are busy in the async run. Trials of
+one repeat, 8 measured steps, 2026-12-06 (seconds a step of 32 samples):
+
+| size | rollout alone | train alone | sync step (generate) | async step | async/sync |
+| --- | --- | --- | --- | --- | --- |
+| `TRAIN_BOUND`: 32 x 1, GAE (critic trained) | 0.097 | 0.380 | 0.669 (0.290) | 0.390 | 1.72 |
+| `DESIGN`: 8 x 4, GRPO | 0.093 | 0.186 | 0.487 (0.285) | 0.255 | 1.91 |
+| 8 x 4, GRPO, hidden 64 | 0.107 | 0.164 | 0.463 (0.308) | 0.261 | 1.78 |
+| 8 x 4, GRPO, 1 layer | 0.095 | 0.133 | 0.414 (0.275) | 0.227 | 1.83 |
+| 32 x 1, GAE, hidden 64, 1 layer | 0.089 | 0.174 | 0.498 (0.288) | 0.274 | 1.82 |
+
+The critic was half the train pool's work; without it the train pool alone trains a
+batch in 0.19 s. Alone, the rollout pool streams one in 0.09 s, but in the async run it
+takes about 0.25 s (its idle share 0-17%, the train pool's 17-20%), no faster than the
+synchronous batch's generation (0.28 s). Alone it has the machine's 2 cores and 6
+batches admitted at once; in the async run it shares the cores with training (1.7 busy,
+against 1.1 in the synchronous run) and has at most B·K·(1+s) prompts admitted a sync
+window (which of the two costs more, these runs do not separate). A smaller train
+pool's work (the rows below `DESIGN`) only leaves that pool idle. So here async/sync is
+at most about (generate + train + sync) / generate ~ 1.9, not the 2.3-2.8 that verl and
+AReaL report with a GPU for each pool. `make bench-async` at `DESIGN` (2026-12-06 21:52,
+3 interleaved repeats): async/sync 1.84 (1.57-1.86); pipeline efficiency 0.62
+(0.60-0.82), the bound being the train pool alone (146 samples/s; the rollout pool alone
+290), which the async run does not reach for want of generation; idle shares of an
+async step: train 24.5%, rollout 7.6%.
 
 The bound: a third run measures each pool alone (`alone.py`): the rollout pool
 streaming with nothing training, then the train pool training on those samples with
@@ -24,7 +47,7 @@ its longest response, a stream does not.)
 The three runs are interleaved, 3 times by default (each figure: median and min-max),
 and compared within each repeat. Idle shares are each pool's time without a span over
 the measured steps; the driver share is the time in no role's span. Run: make
-bench-async (about 15 minutes). Arguments, all optional: measured steps, response cap,
+bench-async (about 6 minutes). Arguments, all optional: measured steps, response cap,
 staleness threshold, sync every K steps, repeats.
 """
 
@@ -69,7 +92,7 @@ class Workload:
 # rollout pool streamed 3.8x faster than the train pool trained). bench-elastic and
 # bench-slow-reward measured their figures at it, so they keep it.
 TRAIN_BOUND = Workload(96, 2, 3, 192, 32, 1, "gae")
-DESIGN = TRAIN_BOUND  # set from the trials
+DESIGN = Workload(96, 2, 3, 192, 8, 4, "grpo")
 # The command line's, when run (`python -m bench.async.run`); the defaults when another
 # bench imports the job from here.
 ARGS = sys.argv if __name__ == "__main__" else sys.argv[:1]
