@@ -26,10 +26,11 @@ one repeat, 8 measured steps, 2026-12-06 (seconds a step of 32 samples):
 The critic was half the train pool's work; without it the train pool alone trains a
 batch in 0.19 s. Alone, the rollout pool streams one in 0.09 s, but in the async run it
 takes about 0.25 s (its idle share 0-17%, the train pool's 17-20%), no faster than the
-synchronous batch's generation (0.28 s). Alone it has the machine's 2 cores and 6
-batches admitted at once; in the async run it shares the cores with training (1.7 busy,
-against 1.1 in the synchronous run) and has at most B·K·(1+s) prompts admitted a sync
-window (which of the two costs more, these runs do not separate). A smaller train
+synchronous batch's generation (0.28 s). Alone it has the machine's 2 cores; in the
+async run it shares them with training, and the machine is full: 1.8 cores busy over
+the measured steps, against 1.1 in the synchronous run. Admission is not what holds it:
+at stalenessThreshold 3 (three times the prompts admitted a window) the async run made
+104 and 103 samples/s, at 1 106 and 111 (interleaved, one run each). A smaller train
 pool's work (the rows below `DESIGN`) only leaves that pool idle. So here async/sync is
 at most about (generate + train + sync) / generate ~ 1.9, not the 2.3-2.8 that verl and
 AReaL report with a GPU for each pool. `make bench-async` at `DESIGN` (2026-12-06 21:52,
