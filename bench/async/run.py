@@ -27,7 +27,7 @@ The critic was half the train pool's work; without it the train pool alone train
 batch in 0.19 s. Alone, the rollout pool streams one in 0.09 s, but in the async run it
 takes about 0.25 s (its idle share 0-17%, the train pool's 17-20%), no faster than the
 synchronous batch's generation (0.28 s). Alone it has the machine's 2 cores; in the
-async run it shares them with training, and the machine is full: 1.8 cores busy over
+async run it shares them with training, and the machine is full: 1.7-1.9 cores busy over
 the measured steps, against 1.1 in the synchronous run. Admission is not what holds it:
 at stalenessThreshold 3 (three times the prompts admitted a window) the async run made
 104 and 103 samples/s, at 1 106 and 111 (interleaved, one run each). A smaller train
