@@ -224,7 +224,7 @@ def worker_actor(log_dir: Path, pid: int) -> str | None:
     """The kind of the actor the Ray worker `pid` hosts, by the last name its log gives
     it: a RankHost's role, ACTOR_KINDS' name, or the class's name in lower case."""
     for log in log_dir.glob(f"worker-*-{pid}.out"):
-        names = ACTOR_NAME.findall(log.read_text(errors="replace"))
+        names: list[tuple[str, str]] = ACTOR_NAME.findall(log.read_text(errors="replace"))
         if names:
             class_name, role = names[-1]
             return role or ACTOR_KINDS.get(class_name, class_name.lower())
